@@ -1,0 +1,2 @@
+"""Placeholder: inspect / verify / import / export; replaced by the store owner."""
+COMMANDS: list = []

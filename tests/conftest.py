@@ -1,0 +1,33 @@
+"""Shared test fixtures. `../shared` (or $EMBEDCACHE_ASSETS) is optional: tests that
+need it are marked `shared` and skip with a clear reason when it is absent."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def shared_dir() -> Path | None:
+    env = os.environ.get("EMBEDCACHE_ASSETS")
+    cand = Path(env) if env else REPO.parent / "shared"
+    return cand if cand.is_dir() else None
+
+
+@pytest.fixture(scope="session")
+def shared() -> Path:
+    d = shared_dir()
+    if d is None:
+        pytest.skip("../shared (or $EMBEDCACHE_ASSETS) is not present")
+    return d
+
+
+@pytest.fixture(scope="session")
+def cifar_weights(shared: Path) -> Path:
+    d = shared / "weights" / "cifar10_resnet"
+    if not d.is_dir():
+        pytest.skip(f"{d} not present")
+    return d
