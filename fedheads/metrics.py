@@ -1,0 +1,175 @@
+"""Evaluation metrics in the papers' conventions.
+
+* Accuracy is reported in percent, per client, then as "mean(std)" (FedPCL Tables 2-3:
+  "82.75(0.40)"): the client average is taken within a seed, and mean and std are taken
+  over seeds. The std is the population std (numpy's default, ``ddof=0``), as numpy-based
+  research code computes it; pass ``ddof=1`` for the sample std.
+* Fairness follows FedPCL Appendix A.2.2, Tables 12-13 (metrics of q-FFL, Li et al. ICLR
+  2020 [81]): average, mean accuracy of the worst 10/20/40 % and best 10 % of clients (at
+  least one client each), and the spread of the per-client accuracy distribution.
+
+  Unit of "Variance": the published values (8.45-13.20, for client accuracies of 12-66 %)
+  can only be a standard deviation in percentage points: a variance of percentages would
+  be ~70-175 and a variance of fractions ~0.01. ``Fairness.variance`` is therefore the
+  population std of the per-client accuracies in percentage points; the true variance
+  (pp^2) is kept alongside as ``Fairness.var_pp2`` so nothing is hidden behind the name.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+from embedcache.errors import UserError
+
+FAIRNESS_KEYS = ("average", "worst_10", "worst_20", "worst_40", "best_10", "variance")
+
+
+def accuracy(predictions: np.ndarray, labels: np.ndarray) -> float:
+    """Top-1 accuracy in percent of one client's test set."""
+    p = np.asarray(predictions).reshape(-1)
+    y = np.asarray(labels).reshape(-1)
+    if p.shape != y.shape:
+        raise UserError(f"predictions {p.shape} vs labels {y.shape}: lengths differ")
+    if y.size == 0:
+        raise UserError("labels: empty test set, accuracy is undefined")
+    return float(100.0 * np.mean(p == y))
+
+
+def per_client_accuracy(
+    predictions: Mapping[str, np.ndarray], labels: Mapping[str, np.ndarray]
+) -> dict[str, float]:
+    """Accuracy in percent for every client (the same client names in both mappings)."""
+    if set(predictions) != set(labels):
+        missing = sorted(set(predictions) ^ set(labels))
+        raise UserError(f"{missing[0]}: client present in only one of predictions/labels")
+    return {c: accuracy(predictions[c], labels[c]) for c in sorted(labels)}
+
+
+def mean_std(values: Iterable[float], ddof: int = 0) -> tuple[float, float]:
+    """(mean, std) of a sequence; std is 0.0 for a single value (one seed)."""
+    v = np.asarray(list(values), dtype=np.float64)
+    if v.size == 0:
+        raise UserError("values: empty, mean/std undefined")
+    if not np.all(np.isfinite(v)):
+        raise UserError("values: contain NaN or inf")
+    std = float(np.std(v, ddof=ddof)) if v.size > ddof else 0.0
+    return float(np.mean(v)), std
+
+
+def format_mean_std(mean: float, std: float, decimals: int = 2) -> str:
+    """The papers' cell format, e.g. ``format_mean_std(82.75, 0.4) == "82.75(0.40)"``."""
+    return f"{mean:.{decimals}f}({std:.{decimals}f})"
+
+
+def worst_fraction_mean(accs: Sequence[float], q: float, best: bool = False) -> float:
+    """Mean accuracy of the worst (or best) ``q`` fraction of clients, at least one client.
+
+    The number of clients is ``max(1, floor(q * n))`` (40 clients, q=0.1 -> 4 clients;
+    5 clients, q=0.1 -> 1 client)."""
+    if not 0.0 < q <= 1.0:
+        raise UserError(f"q={q}: must be in (0, 1]")
+    a = np.sort(np.asarray(accs, dtype=np.float64))
+    if a.size == 0:
+        raise UserError("accuracies: no clients")
+    k = max(1, int(math.floor(q * a.size + 1e-9)))
+    sel = a[-k:] if best else a[:k]
+    return float(np.mean(sel))
+
+
+@dataclass(frozen=True)
+class Fairness:
+    """FedPCL Tables 12-13 for one run (one seed); all values in percent."""
+
+    average: float  # mean per-client accuracy
+    worst_10: float  # mean of the worst 10 % of clients
+    worst_20: float  # mean of the worst 20 % of clients
+    worst_40: float  # mean of the worst 40 % of clients
+    best_10: float  # mean of the best 10 % of clients
+    variance: float  # the paper's "Variance": population std of client accuracies (pp)
+    var_pp2: float  # the true variance of client accuracies (pp^2), for reference
+
+    def as_dict(self) -> dict[str, float]:
+        return asdict(self)
+
+
+def fairness(accs: Sequence[float] | Mapping[str, float]) -> Fairness:
+    """Fairness metrics of one run from per-client accuracies in percent."""
+    vals = list(accs.values()) if isinstance(accs, Mapping) else list(accs)
+    a = np.asarray(vals, dtype=np.float64)
+    if a.size == 0:
+        raise UserError("accuracies: no clients")
+    return Fairness(
+        average=float(a.mean()),
+        worst_10=worst_fraction_mean(a, 0.1),
+        worst_20=worst_fraction_mean(a, 0.2),
+        worst_40=worst_fraction_mean(a, 0.4),
+        best_10=worst_fraction_mean(a, 0.1, best=True),
+        variance=float(a.std()),
+        var_pp2=float(a.var()),
+    )
+
+
+def fairness_over_seeds(
+    per_seed: Sequence[Mapping[str, float]], ddof: int = 0
+) -> dict[str, dict[str, float]]:
+    """Fairness per seed, then {metric: {mean, std}} over seeds (Tables 12-13 cells)."""
+    if not per_seed:
+        raise UserError("per_seed: no seeds")
+    runs = [fairness(s).as_dict() for s in per_seed]
+    out = {}
+    for key in runs[0]:
+        m, s = mean_std((r[key] for r in runs), ddof=ddof)
+        out[key] = {"mean": m, "std": s}
+    return out
+
+
+def summarise_accuracy(
+    per_seed: Sequence[Mapping[str, float]], ddof: int = 0
+) -> tuple[dict[str, float], dict[str, dict[str, float]]]:
+    """Overall and per-client mean/std over seeds.
+
+    Overall = client average within each seed, then mean/std over seeds (the "Avg" column of
+    FedPCL Table 2, whose std is smaller than the per-client stds). Every seed must report
+    the same clients."""
+    if not per_seed:
+        raise UserError("per_seed: no seeds")
+    clients = sorted(per_seed[0])
+    for i, s in enumerate(per_seed):
+        if sorted(s) != clients:
+            raise UserError(f"seed #{i}: clients {sorted(s)} differ from seed #0 {clients}")
+    m, sd = mean_std((float(np.mean([s[c] for c in clients])) for s in per_seed), ddof)
+    per_client = {}
+    for c in clients:
+        cm, cs = mean_std((s[c] for s in per_seed), ddof)
+        per_client[c] = {"mean": cm, "std": cs}
+    return {"mean": m, "std": sd}, per_client
+
+
+def aggregate_history(
+    per_seed_history: Sequence[Sequence[Mapping[str, float]]], ddof: int = 0
+) -> list[dict[str, float]]:
+    """Per-round curves over seeds: [{round, accuracy, std}] for rounds every seed has.
+
+    Each seed's history is a list of ``{"round": r, "accuracy": acc}`` (the client-average
+    accuracy in percent after round r); rounds evaluated by only some seeds are dropped so
+    every point averages the same seeds."""
+    if not per_seed_history:
+        return []
+    maps = []
+    for i, hist in enumerate(per_seed_history):
+        d: dict[int, float] = {}
+        for row in hist:
+            if "round" not in row or "accuracy" not in row:
+                raise UserError(f"history of seed #{i}: rows need 'round' and 'accuracy'")
+            d[int(row["round"])] = float(row["accuracy"])
+        maps.append(d)
+    common = sorted(set.intersection(*(set(d) for d in maps)))
+    out = []
+    for r in common:
+        m, s = mean_std((d[r] for d in maps), ddof)
+        out.append({"round": r, "accuracy": m, "std": s})
+    return out
