@@ -1,0 +1,242 @@
+"""Run summaries (results.json), Markdown tables laid out like the papers' and PNG plots.
+
+Everything takes and returns plain dicts in the results.json contract, so the CLI only
+calls :func:`summarise_runs` and the writers:
+
+``algorithm, backbones, rounds, seeds, accuracy{mean,std}, per_client{client:{mean,std}},
+fairness{average,worst_10,worst_20,worst_40,best_10,variance}, communication{
+upload_params_per_client_per_round, upload_bytes_total, download_bytes_total,
+paper_comm_params_per_client_per_round, paper_total_bytes}, trainable_params_per_client,
+paper_trainable_params_per_client, history[{round, accuracy}]``
+
+Accuracies are percent; "mean(std)" is over seeds (see :mod:`fedheads.metrics`). The
+fairness block holds the seed means (and ``fairness_std`` the seed stds), as in FedPCL
+Tables 12-13.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from embedcache.errors import UserError
+from fedheads import comm, metrics
+
+ONE_ROUND_ALGORITHMS = ("fedncm",)  # communicate once whatever `rounds` says (FedNCM Alg. 1)
+
+
+def _atomic_write(path: Path, write: Any, binary: bool = False) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb" if binary else "w") as fh:
+            write(fh)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return path
+
+
+def summarise_runs(per_seed: Sequence[Mapping[str, Any]], *, algorithm: str,
+                   backbones: Sequence[str], rounds: int,
+                   feature_dims: Sequence[int] | None = None, num_classes: int | None = None,
+                   proj_dim: int = 256, fraction: float = 1.0,
+                   extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """Build one results.json dict from per-seed runs.
+
+    Each seed is ``{"seed": int, "per_client": {client: acc%}, "history": [{round,
+    accuracy}] (optional), "communication": CommLedger.summary() (optional),
+    "trainable_params_per_client": int (optional)}``. ``feature_dims`` (one per backbone)
+    and ``num_classes`` enable the papers' conventions (FedPCL Table 2/14, FedNCM App. A);
+    algorithms with no published convention get ``None`` there."""
+    if not per_seed:
+        raise UserError("per_seed: no seed results to summarise")
+    for i, s in enumerate(per_seed):
+        if "per_client" not in s or not s["per_client"]:
+            raise UserError(f"seed #{i}: 'per_client' accuracies missing")
+    accs = [dict(s["per_client"]) for s in per_seed]
+    overall, per_client = metrics.summarise_accuracy(accs)
+    fair = metrics.fairness_over_seeds(accs)
+    n_clients = len(accs[0])
+
+    measured = [s["communication"] for s in per_seed if s.get("communication")]
+    keys = ("upload_params_per_client_per_round", "upload_bytes_total", "download_bytes_total")
+    comm_out: dict[str, Any] = {k: (float(np.mean([m[k] for m in measured])) if measured else None)
+                                for k in keys}
+    paper_params = paper_trainable = None
+    if feature_dims is not None and num_classes is not None:
+        arch = comm.HeadArch(tuple(int(d) for d in feature_dims), proj_dim, num_classes)
+        try:
+            paper_params = comm.fedpcl_comm_params(algorithm, arch)
+        except UserError:
+            paper_params = None  # no published convention for this algorithm
+        if algorithm.lower() in comm.FEDPCL_TABLE2_METHODS and algorithm.lower() != "solo":
+            paper_trainable = comm.fedpcl_trainable_params(arch, algorithm)
+    comm_rounds = 1 if algorithm.lower() in ONE_ROUND_ALGORITHMS else rounds
+    comm_out["paper_comm_params_per_client_per_round"] = paper_params
+    comm_out["paper_total_bytes"] = (None if paper_params is None else comm.paper_total_bytes(
+        paper_params, n_clients, comm_rounds, fraction))
+
+    trainable = [s["trainable_params_per_client"] for s in per_seed
+                 if s.get("trainable_params_per_client") is not None]
+    result: dict[str, Any] = {
+        "algorithm": algorithm,
+        "backbones": list(backbones),
+        "rounds": int(rounds),
+        "seeds": [s.get("seed", i) for i, s in enumerate(per_seed)],
+        "accuracy": overall,
+        "accuracy_cell": metrics.format_mean_std(overall["mean"], overall["std"]),
+        "per_client": per_client,
+        "fairness": {k: v["mean"] for k, v in fair.items()},
+        "fairness_std": {k: v["std"] for k, v in fair.items()},
+        "fairness_variance_unit": "population std of client accuracies, percentage points",
+        "communication": comm_out,
+        "trainable_params_per_client": int(trainable[0]) if trainable else None,
+        "paper_trainable_params_per_client": paper_trainable,
+        "history": metrics.aggregate_history([s.get("history", []) for s in per_seed]),
+    }
+    if extra:
+        result.update(extra)
+    return result
+
+
+def write_results_json(result: Mapping[str, Any], path: str | Path) -> Path:
+    """results.json, atomically, sorted keys."""
+    return _atomic_write(Path(path), lambda fh: json.dump(result, fh, indent=2, sort_keys=True))
+
+
+def _cell(d: Mapping[str, float] | None) -> str:
+    return "-" if d is None else metrics.format_mean_std(d["mean"], d["std"])
+
+
+def _int(v: Any) -> str:
+    return "-" if v is None or v == 0 else f"{int(v):,}"
+
+
+def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(r) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def comparison_markdown(results: Sequence[Mapping[str, Any]], title: str = "",
+                        clients: Sequence[str] | None = None) -> str:
+    """Rows = methods, columns = clients/domains + Avg + # of Comm Params (FedPCL Table 2
+    layout); cells "mean(std)" over seeds. "# of Comm Params" is the papers' convention
+    when known, else the measured upload per client per round; Solo prints "-"."""
+    if not results:
+        raise UserError("results: nothing to compare")
+    cols = list(clients) if clients else sorted({c for r in results for c in r["per_client"]})
+    rows = []
+    for r in results:
+        c = r.get("communication", {})
+        p = c.get("paper_comm_params_per_client_per_round")
+        p = c.get("upload_params_per_client_per_round") if p is None else p
+        rows.append([r["algorithm"]] + [_cell(r["per_client"].get(k)) for k in cols]
+                    + [_cell(r["accuracy"]), _int(p)])
+    out = [f"## {title}", ""] if title else []
+    out.append(_table(["Method", *cols, "Avg", "# of Comm Params"], rows))
+    fair = [[r["algorithm"]] + [metrics.format_mean_std(r["fairness"][k],
+                                                         r.get("fairness_std", {}).get(k, 0.0))
+                                for k in metrics.FAIRNESS_KEYS] for r in results]
+    out += ["", "Fairness across clients (FedPCL Tables 12-13; Variance = std in pp):", "",
+            _table(["Method", "Average", "Worst 10%", "Worst 20%", "Worst 40%", "Best 10%",
+                    "Variance"], fair)]
+    return "\n".join(out) + "\n"
+
+
+def run_markdown(result: Mapping[str, Any]) -> str:
+    """Markdown summary of one run (all seeds)."""
+    c = result.get("communication", {})
+    lines = [f"# {result['algorithm']} on {' + '.join(result['backbones'])}", "",
+             f"- rounds: {result['rounds']}; seeds: {result['seeds']}",
+             f"- accuracy (mean over clients, mean(std) over seeds): "
+             f"**{_cell(result['accuracy'])}**",
+             f"- trainable parameters per client: {_int(result.get('trainable_params_per_client'))}"
+             f" (paper convention: {_int(result.get('paper_trainable_params_per_client'))})", "",
+             "## Per client", "",
+             _table(["Client", "Accuracy"], [[k, _cell(v)] for k, v in
+                                              sorted(result["per_client"].items())]), "",
+             "## Communication", "",
+             _table(["Quantity", "Value"], [[k, "-" if v is None else f"{v:,.0f}"]
+                                            for k, v in c.items()]), ""]
+    lines += [comparison_markdown([result]).split("\n\n", 1)[1]]
+    return "\n".join(lines)
+
+
+def write_markdown(text: str, path: str | Path) -> Path:
+    return _atomic_write(Path(path), lambda fh: fh.write(text))
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")  # headless: never needs a display
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _save(fig: Any, path: Path) -> Path:
+    def write(fh: Any) -> None:
+        fig.savefig(fh, format="png", dpi=120, bbox_inches="tight")
+
+    try:
+        return _atomic_write(path, write, binary=True)
+    finally:
+        _pyplot().close(fig)
+
+
+def plot_history(results: Sequence[Mapping[str, Any]], path: str | Path) -> Path:
+    """Accuracy per round, one line per algorithm, shaded +-1 std over seeds."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for r in results:
+        h = r.get("history") or []
+        if not h:
+            continue
+        x = np.array([p["round"] for p in h])
+        y = np.array([p["accuracy"] for p in h])
+        s = np.array([p.get("std", 0.0) for p in h])
+        (line,) = ax.plot(x, y, marker="o" if len(x) < 3 else None, label=r["algorithm"])
+        ax.fill_between(x, y - s, y + s, color=line.get_color(), alpha=0.2)
+    ax.set_xlabel("round")
+    ax.set_ylabel("test accuracy (%)")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    return _save(fig, Path(path))
+
+
+def plot_per_client(results: Sequence[Mapping[str, Any]], path: str | Path) -> Path:
+    """Grouped bars: per-client accuracy of each algorithm, with std over seeds."""
+    plt = _pyplot()
+    clients = sorted({c for r in results for c in r["per_client"]})
+    fig, ax = plt.subplots(figsize=(max(6, 0.9 * len(clients) * max(1, len(results))), 4))
+    width = 0.8 / max(1, len(results))
+    x = np.arange(len(clients))
+    for j, r in enumerate(results):
+        m = [r["per_client"].get(c, {"mean": np.nan})["mean"] for c in clients]
+        s = [r["per_client"].get(c, {"std": 0.0})["std"] for c in clients]
+        ax.bar(x + (j - (len(results) - 1) / 2) * width, m, width, yerr=s, capsize=2,
+               label=r["algorithm"])
+    ax.set_xticks(x, clients, rotation=30, ha="right")
+    ax.set_ylabel("test accuracy (%)")
+    ax.legend()
+    return _save(fig, Path(path))
+
+
+def write_comparison(results: Sequence[Mapping[str, Any]], out_dir: str | Path,
+                     title: str = "Comparison") -> dict[str, Path]:
+    """report.md + accuracy_per_round.png + per_client.png in ``out_dir``."""
+    out = Path(out_dir)
+    return {"markdown": write_markdown(f"# {title}\n\n" + comparison_markdown(results),
+                                       out / "report.md"),
+            "history_png": plot_history(results, out / "accuracy_per_round.png"),
+            "per_client_png": plot_per_client(results, out / "per_client.png")}
