@@ -1,0 +1,190 @@
+"""FedNCM (Legate et al., "Guiding The Last Layer in Federated Learning with Pre-Trained
+Models", NeurIPS 2023, Sec. 3.2, Algorithm 1) on cached features.
+
+Client k sends, once, its per-class feature sums m_c^k = sum_{x in X_c^k} f(x) and counts
+n_c^k (Alg. 1 lines 7-12); the server forms the exact class means l_c = sum_k m_c^k /
+sum_k n_c^k (Alg. 1 line 5, D_c = sum_k n_c^k). Written as sums of client contributions plus
+a finalize, so it runs unchanged under secure aggregation. Classes no client holds get no
+mean and are flagged absent (``present`` = False); they are never predicted.
+
+Classifier ("main" rule, configurable):
+  * ``"cosine"`` (default): argmax_c <x, l_c/||l_c||>, i.e. the linear head the paper builds
+    from FedNCM (Sec. 3.2: v_c = l_c/||l_c||, b = 0); its argmax equals the cosine-similarity
+    nearest class mean because ||x|| does not depend on c.
+  * ``"sqeuclidean"``: the classical NCM, argmin_c ||x - l_c||^2 (Sec. 2, "distances between
+    them and the class means").
+Both are reported every evaluation; ``rule`` picks which one is "main".
+
+Sums and counts are accumulated in float64 (``dtype``), so the federated means equal the
+centralised NCM of the pooled data to float64 rounding; ``dtype="float32"`` halves the
+upload (the paper's Appendix A counts 32-bit values) at float32 rounding.
+
+FedNCM is one round with every client (Alg. 1). Run it with ``rounds=1, fraction=1``. With
+partial participation run enough rounds to reach every client: the server keeps adding
+contributions, and a client that has already contributed sends zeros (the engine still
+counts that message as traffic).
+
+:func:`linear_head_init` turns the means into the FedNCM+FT head: weight l_c/||l_c||, bias 0
+as in the paper, or ``bias="random"`` as the authors' code does (their head keeps its random
+nn.Linear bias).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from embedcache.errors import UserError
+from fedheads.core.heads import Params
+from fedheads.core.protocol import Init, RoundCtx
+from fedheads.data import DataSpec, FedData
+
+RULES = ("cosine", "sqeuclidean")
+_DTYPES = {"float64": torch.float64, "float32": torch.float32}
+
+
+@dataclass(frozen=True)
+class FedNCMConfig:
+    """FedNCM settings (the paper has no hyper-parameters)."""
+
+    rule: str = "cosine"  # "main" prediction rule: "cosine" (paper's head) or "sqeuclidean"
+    dtype: str = "float64"  # accumulation and message dtype of the sums: "float64" | "float32"
+
+
+@dataclass(frozen=True)
+class FedNCMClientState:
+    sent: torch.Tensor  # [M] bool: this client's statistics have reached the server
+
+
+@dataclass(frozen=True)
+class FedNCMServerState:
+    sums: torch.Tensor  # [C, D] sum over clients of per-class feature sums (Alg. 1 line 5)
+    counts: torch.Tensor  # [C] D_c = total training samples of class c
+    means: torch.Tensor  # [C, D] l_c = sums / counts (zeros for absent classes)
+    present: torch.Tensor  # [C] bool: D_c > 0
+
+
+@dataclass(frozen=True)
+class FedNCMBroadcast:
+    """Nothing: the frozen backbone is already on the clients (features are cached)."""
+
+
+@dataclass(frozen=True)
+class FedNCMMessage:
+    sums: torch.Tensor  # [M, C, D] per-class feature sums m_c^k (Alg. 1 line 9)
+    counts: torch.Tensor  # [M, C] int64 samples per class n_c^k
+
+
+def client_stats(x: torch.Tensor, y: torch.Tensor, mask: torch.Tensor, num_classes: int,
+                 dtype: torch.dtype = torch.float64) -> tuple[torch.Tensor, torch.Tensor]:
+    """LocalClientStats (Alg. 1 lines 7-12) for stacked clients: sums [M,C,D], counts [M,C].
+
+    Padding rows (mask False) are ignored; one index_add over all clients, no [N, C] one-hot."""
+    M, N, D = x.shape
+    sums = torch.zeros(M * num_classes, D, dtype=dtype, device=x.device)
+    counts = torch.zeros(M * num_classes, dtype=torch.int64, device=x.device)
+    slot = (torch.arange(M, device=x.device).view(M, 1) * num_classes + y)[mask]
+    sums.index_add_(0, slot, x[mask].to(dtype))
+    counts.index_add_(0, slot, torch.ones_like(slot))
+    return sums.view(M, num_classes, D), counts.view(M, num_classes)
+
+
+def finalize_means(sums: torch.Tensor, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(means [C,D], present [C]) from summed statistics; absent classes get zero rows."""
+    present = counts > 0
+    denom = counts.clamp(min=1).to(sums.dtype).unsqueeze(-1)
+    return torch.where(present.unsqueeze(-1), sums / denom, torch.zeros_like(sums)), present
+
+
+def ncm_scores(means: torch.Tensor, present: torch.Tensor, x: torch.Tensor, rule: str) -> torch.Tensor:
+    """Scores [..., C] (higher = nearer) of features x [..., D]; absent classes get -inf."""
+    dt = torch.promote_types(x.dtype, means.dtype)  # float64 means keep float64 distances
+    x, m = x.to(dt), means.to(dt)
+    if rule == "cosine":
+        s = torch.nn.functional.normalize(x, dim=-1) @ torch.nn.functional.normalize(m, dim=-1).T
+    elif rule == "sqeuclidean":
+        s = -((x * x).sum(-1, keepdim=True) - 2 * x @ m.T + (m * m).sum(-1))
+    else:
+        raise UserError(f"rule={rule!r}: must be one of {', '.join(RULES)}")
+    return s.masked_fill(~present.to(s.device), float("-inf"))
+
+
+def linear_head_init(means: torch.Tensor, present: torch.Tensor, bias: str = "zero",
+                     seed: int = 0) -> Params:
+    """FedNCM head for fine-tuning (Sec. 3.2): {"cls.weight": [D, C], "cls.bias": [C]} in the
+    core's layout (weights transposed, no client axis).
+
+    Weight column c = l_c/||l_c|| (zeros for absent classes). ``bias="zero"`` follows the
+    paper; ``bias="random"`` follows the authors' code (nn.Linear's U(+-1/sqrt(D)) init kept),
+    drawn from ``seed``."""
+    C, D = means.shape
+    w = torch.nn.functional.normalize(means.to(torch.float32), dim=-1)
+    w = torch.where(present.view(C, 1), w, torch.zeros_like(w))
+    if bias == "zero":
+        b = torch.zeros(C)
+    elif bias == "random":
+        gen = torch.Generator().manual_seed(int(seed))
+        bound = 1.0 / math.sqrt(D)
+        b = ((torch.rand(C, generator=gen, dtype=torch.float64) * 2 - 1) * bound).to(torch.float32)
+    else:
+        raise UserError(f"bias={bias!r}: must be 'zero' or 'random'")
+    return {"cls.weight": w.T.contiguous(), "cls.bias": b.to(w.device)}
+
+
+class FedNCM:
+    """FedNCM in the core's algorithm protocol (one round, no training)."""
+
+    name = "fedncm"
+
+    def __init__(self, cfg: FedNCMConfig = FedNCMConfig()) -> None:
+        if cfg.rule not in RULES:
+            raise UserError(f"rule={cfg.rule!r}: must be one of {', '.join(RULES)}")
+        if cfg.dtype not in _DTYPES:
+            raise UserError(f"dtype={cfg.dtype!r}: must be one of {', '.join(_DTYPES)}")
+        self.cfg = cfg
+        self.dtype = _DTYPES[cfg.dtype]
+
+    def init(self, spec: DataSpec, seed: int) -> Init:
+        C, D, dev = spec.num_classes, spec.dim, spec.device
+        z = torch.zeros(C, D, dtype=self.dtype, device=dev)
+        ss = FedNCMServerState(z, torch.zeros(C, dtype=torch.int64, device=dev), z.clone(),
+                               torch.zeros(C, dtype=torch.bool, device=dev))
+        cs = FedNCMClientState(torch.zeros(spec.num_clients, dtype=torch.bool, device=dev))
+        return Init(cs, ss, FedNCMBroadcast())
+
+    def client_update(self, cs: FedNCMClientState, bc: FedNCMBroadcast, data: FedData,
+                      ctx: RoundCtx) -> tuple[FedNCMClientState, FedNCMMessage]:
+        sums, counts = client_stats(data.x_train, data.y_train, data.m_train, data.num_classes,
+                                    self.dtype)
+        fresh = ~cs.sent.to(sums.device)  # a client contributes exactly once
+        sums = sums * fresh.view(-1, 1, 1).to(sums.dtype)
+        counts = counts * fresh.view(-1, 1).to(counts.dtype)
+        return FedNCMClientState(torch.ones_like(cs.sent)), FedNCMMessage(sums, counts)
+
+    def server_aggregate(self, ss: FedNCMServerState, msg: FedNCMMessage,
+                         ctx: RoundCtx) -> tuple[FedNCMServerState, FedNCMBroadcast]:
+        sums = ss.sums + msg.sums.sum(0)  # sum of client contributions ...
+        counts = ss.counts + msg.counts.sum(0)
+        means, present = finalize_means(sums, counts)  # ... then finalize (Alg. 1 line 5)
+        return FedNCMServerState(sums, counts, means, present), FedNCMBroadcast()
+
+    def predict(self, cs: FedNCMClientState, ss: FedNCMServerState, x: torch.Tensor,
+                mask: torch.Tensor) -> dict[str, torch.Tensor]:
+        if not bool(ss.present.any()):
+            raise UserError("fedncm: no class means yet (run at least one round)")
+        out = {r: ncm_scores(ss.means, ss.present, x, r) for r in RULES}
+        return {"main": out[self.cfg.rule], **out}
+
+    def trainable_params(self, cs: FedNCMClientState) -> int:
+        return 0  # nothing is trained: the means are computed in closed form
+
+
+def _factory(**kw: object) -> FedNCM:
+    return FedNCM(FedNCMConfig(**kw))  # type: ignore[arg-type]
+
+
+from fedheads.algorithms import register_algorithm  # noqa: E402
+
+register_algorithm("fedncm", _factory, description="FedNCM (Legate et al. 2023): exact federated class means, NCM classifier")

@@ -1,0 +1,134 @@
+"""FedNCM (Legate et al. 2023, Alg. 1): exact federated class means, engines, head init."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from embedcache.errors import UserError
+from fedheads.algorithms import create_algorithm
+from fedheads.algorithms import fedncm as F
+from fedheads.core import engine
+from fedheads.data import FedData
+from fedheads import inference
+
+
+def _federation(seed=0, M=4, C=6, D=5):
+    """Non-IID clients of different sizes; class 5 held by nobody, class 4 by one client."""
+    rng = np.random.default_rng(seed)
+    clients = []
+    for k in range(M):
+        n = int(rng.integers(5, 30))
+        classes = [0, 1, 2, 3] + ([4] if k == 2 else [])
+        y = rng.choice(classes, size=n)
+        x = rng.normal(size=(n, D)) + 3 * np.eye(C, D)[y] + k   # a per-client feature shift
+        yt = rng.choice([0, 1, 2, 3], size=7)
+        xt = rng.normal(size=(7, D)) + 3 * np.eye(C, D)[yt] + k
+        clients.append((x.astype(np.float32), y, xt.astype(np.float32), yt))
+    return clients, C
+
+
+def test_client_stats_hand_computed():
+    x = torch.tensor([[[1.0, 2.0], [3.0, 4.0], [5.0, 6.0], [9.0, 9.0]]])
+    y = torch.tensor([[0, 1, 0, 1]])
+    m = torch.tensor([[True, True, True, False]])   # last row is padding
+    sums, counts = F.client_stats(x, y, m, num_classes=3)
+    assert sums.tolist() == [[[6.0, 8.0], [3.0, 4.0], [0.0, 0.0]]]
+    assert counts.tolist() == [[2, 1, 0]]
+    means, present = F.finalize_means(sums[0], counts[0])
+    assert means.tolist() == [[3.0, 4.0], [3.0, 4.0], [0.0, 0.0]]
+    assert present.tolist() == [True, True, False]
+
+
+@pytest.mark.parametrize("eng", engine.ENGINES)
+def test_equals_centralised_ncm_on_pooled_data(eng):
+    clients, C = _federation()
+    data = FedData.from_arrays(clients, C)
+    res = engine.run(F.FedNCM(), data, rounds=1, engine=eng, progress=False)
+    ss = res.server_state
+    X = np.concatenate([c[0] for c in clients]).astype(np.float64)
+    Y = np.concatenate([c[1] for c in clients])
+    for c in range(C):
+        if c == 5:
+            assert not bool(ss.present[c]) and int(ss.counts[c]) == 0
+            continue
+        np.testing.assert_allclose(ss.means[c].numpy(), X[Y == c].mean(0), rtol=0, atol=1e-6)
+        assert int(ss.counts[c]) == int((Y == c).sum())
+    assert res.trainable_params_per_client == 0
+
+
+def test_engine_equals_loop_and_partial_participation():
+    clients, C = _federation(seed=1, M=6)
+    data = FedData.from_arrays(clients, C)
+    a = engine.run(F.FedNCM(), data, rounds=1, engine="vectorized", progress=False)
+    b = engine.run(F.FedNCM(), data, rounds=1, engine="loop", progress=False)
+    torch.testing.assert_close(a.server_state.means, b.server_state.means, rtol=0, atol=1e-12)
+    for rule in ("main", "cosine", "sqeuclidean"):
+        torch.testing.assert_close(a.final_accuracy(rule), b.final_accuracy(rule))
+    # half the clients per round: once every client has been drawn, the means are exact
+    p = engine.run(F.FedNCM(), data, rounds=12, fraction=0.5, progress=False, eval_every=0)
+    seen = set().union(*(r.participants for r in p.history))
+    assert seen == set(range(6))
+    torch.testing.assert_close(p.server_state.means, a.server_state.means, rtol=0, atol=1e-12)
+
+
+def test_message_traffic_is_sums_and_counts():
+    clients, C = _federation()
+    data = FedData.from_arrays(clients, C)
+    res = engine.run(F.FedNCM(), data, rounds=1, progress=False)
+    D, M = 5, 4
+    assert res.upload_values_per_client == C * D + C
+    tot = res.total_comm()
+    assert tot.up_bytes == M * (8 * C * D + 8 * C)
+    assert tot.down_values == 0
+    r32 = engine.run(F.FedNCM(F.FedNCMConfig(dtype="float32")), data, rounds=1, progress=False)
+    assert r32.total_comm().up_bytes == M * (4 * C * D + 8 * C)
+    torch.testing.assert_close(r32.server_state.means.double(), res.server_state.means,
+                               rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("rule", F.RULES)
+def test_predict_matches_faiss_inference(rule):
+    clients, C = _federation(seed=2)
+    data = FedData.from_arrays(clients, C)
+    alg = F.FedNCM(F.FedNCMConfig(rule=rule))
+    res = engine.run(alg, data, rounds=1, progress=False)
+    ss = res.server_state
+    scores = alg.predict(res.client_state, ss, data.x_test, data.m_test)["main"]
+    assert torch.isinf(scores[..., 5]).all()          # absent class never predicted
+    for k, (_, _, xt, _) in enumerate(clients):
+        pred = inference.predict_features(ss.means.numpy(), ss.present.numpy(), rule, xt)
+        np.testing.assert_array_equal(scores[k, : len(xt)].argmax(-1).numpy(), pred.labels)
+
+
+def test_linear_head_init_zero_and_random_bias():
+    means = torch.tensor([[3.0, 4.0], [0.0, 0.0], [0.0, -2.0]], dtype=torch.float64)
+    present = torch.tensor([True, False, True])
+    h = F.linear_head_init(means, present, bias="zero")
+    assert h["cls.weight"].shape == (2, 3)
+    torch.testing.assert_close(h["cls.weight"].T, torch.tensor([[0.6, 0.8], [0, 0], [0, -1.0]]))
+    assert h["cls.bias"].tolist() == [0.0, 0.0, 0.0]
+    # zero bias: logits = ||x|| cos(x, l_c) -> argmax equals the cosine NCM
+    x = torch.randn(50, 2, dtype=torch.float64)
+    logits = x.float() @ h["cls.weight"] + h["cls.bias"]
+    logits[:, 1] = -torch.inf
+    ref = F.ncm_scores(means, present, x, "cosine")
+    assert torch.equal(logits.argmax(1), ref.argmax(1))
+    r1 = F.linear_head_init(means, present, bias="random", seed=1)
+    r1b = F.linear_head_init(means, present, bias="random", seed=1)
+    r2 = F.linear_head_init(means, present, bias="random", seed=2)
+    assert torch.equal(r1["cls.bias"], r1b["cls.bias"]) and not torch.equal(r1["cls.bias"], r2["cls.bias"])
+    assert (r1["cls.bias"].abs() <= 1 / np.sqrt(2)).all() and (r1["cls.bias"] != 0).all()
+    torch.testing.assert_close(r1["cls.weight"], h["cls.weight"])
+    with pytest.raises(UserError, match="bias='learned'"):
+        F.linear_head_init(means, present, bias="learned")
+
+
+def test_config_errors_and_registry():
+    with pytest.raises(UserError, match="rule='manhattan'"):
+        F.FedNCM(F.FedNCMConfig(rule="manhattan"))
+    with pytest.raises(UserError, match="dtype='float16'"):
+        F.FedNCM(F.FedNCMConfig(dtype="float16"))
+    alg = create_algorithm("fedncm", rule="sqeuclidean")
+    assert alg.name == "fedncm" and alg.cfg.rule == "sqeuclidean"
