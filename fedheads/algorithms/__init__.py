@@ -1,0 +1,59 @@
+"""Algorithm registry: one file per paper; `create_algorithm(name, **config_fields)`.
+
+Other modules register themselves with `register_algorithm(name, factory, description=...)`,
+where `factory(**kwargs) -> Algorithm` builds the algorithm from its config fields."""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from embedcache.errors import UserError
+from fedheads.core.protocol import Algorithm
+
+
+@dataclass(frozen=True)
+class AlgorithmInfo:
+    name: str  # registry name
+    description: str  # one line
+    factory: Callable[..., Algorithm]  # kwargs -> Algorithm
+
+
+_REGISTRY: dict[str, AlgorithmInfo] = {}
+# modules imported lazily so that one broken/absent algorithm file does not break the others
+_MODULES = ("fedheads.algorithms.fedavg", "fedheads.algorithms.fedpcl", "fedheads.algorithms.fedproto")
+_extra_modules: list[str] = []
+
+
+def register_algorithm(name: str, factory: Callable[..., Algorithm], *, description: str) -> None:
+    """Add (or replace) an algorithm under `name`."""
+    _REGISTRY[name] = AlgorithmInfo(name, description, factory)
+
+
+def register_module(module: str) -> None:
+    """Ask the registry to import `module` (which calls register_algorithm) on first use."""
+    if module not in _extra_modules:
+        _extra_modules.append(module)
+
+
+def _load() -> None:
+    for mod in (*_MODULES, *_extra_modules):
+        try:
+            importlib.import_module(mod)
+        except ModuleNotFoundError as e:
+            if e.name != mod:
+                raise
+
+
+def list_algorithms() -> list[AlgorithmInfo]:
+    _load()
+    return sorted(_REGISTRY.values(), key=lambda i: i.name)
+
+
+def create_algorithm(name: str, **kwargs: Any) -> Algorithm:
+    """Build a registered algorithm from its config fields (UserError on unknown name)."""
+    _load()
+    if name not in _REGISTRY:
+        raise UserError(f"algorithm {name!r}: unknown (known: {', '.join(sorted(_REGISTRY))})")
+    return _REGISTRY[name].factory(**kwargs)

@@ -1,0 +1,172 @@
+"""FedAvg (McMahan et al., "Communication-Efficient Learning of Deep Networks from
+Decentralized Data", AISTATS 2017, Algorithm 1) on a head over cached features.
+
+Clients start from the global head theta, run E local epochs and send Delta_i = theta_i - theta
+with weight n_i; the server forms Delta = sum_i n_i Delta_i / sum_i n_i (a sum of client
+contributions, then a finalize) and applies a pluggable server optimiser (core/server_opt.py):
+FedAvg is server SGD with lr 1, theta <- theta + Delta. BatchNorm running statistics are
+averaged the same way. `proximal_mu` > 0 adds the FedProx term mu/2 ||theta_i - theta||^2
+(Li et al., MLSys 2020, Eq. 2) to the client loss.
+
+Inference: "main" = the global model on each client's test split (= "global_model");
+"local_model" = each participant's model after its last local training."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from embedcache.errors import UserError
+from fedheads.core import heads, ops
+from fedheads.core.heads import HeadSpec, Params
+from fedheads.core.optim import OptimizerConfig, OptState, opt_init
+from fedheads.core.protocol import Init, RoundCtx
+from fedheads.core.server_opt import ServerOptimizer, ServerSGD
+from fedheads.core.train import local_train
+from fedheads.data import DataSpec, FedData
+
+
+@dataclass(frozen=True)
+class FedAvgConfig:
+    """FedAvg hyper-parameters (FedPCL Sec. 5.1 training setting for all baselines)."""
+
+    hidden: int = 256  # projection width; 0 = linear head on the features ("LP")
+    batch_norm: bool = True  # BN(hidden) in the projection (FedPCL Table 7 head)
+    normalize: bool = True  # L2-normalise the projection output before the classifier
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)  # Adam lr 1e-3, wd 1e-4
+    batch_size: int = 32  # local mini-batch size B
+    local_epochs: int = 1  # E
+    proximal_mu: float = 0.0  # FedProx proximal weight mu (0 = plain FedAvg)
+    reset_optimizer: bool = True  # fresh client optimiser state every round (as the papers' code)
+
+
+@dataclass(frozen=True)
+class FedAvgClientState:
+    params: Params  # [M, ...] each client's model after its last local training
+    buffers: Params  # [M, ...] BN running statistics of that model
+    opt: OptState  # client optimiser state
+
+
+@dataclass(frozen=True)
+class FedAvgServerState:
+    params: Params  # global model theta (no client axis)
+    buffers: Params  # global BN running statistics
+    opt: object  # server optimiser state
+
+
+@dataclass(frozen=True)
+class FedAvgBroadcast:
+    params: Params  # global model theta
+    buffers: Params  # global BN running statistics
+
+
+@dataclass(frozen=True)
+class FedAvgMessage:
+    delta: Params  # [M, ...] theta_i - theta
+    buffer_delta: Params  # [M, ...] BN running-stat change
+    weight: torch.Tensor  # [M] n_i
+
+
+def _expand(p: Params, M: int) -> Params:
+    return {k: v.unsqueeze(0).expand(M, *v.shape).clone() for k, v in p.items()}
+
+
+class FedAvg:
+    """FedAvg / FedProx with a pluggable server optimiser."""
+
+    name = "fedavg"
+
+    def __init__(self, cfg: FedAvgConfig = FedAvgConfig(), server_opt: ServerOptimizer | None = None,
+                 name: str | None = None) -> None:
+        if cfg.batch_size < 1 or cfg.local_epochs < 1:
+            raise UserError(f"batch_size {cfg.batch_size} / local_epochs {cfg.local_epochs}: must be >= 1")
+        if cfg.proximal_mu < 0:
+            raise UserError(f"proximal_mu {cfg.proximal_mu}: must be >= 0")
+        self.cfg = cfg
+        self.server_opt: ServerOptimizer = server_opt if server_opt is not None else ServerSGD(lr=1.0)
+        if name is not None:
+            self.name = name
+        self.spec: HeadSpec | None = None
+
+    def _spec(self, spec: DataSpec) -> HeadSpec:
+        c = self.cfg
+        return HeadSpec(spec.dim, c.hidden, spec.num_classes, c.batch_norm and c.hidden > 0, c.normalize)
+
+    def init(self, spec: DataSpec, seed: int) -> Init:
+        self.spec = self._spec(spec)
+        gp, gb = heads.init_head(self.spec, [seed], spec.device)  # one global init
+        g = {k: v[0] for k, v in gp.items()}
+        b = {k: v[0] for k, v in gb.items()}
+        M = spec.num_clients
+        cp, cb = _expand(g, M), _expand(b, M)
+        cs = FedAvgClientState(cp, cb, opt_init(self.cfg.optimizer, cp))
+        ss = FedAvgServerState(g, b, self.server_opt.init(g))
+        return Init(cs, ss, FedAvgBroadcast(g, b))
+
+    def client_update(self, cs: FedAvgClientState, bc: FedAvgBroadcast, data: FedData,
+                      ctx: RoundCtx) -> tuple[FedAvgClientState, FedAvgMessage]:
+        assert self.spec is not None, "init() first"
+        spec, mu = self.spec, self.cfg.proximal_mu
+        M = data.num_clients
+        start_p, start_b = _expand(bc.params, M), _expand(bc.buffers, M)
+        opt = opt_init(self.cfg.optimizer, start_p) if self.cfg.reset_optimizer else cs.opt
+
+        def loss_fn(p: Params, b: Params, x: torch.Tensor, y: torch.Tensor, m: torch.Tensor):
+            z, nb = heads.embed(spec, p, b, x, m, train=True)
+            loss = ops.masked_cross_entropy(heads.classify(p, z), y, m)
+            if mu:
+                sq = sum(((p[k] - start_p[k]) ** 2).flatten(1).sum(1) for k in p)
+                loss = loss + 0.5 * mu * sq
+            return loss, nb
+
+        p, b, opt = local_train(start_p, start_b, opt, self.cfg.optimizer, loss_fn, data, ctx,
+                                self.cfg.batch_size, self.cfg.local_epochs)
+        w = torch.tensor(data.n_train, dtype=torch.float32, device=data.device)
+        msg = FedAvgMessage({k: p[k] - start_p[k] for k in p}, {k: b[k] - start_b[k] for k in b}, w)
+        return FedAvgClientState(p, b, opt), msg
+
+    def server_aggregate(self, ss: FedAvgServerState, msg: FedAvgMessage,
+                         ctx: RoundCtx) -> tuple[FedAvgServerState, FedAvgBroadcast]:
+        w = msg.weight
+        wsum = w.sum()  # finalize of a sum of contributions (secure-aggregation friendly)
+
+        def wmean(t: torch.Tensor) -> torch.Tensor:
+            return (w.view(-1, *([1] * (t.dim() - 1))) * t).sum(0) / wsum
+
+        delta = {k: wmean(v) for k, v in msg.delta.items()}
+        params, opt = self.server_opt.step(ss.params, delta, ss.opt)
+        buffers = {k: ss.buffers[k] + wmean(v) for k, v in msg.buffer_delta.items()}
+        return FedAvgServerState(params, buffers, opt), FedAvgBroadcast(params, buffers)
+
+    def predict(self, cs: FedAvgClientState, ss: FedAvgServerState, x: torch.Tensor,
+                mask: torch.Tensor) -> dict[str, torch.Tensor]:
+        assert self.spec is not None
+        M = x.shape[0]
+        gp, gb = _expand(ss.params, M), _expand(ss.buffers, M)
+        zg, _ = heads.embed(self.spec, gp, gb, x, mask, train=False)
+        zl, _ = heads.embed(self.spec, cs.params, cs.buffers, x, mask, train=False)
+        glob = heads.classify(gp, zg)
+        return {"main": glob, "global_model": glob, "local_model": heads.classify(cs.params, zl)}
+
+    def trainable_params(self, cs: FedAvgClientState) -> int:
+        return heads.count_params(cs.params)
+
+
+def _factory(**kw: object) -> FedAvg:
+    opt_keys = {"lr", "weight_decay", "momentum", "optimizer_name"}
+    opt = {("name" if k == "optimizer_name" else k): v for k, v in kw.items() if k in opt_keys}
+    rest = {k: v for k, v in kw.items() if k not in opt_keys}
+    return FedAvg(FedAvgConfig(optimizer=OptimizerConfig(**opt), **rest))  # type: ignore[arg-type]
+
+
+def _lp_factory(**kw: object) -> FedAvg:
+    alg = _factory(hidden=0, **kw)
+    alg.name = "fedavg-linear"
+    return alg
+
+
+from fedheads.algorithms import register_algorithm  # noqa: E402
+
+register_algorithm("fedavg", _factory, description="FedAvg (McMahan 2017) on the FC-ReLU-BN(256)-L2 + FC head")
+register_algorithm("fedavg-linear", _lp_factory, description="FedAvg of a linear head on the features")

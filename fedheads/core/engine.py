@@ -1,0 +1,157 @@
+"""Simulation engines: run one algorithm definition over a federation, either with all
+participating clients stacked in one call ("vectorized") or one client at a time with M=1
+("loop", the debugging reference). Both see identical participants, batches and noise, so
+they give the same states and accuracies up to float rounding (tests/test_engine_equivalence.py).
+
+Per round: select participants (seeded, same in both engines) -> client_update -> server_aggregate
+-> (every `eval_every` rounds) per-client test accuracy with `predict`. Communication actually
+sent is logged per round: uplink = sum of participants' message sizes, downlink = broadcast size
+times the number of participants."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from tqdm.auto import tqdm
+
+from embedcache.errors import UserError
+from fedheads.core import rng
+from fedheads.core.ops import masked_accuracy
+from fedheads.core.protocol import Algorithm, RoundCtx
+from fedheads.core.tree import payload_size, tree_cat, tree_index, tree_map, tree_scatter
+from fedheads.data import FedData
+
+ENGINES = ("vectorized", "loop")
+
+
+@dataclass(frozen=True)
+class CommRecord:
+    """Traffic of one round (sums over participants)."""
+
+    up_values: int  # values (floats/ints/bools) uploaded by all participants
+    up_bytes: int  # bytes uploaded by all participants
+    down_values: int  # values broadcast to all participants
+    down_bytes: int  # bytes broadcast to all participants
+
+
+@dataclass(frozen=True)
+class RoundRecord:
+    """What happened in one round."""
+
+    round: int  # 0-based round
+    participants: tuple[int, ...]  # global client ids that trained
+    comm: CommRecord  # traffic of the round
+    accuracy: dict[str, torch.Tensor] | None  # rule -> [M] per-client test accuracy (cpu), None if not evaluated
+    seconds: float  # wall time of the round (training + aggregation, not evaluation)
+
+
+@dataclass
+class RunResult:
+    """Everything a run produced."""
+
+    algorithm: str
+    engine: str
+    history: list[RoundRecord] = field(default_factory=list)
+    client_state: Any = None
+    server_state: Any = None
+    trainable_params_per_client: int = 0  # from the actual tensors
+    upload_values_per_client: int = 0  # values one participant uploaded in the last round
+    wall_seconds: float = 0.0
+
+    def final_accuracy(self, rule: str = "main") -> torch.Tensor:
+        """[M] per-client accuracy of the last evaluated round."""
+        for rec in reversed(self.history):
+            if rec.accuracy is not None:
+                return rec.accuracy[rule]
+        raise UserError("run: no round was evaluated")
+
+    def total_comm(self) -> CommRecord:
+        h = self.history
+        return CommRecord(sum(r.comm.up_values for r in h), sum(r.comm.up_bytes for r in h),
+                          sum(r.comm.down_values for r in h), sum(r.comm.down_bytes for r in h))
+
+
+def select_participants(num_clients: int, fraction: float, seed: int, round_: int) -> torch.Tensor:
+    """Sorted global ids of max(1, round(fraction*M)) clients chosen by seeded hash keys."""
+    if not 0.0 < fraction <= 1.0:
+        raise UserError(f"fraction {fraction}: must be in (0, 1]")
+    k = max(1, int(round(fraction * num_clients)))
+    if k >= num_clients:
+        return torch.arange(num_clients)
+    keys = rng.hash_keys(seed, round_, 0x5E1EC7, torch.arange(num_clients))
+    return torch.sort(torch.argsort(keys, stable=True)[:k]).values
+
+
+def evaluate(algorithm: Algorithm, client_state: Any, server_state: Any, data: FedData,
+             engine: str = "vectorized") -> dict[str, torch.Tensor]:
+    """Per-client test accuracy [M] (cpu float64) for every rule `predict` returns."""
+    if engine == "vectorized":
+        scores = algorithm.predict(client_state, server_state, data.x_test, data.m_test)
+        return {k: masked_accuracy(v, data.y_test, data.m_test).cpu() for k, v in scores.items()}
+    parts: list[dict[str, torch.Tensor]] = []
+    for i in range(data.num_clients):
+        sub = data.select([i])
+        cs = tree_index(client_state, torch.tensor([i], device=data.device))
+        scores = algorithm.predict(cs, server_state, sub.x_test, sub.m_test)
+        parts.append({k: masked_accuracy(v, sub.y_test, sub.m_test).cpu() for k, v in scores.items()})
+    return {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
+
+
+def run(algorithm: Algorithm, data: FedData, rounds: int, seed: int = 0, fraction: float = 1.0,
+        engine: str = "vectorized", eval_every: int = 1, progress: bool = True) -> RunResult:
+    """Train `algorithm` for `rounds` communication rounds; see the module docstring."""
+    if engine not in ENGINES:
+        raise UserError(f"engine {engine!r}: must be one of {', '.join(ENGINES)}")
+    if rounds < 1:
+        raise UserError(f"rounds {rounds}: must be >= 1")
+    if eval_every < 0:
+        raise UserError(f"eval_every {eval_every}: must be >= 0 (0 = only after the last round)")
+    M = data.num_clients
+    init = algorithm.init(data.spec(), seed)
+    cstate, sstate, bc = init.client_state, init.server_state, init.broadcast
+    res = RunResult(algorithm=algorithm.name, engine=engine)
+    res.trainable_params_per_client = algorithm.trainable_params(cstate)
+    t_run = time.perf_counter()
+    bar = tqdm(range(rounds), desc=f"{algorithm.name}[{engine}]", disable=not progress, leave=False)
+    for r in bar:
+        t0 = time.perf_counter()
+        part = select_participants(M, fraction, seed, r)
+        ctx = RoundCtx(round=r, seed=seed, participants=part, num_clients=M)
+        pidx = part.to(data.device)
+        if engine == "vectorized":
+            sub = data if len(part) == M else data.select(part)
+            cs_sub = cstate if len(part) == M else tree_index(cstate, pidx)
+            cs_sub, msg = algorithm.client_update(cs_sub, bc, sub, ctx)
+            cstate = cs_sub if len(part) == M else tree_scatter(cstate, pidx, cs_sub)
+        else:
+            msgs = []
+            for i in part.tolist():
+                one = torch.tensor([i], device=data.device)
+                cs_i, msg_i = algorithm.client_update(tree_index(cstate, one), bc, data.select([i]), ctx)
+                cstate = tree_scatter(cstate, one, cs_i)
+                msgs.append(msg_i)
+            msg = tree_cat(msgs)
+        up_v, up_b = payload_size(msg, per_client=True)
+        down_v, down_b = payload_size(bc, per_client=False)
+        P = len(part)
+        comm = CommRecord(up_v * P, up_b * P, down_v * P, down_b * P)
+        res.upload_values_per_client = up_v
+        sstate, bc = algorithm.server_aggregate(sstate, msg, ctx)
+        secs = time.perf_counter() - t0
+        last = r == rounds - 1
+        acc = None
+        if last or (eval_every and (r + 1) % eval_every == 0):
+            acc = evaluate(algorithm, cstate, sstate, data, engine)
+            bar.set_postfix(acc=f"{float(acc['main'].nanmean()):.3f}")
+        res.history.append(RoundRecord(r, tuple(part.tolist()), comm, acc, secs))
+    res.client_state, res.server_state = cstate, sstate
+    res.wall_seconds = time.perf_counter() - t_run
+    return res
+
+
+def to_device(tree: Any, device: torch.device | str) -> Any:
+    """Move every tensor leaf (e.g. a final state) to `device`."""
+    return tree_map(lambda t: t.to(device), tree)

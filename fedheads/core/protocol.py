@@ -1,0 +1,79 @@
+"""The algorithm protocol every fedheads algorithm implements, and the types the engines pass.
+
+An algorithm is typed state plus pure functions (fedjax style); the engines decide how clients
+run. Conventions:
+- A client state and a client->server message are frozen dataclasses whose tensor leaves all
+  have a leading client axis [M, ...]. The vectorised engine passes all participating clients
+  at once; the loop engine passes one (M=1) and concatenates the messages; a networked driver
+  would pass one. The maths never knows which.
+- Server state and broadcast have no client axis. The broadcast is what every participant
+  receives; the engine counts its size once per participant as downlink traffic.
+- Server aggregation is written as SUMS of client contributions followed by a small finalize
+  (weighted prototype = sum(count*proto)/sum(count), FedAvg = sum(w*delta)/sum(w)), so the same
+  algorithm could later run under secure aggregation.
+- Randomness is a pure function of (seed, round, client global index, ...) (core/rng.py,
+  core/batching.py), never of the order in which clients are processed.
+- Message sizes: `core.tree.payload_size` (numel and bytes of every field sent, or the type's
+  own `comm_size()`), so the engine logs communication actually sent up and down per round.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Generic, Protocol, TypeVar, runtime_checkable
+
+import torch
+
+from fedheads.data import DataSpec, FedData
+
+CS = TypeVar("CS")  # client state (stacked)
+SS = TypeVar("SS")  # server state
+Msg = TypeVar("Msg")  # client -> server message (stacked)
+Bc = TypeVar("Bc")  # server -> client broadcast
+
+
+@dataclass(frozen=True)
+class RoundCtx:
+    """What a client or server function may know about the round."""
+
+    round: int  # 0-based communication round
+    seed: int  # run seed (combine with round and client_index for randomness)
+    participants: torch.Tensor  # [P] int64 global ids of this round's participants (sorted)
+    num_clients: int  # M of the whole federation
+
+
+@dataclass(frozen=True)
+class Init(Generic[CS, SS, Bc]):
+    """Result of Algorithm.init."""
+
+    client_state: CS  # stacked over ALL clients of the federation
+    server_state: SS
+    broadcast: Bc  # what round 0's participants receive
+
+
+@runtime_checkable
+class Algorithm(Protocol[CS, SS, Msg, Bc]):
+    """A federated algorithm on cached features. `name` is used in logs and result files."""
+
+    name: str
+
+    def init(self, spec: DataSpec, seed: int) -> Init[CS, SS, Bc]:
+        """States for the whole federation (client axis = spec.num_clients) and the first broadcast."""
+        ...
+
+    def client_update(self, client_state: CS, broadcast: Bc, data: FedData, ctx: RoundCtx) -> tuple[CS, Msg]:
+        """Local work of the clients in `data` (client axis of client_state matches data)."""
+        ...
+
+    def server_aggregate(self, server_state: SS, messages: Msg, ctx: RoundCtx) -> tuple[SS, Bc]:
+        """Combine the participants' stacked messages (rows ordered as ctx.participants)."""
+        ...
+
+    def predict(self, client_state: CS, server_state: SS, x: torch.Tensor, mask: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Scores [M, N, C] for x [M, N, D] (argmax = prediction). Key "main" is the algorithm's
+        own inference rule; other keys are extra rules reported alongside (e.g. "global_model")."""
+        ...
+
+    def trainable_params(self, client_state: CS) -> int:
+        """Trainable values held per client (counted from the actual tensors)."""
+        ...

@@ -1,0 +1,51 @@
+"""Local training of all stacked clients at once: the step loop shared by every algorithm.
+
+Each step gathers one mini-batch per client ([M, B, D]), evaluates the per-client losses [M],
+back-propagates their sum (clients' parameters are disjoint, so each client gets exactly its
+own gradient) and applies the functional optimiser with the step's `active` mask. There is no
+host-device synchronisation inside the loop (no .item()): the number of steps is known on the
+host from n_train."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from fedheads.core.batching import make_schedule
+from fedheads.core.heads import Params
+from fedheads.core.optim import OptimizerConfig, OptState, opt_step
+from fedheads.core.protocol import RoundCtx
+from fedheads.core.tree import tree_where
+from fedheads.data import FedData
+
+# loss_fn(params, buffers, x [M,B,D], y [M,B], valid [M,B]) -> (loss per client [M], new buffers)
+LossFn = Callable[[Params, Params, torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, Params]]
+
+
+def gather_rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """x [M, N, ...] rows index [M, B] -> [M, B, ...]."""
+    if x.dim() == 2:
+        return torch.gather(x, 1, index)
+    return torch.gather(x, 1, index.unsqueeze(-1).expand(*index.shape, x.shape[-1]))
+
+
+def local_train(params: Params, buffers: Params, opt_state: OptState, opt_cfg: OptimizerConfig,
+                loss_fn: LossFn, data: FedData, ctx: RoundCtx, batch_size: int,
+                epochs: int) -> tuple[Params, Params, OptState]:
+    """Run `epochs` local epochs for every client in `data`; returns updated (params, buffers, opt)."""
+    sched = make_schedule(list(data.n_train), data.client_index, batch_size, epochs, ctx.seed,
+                          ctx.round, data.device)
+    keys = list(params)
+    for s in range(sched.num_steps):
+        idx, valid, active = sched.index[s], sched.valid[s], sched.active[s]
+        xb = gather_rows(data.x_train, idx)
+        yb = gather_rows(data.y_train, idx)
+        leaf = {k: params[k].detach().requires_grad_(True) for k in keys}
+        with torch.enable_grad():
+            loss, new_buf = loss_fn(leaf, buffers, xb, yb, valid)
+            grads = torch.autograd.grad(loss.sum(), [leaf[k] for k in keys], allow_unused=True)
+        g = {k: (gk if gk is not None else torch.zeros_like(params[k])) for k, gk in zip(keys, grads)}
+        params, opt_state = opt_step(opt_cfg, {k: params[k].detach() for k in keys}, g, opt_state, active)
+        buffers = tree_where(active, {k: v.detach() for k, v in new_buf.items()}, buffers)
+    return params, buffers, opt_state

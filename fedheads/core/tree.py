@@ -1,0 +1,86 @@
+"""Helpers over "stacked trees": frozen dataclasses / dicts / tuples whose tensor leaves carry a
+leading client axis [M, ...]. Client states and messages follow that convention, so the engines
+can select, scatter and concatenate them without knowing the algorithm (fedjax-style backends).
+Non-tensor leaves (ints, strings, None) are passed through unchanged."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Sequence, TypeVar
+
+import torch
+
+T = TypeVar("T")
+
+
+def tree_map(fn: Callable[..., Any], tree: T, *rest: Any) -> T:
+    """Apply `fn` to every tensor leaf (and the matching leaves of `rest`, same structure)."""
+    if isinstance(tree, torch.Tensor):
+        return fn(tree, *rest)
+    if dataclasses.is_dataclass(tree) and not isinstance(tree, type):
+        changes = {
+            f.name: tree_map(fn, getattr(tree, f.name), *(getattr(r, f.name) for r in rest))
+            for f in dataclasses.fields(tree)
+        }
+        return dataclasses.replace(tree, **changes)
+    if isinstance(tree, dict):
+        return type(tree)({k: tree_map(fn, v, *(r[k] for r in rest)) for k, v in tree.items()})  # type: ignore[return-value]
+    if isinstance(tree, (tuple, list)):
+        return type(tree)(tree_map(fn, v, *(r[i] for r in rest)) for i, v in enumerate(tree))  # type: ignore[return-value]
+    return tree
+
+
+def tree_leaves(tree: Any) -> list[torch.Tensor]:
+    """All tensor leaves, in a deterministic order."""
+    out: list[torch.Tensor] = []
+    tree_map(lambda t: out.append(t) or t, tree)
+    return out
+
+
+def tree_index(tree: T, idx: torch.Tensor) -> T:
+    """Rows `idx` of the client axis of every leaf (a sub-federation)."""
+    return tree_map(lambda t: t.index_select(0, idx.to(t.device)), tree)
+
+
+def tree_scatter(full: T, idx: torch.Tensor, part: T) -> T:
+    """`full` with rows `idx` of the client axis replaced by `part` (out of place)."""
+
+    def put(f: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+        out = f.clone()
+        out[idx.to(f.device)] = p.to(f.dtype)
+        return out
+
+    return tree_map(put, full, part)
+
+
+def tree_cat(parts: Sequence[T]) -> T:
+    """Concatenate trees along the client axis (loop engine: M=1 messages -> one stacked message)."""
+    if len(parts) == 1:
+        return parts[0]
+    return tree_map(lambda *ts: torch.cat(ts, 0), parts[0], *parts[1:])
+
+
+def tree_where(cond: torch.Tensor, new: T, old: T) -> T:
+    """Per client: `new` where cond[m] else `old` (cond is [M] bool)."""
+
+    def pick(n: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
+        c = cond.view(-1, *([1] * (n.dim() - 1)))
+        return torch.where(c, n, o)
+
+    return tree_map(pick, new, old)
+
+
+def payload_size(tree: Any, per_client: bool = True) -> tuple[int, int]:
+    """(values, bytes) of every tensor field sent: numel and numel*itemsize.
+
+    With `per_client`, leaves have a leading client axis and the size of ONE client's part is
+    returned (numel / M). A type may define `comm_size(self) -> (values, bytes)` to report a
+    sparser encoding that it actually sends (e.g. only valid rows)."""
+    if hasattr(tree, "comm_size"):
+        return tree.comm_size()
+    n = b = 0
+    for t in tree_leaves(tree):
+        numel = t.numel() // (t.shape[0] if per_client and t.dim() > 0 and t.shape[0] > 0 else 1)
+        n += numel
+        b += numel * t.element_size()
+    return n, b

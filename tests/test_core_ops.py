@@ -1,0 +1,127 @@
+"""Functional ops, optimisers and batch schedules against torch references (M=1) and by hand."""
+
+from __future__ import annotations
+
+import torch
+
+from fedheads.core import ops, rng
+from fedheads.core.batching import make_schedule
+from fedheads.core.heads import HeadSpec, embed, init_head
+from fedheads.core.optim import OptimizerConfig, opt_init, opt_step
+
+
+def test_linear_relu_l2_match_torch() -> None:
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(5, 3)
+    x = torch.randn(7, 5)
+    y = ops.l2_normalize(ops.relu(ops.linear(x[None], lin.weight.T[None].contiguous(), lin.bias[None])))[0]
+    ref = torch.nn.functional.normalize(torch.relu(lin(x)), dim=-1)
+    torch.testing.assert_close(y, ref)
+
+
+def test_batch_norm_matches_torch_train_and_eval_with_padding() -> None:
+    torch.manual_seed(0)
+    bn = torch.nn.BatchNorm1d(4)
+    with torch.no_grad():
+        bn.weight.uniform_(0.5, 1.5)
+        bn.bias.uniform_(-1, 1)
+    x = torch.randn(6, 4) * 3 + 1
+    # padded with 2 garbage rows that the mask must ignore
+    xp = torch.cat([x, torch.full((2, 4), 1e3)])[None]
+    mask = torch.tensor([[True] * 6 + [False] * 2])
+    rm, rv = bn.running_mean.clone()[None], bn.running_var.clone()[None]
+    for _ in range(2):
+        bn.train()
+        ref = bn(x)
+        y, rm, rv = ops.batch_norm(xp, mask, bn.weight[None], bn.bias[None], rm, rv, train=True)
+        torch.testing.assert_close(y[0, :6], ref)
+        torch.testing.assert_close(rm[0], bn.running_mean)
+        torch.testing.assert_close(rv[0], bn.running_var)  # unbiased running var like torch
+    bn.eval()
+    y, _, _ = ops.batch_norm(xp, mask, bn.weight[None], bn.bias[None], rm, rv, train=False)
+    torch.testing.assert_close(y[0, :6], bn(x))
+
+
+def test_batch_norm_client_without_rows_keeps_stats() -> None:
+    x = torch.randn(2, 3, 4)
+    mask = torch.tensor([[True, True, False], [False, False, False]])
+    rm, rv = torch.zeros(2, 4), torch.ones(2, 4)
+    y, nm, nv = ops.batch_norm(x, mask, torch.ones(2, 4), torch.zeros(2, 4), rm, rv, train=True)
+    assert torch.isfinite(y).all()
+    torch.testing.assert_close(nm[1], rm[1])
+    torch.testing.assert_close(nv[1], rv[1])
+    assert not torch.equal(nm[0], rm[0])
+
+
+def test_head_matches_torch_sequential() -> None:
+    spec = HeadSpec(in_dim=6, hidden=5, num_classes=0)
+    p, b = init_head(spec, [3])
+    seq = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.ReLU(), torch.nn.BatchNorm1d(5))
+    with torch.no_grad():
+        seq[0].weight.copy_(p["proj.weight"][0].T)
+        seq[0].bias.copy_(p["proj.bias"][0])
+    x = torch.randn(9, 6)
+    z, nb = embed(spec, p, b, x[None], torch.ones(1, 9, dtype=torch.bool), train=True)
+    torch.testing.assert_close(z[0], torch.nn.functional.normalize(seq(x), dim=-1))
+    torch.testing.assert_close(nb["bn.running_var"][0], seq[2].running_var)
+
+
+def _torch_vs_functional(cfg: OptimizerConfig, make_opt) -> None:
+    torch.manual_seed(1)
+    w = torch.randn(4, 3, requires_grad=True)
+    opt = make_opt([w])
+    params = {"w": w.detach().clone()[None]}
+    state = opt_init(cfg, params)
+    for step in range(5):
+        g = torch.randn(4, 3)
+        w.grad = g.clone()
+        opt.step()
+        params, state = opt_step(cfg, params, {"w": g[None]}, state, torch.tensor([True]))
+        torch.testing.assert_close(params["w"][0], w.detach(), rtol=1e-5, atol=1e-6)
+
+
+def test_adam_matches_torch() -> None:
+    cfg = OptimizerConfig("adam", lr=1e-2, weight_decay=1e-2)
+    _torch_vs_functional(cfg, lambda p: torch.optim.Adam(p, lr=1e-2, weight_decay=1e-2))
+
+
+def test_sgd_momentum_matches_torch() -> None:
+    cfg = OptimizerConfig("sgd", lr=0.1, weight_decay=1e-3, momentum=0.9)
+    _torch_vs_functional(cfg, lambda p: torch.optim.SGD(p, lr=0.1, weight_decay=1e-3, momentum=0.9))
+
+
+def test_inactive_client_is_untouched() -> None:
+    cfg = OptimizerConfig("adam", lr=0.1)
+    params = {"w": torch.randn(2, 3)}
+    state = opt_init(cfg, params)
+    new, st = opt_step(cfg, params, {"w": torch.ones(2, 3)}, state, torch.tensor([True, False]))
+    torch.testing.assert_close(new["w"][1], params["w"][1])
+    assert not torch.equal(new["w"][0], params["w"][0])
+    assert st.step.tolist() == [1.0, 0.0]
+    assert float(st.m["w"][1].abs().sum()) == 0.0 and float(st.v["w"][1].abs().sum()) == 0.0
+
+
+def test_schedule_covers_each_epoch_once_and_ignores_neighbours() -> None:
+    n = [5, 12, 1]
+    sched = make_schedule(n, torch.tensor([7, 3, 9]), batch_size=4, epochs=2, seed=1, round_=2)
+    assert sched.num_steps == 2 * 3
+    for i, ni in enumerate(n):
+        spe = -(-ni // 4)
+        assert sched.active[:, i].sum() == 2 * spe
+        for e in range(2):
+            rows = sched.index[e * spe:(e + 1) * spe, i][sched.valid[e * spe:(e + 1) * spe, i]]
+            assert sorted(rows.tolist()) == list(range(ni))  # a permutation: no row lost (no drop_last)
+    alone = make_schedule([12], torch.tensor([3]), batch_size=4, epochs=2, seed=1, round_=2)
+    assert torch.equal(alone.index[:, 0], sched.index[:, 1])  # same batches with M=1 (loop engine)
+    other = make_schedule([12], torch.tensor([3]), batch_size=4, epochs=2, seed=1, round_=3)
+    assert not torch.equal(other.index, alone.index)
+
+
+def test_rng_is_deterministic_and_roughly_uniform() -> None:
+    u = rng.uniform(5, torch.arange(20000))
+    assert torch.equal(u, rng.uniform(5, torch.arange(20000)))
+    assert 0.49 < float(u.mean()) < 0.51 and float(u.min()) > 0 and float(u.max()) < 1
+    g = rng.normal(1, torch.arange(20000))
+    assert abs(float(g.mean())) < 0.03 and abs(float(g.std()) - 1) < 0.03
+    lap = rng.laplace(2, torch.arange(20000))
+    assert abs(float(lap.abs().mean()) - 1.0) < 0.05  # E|Laplace(0,1)| = 1
