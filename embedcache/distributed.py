@@ -1,0 +1,94 @@
+"""Run extraction chunk jobs on dask.distributed workers.
+
+`--scheduler local:N` starts a LocalCluster of N single-threaded worker processes;
+`tcp://HOST:PORT` connects to a running scheduler (the workers must see the store and the
+images at the same paths). Each worker builds a backbone once (module-level cache keyed by
+name, weights dir and device) and writes its chunk regions itself; the driver only
+finalises the shards. Chunks use the same fixed batches as the single-process runner, so the
+store is bitwise identical.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from tqdm import tqdm
+
+from embedcache import store as st
+from embedcache.errors import UserError
+from embedcache.extract import ChunkJob, decode_sample, default_factory, embed_chunk, import_plugins
+
+_BACKBONES: dict[tuple[str, str | None, str], Any] = {}  # per worker process
+
+
+def _backbone(job: ChunkJob) -> Any:
+    key = (job.spec.backbone, job.weights_dir, job.device)
+    if key not in _BACKBONES:
+        import_plugins(job.plugins)
+        make = job.factory or default_factory
+        _BACKBONES[key] = make(job.spec.backbone, job.weights_dir, job.device)
+    bb = _BACKBONES[key]
+    if bb.weights_sha256 != job.spec.weights_sha256:
+        raise UserError(f"{job.spec.backbone}: worker weights sha256 {bb.weights_sha256[:12]} differ from the "
+                        f"driver's {job.spec.weights_sha256[:12]} (same --weights-dir on every worker?)")
+    return bb
+
+
+def run_chunk_job(job: ChunkJob) -> int:
+    """Decode, embed and write one chunk on a worker. Returns the number of rows written."""
+    bb = _backbone(job)
+    a, _ = job.spec.rows(job.chunk)
+    ids = job.spec.sample_ids[a:a + len(job.locators)]
+    with ThreadPoolExecutor(max(1, job.num_workers)) as pool:
+        items = list(pool.map(lambda r: decode_sample(bb, job.source, r[0], r[1], job.spec.views),
+                              zip(ids, job.locators)))
+    feats, views = embed_chunk(bb, items, job.spec, job.batch_size)
+    shard = st.open_shard(job.store, job.spec.backbone, job.spec.client, job.spec.split)
+    st.write_chunk(shard, job.chunk, feats, views)
+    return len(items)
+
+
+@contextlib.contextmanager
+def dask_client(scheduler: str) -> Iterator[Any]:
+    """A distributed Client for `local:N` (a LocalCluster started here, closed on exit) or
+    `tcp://HOST:PORT` (an existing scheduler)."""
+    from distributed import Client, LocalCluster
+
+    if scheduler.startswith("local:"):
+        try:
+            n = int(scheduler.split(":", 1)[1])
+        except ValueError:
+            n = 0
+        if n < 1:
+            raise UserError(f"scheduler {scheduler}: want local:N with N >= 1")
+        # Single-threaded worker processes: torch parallelism inside a worker would fight
+        # with the other workers for the same cores.
+        with LocalCluster(n_workers=n, threads_per_worker=1, processes=True,
+                          dashboard_address=None, silence_logs=40) as cluster, Client(cluster) as client:
+            yield client
+    elif scheduler.startswith(("tcp://", "tls://")):
+        try:
+            client = Client(scheduler, timeout="30s")
+        except OSError as exc:
+            raise UserError(f"scheduler {scheduler}: cannot connect ({exc})") from None
+        with client:
+            yield client
+    else:
+        raise UserError(f"scheduler {scheduler}: want local:N or tcp://HOST:PORT")
+
+
+def run_dask(jobs: Sequence[ChunkJob], client: Any, bar: tqdm) -> None:
+    """Run every job on the cluster; re-raise the first failure (a UserError stays one)."""
+    if not jobs:
+        return
+    from distributed import as_completed
+
+    futures = client.map(run_chunk_job, list(jobs), pure=False)
+    try:
+        for fut in as_completed(futures):
+            bar.update(fut.result())
+    finally:
+        client.cancel(futures)

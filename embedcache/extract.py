@@ -1,0 +1,366 @@
+"""Run frozen backbones once over every client's images and write the feature shards.
+
+The plan is a list of independent chunk tasks: (backbone, client, split, chunk-aligned rows).
+A chunk always goes through the model in the same batches (batch b of a chunk holds rows
+[start + b*B, start + (b+1)*B)), and augmented views use a per-sample seed, so a resumed, a
+fresh and a distributed run write bitwise-identical stores. The single-process runner overlaps
+decode+preprocess (thread pool, prefetching ahead), the forward pass (this thread) and writing
+(a writer thread); `embedcache.distributed` runs the same chunk function on dask workers.
+
+Features of the K backbones are later concatenated by the reader (FedPCL Eq. 1-2).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import importlib
+import queue
+import random
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from embedcache import store as st
+from embedcache.errors import UserError
+
+_VIEW_SEED_LOCK = threading.Lock()  # global RNGs: one seeded augmentation at a time
+
+
+@dataclass(frozen=True)
+class ExtractConfig:
+    """Settings of one `embedcache extract` run."""
+
+    backbones: tuple[str, ...]  # backbone names, in the order given
+    store: str  # store directory
+    device: str = "auto"  # "auto" (cuda when available), "cpu", "cuda", "cuda:N"
+    batch_size: int = 64  # rows per forward pass (within a chunk)
+    num_workers: int = 2  # decode+preprocess threads (per process)
+    scheduler: str | None = None  # None: this process; "local:N": dask LocalCluster; "tcp://host:port"
+    views: int = 1  # V; V > 1 also stores V augmented views per sample
+    dtype: str = "float32"  # storage dtype (float32 default, see embedcache.store.DTYPES)
+    weights_dir: str | None = None  # --weights-dir, passed to create_backbone
+    chunk_rows: int = st.DEFAULT_CHUNK_ROWS  # rows per zarr chunk = per task
+    plugins: tuple[str, ...] = ()  # modules imported first (e.g. to register custom backbones), also on workers
+    progress: bool = True  # show tqdm bars
+
+
+@dataclass(frozen=True)
+class ChunkJob:
+    """One unit of work: a chunk of one shard. Picklable, so dask workers can run it."""
+
+    store: str  # store directory
+    spec: st.ShardSpec  # the shard (with its full row lists)
+    chunk: int  # chunk index
+    locators: tuple[str, ...]  # image locators of the chunk's rows
+    source: Any  # the ImageSource (pickled to workers)
+    weights_dir: str | None  # for create_backbone on workers
+    device: str  # resolved device
+    batch_size: int  # rows per forward pass
+    plugins: tuple[str, ...] = ()  # modules to import before creating the backbone
+    num_workers: int = 1  # decode threads on the worker
+    factory: Callable[[str, str | None, str], Any] | None = None  # picklable; None: create_backbone
+
+
+@dataclass
+class ExtractReport:
+    """What a run did, per backbone."""
+
+    shards: int = 0
+    cache_hits: int = 0
+    chunks_computed: int = 0
+    rows_computed: int = 0
+    seconds: float = 0.0
+    per_backbone: dict[str, dict] = field(default_factory=dict)
+    changed: bool = False  # some shard was (re)written
+
+
+def resolve_device(device: str) -> str:
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return device
+
+
+def import_plugins(plugins: Sequence[str]) -> None:
+    for mod in plugins:
+        try:
+            importlib.import_module(mod)
+        except ImportError as exc:
+            raise UserError(f"plugin {mod}: cannot import ({exc})") from None
+
+
+def view_seed(sample_id: str, view: int) -> int:
+    """Per-sample, per-view seed: the same sample always gets the same augmentations."""
+    digest = hashlib.sha256(f"{sample_id}\0{view}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & (2**63 - 1)
+
+
+def decode_sample(backbone: Any, source: Any, sample_id: str, locator: str, views: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """Load one image and preprocess it: the clean view plus V seeded augmented views."""
+    try:
+        img = source.load(locator)
+        clean = backbone.transform(img, train=False)
+        aug: list[torch.Tensor] = []
+        if views > 1:
+            for v in range(views):
+                seed = view_seed(sample_id, v)
+                # torchvision/timm augmentations draw from the global RNGs: seed them all,
+                # one sample at a time, so the views do not depend on thread timing.
+                with _VIEW_SEED_LOCK:
+                    random.seed(seed)
+                    np.random.seed(seed % 2**32)
+                    torch.manual_seed(seed)
+                    aug.append(backbone.transform(img, train=True))
+    except UserError:
+        raise
+    except Exception as exc:  # PIL/decoder errors come in many types
+        raise UserError(f"{sample_id} ({locator}): cannot read or preprocess image: {exc}") from None
+    return clean, aug
+
+
+def forward(backbone: Any, tensors: Sequence[torch.Tensor], expect_dim: int) -> np.ndarray:
+    """One batch through the frozen backbone -> [B, D] float32."""
+    try:
+        batch = torch.stack(list(tensors))
+    except RuntimeError as exc:
+        raise UserError(f"{backbone.name}: preprocessed images differ in shape ({exc})") from None
+    with torch.inference_mode():
+        out = backbone.embed(batch)
+    arr = out.detach().cpu().numpy().astype(np.float32, copy=False)
+    if arr.shape != (len(tensors), expect_dim):
+        raise UserError(f"{backbone.name}: embed() returned shape {arr.shape}, expected ({len(tensors)}, {expect_dim})")
+    return arr
+
+
+def batch_bounds(n: int, batch_size: int) -> list[tuple[int, int]]:
+    """Fixed batches of a chunk of n rows (relative to the chunk start)."""
+    return [(a, min(a + batch_size, n)) for a in range(0, n, batch_size)]
+
+
+def embed_chunk(backbone: Any, items: Sequence[tuple[torch.Tensor, list[torch.Tensor]]], spec: st.ShardSpec,
+                batch_size: int) -> tuple[np.ndarray, np.ndarray | None]:
+    """Features (and views) of one chunk from its decoded rows, in the fixed batches."""
+    feats, views = [], []
+    for a, b in batch_bounds(len(items), batch_size):
+        feats.append(forward(backbone, [items[i][0] for i in range(a, b)], spec.feature_dim))
+        if spec.views > 1:
+            views.append(np.stack([forward(backbone, [items[i][1][v] for i in range(a, b)], spec.feature_dim)
+                                   for v in range(spec.views)]))
+    f = np.concatenate(feats) if feats else np.zeros((0, spec.feature_dim), np.float32)
+    return f, (np.concatenate(views, axis=1) if views else None)
+
+
+def build_specs(manifest: Any, backbone: Any, cfg: ExtractConfig) -> list[tuple[st.ShardSpec, tuple[str, ...]]]:
+    """One ShardSpec per (client, split) of the manifest, with the rows' locators."""
+    n_classes = len(manifest.classes)
+    out = []
+    for client in manifest.clients:
+        for split in st.SPLITS:
+            samples = manifest.samples(client.name, split)
+            for s in samples:
+                if not 0 <= int(s.label) < n_classes:
+                    raise UserError(f"{s.id}: label {s.label} outside the class list (0..{n_classes - 1})")
+            spec = st.ShardSpec(
+                backbone=backbone.name, weights_sha256=backbone.weights_sha256,
+                preprocess=dict(backbone.preprocess), feature_dim=int(backbone.feature_dim),
+                client=client.name, split=split, domain=client.domain,
+                manifest_hash=manifest.content_hash,
+                sample_list_hash=manifest.sample_list_hash(client.name, split),
+                sample_ids=tuple(s.id for s in samples), labels=tuple(int(s.label) for s in samples),
+                views=cfg.views, dtype=cfg.dtype, chunk_rows=cfg.chunk_rows)
+            out.append((spec, tuple(s.locator for s in samples)))
+    return out
+
+
+def _prefetch(stream: Iterator[Callable[[], Any]], pool: ThreadPoolExecutor, ahead: int) -> Iterator[Any]:
+    """Run the thunks of `stream` on `pool`, at most `ahead` in flight, yielding results in order."""
+    pending: deque[Future] = deque()
+    for thunk in stream:
+        pending.append(pool.submit(thunk))
+        if len(pending) >= ahead:
+            yield pending.popleft().result()
+    while pending:
+        yield pending.popleft().result()
+
+
+class _Writer(threading.Thread):
+    """Writes finished chunks while the next ones are decoded and embedded."""
+
+    def __init__(self) -> None:
+        super().__init__(daemon=True, name="embedcache-writer")
+        self.q: queue.Queue = queue.Queue(maxsize=4)
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        while (item := self.q.get()) is not None:
+            if self.error is None:
+                try:
+                    st.write_chunk(*item)
+                except BaseException as exc:  # surfaced by put()/close() in the main thread
+                    self.error = exc
+
+    def put(self, item: tuple) -> None:
+        if self.error is not None:
+            raise self.error
+        self.q.put(item)
+
+    def close(self) -> None:
+        self.q.put(None)
+        self.join()
+        if self.error is not None:
+            raise self.error
+
+
+def run_local(jobs: Sequence[ChunkJob], backbone: Any, cfg: ExtractConfig, bar: tqdm) -> None:
+    """Single process: decode in threads, embed here, write in a writer thread."""
+    if not jobs:
+        return
+    ahead = max(2 * cfg.batch_size, 4 * cfg.num_workers)
+
+    def thunks() -> Iterator[Callable[[], Any]]:
+        for job in jobs:
+            a, _ = job.spec.rows(job.chunk)
+            for i, loc in enumerate(job.locators):
+                sid = job.spec.sample_ids[a + i]
+                yield lambda sid=sid, loc=loc, src=job.source: decode_sample(backbone, src, sid, loc, cfg.views)
+
+    writer = _Writer()
+    writer.start()
+    shards: dict[str, Any] = {}
+    try:
+        with ThreadPoolExecutor(max(1, cfg.num_workers), thread_name_prefix="embedcache-decode") as pool:
+            decoded = _prefetch(thunks(), pool, ahead)
+            for job in jobs:
+                items = [next(decoded) for _ in job.locators]
+                feats, views = embed_chunk(backbone, items, job.spec, cfg.batch_size)
+                path = st.shard_path(job.store, job.spec.backbone, job.spec.client, job.spec.split)
+                if path not in shards:
+                    shards[path] = st.open_shard(job.store, job.spec.backbone, job.spec.client, job.spec.split)
+                writer.put((shards[path], job.chunk, feats, views))
+                bar.update(len(items))
+    finally:
+        writer.close()
+
+
+def default_factory(name: str, weights_dir: str | None, device: str) -> Any:
+    """create_backbone(name, weights_dir=..., device=...) (contract 3)."""
+    from embedcache.backbones import create_backbone
+
+    return create_backbone(name, weights_dir=weights_dir, device=device)
+
+
+def _load_manifest(manifest: Any) -> Any:
+    if isinstance(manifest, (str, Path)):
+        from embedcache.manifest import load_manifest
+
+        return load_manifest(manifest)
+    return manifest
+
+
+def extract(manifest: Any, cfg: ExtractConfig, *, source: Any = None,
+            backbone_factory: Callable[[str, str | None, str], Any] | None = None) -> ExtractReport:
+    """Extract every (backbone, client, split) shard of `manifest` into `cfg.store`.
+
+    `source` defaults to `open_source(manifest.source)`; `backbone_factory(name, weights_dir,
+    device)` defaults to `create_backbone`. A shard already complete with the same cache key
+    is a cache hit: no image is touched.
+    """
+    if cfg.views < 1:
+        raise UserError(f"views {cfg.views}: must be >= 1")
+    if cfg.batch_size < 1 or cfg.chunk_rows < 1:
+        raise UserError(f"batch size {cfg.batch_size} / chunk rows {cfg.chunk_rows}: must be >= 1")
+    if cfg.dtype not in st.DTYPES:
+        raise UserError(f"dtype {cfg.dtype}: must be one of {', '.join(st.DTYPES)}")
+    if not cfg.backbones:
+        raise UserError("backbones: at least one is needed")
+    import_plugins(cfg.plugins)
+    manifest = _load_manifest(manifest)
+    device = resolve_device(cfg.device)
+    make = backbone_factory or default_factory
+
+    st.init_store(cfg.store, manifest.classes, manifest.content_hash)
+    t0 = time.perf_counter()
+    with contextlib.ExitStack() as stack:
+        client = _LazyClient(cfg.scheduler, stack)
+        report = _extract_all(manifest, cfg, source, backbone_factory, make, device, client)
+    if report.changed or not _has_consolidated(cfg.store):
+        st.consolidate(cfg.store)
+    report.seconds = time.perf_counter() - t0
+    return report
+
+
+class _LazyClient:
+    """Start (or connect to) the dask cluster only when there is something to compute, so a
+    cache hit never pays for worker start-up."""
+
+    def __init__(self, scheduler: str | None, stack: contextlib.ExitStack) -> None:
+        self.scheduler, self.stack, self._client = scheduler, stack, None
+
+    def get(self) -> Any:
+        if self._client is None:
+            from embedcache.distributed import dask_client
+
+            self._client = self.stack.enter_context(dask_client(self.scheduler))
+        return self._client
+
+
+def _extract_all(manifest: Any, cfg: ExtractConfig, source: Any, backbone_factory: Any, make: Any,
+                 device: str, client: _LazyClient) -> ExtractReport:
+    report = ExtractReport()
+    src = source
+    for name in cfg.backbones:
+        bb = make(name, cfg.weights_dir, device)
+        specs = build_specs(manifest, bb, cfg)
+        jobs: list[ChunkJob] = []
+        todo: list[st.ShardSpec] = []
+        hits = 0
+        for spec, locators in specs:
+            if st.prepare_shard(cfg.store, spec):
+                hits += 1
+                continue
+            todo.append(spec)
+            shard = st.open_shard(cfg.store, spec.backbone, spec.client, spec.split)
+            if src is None:
+                from embedcache.sources import open_source
+
+                src = open_source(manifest.source)
+            for chunk in st.missing_chunks(shard):
+                a, b = spec.rows(chunk)
+                jobs.append(ChunkJob(store=str(cfg.store), spec=spec, chunk=chunk, locators=locators[a:b],
+                                     source=src, weights_dir=cfg.weights_dir, device=device,
+                                     batch_size=cfg.batch_size, plugins=cfg.plugins,
+                                     factory=backbone_factory))
+        rows = sum(len(j.locators) for j in jobs)
+        with tqdm(total=rows, desc=name, unit="img", disable=not cfg.progress or rows == 0) as bar:
+            if cfg.scheduler and jobs:
+                from embedcache.distributed import run_dask
+
+                run_dask(jobs, client.get(), bar)
+            else:
+                run_local(jobs, bb, cfg, bar)
+        for spec in todo:
+            st.finalize_shard(cfg.store, spec)
+        report.changed = report.changed or bool(todo)
+        report.shards += len(specs)
+        report.cache_hits += hits
+        report.chunks_computed += len(jobs)
+        report.rows_computed += rows
+        report.per_backbone[name] = {"shards": len(specs), "cache_hits": hits, "chunks": len(jobs), "rows": rows}
+        del bb
+    return report
+
+
+def _has_consolidated(store: str) -> bool:
+    import json
+
+    meta = json.loads((Path(store) / "zarr.json").read_text())
+    return meta.get("consolidated_metadata") is not None
