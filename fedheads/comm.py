@@ -127,6 +127,23 @@ class CommLedger:
         }
 
 
+def ledger_from_rounds(records: Any) -> CommLedger:
+    """A ledger from an engine's round records (``fedheads.core.engine.RoundRecord``: each
+    with ``round``, ``participants`` and ``comm.{up,down}_{values,bytes}`` summed over the
+    round's participants). Duck-typed so this module does not import the core."""
+    led = CommLedger()
+    for rec in records:
+        p = len(rec.participants)
+        c = rec.comm
+        led.rounds.add(int(rec.round))
+        led.up_params += int(c.up_values)
+        led.up_bytes += int(c.up_bytes)
+        led.down_params += int(c.down_values)
+        led.down_bytes += int(c.down_bytes)
+        led.up_messages += p
+    return led
+
+
 # ------------------------------------------------------------------ FedPCL conventions
 
 

@@ -44,6 +44,32 @@ def _atomic_write(path: Path, write: Any, binary: bool = False) -> Path:
     return path
 
 
+def seed_result_from_run(run: Any, seed: int, client_names: Sequence[str],
+                         rule: str = "main") -> dict[str, Any]:
+    """One per-seed entry for :func:`summarise_runs` from an engine ``RunResult``
+    (``client_names`` aligned with its client axis, e.g. ``FedData.client_names``).
+
+    Accuracies become percent; clients with no test rows (NaN) are left out and listed
+    under ``clients_without_test``."""
+    final = run.final_accuracy(rule)
+    names = list(client_names)
+    if len(names) != len(final):
+        raise UserError(f"client_names: {len(names)} names for {len(final)} clients")
+    per_client, empty = {}, []
+    for name, acc in zip(names, final.tolist()):
+        (empty.append(name) if acc != acc else per_client.__setitem__(name, 100.0 * acc))
+    history = []
+    for rec in run.history:
+        if rec.accuracy is not None:
+            a = rec.accuracy[rule]
+            history.append({"round": int(rec.round) + 1,  # after round r (1-based, as papers plot)
+                            "accuracy": 100.0 * float(a[~a.isnan()].mean())})
+    return {"seed": int(seed), "per_client": per_client, "history": history,
+            "communication": comm.ledger_from_rounds(run.history).summary(),
+            "trainable_params_per_client": int(run.trainable_params_per_client),
+            "clients_without_test": empty}
+
+
 def summarise_runs(per_seed: Sequence[Mapping[str, Any]], *, algorithm: str,
                    backbones: Sequence[str], rounds: int,
                    feature_dims: Sequence[int] | None = None, num_classes: int | None = None,

@@ -118,3 +118,16 @@ def test_ledger_sums_over_rounds_and_participants():
     assert s["rounds_communicating"] == 4
     with pytest.raises(UserError, match="direction='sideways'"):
         led.add(0, "sideways", 1, 1, 1)
+
+
+def test_ledger_from_engine_round_records():
+    from types import SimpleNamespace as NS
+
+    recs = [NS(round=0, participants=(0, 1, 2), comm=NS(up_values=30, up_bytes=120,
+                                                       down_values=15, down_bytes=60)),
+            NS(round=1, participants=(1,), comm=NS(up_values=10, up_bytes=40,
+                                                  down_values=5, down_bytes=20))]
+    s = C.ledger_from_rounds(recs).summary()
+    assert s["upload_params_per_client_per_round"] == 10.0
+    assert (s["upload_bytes_total"], s["download_bytes_total"]) == (160, 80)
+    assert s["rounds_communicating"] == 2

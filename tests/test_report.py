@@ -81,3 +81,31 @@ def test_writers_produce_files(tmp_path):
     md = R.run_markdown(a)
     assert "# fedpcl on a" in md and "50.00(0.00)" in md
     assert not list(tmp_path.rglob("*.tmp"))
+
+
+def test_seed_result_from_engine_run():
+    import numpy as np
+
+    from fedheads.algorithms.fedncm import FedNCM
+    from fedheads.core import engine
+    from fedheads.data import FedData
+
+    rng = np.random.default_rng(0)
+    clients = []
+    for k in range(3):
+        y = np.array([0, 1, 2, 0, 1, 2])
+        x = (np.eye(3)[y] * 4 + rng.normal(size=(6, 3)) * 0.1).astype(np.float32)
+        clients.append((x, y, x[:4], y[:4]))
+    data = FedData.from_arrays(clients, 3, client_names=["a", "b", "c"])
+    run = engine.run(FedNCM(), data, rounds=1, progress=False)
+    s = R.seed_result_from_run(run, 7, data.client_names)
+    assert s["per_client"] == {"a": 100.0, "b": 100.0, "c": 100.0}
+    assert s["history"] == [{"round": 1, "accuracy": 100.0}]
+    assert s["communication"]["upload_params_per_client_per_round"] == 3 * 3 + 3
+    assert s["communication"]["upload_bytes_total"] == 3 * (8 * 9 + 8 * 3)
+    r = R.summarise_runs([s], algorithm="fedncm", backbones=["x"], rounds=1,
+                         feature_dims=[3], num_classes=3)
+    assert r["communication"]["paper_comm_params_per_client_per_round"] == 9
+    assert r["trainable_params_per_client"] == 0
+    with pytest.raises(UserError, match="2 names for 3 clients"):
+        R.seed_result_from_run(run, 7, ["a", "b"])
