@@ -1,0 +1,31 @@
+"""Backbone registry and sources (contract: docs/contracts.md section 3).
+
+``create_backbone(name)`` builds one of: ``resnet{20,32,44,56}-cifar10``,
+``resnet18-{quickdraw,aircraft,birds}``, ``mobilenet-v1-embed-tflite``, ``mobilenet-v2-tflite``,
+``digitnet-builtin``, ``timm:<model>``, ``tv:<model>``. See each source module for the
+architecture, checkpoint layout and preprocessing it assumes.
+"""
+
+from embedcache.backbones.base import Backbone
+from embedcache.backbones.registry import (
+    BackboneInfo,
+    create_backbone,
+    default_backbones,
+    default_backbones_with_reason,
+    list_backbones,
+    register_backbone,
+    registered_names,
+)
+from embedcache.backbones.weights import resolve_weights_dir
+
+__all__ = [
+    "Backbone",
+    "BackboneInfo",
+    "create_backbone",
+    "default_backbones",
+    "default_backbones_with_reason",
+    "list_backbones",
+    "register_backbone",
+    "registered_names",
+    "resolve_weights_dir",
+]

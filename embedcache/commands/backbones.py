@@ -1,8 +1,35 @@
-"""Placeholder: replaced by the owner of this command."""
+"""``embedcache backbones``: which backbones exist, their dimension, and whether their
+weights are available here (never builds a model, never downloads)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+
 import click
 
 
 @click.command(name="backbones")
-def backbones() -> None:
-    """(not implemented yet)"""
-    raise click.ClickException("backbones: not implemented yet")
+@click.option("--weights-dir", type=click.Path(file_okay=False), default=None,
+              help="Weights directory (default: $EMBEDCACHE_WEIGHTS > $EMBEDCACHE_ASSETS/weights > "
+                   "../shared/weights > ~/.cache/embedcache/weights).")
+@click.option("--json", "as_json", is_flag=True, help="Print a JSON list instead of a table.")
+def backbones(weights_dir: str | None, as_json: bool) -> None:
+    """List registered backbones: name, dim, source, available, reason."""
+    from embedcache.backbones import default_backbones_with_reason, list_backbones, resolve_weights_dir
+
+    rows = list_backbones(weights_dir)
+    default, why = default_backbones_with_reason(weights_dir)
+    if as_json:
+        click.echo(json.dumps({"weights_dir": str(resolve_weights_dir(weights_dir)), "default": default,
+                               "default_reason": why, "backbones": [asdict(r) for r in rows]}, indent=2))
+        return
+    table = [("name", "dim", "source", "available", "reason")]
+    for r in rows:
+        table.append((r.name, "" if r.feature_dim is None else str(r.feature_dim), r.source,
+                      "yes" if r.available else "no", r.reason))
+    widths = [max(len(row[i]) for row in table) for i in range(4)]
+    click.echo(f"weights dir: {resolve_weights_dir(weights_dir)}")
+    for row in table:
+        click.echo("  ".join(cell.ljust(w) for cell, w in zip(row[:4], widths)) + "  " + row[4])
+    click.echo(f"default: {', '.join(default)} ({why})")

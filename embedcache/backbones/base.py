@@ -1,0 +1,215 @@
+"""The backbone contract (docs/contracts.md section 3) and the shared torch machinery.
+
+A :class:`Backbone` maps preprocessed images ``[B, C, H, W]`` to pooled features ``[B, D]``
+(FedPCL Sec. 3, the frozen encoder r_k(x; phi_k*) whose outputs are concatenated in Eq. 1-2).
+It is always used frozen: eval mode (BatchNorm on running statistics), inference mode.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+from abc import ABC, abstractmethod
+from typing import Any, Mapping
+
+import torch
+from PIL import Image
+
+from embedcache.errors import UserError
+
+_INTERP = {"bilinear": "BILINEAR", "bicubic": "BICUBIC", "nearest": "NEAREST"}
+
+
+class Backbone(ABC):
+    """A frozen feature extractor. Subclasses set the four attributes in ``__init__``."""
+
+    name: str
+    feature_dim: int
+    weights_sha256: str
+    preprocess: dict
+
+    @abstractmethod
+    def transform(self, img: Image.Image, *, train: bool = False) -> torch.Tensor:
+        """PIL image -> ``[C, H, W]`` float32; ``train=True`` gives one random augmented view."""
+
+    @abstractmethod
+    def embed(self, batch: torch.Tensor) -> torch.Tensor:
+        """``[B, C, H, W]`` -> ``[B, D]`` float32 on the CPU."""
+
+    @abstractmethod
+    def to(self, device: str) -> "Backbone":
+        """Move to ``device`` ("cpu", "cuda", "cuda:1"); returns self."""
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(name={self.name!r}, feature_dim={self.feature_dim})"
+
+
+def check_device(device: str, *, who: str) -> torch.device:
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise UserError(f"{who}: bad device {device!r} ({exc})") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise UserError(f"{who}: device {device!r} asked for but CUDA is not available")
+    if dev.type not in ("cpu", "cuda"):
+        raise UserError(f"{who}: device {device!r} is not supported (use cpu or cuda[:N])")
+    return dev
+
+
+def check_batch(batch: torch.Tensor, input_size: tuple[int, int, int], *, who: str) -> None:
+    if not isinstance(batch, torch.Tensor) or batch.ndim != 4 or tuple(batch.shape[1:]) != tuple(input_size):
+        shape = tuple(batch.shape) if isinstance(batch, torch.Tensor) else type(batch).__name__
+        raise UserError(f"{who}: embed() wants a [B, {', '.join(map(str, input_size))}] tensor, got {shape}")
+    if batch.shape[0] == 0:
+        raise UserError(f"{who}: embed() got an empty batch")
+
+
+def state_dict_sha256(state: Mapping[str, torch.Tensor]) -> str:
+    """sha256 over (name, dtype, shape, bytes) of every tensor in sorted key order: a stable
+    identity for weights that did not come from a single file (e.g. the timm hub cache)."""
+    h = hashlib.sha256()
+    for key in sorted(state):
+        t = state[key].detach().cpu().contiguous()
+        h.update(f"{key}|{t.dtype}|{tuple(t.shape)}|".encode())
+        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()
+
+
+def strip_prefix(state: Mapping[str, Any], prefix: str) -> dict[str, Any]:
+    if state and all(k.startswith(prefix) for k in state):
+        return {k[len(prefix):]: v for k, v in state.items()}
+    return dict(state)
+
+
+def load_strict(model: torch.nn.Module, state: Mapping[str, torch.Tensor], *, who: str,
+                ignore: tuple[str, ...] = ()) -> list[str]:
+    """Load ``state`` asserting every key of ``model`` is matched with the right shape.
+
+    Checkpoint keys that start with one of ``ignore`` (e.g. the classifier ``linear.``) are
+    dropped and returned; any other unexpected or missing key is a UserError. (FedPCL's code
+    loads with ``strict=False``, which can silently load nothing.)
+    """
+    dropped = sorted(k for k in state if k.startswith(ignore)) if ignore else []
+    kept = {k: v for k, v in state.items() if k not in set(dropped)}
+    own = model.state_dict()
+    # Checkpoints saved before PyTorch 0.4.1 lack BatchNorm's num_batches_tracked counter; it
+    # plays no part in eval mode, so the model's own value is kept.
+    for k in own:
+        if k.endswith("num_batches_tracked") and k not in kept:
+            kept[k] = own[k]
+    missing = sorted(set(own) - set(kept))
+    unexpected = sorted(set(kept) - set(own))
+    bad_shape = sorted(k for k in set(own) & set(kept) if tuple(own[k].shape) != tuple(kept[k].shape))
+    if missing or unexpected or bad_shape:
+        parts = []
+        for label, keys in (("missing", missing), ("unexpected", unexpected), ("wrong shape", bad_shape)):
+            if keys:
+                more = f" (+{len(keys) - 5} more)" if len(keys) > 5 else ""
+                parts.append(f"{label} keys {keys[:5]}{more}")
+        raise UserError(f"{who}: checkpoint does not match the architecture: {'; '.join(parts)}")
+    model.load_state_dict(kept, strict=True)
+    return dropped
+
+
+def build_transform(spec: Mapping[str, Any], *, train: bool):
+    """torchvision pipeline from a preprocess dict (the dict is the single source of truth).
+
+    Keys: ``input_size`` [C,H,W]; ``resize`` [H,W] (exact) or int (shorter side);
+    ``crop`` [H,W] or None; ``interpolation``; ``mean``/``std`` or None; ``to`` "float" (ToTensor,
+    [0,1]) or "uint8_float" (0..255 values kept as float32); ``train_augment`` dict.
+    """
+    from torchvision import transforms as T
+
+    interp = getattr(T.InterpolationMode, _INTERP[spec["interpolation"]])
+    size = tuple(spec["input_size"][1:])
+    aug = spec.get("train_augment") or {"kind": "none"}
+    ops: list = []
+    if spec.get("grayscale_to_rgb", True):
+        ops.append(T.Lambda(_to_rgb))
+    if train and aug["kind"] == "random_resized_crop_flip":
+        ops += [T.RandomResizedCrop(size, scale=tuple(aug["scale"]), ratio=tuple(aug["ratio"]), interpolation=interp),
+                T.RandomHorizontalFlip(0.5)]
+    else:
+        resize = spec["resize"]
+        ops.append(T.Resize(tuple(resize) if isinstance(resize, (list, tuple)) else int(resize), interpolation=interp))
+        if spec.get("crop"):
+            ops.append(T.CenterCrop(tuple(spec["crop"])))
+        if train and aug["kind"] == "pad_crop_flip":
+            ops += [T.RandomCrop(size, padding=int(aug["padding"])), T.RandomHorizontalFlip(0.5)]
+        elif train and aug["kind"] == "affine":
+            ops.append(T.RandomAffine(degrees=float(aug["degrees"]), translate=tuple(aug["translate"]),
+                                      scale=tuple(aug["scale"]), interpolation=interp))
+        elif train and aug["kind"] != "none":
+            raise UserError(f"train_augment: unknown kind {aug['kind']!r}")
+    if spec.get("to", "float") == "uint8_float":
+        ops.append(T.PILToTensor())
+        ops.append(T.Lambda(lambda t: t.to(torch.float32)))
+    else:
+        ops.append(T.ToTensor())
+        if spec.get("mean") is not None:
+            ops.append(T.Normalize(tuple(spec["mean"]), tuple(spec["std"])))
+    return T.Compose(ops)
+
+
+def _to_rgb(img: Image.Image) -> Image.Image:
+    return img if img.mode == "RGB" else img.convert("RGB")
+
+
+class TorchBackbone(Backbone):
+    """A frozen ``nn.Module`` whose forward returns pooled features ``[B, D]``.
+
+    On CUDA the module runs channels_last under autocast (bfloat16 where supported, else
+    float16); the output is always float32 on the CPU. ``feature_dim`` is measured on a dummy
+    batch rather than trusted from metadata (timm's ``num_features`` is not always the pooled size).
+    """
+
+    def __init__(self, name: str, module: torch.nn.Module, *, weights_sha256: str, preprocess: dict,
+                 device: str = "cpu", transform_fn=None) -> None:
+        self.name = name
+        self.weights_sha256 = weights_sha256
+        self.preprocess = preprocess
+        self.input_size: tuple[int, int, int] = tuple(preprocess["input_size"])  # type: ignore[assignment]
+        self._module = module.eval().requires_grad_(False)
+        self._transform_fn = transform_fn  # (img, train) -> tensor, when not built from the dict
+        self._tf_cache: dict[bool, Any] = {}
+        self._device = torch.device("cpu")
+        self.to(device)
+        self.feature_dim = int(self.embed(torch.zeros((2, *self.input_size))).shape[1])
+
+    @property
+    def module(self) -> torch.nn.Module:
+        return self._module
+
+    def transform(self, img: Image.Image, *, train: bool = False) -> torch.Tensor:
+        if self._transform_fn is not None:
+            out = self._transform_fn(img, train)
+        else:
+            if train not in self._tf_cache:
+                self._tf_cache[train] = build_transform(self.preprocess, train=train)
+            out = self._tf_cache[train](img)
+        return out.to(torch.float32)
+
+    def to(self, device: str) -> "TorchBackbone":
+        dev = check_device(device, who=self.name)
+        self._module.to(dev)
+        if dev.type == "cuda":
+            self._module.to(memory_format=torch.channels_last)
+        self._device = dev
+        return self
+
+    def _autocast(self):
+        if self._device.type != "cuda":
+            return contextlib.nullcontext()
+        dtype = torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        return torch.autocast(device_type="cuda", dtype=dtype)
+
+    def embed(self, batch: torch.Tensor) -> torch.Tensor:
+        check_batch(batch, self.input_size, who=self.name)
+        self._module.eval()
+        with torch.inference_mode(), self._autocast():
+            x = batch.to(self._device, dtype=torch.float32, non_blocking=True)
+            if self._device.type == "cuda":
+                x = x.contiguous(memory_format=torch.channels_last)
+            out = self._module(x)
+        out = out.reshape(out.shape[0], -1).float().cpu()
+        return out

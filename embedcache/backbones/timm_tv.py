@@ -1,0 +1,221 @@
+"""Open families: ``timm:<model>`` (any timm model) and ``tv:<model>`` (torchvision).
+
+Weights, first found wins:
+  1. a local file ``<weights_dir>/timm/<model>.(safetensors|pth)`` or
+     ``<weights_dir>/tv/<model>.(safetensors|pth)`` (a full checkpoint, classifier included or
+     not; a ``state_dict``/``model`` wrapper and a ``module.`` prefix are accepted);
+  2. the Hugging Face hub cache (timm) or the torch hub cache (both), without network;
+  3. online only (``$EMBEDCACHE_OFFLINE`` != 1): timm ``pretrained=True`` / the torchvision
+     weights enum ``DEFAULT``, which download into those caches.
+Otherwise a UserError says where it looked. Keys are matched strictly (classifier keys aside).
+
+Features: timm ``create_model(num_classes=0)`` gives the pooled pre-logits feature; torchvision
+models get their last ``nn.Linear`` replaced by Identity (resnet ``fc`` -> 512/2048-d,
+mobilenet_v3 -> the 1280-d hidden layer, vgg -> 4096-d). Preprocessing comes from the model:
+timm ``resolve_model_data_config`` + ``create_transform``; torchvision ``weights.transforms()``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from embedcache.backbones import weights as W
+from embedcache.backbones.base import TorchBackbone, load_strict, state_dict_sha256, strip_prefix
+from embedcache.backbones.registry import BackboneInfo
+from embedcache.errors import UserError
+
+_EXTS = (".safetensors", ".pth")
+# The random view used for train=True (multi-view extraction), milder than ImageNet training.
+TIMM_TRAIN_AUG = {"scale": [0.6, 1.0], "ratio": [0.75, 1.3333333333333333], "hflip": 0.5, "color_jitter": None}
+
+
+def _local(family: str, model: str, weights_dir: Path | None) -> Path | None:
+    for ext in _EXTS:
+        p = W.find_file(f"{family}/{model}{ext}", weights_dir)
+        if p is not None:
+            return p
+    return None
+
+
+def _read_state(path: Path, *, who: str) -> dict[str, torch.Tensor]:
+    if path.suffix == ".safetensors":
+        from safetensors.torch import load_file
+
+        try:
+            state = load_file(str(path), device="cpu")
+        except Exception as exc:
+            raise UserError(f"{path}: not a readable safetensors file ({exc})") from None
+    else:
+        state = W.load_torch(path, who=who)
+        for wrap in ("state_dict", "model"):
+            if isinstance(state, dict) and isinstance(state.get(wrap), dict):
+                state = state[wrap]
+    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+        raise UserError(f"{path}: expected a state dict of tensors")
+    return strip_prefix(state, "module.")
+
+
+def _hub_cache_file(url: str) -> Path | None:
+    if not url:
+        return None
+    p = Path(torch.hub.get_dir()) / "checkpoints" / url.rsplit("/", 1)[-1]
+    return p if p.is_file() else None
+
+
+# ---------------------------------------------------------------- timm
+def _timm_cached(cfg: dict) -> Path | None:
+    hub_id = cfg.get("hf_hub_id")
+    if hub_id:
+        try:
+            from huggingface_hub import try_to_load_from_cache
+        except ImportError:
+            pass
+        else:
+            for fname in ("model.safetensors", "pytorch_model.bin", "open_clip_pytorch_model.bin"):
+                hit = try_to_load_from_cache(hub_id, fname)
+                if isinstance(hit, str):
+                    return Path(hit)
+    return _hub_cache_file(cfg.get("url", ""))
+
+
+def create_timm(model: str, weights_dir: Path | None, device: str) -> TorchBackbone:
+    import timm
+    from timm.data import create_transform, resolve_model_data_config
+
+    name = f"timm:{model}"
+    try:
+        net = timm.create_model(model, pretrained=False, num_classes=0)
+    except RuntimeError as exc:  # timm raises RuntimeError("Unknown model ...")
+        raise UserError(f"{name}: {exc}") from None
+    cfg = dict(net.pretrained_cfg)
+    classifier = cfg.get("classifier") or ()
+    ignore = tuple(f"{c}." for c in ((classifier,) if isinstance(classifier, str) else classifier))
+    path = _local("timm", model, weights_dir) or _timm_cached(cfg)
+    if path is not None:
+        # A .bin from the HF cache is a torch pickle like .pth.
+        load_strict(net, _read_state(path, who=name), who=f"{name} ({path})", ignore=ignore)
+        digest, where = W.sha256_file(path), str(path)
+    elif not W.offline():
+        try:
+            net = timm.create_model(model, pretrained=True, num_classes=0)
+        except Exception as exc:
+            raise UserError(f"{name}: no local weights ({_timm_looked(model, weights_dir)}) and the "
+                            f"download failed ({type(exc).__name__}: {exc}); offline?") from None
+        digest, where = state_dict_sha256(net.state_dict()), "timm pretrained download"
+    else:
+        raise UserError(f"{name}: weights not found; looked in {_timm_looked(model, weights_dir)} "
+                        "($EMBEDCACHE_OFFLINE=1, no download)")
+    data_cfg = resolve_model_data_config(net)
+    preprocess = {
+        "pipeline": "timm",
+        "timm_version": timm.__version__,
+        "input_size": list(data_cfg["input_size"]),
+        **{k: (list(v) if isinstance(v, tuple) else v) for k, v in data_cfg.items() if k != "input_size"},
+        "train_augment": dict(TIMM_TRAIN_AUG),
+        "weights_source": Path(where).name if path is not None else where,
+    }
+    tf = {
+        False: create_transform(**data_cfg, is_training=False),
+        True: create_transform(**data_cfg, is_training=True, scale=tuple(TIMM_TRAIN_AUG["scale"]),
+                               ratio=tuple(TIMM_TRAIN_AUG["ratio"]), hflip=TIMM_TRAIN_AUG["hflip"],
+                               color_jitter=TIMM_TRAIN_AUG["color_jitter"]),
+    }
+
+    def transform(img, train: bool) -> torch.Tensor:
+        return tf[train](img if img.mode == "RGB" else img.convert("RGB"))
+
+    return TorchBackbone(name, net, weights_sha256=digest, preprocess=preprocess, device=device, transform_fn=transform)
+
+
+def _timm_looked(model: str, weights_dir: Path | None) -> str:
+    return ", ".join(W.looked_in(f"timm/{model}{e}", weights_dir) for e in _EXTS) + ", the HF/torch hub caches"
+
+
+# ---------------------------------------------------------------- torchvision
+def _replace_last_linear(net: nn.Module) -> None:
+    last = None
+    for qual, mod in net.named_modules():
+        if isinstance(mod, nn.Linear):
+            last = qual
+    if last is None:
+        return
+    parent_name, _, attr = last.rpartition(".")
+    parent = net.get_submodule(parent_name) if parent_name else net
+    setattr(parent, attr, nn.Identity())
+
+
+def create_tv(model: str, weights_dir: Path | None, device: str) -> TorchBackbone:
+    import torchvision
+    from torchvision import models as tvm
+
+    name = f"tv:{model}"
+    if model not in tvm.list_models(module=tvm):
+        raise UserError(f"{name}: not a torchvision classification model (see torchvision.models.list_models())")
+    try:
+        wenum = tvm.get_model_weights(model).DEFAULT
+    except (ValueError, KeyError, AttributeError):
+        wenum = None
+    net = tvm.get_model(model, weights=None)
+    path = _local("tv", model, weights_dir) or (_hub_cache_file(wenum.url) if wenum is not None else None)
+    if path is not None:
+        load_strict(net, _read_state(path, who=name), who=f"{name} ({path})")
+        digest, where = W.sha256_file(path), path.name
+    elif wenum is not None and not W.offline():
+        try:
+            net.load_state_dict(wenum.get_state_dict(progress=True, check_hash=True), strict=True)
+        except Exception as exc:
+            raise UserError(f"{name}: no local weights and the download of {wenum.url} failed "
+                            f"({type(exc).__name__}: {exc}); offline?") from None
+        digest, where = state_dict_sha256(net.state_dict()), str(wenum)
+    else:
+        looked = ", ".join(W.looked_in(f"tv/{model}{e}", weights_dir) for e in _EXTS)
+        raise UserError(f"{name}: weights not found; looked in {looked} and the torch hub cache")
+    _replace_last_linear(net)
+    if wenum is not None:
+        t = wenum.transforms()
+        crop, resize = int(t.crop_size[0]), int(t.resize_size[0])
+        mean, std, interp = list(t.mean), list(t.std), t.interpolation.value
+    else:  # the usual ImageNet evaluation recipe
+        crop, resize, mean, std, interp = 224, 256, [0.485, 0.456, 0.406], [0.229, 0.224, 0.225], "bilinear"
+    preprocess = {
+        "pipeline": "torchvision",
+        "torchvision_version": torchvision.__version__,
+        "input_size": [3, crop, crop],
+        "resize": resize,
+        "crop": [crop, crop],
+        "interpolation": interp,
+        "to": "float",
+        "mean": mean,
+        "std": std,
+        "train_augment": {"kind": "random_resized_crop_flip", "scale": [0.6, 1.0], "ratio": [0.75, 1.3333333333333333]},
+        "weights_source": where,
+    }
+    return TorchBackbone(name, net, weights_sha256=digest, preprocess=preprocess, device=device)
+
+
+# ---------------------------------------------------------------- listing
+def family_rows(weights_dir: Path | None) -> list[BackboneInfo]:
+    """The two family patterns plus one row per local checkpoint found under timm/ and tv/."""
+    rows = [
+        BackboneInfo("timm:<model>", "any timm model, pooled pre-logits feature (create_model(num_classes=0))",
+                     True, "weights: <weights_dir>/timm/<model>.(safetensors|pth), HF/torch cache, or download",
+                     "timm", None),
+        BackboneInfo("tv:<model>", "any torchvision classification model, last Linear removed",
+                     True, "weights: <weights_dir>/tv/<model>.(safetensors|pth), torch hub cache, or download",
+                     "torchvision", None),
+    ]
+    seen: set[str] = set()
+    for d in W.search_dirs(weights_dir):
+        for family, source in (("timm", "timm"), ("tv", "torchvision")):
+            sub = d / family
+            if not sub.is_dir():
+                continue
+            for f in sorted(sub.iterdir()):
+                if f.suffix in _EXTS and f.is_file() and f"{family}:{f.stem}" not in seen:
+                    seen.add(f"{family}:{f.stem}")
+                    rows.append(BackboneInfo(f"{family}:{f.stem}", f"{source} model {f.stem} (local checkpoint)",
+                                             True, str(f), source, None))
+    return rows
