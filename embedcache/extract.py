@@ -292,7 +292,7 @@ def extract(manifest: Any, cfg: ExtractConfig, *, source: Any = None,
     with contextlib.ExitStack() as stack:
         client = _LazyClient(cfg.scheduler, stack)
         report = _extract_all(manifest, cfg, source, backbone_factory, make, device, client)
-    if report.changed or not _has_consolidated(cfg.store):
+    if report.changed or not st.has_consolidated(cfg.store):
         st.consolidate(cfg.store)
     report.seconds = time.perf_counter() - t0
     return report
@@ -358,9 +358,3 @@ def _extract_all(manifest: Any, cfg: ExtractConfig, source: Any, backbone_factor
         del bb
     return report
 
-
-def _has_consolidated(store: str) -> bool:
-    import json
-
-    meta = json.loads((Path(store) / "zarr.json").read_text())
-    return meta.get("consolidated_metadata") is not None

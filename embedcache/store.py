@@ -139,16 +139,26 @@ def _quiet_open(path: str | Path, mode: str = "r+", **kw) -> zarr.Group:
         return zarr.open_group(str(path), mode=mode, zarr_format=3, **kw)
 
 
-def _drop_consolidated(root: zarr.Group, store: str | Path) -> None:
-    """A store about to change must not keep consolidated metadata that describes its past."""
-    if root.metadata.consolidated_metadata is None:
+def _drop_consolidated(store: str | Path, *, have_lock: bool = False) -> None:
+    """A store about to change must not keep consolidated metadata that describes its past
+    (readers open the consolidated view when there is one). Done under the store lock so a
+    concurrent `consolidate` cannot write the old view back afterwards."""
+    if not have_lock:
+        with dir_lock(store):
+            _drop_consolidated(store, have_lock=True)
         return
     meta_path = Path(store) / "zarr.json"
     meta = json.loads(meta_path.read_text())
-    meta.pop("consolidated_metadata", None)
-    tmp = meta_path.with_suffix(".json.tmp")
+    if meta.get("consolidated_metadata") is None:
+        return
+    meta.pop("consolidated_metadata")
+    tmp = meta_path.with_name(f".zarr.json.{os.getpid()}.tmp")
     tmp.write_text(json.dumps(meta, indent=2))
     os.replace(tmp, meta_path)
+
+
+def has_consolidated(store: str | Path) -> bool:
+    return json.loads((Path(store) / "zarr.json").read_text()).get("consolidated_metadata") is not None
 
 
 def init_store(store: str | Path, classes: Sequence[str], manifest_hash: str) -> None:
@@ -164,7 +174,7 @@ def init_store(store: str | Path, classes: Sequence[str], manifest_hash: str) ->
             if old != list(classes):
                 raise UserError(f"{store}: store classes {old} differ from {list(classes)}; use a new store")
             if root.attrs.get("manifest_hash") != manifest_hash:
-                _drop_consolidated(root, store)
+                _drop_consolidated(store, have_lock=True)
                 root.attrs["manifest_hash"] = manifest_hash
             return
         root = _quiet_open(store, "w")
@@ -224,8 +234,19 @@ def prepare_shard(store: str | Path, spec: ShardSpec) -> bool:
         bgroup = root.require_group(bk)
         battrs = {"backbone": spec.backbone, "weights_sha256": spec.weights_sha256,
                   "preprocess": spec.preprocess, "feature_dim": spec.feature_dim}
+        old_dim = bgroup.attrs.get("feature_dim")
+        if old_dim is not None and old_dim != spec.feature_dim:
+            # Every client of one backbone must share D, or the clients' features would not
+            # stack for the heads; refuse rather than mix.
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                others = [f"{c}/{s}" for c, cg in bgroup.groups() for s, _ in cg.groups()
+                          if (c, s) != (spec.client, spec.split)]
+            if others:
+                raise UserError(f"{spec.backbone}: feature dim {spec.feature_dim} differs from dim {old_dim} of its "
+                                f"shards already in the store (e.g. {others[0]}); use another name or store")
         if dict(bgroup.attrs) != battrs:
-            _drop_consolidated(root, store)
+            _drop_consolidated(store)
             bgroup.attrs.update(battrs)
         cgroup = bgroup.require_group(spec.client)
         if cgroup.attrs.get("domain") != spec.domain:
@@ -234,7 +255,7 @@ def prepare_shard(store: str | Path, spec: ShardSpec) -> bool:
             shard = cgroup[spec.split]
             if isinstance(shard, zarr.Group) and _matches(shard, spec):
                 return bool(shard.attrs.get("complete", False))
-        _drop_consolidated(root, store)
+        _drop_consolidated(store)
         shutil.rmtree(client_dir / spec.split, ignore_errors=True)
         _create(cgroup, spec)
         return False
@@ -258,7 +279,14 @@ def _create(cgroup: zarr.Group, spec: ShardSpec) -> None:
 
 
 def open_shard(store: str | Path, backbone: str, client: str, split: str, mode: str = "r+") -> zarr.Group:
-    return _quiet_open(Path(store) / shard_path(store, backbone, client, split), mode, use_consolidated=False)
+    """The shard group, opened through the root so that its `.path` names it in messages."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        root = _quiet_open(store, mode, use_consolidated=False)
+        try:
+            return root[shard_path(store, backbone, client, split)]
+        except KeyError:
+            raise UserError(f"{shard_path(store, backbone, client, split)}: no such shard in {store}") from None
 
 
 def chunk_digest(key: str, features: np.ndarray, views: np.ndarray | None) -> bytes:
@@ -287,7 +315,8 @@ def write_chunk(
     if features.shape != (stop - start, attrs["dim"]) or stop > attrs["n"]:
         raise UserError(f"chunk {chunk}: features shape {features.shape} does not fit shard "
                         f"[{attrs['n']}, {attrs['dim']}] rows {start}:{stop}")
-    feats = features.astype(dtype, copy=False)
+    with np.errstate(over="ignore"):  # float16 overflow becomes inf and is refused just below
+        feats = features.astype(dtype, copy=False)
     if not np.isfinite(feats).all():
         raise UserError(f"chunk {chunk} of {attrs['backbone']}: features contain NaN/inf "
                         f"(rows {start}:{stop}{', float16 overflow?' if dtype == np.float16 else ''})")
@@ -297,7 +326,8 @@ def write_chunk(
         if views is None or views.shape != (attrs["views"], stop - start, attrs["dim"]):
             raise UserError(f"chunk {chunk}: views shape {None if views is None else views.shape} "
                             f"!= ({attrs['views']}, {stop - start}, {attrs['dim']})")
-        vws = views.astype(dtype, copy=False)
+        with np.errstate(over="ignore"):
+            vws = views.astype(dtype, copy=False)
         if not np.isfinite(vws).all():
             raise UserError(f"chunk {chunk} of {attrs['backbone']}: views contain NaN/inf")
         shard["views"][:, start:stop] = vws

@@ -1,8 +1,45 @@
-"""Placeholder: replaced by the owner of this command."""
+"""`embedcache extract`: run frozen backbones over a manifest into the Zarr feature store."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
 import click
+
+from embedcache.errors import UserError
 
 
 @click.command(name="extract")
-def extract() -> None:
-    """(not implemented yet)"""
-    raise click.ClickException("extract: not implemented yet")
+@click.option("--manifest", "manifest_path", required=True, help="Manifest file (.json/.yaml) from `embedcache partition`.")
+@click.option("--backbones", required=True, help="Comma-separated backbone names, e.g. resnet20-cifar10,timm:resnet18.")
+@click.option("--store", required=True, help="Store directory (created if absent).")
+@click.option("--device", default="auto", show_default=True, help="auto | cpu | cuda | cuda:N")
+@click.option("--batch-size", default=64, show_default=True, type=int, help="Rows per forward pass.")
+@click.option("--num-workers", default=2, show_default=True, type=int, help="Decode+preprocess threads.")
+@click.option("--scheduler", default=None, help="local:N (dask LocalCluster) or tcp://HOST:PORT; default: this process.")
+@click.option("--views", default=1, show_default=True, type=int, help="V > 1 also stores V augmented views per image.")
+@click.option("--dtype", type=click.Choice(["float32", "float16"]), default="float32", show_default=True,
+              help="Storage dtype (float16 halves disk, loses precision; part of the cache key).")
+@click.option("--weights-dir", default=None, help="Where backbone weights are looked up first.")
+@click.option("--chunk-rows", default=256, show_default=True, type=int, help="Rows per zarr chunk and per task.")
+@click.option("--plugin", "plugins", multiple=True, help="Module to import first (e.g. registers custom backbones).")
+@click.option("--quiet", is_flag=True, help="No progress bars.")
+def extract(manifest_path: str, backbones: str, store: str, device: str, batch_size: int, num_workers: int,
+            scheduler: str | None, views: int, dtype: str, weights_dir: str | None, chunk_rows: int,
+            plugins: tuple[str, ...], quiet: bool) -> None:
+    """Extract features of every (backbone, client, split) of MANIFEST into STORE.
+
+    Complete shards with the same cache key are reused without touching an image; an
+    interrupted run resumes from its missing chunks.
+    """
+    from embedcache.extract import ExtractConfig, extract as run
+
+    if not Path(manifest_path).is_file():
+        raise UserError(f"{manifest_path}: manifest file not found")
+    names = tuple(b.strip() for b in backbones.split(",") if b.strip())
+    cfg = ExtractConfig(backbones=names, store=store, device=device, batch_size=batch_size,
+                        num_workers=num_workers, scheduler=scheduler, views=views, dtype=dtype,
+                        weights_dir=weights_dir, chunk_rows=chunk_rows, plugins=plugins, progress=not quiet)
+    rep = run(manifest_path, cfg)
+    click.echo(f"extract: {rep.shards} shards ({rep.cache_hits} cache hits), {rep.chunks_computed} chunks, "
+               f"{rep.rows_computed} images in {rep.seconds:.1f}s -> {store}", err=True)

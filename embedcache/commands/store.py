@@ -1,2 +1,90 @@
-"""Placeholder: inspect / verify / import / export; replaced by the store owner."""
-COMMANDS: list = []
+"""`embedcache inspect | verify | import | export`: look after a feature store."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import click
+
+from embedcache.errors import UserError
+
+
+def _size(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+@click.command(name="inspect")
+@click.argument("store")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+def inspect(store: str, as_json: bool) -> None:
+    """List the shards of STORE: N, D, dtype, views, size on disk, complete."""
+    from embedcache.store_io import inspect_store
+
+    rep = inspect_store(store)
+    if as_json:
+        click.echo(json.dumps(rep, indent=2))
+        return
+    click.echo(f"{rep['store']}: {len(rep['classes'])} classes, {len(rep['shards'])} shards, {_size(rep['bytes'])}")
+    click.echo(f"{'shard':40s} {'N':>7s} {'D':>6s} {'dtype':8s} {'V':>2s} {'size':>10s} complete")
+    for s in rep["shards"]:
+        click.echo(f"{s['shard']:40s} {s['n']:7d} {s['dim']:6d} {s['dtype']:8s} {s['views']:2d} "
+                   f"{_size(s['bytes']):>10s} {'yes' if s['complete'] else 'NO'}")
+
+
+@click.command(name="verify")
+@click.argument("store")
+def verify(store: str) -> None:
+    """Exit 0 only if every shard of STORE is complete and consistent (chunk sha256s re-checked)."""
+    from embedcache.store_io import verify_store
+
+    problems = verify_store(store)
+    for p in problems:
+        click.echo(f"problem: {p}", err=True)
+    if problems:
+        sys.exit(1)
+    click.echo(f"{store}: ok")
+
+
+@click.command(name="import")
+@click.argument("file")
+@click.option("--store", required=True, help="Store directory (created if absent).")
+@click.option("--backbone", required=True, help="Name recorded as the shard's backbone.")
+@click.option("--client", required=True, help="Client name ([A-Za-z0-9_.-]+).")
+@click.option("--split", type=click.Choice(["train", "test"]), required=True)
+@click.option("--domain", default=None, help="Client domain (default: the client name).")
+@click.option("--features-key", default="features", show_default=True, help="Array name for features [N, D].")
+@click.option("--labels-key", default="labels", show_default=True, help="Array name for labels [N].")
+@click.option("--transpose", is_flag=True, help="Features are stored [D, N] (e.g. MATLAB column-major).")
+@click.option("--classes", default=None, help="Comma-separated class names for a new store.")
+@click.option("--dtype", type=click.Choice(["float32", "float16"]), default="float32", show_default=True)
+def import_(file: str, store: str, backbone: str, client: str, split: str, domain: str | None,
+            features_key: str, labels_key: str, transpose: bool, classes: str | None, dtype: str) -> None:
+    """Import FILE (.npz/.h5 with `features`, `labels` [, `sample_ids`], or .mat) as a complete shard."""
+    from embedcache.store_io import import_features
+
+    spec = import_features(store, file, backbone=backbone, client=client, split=split, domain=domain,
+                           features_key=features_key, labels_key=labels_key, transpose=transpose,
+                           classes=classes.split(",") if classes else None, dtype=dtype)
+    click.echo(f"import: {spec.n} x {spec.feature_dim} -> {store}/{spec.backbone}/{spec.client}/{spec.split}", err=True)
+
+
+@click.command(name="export")
+@click.option("--store", required=True)
+@click.option("--format", "fmt", type=click.Choice(["h5"]), default="h5", show_default=True)
+@click.option("--out", required=True, help="Output file (written atomically).")
+def export(store: str, fmt: str, out: str) -> None:
+    """Export every shard of STORE to one HDF5 file (a group per shard)."""
+    from embedcache.store_io import export_h5
+
+    if fmt != "h5":
+        raise UserError(f"format {fmt}: only h5 is supported")
+    n = export_h5(store, out)
+    click.echo(f"export: {n} shards -> {out}", err=True)
+
+
+COMMANDS = [inspect, verify, import_, export]
