@@ -1,0 +1,308 @@
+"""FedPCL: Tan et al., "Federated Learning from Pre-Trained Models: A Contrastive Learning
+Approach", NeurIPS 2022 (Sec. 4, Algorithm 1, Table 7; equations numbered as in the NeurIPS
+version, /work/shared/papers/fedpcl-neurips2022.txt).
+
+Per client: projection z(x) = L2(BN(ReLU(FC(x))))  (Table 7, FC(K*d, 256)) on the concatenated
+backbone features x (Eq. 1-2). Per round (Algorithm 1):
+- client: E local epochs minimising L = L_g + L_p (Eq. 10) with tau = 0.07, then local
+  prototypes C_i^(j) = mean of z over the client's FULL training set of class j, eval mode (Eq. 5,
+  Algorithm 1 line 8; not the authors' shuffled drop_last loader, which can drop a rare class);
+- server: global prototypes (Eq. 6) and the padded local sets (Eq. 7) of every client seen so far,
+  all sent back to every client.
+Round 0 is the prototype-collection round: Algorithm 1 line 1 "Initialize prototype sets" is
+realised as the authors' code does it (clients only upload prototypes of their initial heads).
+
+Choices, stated explicitly (see tests/test_fedpcl.py for hand-computed cases):
+- A(y) = {y_a != y} in the denominators of Eq. 8/9 is implemented EXACTLY as written: the positive
+  prototype is not in the denominator (unlike InfoNCE/SupCon). Classes absent from a prototype set
+  (nobody has them yet) are left out of A(y); a sample with no negative or no positive prototype
+  contributes 0. The sum over D_i in Eq. 8/9 is taken as the mean over each mini-batch.
+- Eq. 6 as printed, (1/|N_j|) sum_i (|D_ij|/N_j) C_i^(j), shrinks the prototype by 1/|N_j|; the
+  default `aggregation="weighted"` is the count-weighted mean sum_i |D_ij| C_i^(j) / N_j that the
+  text intends ("eq6_literal" is offered; "mean" is the authors' code).
+- With partial participation, Eq. 6 uses this round's participants (classes none of them holds
+  keep their previous global prototype) and Eq. 7/9 use the latest set of every client seen so far.
+- Inference: nearest LOCAL prototype by inner product (Sec. 4, "Prototype-based Inference").
+
+`variant="code"` follows the authors' code (GitHub yuetan031/FedPCL, lib/update.py, lib/losses.py
+ConLoss): no L_g; for EACH padded local set p a SupCon-style loss whose anchors are the set's
+prototype of the sample's label and whose contrast set is the batch features (V views; cached
+features give V identical copies), self-pair excluded, summed over sets; unweighted server mean;
+inference by squared distance (mean over dims) to the local prototypes, a missing class at distance
+100. `binarize_features` reproduces the code's L2-normalisation over a size-1 axis (x -> sign x).
+Noise on uploaded prototypes (Table 15): x~ = (1 - p) x + e, e ~ Laplace(0, s) or N(0, s^2),
+seeded by (seed, round, client, class, dim)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from embedcache.errors import UserError
+from fedheads.core import heads, ops, rng
+from fedheads.core.heads import HeadSpec, Params
+from fedheads.core.optim import OptimizerConfig, OptState, opt_init
+from fedheads.core.protocol import Init, RoundCtx
+from fedheads.core.train import local_train
+from fedheads.data import DataSpec, FedData
+
+_NEG = -1e9  # finite "minus infinity" keeps logsumexp gradients NaN-free for masked entries
+
+
+@dataclass(frozen=True)
+class FedPCLConfig:
+    """FedPCL hyper-parameters; defaults from Sec. 5.1 / Appendix A of the paper."""
+
+    hidden: int = 256  # projection width (Table 7: FC(K*d, 256))
+    tau: float = 0.07  # temperature of Eq. 8/9
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)  # Adam lr 1e-3, wd 1e-4
+    batch_size: int = 32  # local mini-batch size
+    local_epochs: int = 1  # E
+    variant: str = "paper"  # "paper" (Eq. 8-10) or "code" (authors' SupCon-style loss)
+    aggregation: str = ""  # "weighted" | "eq6_literal" | "mean"; "" = weighted (paper) / mean (code)
+    inference: str = ""  # "dot" | "sqdist"; "" = dot (paper) / sqdist (code)
+    code_views: int = 2  # views per sample in the code variant's contrast set (copies of the cached view)
+    binarize_features: bool = False  # x -> sign(x), the code's L2-norm over a size-1 axis
+    noise: str = "none"  # noise on uploaded prototypes: "none" | "laplace" | "gaussian" (Table 15)
+    noise_scale: float = 0.05  # s, scale of the noise distribution
+    noise_p: float = 0.1  # p, perturbation coefficient: x~ = (1-p) x + e
+    reset_optimizer: bool = True  # fresh Adam state every round (as the authors' code)
+
+    def __post_init__(self) -> None:
+        checks = [("variant", self.variant, ("paper", "code")),
+                  ("aggregation", self.aggregation, ("", "weighted", "eq6_literal", "mean")),
+                  ("inference", self.inference, ("", "dot", "sqdist")),
+                  ("noise", self.noise, ("none", "laplace", "gaussian"))]
+        for name, val, ok in checks:
+            if val not in ok:
+                raise UserError(f"{name} {val!r}: must be one of {', '.join(repr(o) for o in ok)}")
+        if self.tau <= 0 or self.batch_size < 1 or self.local_epochs < 1 or self.code_views < 1:
+            raise UserError("tau/batch_size/local_epochs/code_views: must be positive")
+        if not 0.0 <= self.noise_p < 1.0 or self.noise_scale < 0:
+            raise UserError(f"noise_p {self.noise_p} / noise_scale {self.noise_scale}: need 0 <= p < 1, s >= 0")
+
+    @property
+    def agg(self) -> str:
+        return self.aggregation or ("weighted" if self.variant == "paper" else "mean")
+
+    @property
+    def rule(self) -> str:
+        return self.inference or ("dot" if self.variant == "paper" else "sqdist")
+
+
+@dataclass(frozen=True)
+class FedPCLClientState:
+    params: Params  # [M, ...] projection network theta_i
+    buffers: Params  # [M, ...] BN running statistics
+    opt: OptState  # Adam state
+    protos: torch.Tensor  # [M, C, d] local prototypes C_i (Eq. 5), noise-free, for inference
+    present: torch.Tensor  # [M, C] bool: client holds class j
+
+
+@dataclass(frozen=True)
+class FedPCLServerState:
+    bank: torch.Tensor  # [M_all, C, d] latest uploaded local set of every client
+    bank_present: torch.Tensor  # [M_all, C] bool
+    seen: torch.Tensor  # [M_all] bool: client has uploaded at least once
+    global_protos: torch.Tensor  # [C, d] Eq. 6
+    global_present: torch.Tensor  # [C] bool
+
+
+@dataclass(frozen=True)
+class FedPCLBroadcast:
+    collect_only: bool  # round 0: no training, only upload prototypes
+    local_sets: torch.Tensor  # [M_all, C, d] padded local sets (Eq. 7)
+    set_valid: torch.Tensor  # [M_all] bool: rows actually sent (clients seen so far)
+    set_present: torch.Tensor  # [M_all, C] bool: class j exists in padded set i (own or global)
+    global_protos: torch.Tensor  # [C, d]
+    global_present: torch.Tensor  # [C] bool
+
+    def comm_size(self) -> tuple[int, int]:
+        """Only the valid sets and the global set travel (nothing in the collection round)."""
+        if self.collect_only:
+            return 0, 0
+        C, d = self.global_protos.shape
+        m = int(self.set_valid.sum())
+        vals = (m + 1) * C * d
+        return vals + (m + 1) * C, vals * self.global_protos.element_size() + (m + 1) * C  # + presence bools
+
+
+@dataclass(frozen=True)
+class FedPCLMessage:
+    protos: torch.Tensor  # [M, C, d] local prototypes as uploaded (noise added if configured)
+    counts: torch.Tensor  # [M, C] float32 |D_ij| (weights of Eq. 6)
+    present: torch.Tensor  # [M, C] bool
+
+
+def contrast_terms(z: torch.Tensor, protos: torch.Tensor, avail: torch.Tensor, y: torch.Tensor,
+                   tau: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """-log( exp(z.P_y/tau) / sum_{a in A(y)} exp(z.P_a/tau) ), A(y) = available classes != y.
+
+    z [M,B,d], protos [M,S,C,d] (S prototype sets), avail [M,S,C] bool -> (terms [M,B,S],
+    ok [M,B,S] bool: the positive is available and A(y) is not empty)."""
+    logits = torch.einsum("mbd,mscd->mbsc", z, protos) / tau
+    C = protos.shape[-2]
+    is_y = torch.nn.functional.one_hot(y, C).bool().unsqueeze(2)  # [M,B,1,C]
+    av = avail.unsqueeze(1)  # [M,1,S,C]
+    pos = (logits * is_y).sum(-1)
+    neg_mask = av & ~is_y
+    lse = torch.logsumexp(logits.masked_fill(~neg_mask, _NEG), dim=-1)
+    ok = (av & is_y).any(-1) & neg_mask.any(-1)
+    return torch.where(ok, lse - pos, torch.zeros_like(pos)), ok
+
+
+def code_supcon(z: torch.Tensor, anchors: torch.Tensor, y: torch.Tensor, valid: torch.Tensor,
+                tau: float, views: int) -> torch.Tensor:
+    """Authors' ConLoss (temperature = base_temperature) for one prototype set per client.
+
+    z [M,B,d] batch features, anchors [M,B,d] = that set's prototype of each sample's label.
+    Contrast set = V copies of the batch; anchor row i is excluded from contrast column i.
+    Returns [M]: mean over valid anchors that have a positive (the code divides by 0 otherwise)."""
+    M, B, _ = z.shape
+    f = z.repeat(1, views, 1)  # [M,VB,d]
+    a = anchors.repeat(1, views, 1)
+    yy, vv = y.repeat(1, views), valid.repeat(1, views)
+    logits = torch.bmm(a, f.transpose(1, 2)) / tau  # [M,VB,VB]
+    eye = torch.eye(B * views, dtype=torch.bool, device=z.device).unsqueeze(0)
+    col_ok = vv.unsqueeze(1) & ~eye
+    log_den = torch.logsumexp(logits.masked_fill(~col_ok, _NEG), dim=-1, keepdim=True)
+    pos = (yy.unsqueeze(2) == yy.unsqueeze(1)) & col_ok
+    npos = pos.sum(-1)
+    mean_lp = ((logits - log_den) * pos).sum(-1) / npos.clamp_min(1)
+    use = vv & (npos > 0)
+    return -(mean_lp * use).sum(-1) / use.sum(-1).clamp_min(1)
+
+
+class FedPCL:
+    """Federated Prototype-wise Contrastive Learning (paper or authors'-code variant)."""
+
+    name = "fedpcl"
+
+    def __init__(self, cfg: FedPCLConfig = FedPCLConfig()) -> None:
+        self.cfg = cfg
+        self.spec: HeadSpec | None = None
+
+    def _x(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.sign(x) if self.cfg.binarize_features else x
+
+    def init(self, spec: DataSpec, seed: int) -> Init:
+        self.spec = HeadSpec(spec.dim, self.cfg.hidden, 0, batch_norm=True, normalize=True)
+        M, C, d, dev = spec.num_clients, spec.num_classes, self.cfg.hidden, spec.device
+        # each client owns its projection network: independent seeded initialisations
+        p, b = heads.init_head(self.spec, [seed * 100_003 + i for i in range(M)], dev)
+        cs = FedPCLClientState(p, b, opt_init(self.cfg.optimizer, p), torch.zeros(M, C, d, device=dev),
+                               torch.zeros(M, C, dtype=torch.bool, device=dev))
+        ss = FedPCLServerState(torch.zeros(M, C, d, device=dev), torch.zeros(M, C, dtype=torch.bool, device=dev),
+                               torch.zeros(M, dtype=torch.bool, device=dev), torch.zeros(C, d, device=dev),
+                               torch.zeros(C, dtype=torch.bool, device=dev))
+        return Init(cs, ss, self._broadcast(ss, collect_only=True))
+
+    @staticmethod
+    def _broadcast(ss: FedPCLServerState, collect_only: bool) -> FedPCLBroadcast:
+        # Eq. 7: a client's set lacking class j is padded with the global prototype of j
+        sets = torch.where(ss.bank_present.unsqueeze(-1), ss.bank, ss.global_protos.unsqueeze(0))
+        avail = (ss.bank_present | ss.global_present.unsqueeze(0)) & ss.seen.unsqueeze(-1)
+        return FedPCLBroadcast(collect_only, sets, ss.seen.clone(), avail, ss.global_protos, ss.global_present)
+
+    def _loss_fn(self, bc: FedPCLBroadcast):
+        spec, cfg = self.spec, self.cfg
+        assert spec is not None
+        sets = bc.local_sets.unsqueeze(0)  # [1,S,C,d]
+        set_avail = bc.set_present
+        n_sets = bc.set_valid.sum().clamp_min(1).to(torch.float32)
+
+        def paper(p: Params, b: Params, x: torch.Tensor, y: torch.Tensor, m: torch.Tensor):
+            z, nb = heads.embed(spec, p, b, self._x(x), m, train=True)
+            M = z.shape[0]
+            g = bc.global_protos.view(1, 1, *bc.global_protos.shape).expand(M, 1, -1, -1)
+            ga = bc.global_present.view(1, 1, -1).expand(M, 1, -1)
+            l_g, _ = contrast_terms(z, g, ga, y, cfg.tau)  # Eq. 8, [M,B,1]
+            l_p, _ = contrast_terms(z, sets.expand(M, -1, -1, -1), set_avail.unsqueeze(0).expand(M, -1, -1), y, cfg.tau)
+            l_p = (l_p * bc.set_valid.view(1, 1, -1)).sum(-1) / n_sets  # Eq. 9: (1/m) sum_p
+            return ops.masked_mean(l_g[..., 0] + l_p, m), nb  # Eq. 10
+
+        def code(p: Params, b: Params, x: torch.Tensor, y: torch.Tensor, m: torch.Tensor):
+            z, nb = heads.embed(spec, p, b, self._x(x), m, train=True)
+            total = torch.zeros(z.shape[0], device=z.device)
+            for s in range(bc.local_sets.shape[0]):  # sum over the clients' padded sets
+                anchors = bc.local_sets[s][y]  # [M,B,d]
+                total = total + bc.set_valid[s] * code_supcon(z, anchors, y, m, cfg.tau, cfg.code_views)
+            return total, nb
+
+        return paper if cfg.variant == "paper" else code
+
+    def client_update(self, cs: FedPCLClientState, bc: FedPCLBroadcast, data: FedData,
+                      ctx: RoundCtx) -> tuple[FedPCLClientState, FedPCLMessage]:
+        assert self.spec is not None, "init() first"
+        cfg = self.cfg
+        p, b, opt = cs.params, cs.buffers, cs.opt
+        if not bc.collect_only:
+            if cfg.reset_optimizer:
+                opt = opt_init(cfg.optimizer, p)
+            p, b, opt = local_train(p, b, opt, cfg.optimizer, self._loss_fn(bc), data, ctx,
+                                    cfg.batch_size, cfg.local_epochs)
+        with torch.no_grad():  # Eq. 5 over the full training set, eval mode
+            z, _ = heads.embed(self.spec, p, b, self._x(data.x_train), data.m_train, train=False)
+            sums, counts = ops.class_sums(z, data.y_train, data.m_train, data.num_classes)
+            protos = sums / counts.clamp_min(1).unsqueeze(-1)
+            present = counts > 0
+            sent = self._noisy(protos, present, data, ctx)
+        return (FedPCLClientState(p, b, opt, protos, present),
+                FedPCLMessage(sent, counts.to(torch.float32), present))
+
+    def _noisy(self, protos: torch.Tensor, present: torch.Tensor, data: FedData, ctx: RoundCtx) -> torch.Tensor:
+        cfg = self.cfg
+        if cfg.noise == "none":
+            return protos
+        M, C, d = protos.shape
+        coords = (ctx.seed, ctx.round, data.client_index.view(M, 1, 1).cpu(),
+                  torch.arange(C).view(1, C, 1), torch.arange(d).view(1, 1, d))
+        e = (rng.laplace(*coords) if cfg.noise == "laplace" else rng.normal(*coords)) * cfg.noise_scale
+        noisy = (1 - cfg.noise_p) * protos + e.to(protos.dtype).to(protos.device)
+        return torch.where(present.unsqueeze(-1), noisy, protos)
+
+    def server_aggregate(self, ss: FedPCLServerState, msg: FedPCLMessage,
+                         ctx: RoundCtx) -> tuple[FedPCLServerState, FedPCLBroadcast]:
+        part = ctx.participants.to(ss.bank.device)
+        bank, bank_present, seen = ss.bank.clone(), ss.bank_present.clone(), ss.seen.clone()
+        bank[part], bank_present[part], seen[part] = msg.protos, msg.present, True
+        # Eq. 6 as a sum of client contributions, then a finalize
+        agg = self.cfg.agg
+        w = msg.present.to(msg.protos.dtype) if agg == "mean" else msg.counts * msg.present
+        num = (w.unsqueeze(-1) * msg.protos).sum(0)
+        den = w.sum(0)
+        glob = num / den.clamp_min(1e-12).unsqueeze(-1)
+        if agg == "eq6_literal":
+            glob = glob / msg.present.sum(0).clamp_min(1).unsqueeze(-1)
+        has = den > 0
+        gp = torch.where(has.unsqueeze(-1), glob, ss.global_protos)
+        new = FedPCLServerState(bank, bank_present, seen, gp, ss.global_present | has)
+        return new, self._broadcast(new, collect_only=False)
+
+    def predict(self, cs: FedPCLClientState, ss: FedPCLServerState, x: torch.Tensor,
+                mask: torch.Tensor) -> dict[str, torch.Tensor]:
+        assert self.spec is not None
+        z, _ = heads.embed(self.spec, cs.params, cs.buffers, self._x(x), mask, train=False)
+        dot = torch.bmm(z, cs.protos.transpose(1, 2))
+        local_dot = dot.masked_fill(~cs.present.unsqueeze(1), float("-inf"))
+        sq = ((z.unsqueeze(2) - cs.protos.unsqueeze(1)) ** 2).mean(-1)  # MSELoss as in the code
+        local_sq = -sq.masked_fill(~cs.present.unsqueeze(1), 100.0)
+        glob = torch.einsum("mnd,cd->mnc", z, ss.global_protos).masked_fill(~ss.global_present, float("-inf"))
+        main = local_dot if self.cfg.rule == "dot" else local_sq
+        return {"main": main, "local_dot": local_dot, "local_sqdist": local_sq, "global_dot": glob}
+
+    def trainable_params(self, cs: FedPCLClientState) -> int:
+        return heads.count_params(cs.params)
+
+
+def _factory(**kw: object) -> FedPCL:
+    opt_keys = {"lr", "weight_decay"}
+    opt = {k: v for k, v in kw.items() if k in opt_keys}
+    rest = {k: v for k, v in kw.items() if k not in opt_keys}
+    return FedPCL(FedPCLConfig(optimizer=OptimizerConfig(**opt), **rest))  # type: ignore[arg-type]
+
+
+from fedheads.algorithms import register_algorithm  # noqa: E402
+
+register_algorithm("fedpcl", _factory, description="FedPCL (Tan et al. NeurIPS 2022), paper Eq. 5-10; variant='code' = authors' code")

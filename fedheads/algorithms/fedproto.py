@@ -1,0 +1,150 @@
+"""FedProto: Tan et al., "FedProto: Federated Prototype Learning across Heterogeneous Clients",
+AAAI 2022, on the FedPCL head (projection FC-ReLU-BN(256)-L2 = z, then a local classifier FC(256, C)).
+
+- Local prototypes: C_i^(j) = mean of z over client i's training samples of class j (FedProto's
+  local prototype definition, identical to FedPCL Eq. 5), here over the full training set in eval
+  mode after local training.
+- Global prototypes: count-weighted, C^(j) = sum_i |D_ij| C_i^(j) / sum_i |D_ij| (FedProto's
+  global aggregation; same form as FedPCL Eq. 6). The message carries the SUMS |D_ij| C_i^(j) and
+  the counts, so the server only needs totals (secure-aggregation friendly). With partial
+  participation a class none of this round's participants holds keeps its previous prototype.
+- Local objective: L = CE(classifier(z), y) + lambda * MSE(z, C^(y)) (FedProto's supervised loss
+  plus the prototype regulariser; MSE is the mean over the d dimensions as torch.nn.MSELoss does,
+  and a sample whose class has no global prototype yet contributes 0 to the regulariser, which
+  is how the authors' code fills it). Round 0 therefore trains with CE only.
+- Inference: "main" = the local classifier (as the FedPCL paper evaluates FedProto);
+  "global_protos" = nearest global prototype by squared L2 (FedProto's prototype inference);
+  "local_protos" = nearest local prototype."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from embedcache.errors import UserError
+from fedheads.core import heads, ops
+from fedheads.core.heads import HeadSpec, Params
+from fedheads.core.optim import OptimizerConfig, OptState, opt_init
+from fedheads.core.protocol import Init, RoundCtx
+from fedheads.core.train import local_train
+from fedheads.data import DataSpec, FedData
+
+
+@dataclass(frozen=True)
+class FedProtoConfig:
+    """FedProto hyper-parameters (training setting of FedPCL Sec. 5.1 for all baselines)."""
+
+    hidden: int = 256  # projection width (FedPCL Table 7 head)
+    normalize: bool = True  # L2-normalise z as in the FedPCL head
+    lam: float = 1.0  # lambda, weight of the prototype regulariser
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)  # Adam lr 1e-3, wd 1e-4
+    batch_size: int = 32  # local mini-batch size
+    local_epochs: int = 1  # E
+    reset_optimizer: bool = True  # fresh client optimiser state every round
+
+    def __post_init__(self) -> None:
+        if self.hidden < 1 or self.lam < 0 or self.batch_size < 1 or self.local_epochs < 1:
+            raise UserError("hidden/batch_size/local_epochs must be >= 1 and lam >= 0")
+
+
+@dataclass(frozen=True)
+class FedProtoClientState:
+    params: Params  # [M, ...] projection + classifier
+    buffers: Params  # [M, ...] BN running statistics
+    opt: OptState  # client optimiser state
+    protos: torch.Tensor  # [M, C, d] local prototypes
+    present: torch.Tensor  # [M, C] bool
+
+
+@dataclass(frozen=True)
+class FedProtoServerState:
+    global_protos: torch.Tensor  # [C, d]
+    global_present: torch.Tensor  # [C] bool
+
+
+@dataclass(frozen=True)
+class FedProtoBroadcast:
+    global_protos: torch.Tensor  # [C, d]
+    global_present: torch.Tensor  # [C] bool
+
+
+@dataclass(frozen=True)
+class FedProtoMessage:
+    proto_sums: torch.Tensor  # [M, C, d] |D_ij| * C_i^(j)
+    counts: torch.Tensor  # [M, C] float32 |D_ij|
+
+
+class FedProto:
+    """FedProto on cached features."""
+
+    name = "fedproto"
+
+    def __init__(self, cfg: FedProtoConfig = FedProtoConfig()) -> None:
+        self.cfg = cfg
+        self.spec: HeadSpec | None = None
+
+    def init(self, spec: DataSpec, seed: int) -> Init:
+        self.spec = HeadSpec(spec.dim, self.cfg.hidden, spec.num_classes, True, self.cfg.normalize)
+        M, C, d, dev = spec.num_clients, spec.num_classes, self.cfg.hidden, spec.device
+        p, b = heads.init_head(self.spec, [seed * 100_003 + i for i in range(M)], dev)
+        cs = FedProtoClientState(p, b, opt_init(self.cfg.optimizer, p), torch.zeros(M, C, d, device=dev),
+                                 torch.zeros(M, C, dtype=torch.bool, device=dev))
+        ss = FedProtoServerState(torch.zeros(C, d, device=dev), torch.zeros(C, dtype=torch.bool, device=dev))
+        return Init(cs, ss, FedProtoBroadcast(ss.global_protos, ss.global_present))
+
+    def client_update(self, cs: FedProtoClientState, bc: FedProtoBroadcast, data: FedData,
+                      ctx: RoundCtx) -> tuple[FedProtoClientState, FedProtoMessage]:
+        spec, cfg = self.spec, self.cfg
+        assert spec is not None, "init() first"
+
+        def loss_fn(p: Params, b: Params, x: torch.Tensor, y: torch.Tensor, m: torch.Tensor):
+            z, nb = heads.embed(spec, p, b, x, m, train=True)
+            ce = ops.masked_cross_entropy(heads.classify(p, z), y, m)
+            target = bc.global_protos[y]  # [M,B,d]
+            has = bc.global_present[y]
+            mse = ((z - target) ** 2).mean(-1) * has
+            return ce + cfg.lam * ops.masked_mean(mse, m), nb
+
+        opt = opt_init(cfg.optimizer, cs.params) if cfg.reset_optimizer else cs.opt
+        p, b, opt = local_train(cs.params, cs.buffers, opt, cfg.optimizer, loss_fn, data, ctx,
+                                cfg.batch_size, cfg.local_epochs)
+        with torch.no_grad():
+            z, _ = heads.embed(spec, p, b, data.x_train, data.m_train, train=False)
+            sums, counts = ops.class_sums(z, data.y_train, data.m_train, data.num_classes)
+        protos = sums / counts.clamp_min(1).unsqueeze(-1)
+        return (FedProtoClientState(p, b, opt, protos, counts > 0),
+                FedProtoMessage(sums, counts.to(torch.float32)))
+
+    def server_aggregate(self, ss: FedProtoServerState, msg: FedProtoMessage,
+                         ctx: RoundCtx) -> tuple[FedProtoServerState, FedProtoBroadcast]:
+        num, den = msg.proto_sums.sum(0), msg.counts.sum(0)  # sums of contributions
+        has = den > 0
+        gp = torch.where(has.unsqueeze(-1), num / den.clamp_min(1e-12).unsqueeze(-1), ss.global_protos)
+        new = FedProtoServerState(gp, ss.global_present | has)
+        return new, FedProtoBroadcast(new.global_protos, new.global_present)
+
+    def predict(self, cs: FedProtoClientState, ss: FedProtoServerState, x: torch.Tensor,
+                mask: torch.Tensor) -> dict[str, torch.Tensor]:
+        assert self.spec is not None
+        z, _ = heads.embed(self.spec, cs.params, cs.buffers, x, mask, train=False)
+        gd = torch.cdist(z, ss.global_protos.unsqueeze(0).expand(z.shape[0], -1, -1)) ** 2
+        ld = torch.cdist(z, cs.protos) ** 2
+        return {"main": heads.classify(cs.params, z),
+                "global_protos": (-gd).masked_fill(~ss.global_present, float("-inf")),
+                "local_protos": (-ld).masked_fill(~cs.present.unsqueeze(1), float("-inf"))}
+
+    def trainable_params(self, cs: FedProtoClientState) -> int:
+        return heads.count_params(cs.params)
+
+
+def _factory(**kw: object) -> FedProto:
+    opt_keys = {"lr", "weight_decay"}
+    opt = {k: v for k, v in kw.items() if k in opt_keys}
+    rest = {k: v for k, v in kw.items() if k not in opt_keys}
+    return FedProto(FedProtoConfig(optimizer=OptimizerConfig(**opt), **rest))  # type: ignore[arg-type]
+
+
+from fedheads.algorithms import register_algorithm  # noqa: E402
+
+register_algorithm("fedproto", _factory, description="FedProto (Tan et al. AAAI 2022): CE + lambda*MSE to global prototypes")
