@@ -176,7 +176,7 @@ def train_digitnet(recipe: DigitNetRecipe = DEFAULT_RECIPE) -> tuple[dict[str, t
         torch.set_num_threads(old_threads)
         torch.use_deterministic_algorithms(old_det)
     report = {"val_accuracy": val_acc, "seconds": round(time.perf_counter() - t0, 1),
-              "torch_version": torch.__version__}
+              "torch_version": str(torch.__version__)}
     return {k: v.detach().clone() for k, v in trunk.state_dict().items()}, report
 
 
