@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from fedheads.algorithms.fedavg import FedAvg, FedAvgConfig
-from fedheads.core import run, select_participants
+from fedheads.core import OptimizerConfig, run, select_participants
 from fedheads.core.tree import tree_leaves
 from fed_tiny import tiny_fed
 
@@ -15,7 +15,7 @@ from fed_tiny import tiny_fed
 ALGOS = {
     "fedavg": lambda: FedAvg(FedAvgConfig(hidden=8, batch_size=4, local_epochs=2)),
     "fedprox-sgd": lambda: FedAvg(FedAvgConfig(hidden=8, batch_size=5, proximal_mu=0.1,
-                                               optimizer=__import__("fedheads.core", fromlist=["x"]).OptimizerConfig("sgd", lr=0.05, momentum=0.5))),
+                                               optimizer=OptimizerConfig("sgd", lr=0.05, momentum=0.5))),
     "fedavg-linear": lambda: FedAvg(FedAvgConfig(hidden=0, batch_size=4)),
 }
 

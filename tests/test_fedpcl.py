@@ -1,0 +1,175 @@
+"""FedPCL: Eq. 6, Eq. 7, L_g (Eq. 8), L_p (Eq. 9), the code variant's loss, inference rules,
+prototype noise and binarisation, checked against hand-computed numbers on tiny cases."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from embedcache.errors import UserError
+from fed_tiny import tiny_fed
+from fedheads.algorithms.fedpcl import FedPCL, FedPCLConfig, FedPCLMessage, code_supcon, contrast_terms
+from fedheads.core import RoundCtx, heads, payload_size, run
+from fedheads.data import FedData
+
+E = math.e
+
+
+def _two_client_messages() -> FedPCLMessage:
+    # C=3 classes, d=2. client 0 has classes 0,1; client 1 has classes 0,2.
+    protos = torch.tensor([[[1.0, 0.0], [0.0, 1.0], [0.0, 0.0]],
+                           [[0.0, 1.0], [0.0, 0.0], [1.0, 1.0]]])
+    counts = torch.tensor([[1.0, 3.0, 0.0], [3.0, 0.0, 2.0]])
+    return FedPCLMessage(protos, counts, counts > 0)
+
+
+def _aggregate(agg: str):
+    alg = FedPCL(FedPCLConfig(hidden=2, aggregation=agg))
+    init = alg.init(FedData.from_arrays([(np.zeros((1, 2), "f4"), np.zeros(1, int), np.zeros((0, 2), "f4"), np.zeros(0, int))] * 2, 3).spec(), 0)
+    return alg.server_aggregate(init.server_state, _two_client_messages(), RoundCtx(0, 0, torch.tensor([0, 1]), 2))
+
+
+def test_eq6_global_prototypes_by_hand() -> None:
+    ss, _ = _aggregate("weighted")
+    # class 0: (1*[1,0] + 3*[0,1]) / 4 ; class 1 only client 0 ; class 2 only client 1
+    torch.testing.assert_close(ss.global_protos, torch.tensor([[0.25, 0.75], [0.0, 1.0], [1.0, 1.0]]))
+    assert ss.global_present.tolist() == [True, True, True]
+    torch.testing.assert_close(_aggregate("mean")[0].global_protos[0], torch.tensor([0.5, 0.5]))
+    # as printed: an extra 1/|N_j| (|N_0| = 2)
+    torch.testing.assert_close(_aggregate("eq6_literal")[0].global_protos[0], torch.tensor([0.125, 0.375]))
+
+
+def test_eq7_padding_by_hand() -> None:
+    _, bc = _aggregate("weighted")
+    # client 0 lacks class 2 -> global [1,1]; client 1 lacks class 1 -> global [0,1]
+    torch.testing.assert_close(bc.local_sets[0], torch.tensor([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0]]))
+    torch.testing.assert_close(bc.local_sets[1], torch.tensor([[0.0, 1.0], [0.0, 1.0], [1.0, 1.0]]))
+    assert bc.set_valid.tolist() == [True, True] and bool(bc.set_present.all())
+    assert payload_size(bc, per_client=False) == (3 * 3 * 2 + 3 * 3, 3 * 3 * 2 * 4 + 3 * 3)
+
+
+def test_lg_and_lp_by_hand_positive_not_in_denominator() -> None:
+    _, bc = _aggregate("weighted")
+    z = torch.tensor([[[1.0, 0.0]]])  # one client, one sample, label 0; tau = 1
+    y = torch.tensor([[0]])
+    g = bc.global_protos.view(1, 1, 3, 2)
+    l_g, ok = contrast_terms(z, g, bc.global_present.view(1, 1, 3), y, tau=1.0)
+    # Eq. 8: -log( e^{z.G0} / (e^{z.G1} + e^{z.G2}) ) = -0.25 + log(e^0 + e^1)
+    assert ok.all()
+    torch.testing.assert_close(l_g[0, 0, 0], torch.tensor(-0.25 + math.log(1 + E)))
+    l_p, _ = contrast_terms(z, bc.local_sets.unsqueeze(0), bc.set_present.unsqueeze(0), y, tau=1.0)
+    # set 0: z.(1,0)=1 pos, negatives 0 and 1 -> -1 + log(1+e); set 1: pos 0, negatives 0, 1 -> log(1+e)
+    torch.testing.assert_close(l_p[0, 0], torch.tensor([-1 + math.log(1 + E), math.log(1 + E)]))
+    # temperature divides every logit
+    l_half, _ = contrast_terms(z, g, bc.global_present.view(1, 1, 3), y, tau=0.5)
+    torch.testing.assert_close(l_half[0, 0, 0], torch.tensor(-0.5 + math.log(1 + E ** 2)))
+
+
+def test_paper_loss_is_mean_of_lg_plus_average_lp() -> None:
+    _, bc = _aggregate("weighted")
+    cfg = FedPCLConfig(hidden=2, tau=0.07)
+    alg = FedPCL(cfg)
+    data = FedData.from_arrays([(np.random.default_rng(0).normal(size=(5, 4)).astype("f4"), np.array([0, 1, 2, 0, 1]),
+                                 np.zeros((0, 4), "f4"), np.zeros(0, int))], 3)
+    init = alg.init(data.spec(), 0)
+    p, b = init.client_state.params, init.client_state.buffers
+    loss, _ = alg._loss_fn(bc)(p, b, data.x_train, data.y_train, data.m_train)
+    z, _ = heads.embed(alg.spec, p, b, data.x_train, data.m_train, train=True)
+    total = 0.0
+    for n in range(5):  # Eq. 8-10 literally, with Python loops
+        zn, yn = z[0, n], int(data.y_train[0, n])
+        def term(P: torch.Tensor) -> float:
+            num = float(zn @ P[yn]) / cfg.tau
+            den = sum(math.exp(float(zn @ P[a]) / cfg.tau) for a in range(3) if a != yn)
+            return -(num - math.log(den))
+        total += term(bc.global_protos) + (term(bc.local_sets[0]) + term(bc.local_sets[1])) / 2
+    assert float(loss[0]) == pytest.approx(total / 5, rel=1e-4)
+
+
+def test_code_variant_supcon_by_hand() -> None:
+    # z0=[1,0] (label 0), z1=[0,1] (label 1), anchors = own-class prototypes, V=2, tau=1:
+    # every anchor: positive logit 1 (other view), denominator e^0 + e^1 + e^0 -> loss log(e+2) - 1
+    z = torch.tensor([[[1.0, 0.0], [0.0, 1.0]]])
+    y = torch.tensor([[0, 1]])
+    anchors = torch.tensor([[[1.0, 0.0], [0.0, 1.0]]])
+    loss = code_supcon(z, anchors, y, torch.ones(1, 2, dtype=torch.bool), tau=1.0, views=2)
+    torch.testing.assert_close(loss, torch.tensor([math.log(E + 2) - 1]))
+    # a padding row must not change anything
+    zp = torch.cat([z, torch.tensor([[[5.0, 5.0]]])], 1)
+    lp = code_supcon(zp, torch.cat([anchors, torch.tensor([[[1.0, 1.0]]])], 1), torch.tensor([[0, 1, 0]]),
+                     torch.tensor([[True, True, False]]), tau=1.0, views=2)
+    torch.testing.assert_close(lp, loss)
+
+
+def test_code_variant_sums_over_sets_and_has_no_lg() -> None:
+    _, bc = _aggregate("mean")
+    alg = FedPCL(FedPCLConfig(hidden=2, variant="code", tau=0.5))
+    data = FedData.from_arrays([(np.random.default_rng(1).normal(size=(4, 3)).astype("f4"), np.array([0, 1, 0, 2]),
+                                 np.zeros((0, 3), "f4"), np.zeros(0, int))], 3)
+    init = alg.init(data.spec(), 0)
+    p, b = init.client_state.params, init.client_state.buffers
+    loss, _ = alg._loss_fn(bc)(p, b, data.x_train, data.y_train, data.m_train)
+    z, _ = heads.embed(alg.spec, p, b, data.x_train, data.m_train, train=True)
+    want = sum(code_supcon(z, bc.local_sets[s][data.y_train], data.y_train, data.m_train, 0.5, 2) for s in range(2))
+    torch.testing.assert_close(loss, want)
+
+
+def test_inference_rules_dot_vs_squared_distance() -> None:
+    data = tiny_fed(M=1, D=4, C=3)
+    for variant, expect in (("paper", 0), ("code", 1)):
+        alg = FedPCL(FedPCLConfig(hidden=4, variant=variant))
+        init = alg.init(data.spec(), 0)
+        cs = init.client_state
+        z, _ = heads.embed(alg.spec, cs.params, cs.buffers, data.x_test[:, :1], data.m_test[:, :1], train=False)
+        # class 0 = 2z (larger inner product), class 1 = z (zero distance), class 2 absent
+        protos = torch.stack([2 * z[0, 0], z[0, 0], torch.zeros(4)]).unsqueeze(0)
+        cs = type(cs)(cs.params, cs.buffers, cs.opt, protos, torch.tensor([[True, True, False]]))
+        scores = alg.predict(cs, init.server_state, data.x_test[:, :1], data.m_test[:, :1])["main"]
+        assert int(scores[0, 0].argmax()) == expect
+        assert float(scores[0, 0, 2]) in (float("-inf"), -100.0)
+
+
+def test_round0_collects_then_trains_and_learns() -> None:
+    data = tiny_fed(M=3, seed=1)
+    alg = FedPCL(FedPCLConfig(hidden=8, batch_size=8))
+    res = run(alg, data, rounds=6, seed=0, progress=False)
+    assert res.history[0].comm.down_values == 0  # nothing to broadcast before round 0
+    assert res.history[1].comm.down_values > 0
+    assert res.upload_values_per_client == 3 * 8 + 3 + 3  # protos + counts + presence
+    assert float(res.final_accuracy().mean()) > 0.6  # chance is 1/3
+    one = run(FedPCL(FedPCLConfig(hidden=8)), data, rounds=1, seed=0, progress=False)
+    init = FedPCL(FedPCLConfig(hidden=8)).init(data.spec(), 0)
+    torch.testing.assert_close(one.client_state.params["proj.weight"], init.client_state.params["proj.weight"])
+
+
+def test_prototype_noise_is_seeded_and_only_on_uploads() -> None:
+    data = tiny_fed(M=2)
+    ctx = RoundCtx(0, 5, torch.arange(2), 2)
+    outs = []
+    for noise in ("none", "laplace", "laplace", "gaussian"):
+        alg = FedPCL(FedPCLConfig(hidden=8, noise=noise, noise_scale=0.05, noise_p=0.1))
+        init = alg.init(data.spec(), 0)
+        outs.append(alg.client_update(init.client_state, init.broadcast, data, ctx))
+    (cs0, m0), (cs1, m1), (_, m2), (_, m3) = outs
+    torch.testing.assert_close(cs1.protos, cs0.protos)  # inference keeps clean prototypes
+    torch.testing.assert_close(m1.protos, m2.protos)  # seeded
+    pres = m0.present.unsqueeze(-1)
+    e = (m1.protos - 0.9 * m0.protos)[pres.expand_as(m1.protos)]
+    assert 0.03 < float(e.abs().mean()) < 0.07  # E|Laplace(0, 0.05)| = 0.05
+    assert not torch.allclose(m3.protos, m1.protos)
+
+
+def test_binarize_features() -> None:
+    x = np.array([[0.0, 2.0, -1.5]], "f4")
+    d = FedData.from_arrays([(x, np.array([0]), x, np.array([0]))], 2, binarize=True)
+    assert d.x_train.tolist() == [[[0.0, 1.0, -1.0]]]
+
+
+def test_bad_config_raises() -> None:
+    with pytest.raises(UserError, match="variant"):
+        FedPCLConfig(variant="nope")
+    with pytest.raises(UserError, match="noise"):
+        FedPCLConfig(noise="uniform")
