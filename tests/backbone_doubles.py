@@ -13,7 +13,7 @@ SUR_DIRS = {"resnet18-quickdraw": "quickdraw-net", "resnet18-aircraft": "aircraf
 TIMM_MODEL = "test_resnet"  # timm's own tiny test network (96-d pooled feature, 160 px)
 TV_MODEL = "mobilenet_v3_small"  # small torchvision classifier (1024-d pre-logits)
 
-TINY_RECIPE = DigitNetRecipe(n_train=300, n_val=100, epochs=1, batch_size=100, widths=(8, 16, 16, 32))
+TINY_RECIPE = DigitNetRecipe(n_train=200, n_val=60, epochs=1, batch_size=100, widths=(8, 16, 16, 32))
 
 
 def write_sur_checkpoint(path: Path, *, seed: int = 0, prefix: str = "", rename: tuple[str, str] | None = None) -> dict:
