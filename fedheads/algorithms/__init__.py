@@ -22,7 +22,8 @@ class AlgorithmInfo:
 
 _REGISTRY: dict[str, AlgorithmInfo] = {}
 # modules imported lazily so that one broken/absent algorithm file does not break the others
-_MODULES = ("fedheads.algorithms.fedavg", "fedheads.algorithms.fedpcl", "fedheads.algorithms.fedproto")
+_MODULES = tuple(f"fedheads.algorithms.{m}" for m in (
+    "fedavg", "fedpcl", "fedproto", "fedncm", "fedrep", "pfedme", "perfedavg", "solo", "lp", "mlp"))
 _extra_modules: list[str] = []
 
 

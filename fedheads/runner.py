@@ -1,0 +1,265 @@
+"""Run directories: train one algorithm over several seeds, or compare several, and write the
+artefacts a person or a script reads afterwards.
+
+    RUN_DIR/results.json        the results contract (fedheads.report.summarise_runs)
+    RUN_DIR/config.json         the whole resolved configuration (algorithm config per seed too)
+    RUN_DIR/metrics.csv         per round x seed x client x rule accuracy (percent)
+    RUN_DIR/summary.md          a short human report, with the plots below
+    RUN_DIR/accuracy_per_round.png, RUN_DIR/per_client.png
+    RUN_DIR/state/seed<S>.pt    final client + server state (tensors only: torch.load(weights_only=True))
+
+`fedheads predict` rebuilds the algorithm from config.json, loads a state file and classifies
+features by nearest prototype with faiss (fedheads.inference)."""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import io
+import json
+import os
+import platform
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+import torch
+
+from embedcache.errors import UserError
+from fedheads import __version__, report
+from fedheads.algorithms import create_algorithm
+from fedheads.core.engine import RunResult, run, to_device
+from fedheads.core.tree import tree_leaves, tree_map
+from fedheads.data import DataSpec, FedData, load_fed_data, resolve_device
+
+STATE_FORMAT = "fedheads-state/1"
+
+
+@dataclass(frozen=True)
+class TrainOptions:
+    """What `fedheads train` / `compare` take besides the store and the algorithm."""
+
+    rounds: int = 50  # communication rounds (FedPCL trains 50-200)
+    seeds: tuple[int, ...] = (0, 1, 2)  # the papers report mean (std) over 3 seeds
+    fraction: float = 1.0  # client participation per round
+    engine: str = "vectorized"  # "vectorized" (all clients stacked) or "loop" (reference)
+    device: str = "auto"  # auto | cpu | cuda
+    eval_every: int = 1  # evaluate every k rounds (0 = only after the last)
+    binarize: bool = False  # FedPCL authors' binarised backbone features
+    local_epochs: int | None = None  # None: the algorithm's paper default
+    batch_size: int | None = None
+    lr: float | None = None
+    settings: tuple[tuple[str, Any], ...] = ()  # algorithm-specific config fields (--set k=v)
+    progress: bool = True
+
+    def generic(self) -> dict[str, Any]:
+        g = {"local_epochs": self.local_epochs, "batch_size": self.batch_size, "lr": self.lr}
+        return {k: v for k, v in g.items() if v is not None}
+
+
+def parse_settings(items: Iterable[str]) -> tuple[tuple[str, Any], ...]:
+    """`key=value` strings -> ((key, value), ...); values parsed as JSON when they parse."""
+    out = []
+    for it in items:
+        if "=" not in it:
+            raise UserError(f"--set {it!r}: expected key=value")
+        k, v = it.split("=", 1)
+        try:
+            val: Any = json.loads(v)
+        except json.JSONDecodeError:
+            val = v
+        out.append((k.strip().replace("-", "_"), val))
+    return tuple(out)
+
+
+def build_algorithm(name: str, opts: TrainOptions, strict: bool = True) -> tuple[Any, dict[str, Any], list[str]]:
+    """The algorithm with the generic options that apply to it plus the --set fields.
+
+    Returns (algorithm, the kwargs used, generic options that do not apply). With `strict`
+    an option that does not apply is an error (`train`); `compare` drops and records it."""
+    specific = dict(opts.settings)
+    generic = opts.generic()
+    try:
+        create_algorithm(name, **specific)
+    except TypeError as e:
+        raise UserError(f"--set for {name}: {e}") from None
+    used, ignored = dict(specific), []
+    for k, v in generic.items():
+        try:
+            create_algorithm(name, **{**used, k: v})
+            used[k] = v
+        except TypeError:
+            if strict:
+                raise UserError(f"--{k.replace('_', '-')}: does not apply to algorithm {name}") from None
+            ignored.append(k)
+    return create_algorithm(name, **used), used, ignored
+
+
+def _config_dict(obj: Any) -> Any:
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return {f.name: _config_dict(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if isinstance(obj, (list, tuple)):
+        return [_config_dict(v) for v in obj]
+    if isinstance(obj, (str, int, float, bool)) or obj is None:
+        return obj
+    return repr(obj)
+
+
+def _atomic_bytes(path: Path, data: bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def save_state(path: Path, result: RunResult) -> None:
+    """Tensor leaves of the final states, in tree order (loadable with weights_only=True)."""
+    cs = [t.detach().cpu() for t in tree_leaves(result.client_state)]
+    ss = [t.detach().cpu() for t in tree_leaves(result.server_state)]
+    buf = io.BytesIO()
+    torch.save({"format": STATE_FORMAT, "client": cs, "server": ss}, buf)
+    _atomic_bytes(path, buf.getvalue())
+
+
+def load_state(path: Path, algorithm: Any, spec: DataSpec, seed: int) -> tuple[Any, Any]:
+    """Rebuild (client_state, server_state): the structure from `algorithm.init`, the values
+    from the saved leaves (shapes checked)."""
+    if not path.is_file():
+        raise UserError(f"{path}: no saved state (was the run trained with this seed?)")
+    saved = torch.load(path, map_location="cpu", weights_only=True)
+    if not isinstance(saved, dict) or saved.get("format") != STATE_FORMAT:
+        raise UserError(f"{path}: not a {STATE_FORMAT} file")
+    init = algorithm.init(spec, seed)
+
+    def fill(tree: Any, leaves: list[torch.Tensor], what: str) -> Any:
+        it = iter(leaves)
+
+        def take(t: torch.Tensor) -> torch.Tensor:
+            try:
+                v = next(it)
+            except StopIteration:
+                raise UserError(f"{path}: {what} state has too few tensors for {algorithm.name}") from None
+            if v.shape != t.shape:
+                raise UserError(f"{path}: {what} tensor of shape {tuple(v.shape)} where "
+                                f"{algorithm.name} on this store expects {tuple(t.shape)}")
+            return v.to(t.device, t.dtype)
+
+        out = tree_map(take, tree)
+        if next(it, None) is not None:
+            raise UserError(f"{path}: {what} state has extra tensors for {algorithm.name}")
+        return out
+
+    return fill(init.client_state, saved["client"], "client"), fill(init.server_state, saved["server"], "server")
+
+
+def _metrics_rows(result: RunResult, seed: int, names: Sequence[str]) -> list[list[Any]]:
+    rows = []
+    for rec in result.history:
+        if rec.accuracy is None:
+            continue
+        for rule, acc in rec.accuracy.items():
+            for name, a in zip(names, acc.tolist()):
+                rows.append([rec.round + 1, seed, name, rule, "" if a != a else round(100.0 * a, 4)])
+    return rows
+
+
+def backbone_dims(info: Any, backbones: Sequence[str]) -> list[int]:
+    """Feature dimension of each backbone, in order (from the shards' attributes)."""
+    dims = []
+    for b in backbones:
+        ds = {s.dim for s in info.shards if s.backbone == b}
+        if not ds:
+            raise UserError(f"backbone {b!r}: not in store {info.path} (has: {', '.join(info.backbones)})")
+        dims.append(ds.pop())
+    return dims
+
+
+def environment() -> dict[str, Any]:
+    return {"fedheads": __version__, "torch": torch.__version__, "python": platform.python_version(),
+            "cpu_count": os.cpu_count(), "machine": platform.machine(),
+            "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
+
+
+def train_run(store: str, backbones: Sequence[str], algorithm: str, opts: TrainOptions,
+              out: str | Path, strict: bool = True, data: FedData | None = None) -> dict[str, Any]:
+    """Train `algorithm` once per seed, write the run directory, return results.json's dict."""
+    out = Path(out)
+    if data is None:
+        data = load_fed_data(store, backbones, resolve_device(opts.device), binarize=opts.binarize)
+    from embedcache.reader import open_store
+
+    dims = backbone_dims(open_store(store), backbones)
+    per_seed, rows, alg_cfg, ignored = [], [], None, []
+    extra_rules: dict[str, list[float]] = {}
+    for seed in opts.seeds:
+        alg, used, ignored = build_algorithm(algorithm, opts, strict=strict)
+        alg_cfg = _config_dict(getattr(alg, "cfg", None))
+        res = run(alg, data, opts.rounds, seed=seed, fraction=opts.fraction, engine=opts.engine,
+                  eval_every=opts.eval_every, progress=opts.progress)
+        per_seed.append(report.seed_result_from_run(res, seed, data.client_names))
+        for rule, acc in res.history[-1].accuracy.items():  # type: ignore[union-attr]
+            if rule != "main":
+                extra_rules.setdefault(rule, []).append(100.0 * float(acc[~acc.isnan()].mean()))
+        rows += _metrics_rows(res, seed, data.client_names)
+        save_state(out / "state" / f"seed{seed}.pt", RunResult(res.algorithm, res.engine,
+                   client_state=to_device(res.client_state, "cpu"),
+                   server_state=to_device(res.server_state, "cpu")))
+    extra = {"clients": list(data.client_names), "domains": list(data.domains),
+             "num_classes": data.num_classes, "feature_dim": data.dim, "engine": opts.engine,
+             "fraction": opts.fraction,
+             "other_rules": {k: {"mean": float(torch.tensor(v).mean()), "values": v}
+                             for k, v in extra_rules.items()}}
+    if "global_model" in extra_rules:
+        extra["global_model_accuracy"] = extra["other_rules"]["global_model"]
+    result = report.summarise_runs(per_seed, algorithm=algorithm, backbones=list(backbones),
+                                   rounds=opts.rounds, feature_dims=dims, num_classes=data.num_classes,
+                                   fraction=opts.fraction, extra=extra)
+    config = {"store": str(store), "backbones": list(backbones), "algorithm": algorithm,
+              "options": _config_dict(opts), "algorithm_kwargs": used if per_seed else {},
+              "algorithm_config": alg_cfg, "ignored_options": ignored, "environment": environment()}
+    _write_run_dir(out, result, config, rows)
+    return result
+
+
+def _write_run_dir(out: Path, result: dict[str, Any], config: dict[str, Any], rows: list[list[Any]]) -> None:
+    _atomic_bytes(out / "config.json", (json.dumps(config, indent=2, sort_keys=True) + "\n").encode())
+    buf = io.StringIO()
+    w = csv.writer(buf, lineterminator="\n")
+    w.writerow(["round", "seed", "client", "rule", "accuracy"])
+    w.writerows(rows)
+    _atomic_bytes(out / "metrics.csv", buf.getvalue().encode())
+    report.plot_history([result], out / "accuracy_per_round.png")
+    report.plot_per_client([result], out / "per_client.png")
+    md = report.run_markdown(result) + "\n\n![accuracy per round](accuracy_per_round.png)\n" \
+        "![per-client accuracy](per_client.png)\n"
+    report.write_markdown(md, out / "summary.md")
+    # results.json last: its presence means the run directory is complete
+    report.write_results_json(result, out / "results.json")
+
+
+def compare_runs(store: str, backbones: Sequence[str], algorithms: Sequence[str], opts: TrainOptions,
+                 out: str | Path) -> dict[str, Any]:
+    """Train every algorithm on the same cached features (loaded once) and write the comparison."""
+    out = Path(out)
+    data = load_fed_data(store, backbones, resolve_device(opts.device), binarize=opts.binarize)
+    results: dict[str, Any] = {}
+    for name in algorithms:
+        create_algorithm(name)  # unknown names fail before any training
+    for name in algorithms:
+        results[name] = train_run(store, backbones, name, opts, out / name, strict=False, data=data)
+    title = f"{', '.join(backbones)} on {Path(store).name}: {opts.rounds} rounds, seeds {list(opts.seeds)}"
+    table = report.comparison_markdown(list(results.values()), title=title)
+    report.plot_history(list(results.values()), out / "accuracy_per_round.png")
+    report.plot_per_client(list(results.values()), out / "per_client.png")
+    report.write_markdown(f"# Comparison\n\n{table}\n\n![accuracy per round](accuracy_per_round.png)\n"
+                          "![per-client accuracy](per_client.png)\n", out / "summary.md")
+    combined = {"algorithms": results, "backbones": list(backbones), "store": str(store),
+                "options": _config_dict(opts), "environment": environment()}
+    report.write_results_json(combined, out / "results.json")
+    return combined
