@@ -1,0 +1,203 @@
+"""End-to-end `fedheads` CLI on a small imported store: run-directory contract, compare,
+predictions equal to the trainer's evaluation and to a numpy brute force, one-line errors."""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from click.testing import CliRunner
+
+from embedcache.store_io import import_features
+from fedheads.cli import main
+
+C, D = 4, 12
+CLIENTS = ("c0", "c1", "c2")
+RESULT_KEYS = {"algorithm", "backbones", "rounds", "seeds", "accuracy", "per_client", "fairness",
+               "communication", "trainable_params_per_client", "paper_trainable_params_per_client", "history"}
+
+
+def _write_store(root: Path, name: str = "st.zarr", nan_client: str | None = None,
+                 dim_client: str | None = None, empty_client: str | None = None) -> Path:
+    rng = np.random.default_rng(0)
+    means = rng.normal(size=(C, D)) * 1.5
+    store = root / name
+    for ci, c in enumerate(CLIENTS):
+        for split, n in (("train", 40), ("test", 30)):
+            if c == "c1":  # c1 lacks class 3: normal (padding), not an error
+                y = rng.integers(0, C - 1, n)
+            else:
+                y = rng.integers(0, C, n)
+            x = (means[y] + rng.normal(size=(n, D)) + 0.4 * ci).astype(np.float32)
+            if c == dim_client:
+                x = x[:, : D - 2]
+            if c == empty_client and split == "train":
+                x, y = x[:0], y[:0]
+            f = root / f"{name}-{c}-{split}.npz"
+            np.savez(f, features=x, labels=y)
+            import_features(store, f, backbone="synth", client=c, split=split, domain=f"dom{ci}",
+                            classes=[f"k{i}" for i in range(C)])
+            if c == nan_client and split == "test":
+                import zarr
+                arr = zarr.open_array(str(store / "synth" / c / split / "features"), mode="r+")
+                bad = np.asarray(arr[:])
+                bad[0, 0] = np.nan
+                arr[:] = bad
+    return store
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory) -> Path:
+    return _write_store(tmp_path_factory.mktemp("fh"))
+
+
+def _invoke(args: list[str]):
+    return CliRunner().invoke(main, args, catch_exceptions=False)
+
+
+@pytest.fixture(scope="module")
+def fedpcl_run(store, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("run") / "fedpcl"
+    r = _invoke(["train", "--store", str(store), "--backbones", "synth", "--algorithm", "fedpcl",
+                 "--rounds", "3", "--seeds", "0,1", "--quiet", "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    return out
+
+
+def test_train_writes_the_run_directory(fedpcl_run: Path):
+    res = json.loads((fedpcl_run / "results.json").read_text())
+    assert RESULT_KEYS <= res.keys()
+    assert res["seeds"] == [0, 1] and res["rounds"] == 3 and res["backbones"] == ["synth"]
+    assert set(res["per_client"]) == set(CLIENTS)
+    assert 0.0 <= res["accuracy"]["mean"] <= 100.0
+    assert [h["round"] for h in res["history"]] == [1, 2, 3]
+    assert {"average", "worst_10", "worst_20", "worst_40", "best_10", "variance"} <= res["fairness"].keys()
+    comm = res["communication"]
+    # FedPCL uploads one prototype set (C x 256) per client per round, plus counts/presence
+    assert comm["paper_comm_params_per_client_per_round"] == C * 256
+    assert comm["upload_params_per_client_per_round"] >= C * 256
+    cfg = json.loads((fedpcl_run / "config.json").read_text())
+    assert cfg["algorithm"] == "fedpcl" and cfg["algorithm_config"]["tau"] == 0.07
+    rows = list(csv.DictReader((fedpcl_run / "metrics.csv").open()))
+    assert {r["client"] for r in rows} == set(CLIENTS) and {r["seed"] for r in rows} == {"0", "1"}
+    for f in ("summary.md", "accuracy_per_round.png", "per_client.png", "state/seed0.pt", "state/seed1.pt"):
+        assert (fedpcl_run / f).is_file(), f
+    # state files hold tensors only
+    torch.load(fedpcl_run / "state" / "seed0.pt", weights_only=True)
+
+
+def _read_predictions(path: Path) -> list[dict[str, str]]:
+    return list(csv.DictReader(path.open()))
+
+
+def _accuracy_by_client(rows: list[dict[str, str]]) -> dict[str, float]:
+    out: dict[str, list[bool]] = {}
+    for r in rows:
+        out.setdefault(r["client"], []).append(r["label"] == r["prediction"])
+    return {c: 100.0 * float(np.mean(v)) for c, v in out.items()}
+
+
+@pytest.mark.parametrize("algorithm", ["fedpcl", "fedncm", "fedproto", "fedavg"])
+def test_predictions_equal_the_trainers_evaluation(store, tmp_path, algorithm):
+    run = tmp_path / algorithm
+    r = _invoke(["train", "--store", str(store), "--backbones", "synth", "--algorithm", algorithm,
+                 "--rounds", "2", "--seeds", "3", "--quiet", "--out", str(run)])
+    assert r.exit_code == 0, r.output
+    out = tmp_path / "pred.csv"
+    r = _invoke(["predict", "--run", str(run), "--store", str(store), "--top-k", "2",
+                 "--chunk-rows", "7", "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    rows = _read_predictions(out)
+    assert len(rows) == 30 * len(CLIENTS)
+    assert {"client", "sample_id", "label", "prediction", "score", "top2_label"} <= rows[0].keys()
+    res = json.loads((run / "results.json").read_text())
+    acc = _accuracy_by_client(rows)
+    for c in CLIENTS:
+        assert acc[c] == pytest.approx(res["per_client"][c]["mean"], abs=1e-6), c
+    # c1 never saw class 3: prototype rules cannot predict it
+    if algorithm in ("fedpcl", "fedproto"):
+        assert all(r["prediction"] != "3" for r in rows if r["client"] == "c1")
+
+
+def test_fedncm_predictions_match_numpy_bruteforce(store, tmp_path):
+    from embedcache.reader import load_split
+
+    run = tmp_path / "ncm"
+    assert _invoke(["train", "--store", str(store), "--backbones", "synth", "--algorithm", "fedncm",
+                    "--rounds", "1", "--seeds", "0", "--quiet", "--out", str(run)]).exit_code == 0
+    out = tmp_path / "ncm.csv"
+    assert _invoke(["predict", "--run", str(run), "--store", str(store), "--out", str(out)]).exit_code == 0
+    train, test = load_split(str(store), ["synth"], "train"), load_split(str(store), ["synth"], "test")
+    x = np.concatenate([train[c].features for c in CLIENTS]).astype(np.float64)
+    y = np.concatenate([train[c].labels for c in CLIENTS])
+    means = np.stack([x[y == k].mean(0) for k in range(C)])
+    means /= np.linalg.norm(means, axis=1, keepdims=True)
+    rows = _read_predictions(out)
+    for c in CLIENTS:
+        q = test[c].features.astype(np.float64)
+        q /= np.linalg.norm(q, axis=1, keepdims=True)
+        expect = (q @ means.T).argmax(1)
+        got = np.array([int(r["prediction"]) for r in rows if r["client"] == c])
+        np.testing.assert_array_equal(got, expect)
+
+
+def test_compare_writes_table_and_results(store, tmp_path):
+    out = tmp_path / "cmp"
+    r = _invoke(["compare", "--store", str(store), "--backbones", "synth", "--algorithms",
+                 "fedpcl,fedncm,fedavg", "--rounds", "2", "--seeds", "0", "--quiet", "--lr", "0.01",
+                 "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    res = json.loads((out / "results.json").read_text())
+    assert set(res["algorithms"]) == {"fedpcl", "fedncm", "fedavg"}
+    for name, one in res["algorithms"].items():
+        assert RESULT_KEYS <= one.keys(), name
+    md = (out / "summary.md").read_text()
+    assert "| Method |" in md and "fedncm" in md
+    # --lr does not apply to FedNCM: recorded, not silently used
+    assert "lr" in json.loads((out / "fedncm" / "config.json").read_text())["ignored_options"]
+    for f in ("accuracy_per_round.png", "per_client.png"):
+        assert (out / f).is_file()
+
+
+def test_engines_agree_through_the_cli(store, tmp_path):
+    accs = {}
+    for engine in ("vectorized", "loop"):
+        out = tmp_path / engine
+        assert _invoke(["train", "--store", str(store), "--backbones", "synth", "--algorithm", "fedpcl",
+                        "--rounds", "2", "--seeds", "0", "--engine", engine, "--quiet",
+                        "--out", str(out)]).exit_code == 0
+        accs[engine] = json.loads((out / "results.json").read_text())["per_client"]
+    for c in CLIENTS:
+        assert accs["vectorized"][c]["mean"] == pytest.approx(accs["loop"][c]["mean"], abs=1e-6)
+
+
+def _one_line_error(args: list[str], needle: str) -> None:
+    r = CliRunner().invoke(main, args)
+    assert r.exit_code != 0, r.output
+    lines = [ln for ln in r.output.strip().splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error:"), r.output
+    assert needle in lines[0], r.output
+
+
+def test_bad_input_gives_one_line_errors(store, tmp_path):
+    base = ["train", "--store", str(store), "--rounds", "1", "--seeds", "0", "--quiet", "--out", str(tmp_path / "x")]
+    _one_line_error(base + ["--backbones", "nosuch", "--algorithm", "fedpcl"], "nosuch")
+    _one_line_error(base + ["--backbones", "synth", "--algorithm", "fedfoo"], "fedfoo")
+    _one_line_error(base + ["--backbones", "synth", "--algorithm", "fedncm", "--lr", "0.1"], "--lr")
+    _one_line_error(["train", "--store", str(tmp_path / "missing.zarr"), "--backbones", "synth",
+                     "--algorithm", "fedpcl", "--out", str(tmp_path / "y")], "missing.zarr")
+    assert not (tmp_path / "x" / "results.json").exists()
+
+
+@pytest.mark.parametrize("kind,needle", [("nan", "NaN"), ("dim", "dimension"), ("empty", "no training samples")])
+def test_bad_stores_give_one_line_errors(tmp_path, kind, needle):
+    st = _write_store(tmp_path, nan_client="c2" if kind == "nan" else None,
+                      dim_client="c2" if kind == "dim" else None,
+                      empty_client="c2" if kind == "empty" else None)
+    _one_line_error(["train", "--store", str(st), "--backbones", "synth", "--algorithm", "fedpcl",
+                     "--rounds", "1", "--seeds", "0", "--quiet", "--out", str(tmp_path / "r")], needle)
+    assert not (tmp_path / "r" / "results.json").exists()
