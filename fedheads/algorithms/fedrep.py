@@ -1,0 +1,149 @@
+"""FedRep (Collins et al., "Exploiting Shared Representations for Personalized Federated
+Learning", ICML 2021, Algorithm 1) on the baselines' head of FedPCL (NeurIPS 2022, Table 7).
+
+Model: representation phi = projection FC(K*d, 256)-ReLU-BN(256) (L2-normalised output as in the
+core's FedAvg head, ``normalize``), personal head h_i = classifier FC(256, C). Per round, each
+participant
+  1. receives the global representation phi (FC weight and bias, BN affine and running stats);
+  2. updates its own head h_i for ``head_epochs`` epochs with phi fixed (Alg. 1 lines 5-7);
+  3. updates phi for ``rep_epochs`` epochs with the new h_i fixed (Alg. 1 lines 8-10);
+  4. sends phi_i - phi with weight n_i.
+The server sets phi <- phi + sum_i n_i (phi_i - phi) / sum_i n_i (Alg. 1 line 13 averages the
+participants' representations; the authors' code weights them by sample counts, as here).
+
+Decisions, stated explicitly:
+- head_epochs = 10, rep_epochs = 1: FedRep Sec. 5 trains the head for 10 local epochs and the
+  representation for 1 (the authors' code: local_ep - local_rep_ep head epochs, then local_rep_ep).
+- What is shared: the whole projection block, so BN's affine parameters and running statistics
+  travel with the FC layer. FedPCL Table 2 counts 131,072 = 512 x 256 communicated values for
+  FedRep with K = 1, i.e. only the FC weight; the engine logs what is actually sent here
+  (512*256 + 256 + 2*256 parameters + 2*256 BN statistics + 1 weight for K = 1).
+- Optimiser: FedPCL Sec. 5.1's setting for all baselines (Adam lr 1e-3, wd 1e-4, batch 32), a
+  fresh optimiser per phase and round (as the authors' code builds one per local update); BN
+  runs in train mode in both phases (torch's model.train() with frozen parameters).
+- Inference "main": the global representation with the client's personal head (the authors'
+  code loads phi_glob into every local model before testing); "local_model": the client's own
+  phi_i after its last local update with its head."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from embedcache.errors import UserError
+from fedheads.algorithms.pfl_common import (DeltaMessage, config_from_kwargs, delta_message, expand,
+                                            mean_delta, salted)
+from fedheads.core import heads, ops
+from fedheads.core.heads import HeadSpec, Params
+from fedheads.core.optim import OptimizerConfig, opt_init
+from fedheads.core.protocol import Init, RoundCtx
+from fedheads.core.train import local_train
+from fedheads.data import DataSpec, FedData
+
+HEAD_KEYS = ("cls.weight", "cls.bias")
+
+
+@dataclass(frozen=True)
+class FedRepConfig:
+    """FedRep hyper-parameters."""
+
+    hidden: int = 256  # projection width (FedPCL Table 7)
+    normalize: bool = True  # L2-normalise the representation output
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)  # Adam lr 1e-3, wd 1e-4 (FedPCL Sec. 5.1)
+    batch_size: int = 32  # local mini-batch size
+    head_epochs: int = 10  # tau_h: local epochs on the personal head, representation fixed (FedRep Sec. 5)
+    rep_epochs: int = 1  # tau_phi: local epochs on the representation, head fixed (FedRep Sec. 5)
+
+    def __post_init__(self) -> None:
+        if min(self.hidden, self.batch_size, self.head_epochs, self.rep_epochs) < 1:
+            raise UserError(f"hidden/batch_size/head_epochs/rep_epochs ({self.hidden}, {self.batch_size}, "
+                            f"{self.head_epochs}, {self.rep_epochs}): must be >= 1")
+
+
+@dataclass(frozen=True)
+class FedRepClientState:
+    params: Params  # [M, ...] client's phi_i (after its last local update) and personal head h_i
+    buffers: Params  # [M, ...] BN running statistics of phi_i
+
+
+@dataclass(frozen=True)
+class FedRepServerState:
+    rep: Params  # global representation phi (no client axis)
+    buffers: Params  # its BN running statistics
+
+
+@dataclass(frozen=True)
+class FedRepBroadcast:
+    rep: Params  # phi
+    buffers: Params  # phi's BN running statistics
+
+
+class FedRep:
+    """FedRep: shared representation, personal heads."""
+
+    name = "fedrep"
+
+    def __init__(self, cfg: FedRepConfig = FedRepConfig()) -> None:
+        self.cfg = cfg
+        self.spec: HeadSpec | None = None
+
+    def init(self, spec: DataSpec, seed: int) -> Init:
+        self.spec = HeadSpec(spec.dim, self.cfg.hidden, spec.num_classes, True, self.cfg.normalize)
+        gp, gb = heads.init_head(self.spec, [seed], spec.device)  # every client starts from one model
+        g = {k: v[0] for k, v in gp.items()}
+        b = {k: v[0] for k, v in gb.items()}
+        rep = {k: v for k, v in g.items() if k not in HEAD_KEYS}
+        M = spec.num_clients
+        return Init(FedRepClientState(expand(g, M), expand(b, M)), FedRepServerState(rep, b),
+                    FedRepBroadcast(rep, b))
+
+    def client_update(self, cs: FedRepClientState, bc: FedRepBroadcast, data: FedData,
+                      ctx: RoundCtx) -> tuple[FedRepClientState, DeltaMessage]:
+        spec, cfg = self.spec, self.cfg
+        assert spec is not None, "init() first"
+        M = data.num_clients
+        rep0, buf0 = expand(bc.rep, M), expand(bc.buffers, M)
+        head0 = {k: cs.params[k] for k in HEAD_KEYS}
+
+        def loss_of(rep: Params, head: Params, b: Params, x: torch.Tensor, y: torch.Tensor, m: torch.Tensor):
+            z, nb = heads.embed(spec, rep, b, x, m, train=True)
+            return ops.masked_cross_entropy(heads.classify(head, z), y, m), nb
+
+        # 1. personal head, representation fixed
+        head, buf, _ = local_train(head0, buf0, opt_init(cfg.optimizer, head0), cfg.optimizer,
+                                   lambda h, b, x, y, m: loss_of(rep0, h, b, x, y, m), data, ctx,
+                                   cfg.batch_size, cfg.head_epochs)
+        # 2. representation, new head fixed (its own batch order)
+        rep, buf, _ = local_train(rep0, buf, opt_init(cfg.optimizer, rep0), cfg.optimizer,
+                                  lambda r, b, x, y, m: loss_of(r, head, b, x, y, m), data, salted(ctx, 1),
+                                  cfg.batch_size, cfg.rep_epochs)
+        return FedRepClientState({**rep, **head}, buf), delta_message(rep, rep0, buf, buf0, data)
+
+    def server_aggregate(self, ss: FedRepServerState, msg: DeltaMessage,
+                         ctx: RoundCtx) -> tuple[FedRepServerState, FedRepBroadcast]:
+        d, db = mean_delta(msg)
+        rep = {k: ss.rep[k] + d[k] for k in ss.rep}
+        buf = {k: ss.buffers[k] + db[k] for k in ss.buffers}
+        return FedRepServerState(rep, buf), FedRepBroadcast(rep, buf)
+
+    def predict(self, cs: FedRepClientState, ss: FedRepServerState, x: torch.Tensor,
+                mask: torch.Tensor) -> dict[str, torch.Tensor]:
+        assert self.spec is not None
+        M = x.shape[0]
+        zg, _ = heads.embed(self.spec, expand(ss.rep, M), expand(ss.buffers, M), x, mask, train=False)
+        zl, _ = heads.embed(self.spec, cs.params, cs.buffers, x, mask, train=False)
+        personal = heads.classify(cs.params, zg)
+        return {"main": personal, "global_rep": personal, "local_model": heads.classify(cs.params, zl)}
+
+    def trainable_params(self, cs: FedRepClientState) -> int:
+        return heads.count_params(cs.params)
+
+
+def _factory(**kw: object) -> FedRep:
+    return FedRep(config_from_kwargs(FedRepConfig, kw))  # type: ignore[arg-type]
+
+
+from fedheads.algorithms import register_algorithm  # noqa: E402
+
+register_algorithm("fedrep", _factory, description="FedRep (Collins et al. 2021): shared projection, personal classifier heads")

@@ -1,0 +1,121 @@
+"""Small pieces shared by the personalised baselines (fedrep, pfedme, perfedavg, solo) and the
+head-tuning baselines (lp, mlp): stacking a global model over clients, the n_i-weighted mean of
+client deltas (a sum of contributions, then a finalize), masked plain-SGD steps and per-phase
+salting of the batch schedule."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from fedheads.core.batching import Schedule, make_schedule
+from fedheads.core.heads import Params
+from fedheads.core.protocol import RoundCtx
+from fedheads.core.train import gather_rows
+from fedheads.data import FedData
+
+# A forward+loss over stacked params: (params, buffers, x, y, valid) -> (loss [M], new buffers)
+LossFn = Callable[[Params, Params, torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, Params]]
+
+
+@dataclass(frozen=True)
+class DeltaMessage:
+    """Client -> server: a change of the shared parameters, weighted by n_i."""
+
+    delta: Params  # [M, ...] w_i - w for the shared parameters
+    buffer_delta: Params  # [M, ...] change of the shared BN running statistics
+    weight: torch.Tensor  # [M] n_i, the client's training samples
+
+
+@dataclass(frozen=True)
+class Empty:
+    """No payload (Solo: nothing is ever sent)."""
+
+
+def expand(p: Params, M: int) -> Params:
+    """A model without client axis copied to M clients."""
+    return {k: v.unsqueeze(0).expand(M, *v.shape).clone() for k, v in p.items()}
+
+
+def weighted_mean(t: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """sum_i w_i t_i / sum_i w_i over the client axis."""
+    return (w.view(-1, *([1] * (t.dim() - 1))) * t).sum(0) / w.sum()
+
+
+def mean_delta(msg: DeltaMessage) -> tuple[Params, Params]:
+    """(Delta params, Delta buffers): n_i-weighted means of the clients' deltas."""
+    return ({k: weighted_mean(v, msg.weight) for k, v in msg.delta.items()},
+            {k: weighted_mean(v, msg.weight) for k, v in msg.buffer_delta.items()})
+
+
+def delta_message(new_p: Params, start_p: Params, new_b: Params, start_b: Params, data: FedData) -> DeltaMessage:
+    w = torch.tensor(data.n_train, dtype=torch.float32, device=data.device)
+    return DeltaMessage({k: new_p[k] - start_p[k] for k in start_p},
+                        {k: new_b[k] - start_b[k] for k in start_b}, w)
+
+
+def salted(ctx: RoundCtx, phase: int) -> RoundCtx:
+    """A ctx whose batch shuffles are independent of phase 0's (two local phases, or the two
+    batches D and D' of a MAML step, must not see the same order). Rounds are < 2**20."""
+    return dataclasses.replace(ctx, round=ctx.round + (phase << 20)) if phase else ctx
+
+
+def schedule(data: FedData, ctx: RoundCtx, batch_size: int, epochs: int) -> Schedule:
+    return make_schedule(list(data.n_train), data.client_index, batch_size, epochs, ctx.seed,
+                         ctx.round, data.device)
+
+
+def batch(data: FedData, sched: Schedule, s: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(x [M,B,D], y [M,B], valid [M,B]) of step s."""
+    idx = sched.index[s]
+    return gather_rows(data.x_train, idx), gather_rows(data.y_train, idx), sched.valid[s]
+
+
+def grads(loss_fn: LossFn, params: Params, buffers: Params, x: torch.Tensor, y: torch.Tensor,
+          valid: torch.Tensor) -> tuple[Params, Params, torch.Tensor]:
+    """Per-client gradients of loss_fn at params (the clients' losses are summed: parameters are
+    disjoint per client, so each client gets its own gradient). Returns (grads, buffers, loss [M])."""
+    keys = list(params)
+    leaf = {k: params[k].detach().requires_grad_(True) for k in keys}
+    with torch.enable_grad():
+        loss, nb = loss_fn(leaf, buffers, x, y, valid)
+        g = torch.autograd.grad(loss.sum(), [leaf[k] for k in keys], allow_unused=True)
+    out = {k: (gk if gk is not None else torch.zeros_like(params[k])) for k, gk in zip(keys, g)}
+    return out, {k: v.detach() for k, v in nb.items()}, loss.detach()
+
+
+def sgd(params: Params, g: Params, lr: float, active: torch.Tensor) -> Params:
+    """p - lr * g for the active clients; the others unchanged."""
+    return {k: torch.where(active.view(-1, *([1] * (p.dim() - 1))), p - lr * g[k], p) for k, p in params.items()}
+
+
+def where(active: torch.Tensor, new: Params, old: Params) -> Params:
+    return {k: torch.where(active.view(-1, *([1] * (v.dim() - 1))), v, old[k]) for k, v in new.items()}
+
+
+_OPT_KEYS = {"lr": "lr", "weight_decay": "weight_decay", "momentum": "momentum", "optimizer_name": "name"}
+
+
+def config_from_kwargs(cfg_cls: type, kw: dict, opt_field: str = "optimizer") -> object:
+    """Build a config dataclass from flat registry kwargs: lr / weight_decay / momentum /
+    optimizer_name override fields of its OptimizerConfig (keeping the algorithm's defaults)."""
+    from embedcache.errors import UserError
+    from fedheads.core.optim import OptimizerConfig
+
+    fields = {f.name: f for f in dataclasses.fields(cfg_cls)}
+    rest = {k: v for k, v in kw.items() if k not in _OPT_KEYS}
+    unknown = sorted(set(rest) - set(fields))
+    if unknown:
+        raise UserError(f"{', '.join(unknown)}: unknown option(s) for {cfg_cls.__name__} "
+                        f"(known: {', '.join(sorted(set(fields) | set(_OPT_KEYS)))})")
+    over = {_OPT_KEYS[k]: v for k, v in kw.items() if k in _OPT_KEYS}
+    if over:
+        base = rest.get(opt_field)
+        if base is None:
+            f = fields[opt_field]
+            base = f.default_factory() if f.default_factory is not dataclasses.MISSING else OptimizerConfig()  # type: ignore[misc]
+        rest[opt_field] = dataclasses.replace(base, **over)
+    return cfg_cls(**rest)
