@@ -106,12 +106,14 @@ def config_from_kwargs(cfg_cls: type, kw: dict, opt_field: str = "optimizer") ->
     from fedheads.core.optim import OptimizerConfig
 
     fields = {f.name: f for f in dataclasses.fields(cfg_cls)}
-    rest = {k: v for k, v in kw.items() if k not in _OPT_KEYS}
+    # a config's own field wins (pFedMe's `lr` is its eta, not an optimiser's)
+    opt_keys = {k: n for k, n in _OPT_KEYS.items() if k not in fields} if opt_field in fields else {}
+    rest = {k: v for k, v in kw.items() if k not in opt_keys}
     unknown = sorted(set(rest) - set(fields))
     if unknown:
         raise UserError(f"{', '.join(unknown)}: unknown option(s) for {cfg_cls.__name__} "
-                        f"(known: {', '.join(sorted(set(fields) | set(_OPT_KEYS)))})")
-    over = {_OPT_KEYS[k]: v for k, v in kw.items() if k in _OPT_KEYS}
+                        f"(known: {', '.join(sorted(set(fields) | set(opt_keys)))})")
+    over = {opt_keys[k]: v for k, v in kw.items() if k in opt_keys}
     if over:
         base = rest.get(opt_field)
         if base is None:

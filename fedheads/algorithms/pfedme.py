@@ -1,0 +1,147 @@
+"""pFedMe (Dinh, Tran & Nguyen, "Personalized Federated Learning with Moreau Envelopes",
+NeurIPS 2020, Algorithm 1) on the baselines' head of FedPCL (NeurIPS 2022, Table 7:
+FC(K*d, 256)-ReLU-BN(256), L2-normalised as the core's FedAvg head, then FC(256, C)).
+
+Each participant starts the round from the global model, w_i = theta_i = w, and for every
+local mini-batch D (E epochs of batches, i.e. R = E * ceil(n_i / B) local rounds):
+  - personalised model: K gradient steps on  f_i(theta; D) + lambda/2 ||theta - w_i||^2  (Eq. 7,
+    solved approximately as in Alg. 1 line 7):  theta <- theta - plr (grad f_i(theta; D) + lambda (theta - w_i))
+  - local model:  w_i <- w_i - eta lambda (w_i - theta_i)  (Alg. 1 line 8, Eq. 8's gradient)
+and sends w_i - w with weight n_i. The server (Alg. 1 line 11):
+  w <- (1 - beta) w + beta sum_i n_i w_i / sum_i n_i  =  w + beta * sum_i n_i (w_i - w) / sum_i n_i
+(the authors' code weights by training samples; BN running statistics are averaged with beta = 1).
+
+Decisions, stated explicitly:
+- Defaults from the paper's MNIST setting (Sec. 5 / the authors' runs): lambda = 15, K = 5,
+  personal learning rate 0.1, eta = 0.005, beta = 1 (beta = 2 is the accelerated variant; beta = 1
+  is the one the paper uses for comparison with FedAvg). Batch size and epochs follow FedPCL's
+  setting for all baselines (B = 32, E = 1) instead of pFedMe's R = 20 batches of 20.
+- theta is warm-started across the round's batches (the authors' code keeps it in the model);
+  BN runs in train mode in the inner steps and its running statistics are personal to theta.
+- Only participants train (the authors' code trains every client but aggregates the selected).
+- Inference "main": the personalised theta_i (Sec. 5 "pFedMe (PM)"); "global_model": w."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from embedcache.errors import UserError
+from fedheads.algorithms.pfl_common import (DeltaMessage, batch, config_from_kwargs, delta_message, expand,
+                                            grads, mean_delta, schedule, where)
+from fedheads.core import heads, ops
+from fedheads.core.heads import HeadSpec, Params
+from fedheads.core.protocol import Init, RoundCtx
+from fedheads.data import DataSpec, FedData
+
+
+@dataclass(frozen=True)
+class PFedMeConfig:
+    """pFedMe hyper-parameters (paper defaults; batching as FedPCL Sec. 5.1)."""
+
+    hidden: int = 256  # projection width (FedPCL Table 7)
+    normalize: bool = True  # L2-normalise the projection output
+    lam: float = 15.0  # lambda, strength of the Moreau-envelope proximal term
+    K: int = 5  # inner steps per mini-batch for the personalised model theta
+    personal_lr: float = 0.1  # step size of the inner steps on theta
+    lr: float = 0.005  # eta, step size of the local model update w_i
+    beta: float = 1.0  # server mixing: w <- (1 - beta) w + beta * mean(w_i)
+    batch_size: int = 32  # local mini-batch size (FedPCL Sec. 5.1)
+    local_epochs: int = 1  # E; local rounds R = E * ceil(n_i / batch_size)
+
+    def __post_init__(self) -> None:
+        if min(self.hidden, self.K, self.batch_size, self.local_epochs) < 1:
+            raise UserError(f"hidden/K/batch_size/local_epochs ({self.hidden}, {self.K}, {self.batch_size}, "
+                            f"{self.local_epochs}): must be >= 1")
+        if self.lam < 0 or self.personal_lr <= 0 or self.lr <= 0 or self.beta <= 0:
+            raise UserError(f"lam {self.lam} / personal_lr {self.personal_lr} / lr {self.lr} / beta {self.beta}: "
+                            "need lam >= 0 and positive step sizes")
+
+
+@dataclass(frozen=True)
+class PFedMeClientState:
+    theta: Params  # [M, ...] personalised model theta_i (after the client's last inner solve)
+    buffers: Params  # [M, ...] BN running statistics of theta_i
+
+
+@dataclass(frozen=True)
+class PFedMeServerState:
+    params: Params  # global model w
+    buffers: Params  # global BN running statistics
+
+
+@dataclass(frozen=True)
+class PFedMeBroadcast:
+    params: Params  # w
+    buffers: Params
+
+
+class PFedMe:
+    """pFedMe: bi-level personalisation with Moreau envelopes."""
+
+    name = "pfedme"
+
+    def __init__(self, cfg: PFedMeConfig = PFedMeConfig()) -> None:
+        self.cfg = cfg
+        self.spec: HeadSpec | None = None
+
+    def init(self, spec: DataSpec, seed: int) -> Init:
+        self.spec = HeadSpec(spec.dim, self.cfg.hidden, spec.num_classes, True, self.cfg.normalize)
+        gp, gb = heads.init_head(self.spec, [seed], spec.device)
+        g = {k: v[0] for k, v in gp.items()}
+        b = {k: v[0] for k, v in gb.items()}
+        M = spec.num_clients
+        return Init(PFedMeClientState(expand(g, M), expand(b, M)), PFedMeServerState(g, b), PFedMeBroadcast(g, b))
+
+    def client_update(self, cs: PFedMeClientState, bc: PFedMeBroadcast, data: FedData,
+                      ctx: RoundCtx) -> tuple[PFedMeClientState, DeltaMessage]:
+        spec, cfg = self.spec, self.cfg
+        assert spec is not None, "init() first"
+        M = data.num_clients
+        w0, b0 = expand(bc.params, M), expand(bc.buffers, M)
+        w, theta, buf = dict(w0), dict(w0), dict(b0)
+
+        def loss_fn(p: Params, b: Params, x: torch.Tensor, y: torch.Tensor, m: torch.Tensor):
+            z, nb = heads.embed(spec, p, b, x, m, train=True)
+            return ops.masked_cross_entropy(heads.classify(p, z), y, m), nb
+
+        sched = schedule(data, ctx, cfg.batch_size, cfg.local_epochs)
+        for s in range(sched.num_steps):
+            x, y, valid = batch(data, sched, s)
+            act = sched.active[s]
+            for _ in range(cfg.K):
+                g, nb, _ = grads(loss_fn, theta, buf, x, y, valid)
+                step = {k: g[k] + cfg.lam * (theta[k] - w[k]) for k in theta}
+                theta = where(act, {k: theta[k] - cfg.personal_lr * step[k] for k in theta}, theta)
+                buf = where(act, nb, buf)
+            w = where(act, {k: w[k] - cfg.lr * cfg.lam * (w[k] - theta[k]) for k in w}, w)
+        return PFedMeClientState(theta, buf), delta_message(w, w0, buf, b0, data)
+
+    def server_aggregate(self, ss: PFedMeServerState, msg: DeltaMessage,
+                         ctx: RoundCtx) -> tuple[PFedMeServerState, PFedMeBroadcast]:
+        d, db = mean_delta(msg)
+        p = {k: ss.params[k] + self.cfg.beta * d[k] for k in ss.params}
+        b = {k: ss.buffers[k] + db[k] for k in ss.buffers}
+        return PFedMeServerState(p, b), PFedMeBroadcast(p, b)
+
+    def predict(self, cs: PFedMeClientState, ss: PFedMeServerState, x: torch.Tensor,
+                mask: torch.Tensor) -> dict[str, torch.Tensor]:
+        assert self.spec is not None
+        M = x.shape[0]
+        zp, _ = heads.embed(self.spec, cs.theta, cs.buffers, x, mask, train=False)
+        gp, gb = expand(ss.params, M), expand(ss.buffers, M)
+        zg, _ = heads.embed(self.spec, gp, gb, x, mask, train=False)
+        return {"main": heads.classify(cs.theta, zp), "global_model": heads.classify(gp, zg)}
+
+    def trainable_params(self, cs: PFedMeClientState) -> int:
+        return heads.count_params(cs.theta)
+
+
+def _factory(**kw: object) -> PFedMe:
+    return PFedMe(config_from_kwargs(PFedMeConfig, kw))  # type: ignore[arg-type]
+
+
+from fedheads.algorithms import register_algorithm  # noqa: E402
+
+register_algorithm("pfedme", _factory, description="pFedMe (Dinh et al. 2020): Moreau-envelope personalised heads")
