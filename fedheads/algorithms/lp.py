@@ -1,0 +1,199 @@
+"""LP: federated linear probing on the concatenated cached features (Legate et al., "Guiding The
+Last Layer in Federated Learning with Pre-Trained Models", NeurIPS 2023, Sec. 3.1/4 "LP": freeze
+the base, train only the linear head with a standard FL optimiser), plus the head-tuning
+machinery shared with the three-layer MLP of the same paper's App. C.1 (fedheads/algorithms/mlp.py).
+
+Per round (FedAvg skeleton, McMahan et al. 2017): participants start from the global head w,
+run E local epochs of client SGD on the cross-entropy and send w_i - w with weight n_i; the
+server forms Delta = sum_i n_i (w_i - w) / sum_i n_i and applies ``server_opt``
+(fedheads/algorithms/server_opt.py):
+  - "fedavg":  w <- w + Delta;
+  - "fedprox": same server; clients minimise f_i(w_i) + mu/2 ||w_i - w||^2 (Li et al. 2020, Eq. 2);
+  - "fedadam": server Adam on Delta (Reddi et al. 2021, Alg. 2; eta, beta1 0.9, beta2 0.99, tau 1e-3).
+
+``init="fedncm"`` (FedNCM+LP, Sec. 3.2-3.3): round 0 is FedNCM's one round (Alg. 1): each
+participant sends per-class sums and counts of the features that enter the LAST layer (the raw
+features for LP; the second hidden activation of the global initial MLP for MLP), computed with
+fedncm.client_stats; the server finalises the exact class means l_c and sets that layer's weight
+to l_c/||l_c|| and its bias to 0 (fedncm.linear_head_init; absent classes get zero weights).
+Training starts in round 1, so ``rounds`` counts the FedNCM round. With partial participation the
+means come from round 0's participants only.
+
+Defaults: client SGD (FLSim, the paper's library), lr 0.01 (middle of the App. B grid
+{0.1 ... 0.001}; tune per dataset), no weight decay, batch 32, E = 1 (Sec. 4); FedProx mu 0.01;
+FedAdam server lr 1e-3 (largest of the App. B grid). Inference: "main" = the global model on each
+client's test split (= "global_model"); "local_model" = the client's model after its last local
+training."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from embedcache.errors import UserError
+from fedheads.algorithms.fedncm import FedNCMMessage, client_stats, finalize_means, linear_head_init
+from fedheads.algorithms.pfl_common import DeltaMessage, config_from_kwargs, delta_message, expand, mean_delta
+from fedheads.algorithms.server_opt import SERVER_OPTS, make_server_optimizer
+from fedheads.core import ops
+from fedheads.core.heads import Params, count_params
+from fedheads.core.optim import OptimizerConfig, OptState, opt_init
+from fedheads.core.protocol import Init, RoundCtx
+from fedheads.core.train import local_train
+from fedheads.data import DataSpec, FedData
+
+INITS = ("random", "fedncm")
+
+
+@dataclass(frozen=True)
+class LPConfig:
+    """Head-tuning hyper-parameters (FedNCM paper Sec. 4 and App. B)."""
+
+    hidden: tuple[int, ...] = ()  # widths of hidden ReLU layers before the linear classifier; () = LP
+    init: str = "random"  # "random" (nn.Linear init) or "fedncm" (round 0 = FedNCM, last layer from class means)
+    ncm_bias: str = "zero"  # bias of the FedNCM-initialised layer: "zero" (paper) or "random" (authors' code)
+    server_opt: str = "fedavg"  # "fedavg" | "fedprox" | "fedadam"
+    server_lr: float | None = None  # server step size; None = 1.0 (fedavg/fedprox) or 1e-3 (fedadam)
+    prox_mu: float = 0.01  # FedProx mu (used only with server_opt="fedprox")
+    adam_beta1: float = 0.9  # FedAdam beta1
+    adam_beta2: float = 0.99  # FedAdam beta2
+    adam_tau: float = 1e-3  # FedAdam tau (adaptivity)
+    optimizer: OptimizerConfig = field(default_factory=lambda: OptimizerConfig("sgd", lr=0.01, weight_decay=0.0))  # client SGD
+    batch_size: int = 32  # local mini-batch size
+    local_epochs: int = 1  # E
+    reset_optimizer: bool = True  # fresh client optimiser every round (FLSim builds one per round)
+
+    def __post_init__(self) -> None:
+        if self.init not in INITS:
+            raise UserError(f"init {self.init!r}: must be one of {', '.join(INITS)}")
+        if self.server_opt not in SERVER_OPTS:
+            raise UserError(f"server_opt {self.server_opt!r}: must be one of {', '.join(SERVER_OPTS)}")
+        if self.ncm_bias not in ("zero", "random"):
+            raise UserError(f"ncm_bias {self.ncm_bias!r}: must be 'zero' or 'random'")
+        if any(int(h) < 1 for h in self.hidden) or self.batch_size < 1 or self.local_epochs < 1:
+            raise UserError(f"hidden {self.hidden} / batch_size {self.batch_size} / local_epochs "
+                            f"{self.local_epochs}: must be >= 1")
+        if self.prox_mu < 0:
+            raise UserError(f"prox_mu {self.prox_mu}: must be >= 0")
+
+
+def init_mlp(in_dim: int, hidden: tuple[int, ...], num_classes: int, seed: int) -> Params:
+    """One head (no client axis): fc{i} for the hidden layers, cls last; weights [Din, Dout],
+    U(+-1/sqrt(fan_in)) for weight and bias as torch.nn.Linear."""
+    gen = torch.Generator().manual_seed(int(seed))
+    p: Params = {}
+    dims = [in_dim, *hidden, num_classes]
+    for i, (a, b) in enumerate(zip(dims[:-1], dims[1:])):
+        name = "cls" if i == len(hidden) else f"fc{i}"
+        bound = 1.0 / math.sqrt(a)
+        for suffix, shape in (("weight", (a, b)), ("bias", (b,))):
+            u = torch.rand(shape, generator=gen, dtype=torch.float64) * 2 - 1
+            p[f"{name}.{suffix}"] = (u * bound).to(torch.float32)
+    return p
+
+
+def penultimate(params: Params, x: torch.Tensor, n_hidden: int) -> torch.Tensor:
+    """Input of the last layer [M,B,h]: x itself for LP, else relu(fc) layers."""
+    for i in range(n_hidden):
+        x = ops.relu(ops.linear(x, params[f"fc{i}.weight"], params[f"fc{i}.bias"]))
+    return x
+
+
+def logits(params: Params, x: torch.Tensor, n_hidden: int) -> torch.Tensor:
+    return ops.linear(penultimate(params, x, n_hidden), params["cls.weight"], params["cls.bias"])
+
+
+@dataclass(frozen=True)
+class HeadClientState:
+    params: Params  # [M, ...] the client's model after its last local training
+    opt: OptState  # client optimiser state
+
+
+@dataclass(frozen=True)
+class HeadServerState:
+    params: Params  # global head w
+    opt: object  # server optimiser state (FedAdam moments)
+    ncm_done: bool  # the FedNCM round has happened (always True with init="random")
+
+
+@dataclass(frozen=True)
+class HeadBroadcast:
+    params: Params  # global head w
+    collect_ncm: bool  # this round is the FedNCM statistics round (no tensor: not counted as traffic)
+
+
+class HeadTuning:
+    """LP / MLP head tuning with FedAvg, FedProx or FedAdam and optional FedNCM initialisation."""
+
+    name = "lp"
+
+    def __init__(self, cfg: LPConfig = LPConfig(), name: str | None = None) -> None:
+        self.cfg = cfg
+        self.server_opt = make_server_optimizer(cfg.server_opt, cfg.server_lr, cfg.adam_beta1,
+                                                cfg.adam_beta2, cfg.adam_tau)
+        if name is not None:
+            self.name = name
+        self.n_hidden = len(cfg.hidden)
+        self.seed = 0  # run seed, set by init (draws the FedNCM layer's random bias if asked)
+
+    def init(self, spec: DataSpec, seed: int) -> Init:
+        g = {k: v.to(spec.device) for k, v in init_mlp(spec.dim, tuple(self.cfg.hidden), spec.num_classes, seed).items()}
+        self.seed = seed
+        cp = expand(g, spec.num_clients)
+        ncm = self.cfg.init == "fedncm"
+        ss = HeadServerState(g, self.server_opt.init(g), not ncm)
+        return Init(HeadClientState(cp, opt_init(self.cfg.optimizer, cp)), ss, HeadBroadcast(g, ncm))
+
+    def client_update(self, cs: HeadClientState, bc: HeadBroadcast, data: FedData,
+                      ctx: RoundCtx) -> tuple[HeadClientState, DeltaMessage | FedNCMMessage]:
+        cfg, nh = self.cfg, self.n_hidden
+        M = data.num_clients
+        start = expand(bc.params, M)
+        if bc.collect_ncm:  # FedNCM Alg. 1 lines 7-12 on the last layer's input
+            with torch.no_grad():
+                h = penultimate(start, data.x_train, nh)
+            sums, counts = client_stats(h, data.y_train, data.m_train, data.num_classes)
+            return cs, FedNCMMessage(sums, counts)
+        mu = cfg.prox_mu if cfg.server_opt == "fedprox" else 0.0
+
+        def loss_fn(p: Params, b: Params, x: torch.Tensor, y: torch.Tensor, m: torch.Tensor):
+            loss = ops.masked_cross_entropy(logits(p, x, nh), y, m)
+            if mu:
+                loss = loss + 0.5 * mu * sum(((p[k] - start[k]) ** 2).flatten(1).sum(1) for k in p)
+            return loss, b
+
+        opt = opt_init(cfg.optimizer, start) if cfg.reset_optimizer else cs.opt
+        p, _, opt = local_train(start, {}, opt, cfg.optimizer, loss_fn, data, ctx, cfg.batch_size, cfg.local_epochs)
+        return HeadClientState(p, opt), delta_message(p, start, {}, {}, data)
+
+    def server_aggregate(self, ss: HeadServerState, msg: DeltaMessage | FedNCMMessage,
+                         ctx: RoundCtx) -> tuple[HeadServerState, HeadBroadcast]:
+        if isinstance(msg, FedNCMMessage):  # sums of contributions, then finalize (Alg. 1 line 5)
+            means, present = finalize_means(msg.sums.sum(0), msg.counts.sum(0))
+            last = linear_head_init(means, present, self.cfg.ncm_bias, seed=self.seed)
+            params = {**ss.params, **{k: v.to(ss.params[k].device) for k, v in last.items()}}
+            new = HeadServerState(params, self.server_opt.init(params), True)
+            return new, HeadBroadcast(params, False)
+        delta, _ = mean_delta(msg)
+        params, opt = self.server_opt.step(ss.params, delta, ss.opt)
+        return HeadServerState(params, opt, True), HeadBroadcast(params, False)
+
+    def predict(self, cs: HeadClientState, ss: HeadServerState, x: torch.Tensor,
+                mask: torch.Tensor) -> dict[str, torch.Tensor]:
+        glob = logits(expand(ss.params, x.shape[0]), x, self.n_hidden)
+        return {"main": glob, "global_model": glob, "local_model": logits(cs.params, x, self.n_hidden)}
+
+    def trainable_params(self, cs: HeadClientState) -> int:
+        return count_params(cs.params)
+
+
+def _factory(**kw: object) -> HeadTuning:
+    if "hidden" in kw:
+        raise UserError("hidden: the linear probe has no hidden layer (use --algorithm mlp)")
+    return HeadTuning(config_from_kwargs(LPConfig, kw), name="lp")  # type: ignore[arg-type]
+
+
+from fedheads.algorithms import register_algorithm  # noqa: E402
+
+register_algorithm("lp", _factory, description="Linear probe (FedNCM paper) with FedAvg / FedProx / FedAdam, optional FedNCM init")

@@ -1,0 +1,46 @@
+"""MLP head tuning: the three-layer MLP that replaces the linear layer of LP in Legate et al.,
+"Guiding The Last Layer in Federated Learning with Pre-Trained Models", NeurIPS 2023, App. C.1
+(Table 5 compares LP and MLP HeadTuning), on the concatenated cached features.
+
+Architecture: FC(D, h1)-ReLU-FC(h1, h2)-ReLU-FC(h2, C), three linear layers. The paper does not
+state the hidden widths; the default h1 = h2 = 256 matches the projection width of the FedPCL
+baselines (Table 7) so the two papers' heads are comparable. Training, server optimisers
+(FedAvg / FedProx / FedAdam) and ``init="fedncm"`` (the LAST layer set from the class means of
+its input, the second hidden activation of the global initial MLP) are LP's, see lp.py."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from embedcache.errors import UserError
+from fedheads.algorithms.lp import HeadTuning, LPConfig
+from fedheads.algorithms.pfl_common import config_from_kwargs
+
+
+@dataclass(frozen=True)
+class MLPConfig(LPConfig):
+    """LP's hyper-parameters with two hidden layers (FedNCM App. C.1)."""
+
+    hidden: tuple[int, ...] = (256, 256)  # widths of the two hidden ReLU layers (not stated in the paper)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if len(self.hidden) != 2:
+            raise UserError(f"hidden {self.hidden}: the three-layer MLP needs exactly two hidden widths")
+
+
+def MLP(cfg: MLPConfig = MLPConfig()) -> HeadTuning:
+    """The three-layer MLP head-tuning algorithm (registry name "mlp")."""
+    return HeadTuning(cfg, name="mlp")
+
+
+def _factory(**kw: object) -> HeadTuning:
+    if isinstance(kw.get("hidden"), (int, str)):  # CLI: "--hidden 512" or "512,512"
+        h = kw["hidden"]
+        kw = {**kw, "hidden": tuple(int(v) for v in str(h).split(",")) * (2 if "," not in str(h) else 1)}
+    return MLP(config_from_kwargs(MLPConfig, kw))  # type: ignore[arg-type]
+
+
+from fedheads.algorithms import register_algorithm  # noqa: E402
+
+register_algorithm("mlp", _factory, description="Three-layer MLP head (FedNCM App. C.1) with FedAvg / FedProx / FedAdam, optional FedNCM init")
