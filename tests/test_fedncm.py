@@ -41,6 +41,21 @@ def test_client_stats_hand_computed():
     assert present.tolist() == [True, True, False]
 
 
+def test_client_stats_blocks_and_padding_agree():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 11, 4, generator=g)
+    y = torch.randint(0, 5, (3, 11), generator=g)
+    m = torch.arange(11).view(1, 11) < torch.tensor([11, 7, 2]).view(3, 1)
+    a = F.client_stats(x, y, m, 5, block_rows=3)
+    b = F.client_stats(x, y, m, 5, block_rows=1000)
+    torch.testing.assert_close(a[0], b[0], rtol=0, atol=1e-12)
+    assert torch.equal(a[1], b[1]) and a[1].sum(1).tolist() == [11, 7, 2]
+    ref = torch.zeros(5, 4, dtype=torch.float64)
+    for i in range(7):
+        ref[y[1, i]] += x[1, i].double()
+    torch.testing.assert_close(a[0][1], ref, rtol=0, atol=1e-12)
+
+
 @pytest.mark.parametrize("eng", engine.ENGINES)
 def test_equals_centralised_ncm_on_pooled_data(eng):
     clients, C = _federation()

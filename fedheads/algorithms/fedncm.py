@@ -78,17 +78,23 @@ class FedNCMMessage:
 
 
 def client_stats(x: torch.Tensor, y: torch.Tensor, mask: torch.Tensor, num_classes: int,
-                 dtype: torch.dtype = torch.float64) -> tuple[torch.Tensor, torch.Tensor]:
+                 dtype: torch.dtype = torch.float64, block_rows: int = 1024,
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """LocalClientStats (Alg. 1 lines 7-12) for stacked clients: sums [M,C,D], counts [M,C].
 
-    Padding rows (mask False) are ignored; one index_add over all clients, no [N, C] one-hot."""
+    One index_add per block of rows over all clients (no [N, C] one-hot); padding rows (mask
+    False) go to a dump slot. Blocks keep the float64 copy cache-sized: converting a whole
+    [N, D] client at once is ~10x slower than the adds themselves."""
     M, N, D = x.shape
-    sums = torch.zeros(M * num_classes, D, dtype=dtype, device=x.device)
-    counts = torch.zeros(M * num_classes, dtype=torch.int64, device=x.device)
-    slot = (torch.arange(M, device=x.device).view(M, 1) * num_classes + y)[mask]
-    sums.index_add_(0, slot, x[mask].to(dtype))
-    counts.index_add_(0, slot, torch.ones_like(slot))
-    return sums.view(M, num_classes, D), counts.view(M, num_classes)
+    C = num_classes
+    slot = torch.where(mask, torch.arange(M, device=x.device).view(M, 1) * C + y,
+                       torch.full_like(y, M * C)).reshape(-1)
+    flat = x.reshape(M * N, D)
+    sums = torch.zeros(M * C + 1, D, dtype=dtype, device=x.device)
+    for a in range(0, M * N, block_rows):
+        sums.index_add_(0, slot[a:a + block_rows], flat[a:a + block_rows].to(dtype))
+    counts = torch.bincount(slot, minlength=M * C + 1)
+    return sums[:-1].view(M, C, D), counts[:-1].view(M, C)
 
 
 def finalize_means(sums: torch.Tensor, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
