@@ -76,7 +76,8 @@ def _torch_vs_functional(cfg: OptimizerConfig, make_opt) -> None:
         g = torch.randn(4, 3)
         w.grad = g.clone()
         opt.step()
-        params, state = opt_step(cfg, params, {"w": g[None]}, state, torch.tensor([True]))
+        params, state = opt_step(cfg, params, {"w": g[None]}, state, torch.tensor([True]),
+                                 rows=torch.tensor([0]) if step % 2 else None)
         torch.testing.assert_close(params["w"][0], w.detach(), rtol=1e-5, atol=1e-6)
 
 
@@ -94,11 +95,18 @@ def test_inactive_client_is_untouched() -> None:
     cfg = OptimizerConfig("adam", lr=0.1)
     params = {"w": torch.randn(2, 3)}
     state = opt_init(cfg, params)
-    new, st = opt_step(cfg, params, {"w": torch.ones(2, 3)}, state, torch.tensor([True, False]))
+    act = torch.tensor([True, False])
+    new, st = opt_step(cfg, params, {"w": torch.ones(2, 3)}, state, act)
     torch.testing.assert_close(new["w"][1], params["w"][1])
     assert not torch.equal(new["w"][0], params["w"][0])
     assert st.step.tolist() == [1.0, 0.0]
     assert float(st.m["w"][1].abs().sum()) == 0.0 and float(st.v["w"][1].abs().sum()) == 0.0
+    # the row-indexed path (used by local_train) gives the same result
+    new_r, st_r = opt_step(cfg, params, {"w": torch.ones(2, 3)}, state, act, rows=torch.tensor([0]))
+    torch.testing.assert_close(new_r["w"], new["w"])
+    torch.testing.assert_close(st_r.v["w"], st.v["w"])
+    both, _ = opt_step(cfg, params, {"w": torch.ones(2, 3)}, state, torch.tensor([True, True]), rows=torch.tensor([0, 1]))
+    torch.testing.assert_close(both["w"][0], new["w"][0])
 
 
 def test_schedule_covers_each_epoch_once_and_ignores_neighbours() -> None:
@@ -125,3 +133,26 @@ def test_rng_is_deterministic_and_roughly_uniform() -> None:
     assert abs(float(g.mean())) < 0.03 and abs(float(g.std()) - 1) < 0.03
     lap = rng.laplace(2, torch.arange(20000))
     assert abs(float(lap.abs().mean()) - 1.0) < 0.05  # E|Laplace(0,1)| = 1
+
+
+def test_inplace_step_equals_functional_step() -> None:
+    from fedheads.core.optim import OptState, opt_step_
+
+    for cfg in (OptimizerConfig("adam", lr=0.1, weight_decay=0.01), OptimizerConfig("sgd", lr=0.1, momentum=0.9)):
+        torch.manual_seed(0)
+        params = {"w": torch.randn(3, 4, 2), "b": torch.randn(3, 2)}
+        state = opt_init(cfg, params)
+        for rows in (torch.tensor([0, 1, 2]), torch.tensor([0, 2])):
+            grads = {k: torch.randn_like(v) for k, v in params.items()}
+            active = torch.zeros(3, dtype=torch.bool).index_fill_(0, rows, True)
+            want_p, want_s = opt_step(cfg, params, grads, state, active)
+            own_p = {k: v.clone() for k, v in params.items()}
+            own_s = OptState(state.step.clone(), {k: v.clone() for k, v in state.m.items()},
+                             {k: v.clone() for k, v in state.v.items()})
+            got_s = opt_step_(cfg, own_p, {k: v.clone() for k, v in grads.items()}, own_s, rows, 3)
+            for k in params:
+                torch.testing.assert_close(own_p[k], want_p[k])
+                if k in want_s.m:
+                    torch.testing.assert_close(got_s.m[k], want_s.m[k])
+            torch.testing.assert_close(got_s.step, want_s.step)
+            params, state = want_p, want_s

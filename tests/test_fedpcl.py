@@ -173,3 +173,14 @@ def test_bad_config_raises() -> None:
         FedPCLConfig(variant="nope")
     with pytest.raises(UserError, match="noise"):
         FedPCLConfig(noise="uniform")
+
+
+def test_running_code_parameter_counts() -> None:
+    from fedheads.core import count_parameters
+
+    data = tiny_fed(M=3, D=6, C=3)
+    pc = count_parameters(FedPCL(FedPCLConfig(hidden=8)), data)
+    assert pc.trainable_per_client == 6 * 8 + 8 + 8 + 8  # FC weight+bias, BN weight+bias
+    assert pc.upload_per_client == 3 * 8 + 3 + 3
+    # steady state after one client uploaded: its padded set + the global set (+ presence)
+    assert pc.download_per_client == 2 * 3 * 8 + 2 * 3

@@ -22,6 +22,7 @@ class Schedule:
     index: torch.Tensor  # [S, M, B] int64 row indices into the client's padded train arrays
     valid: torch.Tensor  # [S, M, B] bool: row is a real sample (last batch of an epoch is partial)
     active: torch.Tensor  # [S, M] bool: the client still has a batch at step s
+    rows: tuple[torch.Tensor, ...]  # per step: [A_s] int64 active clients (built on the host, no sync)
 
     @property
     def num_steps(self) -> int:
@@ -57,4 +58,12 @@ def make_schedule(n_train: list[int], client_index: torch.Tensor, batch_size: in
     lin = e_c.unsqueeze(-1) * nmax + pos_c  # [S, M, B]
     index = torch.gather(flat.unsqueeze(0).expand(S, M, epochs * nmax), 2, lin)
     index = torch.where(valid, index, torch.zeros_like(index))
-    return Schedule(index=index, valid=valid, active=active)
+    total = [sp * epochs for sp in steps_per_epoch]
+    cache: dict[int, torch.Tensor] = {}
+    rows = []
+    for st in range(S):
+        act = [i for i in range(M) if st < total[i]]
+        if len(act) not in cache:  # clients drop out in order of their step counts
+            cache[len(act)] = torch.tensor(act, dtype=torch.int64, device=device)
+        rows.append(cache[len(act)])
+    return Schedule(index=index, valid=valid, active=active, rows=tuple(rows))

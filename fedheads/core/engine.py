@@ -21,7 +21,7 @@ from embedcache.errors import UserError
 from fedheads.core import rng
 from fedheads.core.ops import masked_accuracy
 from fedheads.core.protocol import Algorithm, RoundCtx
-from fedheads.core.tree import payload_size, tree_cat, tree_index, tree_map, tree_scatter
+from fedheads.core.tree import payload_size, tree_cat, tree_index, tree_map, tree_scatter, tree_scatter_
 from fedheads.data import FedData
 
 ENGINES = ("vectorized", "loop")
@@ -128,10 +128,12 @@ def run(algorithm: Algorithm, data: FedData, rounds: int, seed: int = 0, fractio
             cstate = cs_sub if len(part) == M else tree_scatter(cstate, pidx, cs_sub)
         else:
             msgs = []
+            # one private copy per round, then in-place row writes (no O(M) copy per client)
+            cstate = tree_map(lambda t: t.clone(), cstate)
             for i in part.tolist():
                 one = torch.tensor([i], device=data.device)
                 cs_i, msg_i = algorithm.client_update(tree_index(cstate, one), bc, data.select([i]), ctx)
-                cstate = tree_scatter(cstate, one, cs_i)
+                tree_scatter_(cstate, one, cs_i)
                 msgs.append(msg_i)
             msg = tree_cat(msgs)
         up_v, up_b = payload_size(msg, per_client=True)
@@ -150,6 +152,30 @@ def run(algorithm: Algorithm, data: FedData, rounds: int, seed: int = 0, fractio
     res.client_state, res.server_state = cstate, sstate
     res.wall_seconds = time.perf_counter() - t_run
     return res
+
+
+@dataclass(frozen=True)
+class ParamCounts:
+    """Running-code parameter counts, measured on the actual tensors (not the paper's convention)."""
+
+    trainable_per_client: int  # values one client trains
+    upload_per_client: int  # values one client uploads per round
+    download_per_client: int  # values one client receives per round (steady state, after round 0)
+    upload_bytes_per_client: int  # bytes uploaded per round
+    download_bytes_per_client: int  # bytes received per round (steady state)
+
+
+def count_parameters(algorithm: Algorithm, data: FedData, seed: int = 0) -> ParamCounts:
+    """Init the algorithm on `data`, run one client update of client 0 and one aggregation, and
+    measure what is actually trained, sent and received."""
+    init = algorithm.init(data.spec(), seed)
+    one = torch.tensor([0], device=data.device)
+    ctx = RoundCtx(round=0, seed=seed, participants=torch.tensor([0]), num_clients=data.num_clients)
+    _, msg = algorithm.client_update(tree_index(init.client_state, one), init.broadcast, data.select([0]), ctx)
+    _, bc = algorithm.server_aggregate(init.server_state, msg, ctx)
+    up_v, up_b = payload_size(msg, per_client=True)
+    down_v, down_b = payload_size(bc, per_client=False)
+    return ParamCounts(algorithm.trainable_params(init.client_state), up_v, down_v, up_b, down_b)
 
 
 def to_device(tree: Any, device: torch.device | str) -> Any:

@@ -55,37 +55,107 @@ def _bcast(a: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     return a.view(-1, *([1] * (like.dim() - 1)))
 
 
+def _update(cfg: OptimizerConfig, p: torch.Tensor, g: torch.Tensor, m: torch.Tensor | None,
+            v: torch.Tensor | None, step: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """One torch-semantics update of rows that all take the step (fused to few memory passes)."""
+    if cfg.weight_decay:
+        g = g.add(p, alpha=cfg.weight_decay)
+    if cfg.name == "adam":
+        b1, b2 = cfg.betas
+        assert m is not None and v is not None
+        m = torch.lerp(m, g, 1 - b1)  # torch.optim.Adam: exp_avg.lerp_(grad, 1 - beta1)
+        v = v.mul(b2).addcmul_(g, g, value=1 - b2)
+        bc1 = (1.0 - b1 ** step).to(p.dtype)
+        bc2_sqrt = (1.0 - b2 ** step).sqrt().to(p.dtype)
+        denom = v.sqrt().div_(_bcast(bc2_sqrt, p)).add_(cfg.eps)
+        return torch.addcdiv(p, m * _bcast(-cfg.lr / bc1, p), denom), m, v
+    if cfg.momentum:
+        # torch: first step buf = g, later buf = momentum*buf + g; a zero buffer gives both.
+        assert m is not None
+        m = m.mul(cfg.momentum).add_(g)
+        g = m
+    return p.add(g, alpha=-cfg.lr), m, v
+
+
 @torch.no_grad()
-def opt_step(cfg: OptimizerConfig, params: Params, grads: Params, state: OptState,
-             active: torch.Tensor) -> tuple[Params, OptState]:
-    """One step for the clients with active[m]; the others are returned unchanged."""
+def opt_step_(cfg: OptimizerConfig, params: Params, grads: Params, state: OptState, rows: torch.Tensor,
+              num_clients: int) -> OptState:
+    """In-place step of the rows `rows` (active clients) of tensors the CALLER OWNS (local_train
+    clones them once per round). Same arithmetic as `opt_step`, but no large temporaries: fresh
+    multi-MB allocations cost page faults on every step, which dominated the vectorised engine.
+    `grads` are consumed (used as scratch). Returns the new state (tensors updated in place)."""
+    act = torch.zeros(num_clients, dtype=state.step.dtype, device=state.step.device).index_fill_(0, rows, 1.0)
+    step = state.step + act
+    full = rows.numel() == num_clients
+    st = step if full else step.index_select(0, rows)
+    if cfg.name == "adam":
+        b1, b2 = cfg.betas
+        neg_step_size = (-cfg.lr / (1.0 - b1 ** st.clamp_min(1.0)))
+        bc2_sqrt = (1.0 - b2 ** st.clamp_min(1.0)).sqrt()
+    for k, p_all in params.items():
+        if full:
+            p, g = p_all, grads[k]
+            m, v = state.m.get(k), state.v.get(k)
+        else:
+            p, g = p_all.index_select(0, rows), grads[k].index_select(0, rows)
+            m = state.m[k].index_select(0, rows) if k in state.m else None
+            v = state.v[k].index_select(0, rows) if k in state.v else None
+        if cfg.weight_decay:
+            g.add_(p, alpha=cfg.weight_decay)
+        if cfg.name == "adam":
+            assert m is not None and v is not None
+            m.lerp_(g, 1 - b1)
+            v.mul_(b2).addcmul_(g, g, value=1 - b2)
+            torch.sqrt(v, out=g)  # g becomes the denominator
+            g.div_(_bcast(bc2_sqrt.to(p.dtype), p)).add_(cfg.eps)
+            torch.div(m, g, out=g)
+            p.addcmul_(g, _bcast(neg_step_size.to(p.dtype), p))
+        else:
+            if cfg.momentum:
+                assert m is not None
+                m.mul_(cfg.momentum).add_(g)
+                g = m
+            p.add_(g, alpha=-cfg.lr)
+        if not full:
+            p_all.index_copy_(0, rows, p)
+            if m is not None and k in state.m:
+                state.m[k].index_copy_(0, rows, m)
+            if v is not None and k in state.v:
+                state.v[k].index_copy_(0, rows, v)
+    return OptState(step=step, m=state.m, v=state.v)
+
+
+@torch.no_grad()
+def opt_step(cfg: OptimizerConfig, params: Params, grads: Params, state: OptState, active: torch.Tensor,
+             rows: torch.Tensor | None = None) -> tuple[Params, OptState]:
+    """One step for the clients with active[m]; the others are returned unchanged.
+
+    `rows` (optional, [A] int64 = nonzero(active), built on the host by the caller so no device
+    sync is needed) lets the update touch only the active clients' rows, and skips masking when
+    every client is active. Without `rows` the update is computed for all and masked."""
     step = state.step + active.to(state.step.dtype)
+    all_active = rows is not None and rows.numel() == active.numel()
     new_p: Params = {}
     new_m: Params = {}
     new_v: Params = {}
-    if cfg.name == "adam":
-        b1, b2 = cfg.betas
-        safe_step = step.clamp_min(1.0)
-        bc1 = (1.0 - b1 ** safe_step).to(torch.float32)
-        bc2_sqrt = (1.0 - b2 ** safe_step).sqrt().to(torch.float32)
     for k, p in params.items():
-        g = grads[k]
-        if cfg.weight_decay:
-            g = g + cfg.weight_decay * p
-        act = _bcast(active, p)
-        if cfg.name == "adam":
-            m = state.m[k] * b1 + g * (1 - b1)
-            v = state.v[k] * b2 + g * g * (1 - b2)
-            denom = v.sqrt() / _bcast(bc2_sqrt, p) + cfg.eps
-            upd = p - (cfg.lr / _bcast(bc1, p)) * m / denom
-            new_m[k] = torch.where(act, m, state.m[k])
-            new_v[k] = torch.where(act, v, state.v[k])
+        m_old, v_old = state.m.get(k), state.v.get(k)
+        if all_active:
+            new_p[k], m, v = _update(cfg, p, grads[k], m_old, v_old, step)
+        elif rows is not None:
+            sel = lambda t: None if t is None else t.index_select(0, rows)  # noqa: E731
+            pr, m, v = _update(cfg, sel(p), sel(grads[k]), sel(m_old), sel(v_old), step.index_select(0, rows))
+            new_p[k] = p.index_copy(0, rows, pr)
+            m = None if m is None else m_old.index_copy(0, rows, m)  # type: ignore[union-attr]
+            v = None if v is None else v_old.index_copy(0, rows, v)  # type: ignore[union-attr]
         else:
-            if cfg.momentum:
-                # torch: first step buf = g, later buf = momentum*buf + g; a zero buffer gives both.
-                buf = state.m[k] * cfg.momentum + g
-                new_m[k] = torch.where(act, buf, state.m[k])
-                g = buf
-            upd = p - cfg.lr * g
-        new_p[k] = torch.where(act, upd, p)
+            pr, m, v = _update(cfg, p, grads[k], m_old, v_old, step.clamp_min(1.0))
+            act = _bcast(active, p)
+            new_p[k] = torch.where(act, pr, p)
+            m = None if m is None else torch.where(act, m, m_old)
+            v = None if v is None else torch.where(act, v, v_old)
+        if m is not None:
+            new_m[k] = m
+        if v is not None:
+            new_v[k] = v
     return new_p, OptState(step=step, m=new_m, v=new_v)

@@ -14,7 +14,7 @@ import torch
 
 from fedheads.core.batching import make_schedule
 from fedheads.core.heads import Params
-from fedheads.core.optim import OptimizerConfig, OptState, opt_step
+from fedheads.core.optim import OptimizerConfig, OptState, opt_step_
 from fedheads.core.protocol import RoundCtx
 from fedheads.core.tree import tree_where
 from fedheads.data import FedData
@@ -37,15 +37,23 @@ def local_train(params: Params, buffers: Params, opt_state: OptState, opt_cfg: O
     sched = make_schedule(list(data.n_train), data.client_index, batch_size, epochs, ctx.seed,
                           ctx.round, data.device)
     keys = list(params)
+    # functional at the boundary: private copies, then in-place steps (no per-step large allocations)
+    params = {k: v.detach().clone() for k, v in params.items()}
+    opt_state = OptState(opt_state.step.clone(), {k: v.clone() for k, v in opt_state.m.items()},
+                         {k: v.clone() for k, v in opt_state.v.items()})
+    M = data.num_clients
     for s in range(sched.num_steps):
         idx, valid, active = sched.index[s], sched.valid[s], sched.active[s]
         xb = gather_rows(data.x_train, idx)
         yb = gather_rows(data.y_train, idx)
-        leaf = {k: params[k].detach().requires_grad_(True) for k in keys}
+        leaf = {k: params[k].detach().requires_grad_(True) for k in keys}  # shares storage
         with torch.enable_grad():
             loss, new_buf = loss_fn(leaf, buffers, xb, yb, valid)
             grads = torch.autograd.grad(loss.sum(), [leaf[k] for k in keys], allow_unused=True)
-        g = {k: (gk if gk is not None else torch.zeros_like(params[k])) for k, gk in zip(keys, grads)}
-        params, opt_state = opt_step(opt_cfg, {k: params[k].detach() for k in keys}, g, opt_state, active)
-        buffers = tree_where(active, {k: v.detach() for k, v in new_buf.items()}, buffers)
+        del leaf
+        g = {k: (gk.contiguous() if gk is not None else torch.zeros_like(params[k])) for k, gk in zip(keys, grads)}
+        rows = sched.rows[s]
+        opt_state = opt_step_(opt_cfg, params, g, opt_state, rows, M)
+        new_buf = {k: v.detach() for k, v in new_buf.items()}
+        buffers = new_buf if rows.numel() == M else tree_where(active, new_buf, buffers)
     return params, buffers, opt_state

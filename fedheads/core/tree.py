@@ -53,6 +53,16 @@ def tree_scatter(full: T, idx: torch.Tensor, part: T) -> T:
     return tree_map(put, full, part)
 
 
+def tree_scatter_(full: T, idx: torch.Tensor, part: T) -> T:
+    """In-place `tree_scatter` (the caller owns `full`, e.g. a per-round copy); returns `full`."""
+
+    def put(f: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+        f[idx.to(f.device)] = p.to(f.dtype)
+        return f
+
+    return tree_map(put, full, part)
+
+
 def tree_cat(parts: Sequence[T]) -> T:
     """Concatenate trees along the client axis (loop engine: M=1 messages -> one stacked message)."""
     if len(parts) == 1:
