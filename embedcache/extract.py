@@ -285,13 +285,11 @@ def extract(manifest: Any, cfg: ExtractConfig, *, source: Any = None,
     import_plugins(cfg.plugins)
     manifest = _load_manifest(manifest)
     device = resolve_device(cfg.device)
-    make = backbone_factory or default_factory
-
     st.init_store(cfg.store, manifest.classes, manifest.content_hash)
     t0 = time.perf_counter()
     with contextlib.ExitStack() as stack:
         client = _LazyClient(cfg.scheduler, stack)
-        report = _extract_all(manifest, cfg, source, backbone_factory, make, device, client)
+        report = _extract_all(manifest, cfg, source, backbone_factory, device, client)
     if report.changed or not st.has_consolidated(cfg.store):
         st.consolidate(cfg.store)
     report.seconds = time.perf_counter() - t0
@@ -313,9 +311,10 @@ class _LazyClient:
         return self._client
 
 
-def _extract_all(manifest: Any, cfg: ExtractConfig, source: Any, backbone_factory: Any, make: Any,
-                 device: str, client: _LazyClient) -> ExtractReport:
+def _extract_all(manifest: Any, cfg: ExtractConfig, source: Any, backbone_factory: Any, device: str,
+                 client: _LazyClient) -> ExtractReport:
     report = ExtractReport()
+    make = backbone_factory or default_factory
     src = source
     for name in cfg.backbones:
         bb = make(name, cfg.weights_dir, device)

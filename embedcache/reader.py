@@ -160,6 +160,9 @@ def load_split(
             if not np.array_equal(ids, first[3]) or not np.array_equal(labels, first[2]):
                 raise UserError(f"{client}/{split}: sample ids or labels differ between backbones "
                                 f"{first[0].backbone} and {sh.backbone}; re-extract with one manifest")
+        if views and len({p[4].shape[0] for p in parts}) > 1:
+            raise UserError(f"{client}/{split}: backbones hold different numbers of views "
+                            f"({', '.join(f'{p[0].backbone}={p[4].shape[0]}' for p in parts)})")
         feats = np.concatenate([p[1] for p in parts], axis=1)
         vws = np.concatenate([p[4] for p in parts], axis=2) if views else None
         out[client] = ClientSplit(client=client, domain=first[0].domain, features=feats,

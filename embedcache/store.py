@@ -177,7 +177,10 @@ def init_store(store: str | Path, classes: Sequence[str], manifest_hash: str) ->
                 _drop_consolidated(store, have_lock=True)
                 root.attrs["manifest_hash"] = manifest_hash
             return
-        root = _quiet_open(store, "w")
+        if any(p.name != "zarr.json" for p in store.iterdir()):
+            # Never take over (or wipe) a directory that holds something else.
+            raise UserError(f"{store}: directory is not empty and is not an embedcache store")
+        root = _quiet_open(store, "w-")
         root.attrs.update({"format": STORE_FORMAT, "classes": list(classes), "manifest_hash": manifest_hash})
 
 

@@ -86,14 +86,16 @@ class Manifest:
         return hashlib.sha256(json.dumps(rows).encode()).hexdigest()
 
 
-def make_manifest(root: Path, test_every: int = 3) -> Manifest:
-    """One client per domain; every `test_every`-th image goes to test."""
-    classes = tuple(sorted(p.name for p in next(iter(sorted(root.iterdir()))).iterdir()))
+def make_manifest(root: Path, test_every: int = 3, domains=None, classes=None, per_class: int | None = None) -> Manifest:
+    """One client per domain; every `test_every`-th image goes to test. `domains`, `classes`,
+    `per_class` pick a subset (e.g. a handful of real images)."""
+    doms = sorted(domains or (p.name for p in root.iterdir() if p.is_dir()))
+    classes = tuple(classes or sorted(p.name for p in (root / doms[0]).iterdir() if p.is_dir()))
     clients = []
-    for d in sorted(p.name for p in root.iterdir() if p.is_dir()):
+    for d in doms:
         train, test = [], []
         for ci, c in enumerate(classes):
-            for k, f in enumerate(sorted((root / d / c).iterdir())):
+            for k, f in enumerate(sorted((root / d / c).iterdir())[:per_class]):
                 s = Sample(f"{d}/{c}/{f.name}", f"{d}/{c}/{f.name}", ci)
                 (test if k % test_every == 0 else train).append(s)
         clients.append(Client(f"c-{d}", d, tuple(train), tuple(test)))

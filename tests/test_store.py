@@ -163,3 +163,13 @@ def test_verify_fails_on_incomplete(tmp_path):
     assert res.exit_code == 1 and "bb_x_1/c0/train: attributes missing: chunk_sha256, complete" in res.output
     res = CliRunner().invoke(main, ["export", "--store", str(tmp_path), "--out", str(tmp_path / "x.h5")])
     assert res.exit_code == 2 and "incomplete" in res.output and not (tmp_path / "x.h5").exists()
+
+
+def test_store_refuses_a_foreign_directory(tmp_path):
+    (tmp_path / "notes.txt").write_text("mine")
+    with pytest.raises(UserError, match="not empty and is not an embedcache store"):
+        st.init_store(tmp_path, ["a"], "m")
+    assert (tmp_path / "notes.txt").read_text() == "mine"
+    with pytest.raises(UserError, match="classes"):
+        st.init_store(tmp_path / "s", ["a"], "m")
+        st.init_store(tmp_path / "s", ["b"], "m")
