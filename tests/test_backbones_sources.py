@@ -238,3 +238,14 @@ def test_cli_lists_backbones(tmp_path):
     table = CliRunner().invoke(main, ["backbones", "--weights-dir", str(tmp_path)])
     assert table.exit_code == 0 and "resnet18-quickdraw" in table.output and "available" in table.output
     assert os.linesep.join(table.output.splitlines()[:1]).startswith("weights dir:")
+
+
+def test_preprocess_dict_drives_the_transform():
+    from embedcache.backbones.base import build_transform
+    from embedcache.backbones.cifar_resnet import PREPROCESS
+
+    img = Image.new("L", (40, 30), 128)  # grey input becomes RGB
+    a = build_transform(PREPROCESS, train=False)(img)
+    b = build_transform(dict(PREPROCESS, mean=[0.0, 0.0, 0.0]), train=False)(img)
+    c = build_transform(dict(PREPROCESS, resize=[16, 16], input_size=[3, 16, 16]), train=False)(img)
+    assert a.shape == (3, 32, 32) and c.shape == (3, 16, 16) and not torch.equal(a, b)

@@ -114,7 +114,7 @@ def load_strict(model: torch.nn.Module, state: Mapping[str, torch.Tensor], *, wh
 def build_transform(spec: Mapping[str, Any], *, train: bool):
     """torchvision pipeline from a preprocess dict (the dict is the single source of truth).
 
-    Keys: ``input_size`` [C,H,W]; ``resize`` [H,W] (exact) or int (shorter side);
+    Images are converted to RGB first. Keys: ``input_size`` [C,H,W]; ``resize`` [H,W] (exact) or int (shorter side);
     ``crop`` [H,W] or None; ``interpolation``; ``mean``/``std`` or None; ``to`` "float" (ToTensor,
     [0,1]) or "uint8_float" (0..255 values kept as float32); ``train_augment`` dict.
     """
@@ -123,9 +123,7 @@ def build_transform(spec: Mapping[str, Any], *, train: bool):
     interp = getattr(T.InterpolationMode, _INTERP[spec["interpolation"]])
     size = tuple(spec["input_size"][1:])
     aug = spec.get("train_augment") or {"kind": "none"}
-    ops: list = []
-    if spec.get("grayscale_to_rgb", True):
-        ops.append(T.Lambda(_to_rgb))
+    ops: list = [T.Lambda(_to_rgb)]  # grey / palette / RGBA inputs become 3-channel RGB
     if train and aug["kind"] == "random_resized_crop_flip":
         ops += [T.RandomResizedCrop(size, scale=tuple(aug["scale"]), ratio=tuple(aug["ratio"]), interpolation=interp),
                 T.RandomHorizontalFlip(0.5)]
@@ -142,8 +140,7 @@ def build_transform(spec: Mapping[str, Any], *, train: bool):
         elif train and aug["kind"] != "none":
             raise UserError(f"train_augment: unknown kind {aug['kind']!r}")
     if spec.get("to", "float") == "uint8_float":
-        ops.append(T.PILToTensor())
-        ops.append(T.Lambda(lambda t: t.to(torch.float32)))
+        ops += [T.PILToTensor(), T.Lambda(_as_float)]
     else:
         ops.append(T.ToTensor())
         if spec.get("mean") is not None:
@@ -153,6 +150,11 @@ def build_transform(spec: Mapping[str, Any], *, train: bool):
 
 def _to_rgb(img: Image.Image) -> Image.Image:
     return img if img.mode == "RGB" else img.convert("RGB")
+
+
+def _as_float(t: torch.Tensor) -> torch.Tensor:
+    # uint8 0..255 kept as exact float32 values (ConvertImageDtype would rescale to [0, 1]).
+    return t.to(torch.float32)
 
 
 class TorchBackbone(Backbone):

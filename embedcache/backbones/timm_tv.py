@@ -97,14 +97,14 @@ def create_timm(model: str, weights_dir: Path | None, device: str) -> TorchBackb
     if path is not None:
         # A .bin from the HF cache is a torch pickle like .pth.
         load_strict(net, _read_state(path, who=name), who=f"{name} ({path})", ignore=ignore)
-        digest, where = W.sha256_file(path), str(path)
+        digest = W.sha256_file(path)
     elif not W.offline():
         try:
             net = timm.create_model(model, pretrained=True, num_classes=0)
         except Exception as exc:
             raise UserError(f"{name}: no local weights ({_timm_looked(model, weights_dir)}) and the "
                             f"download failed ({type(exc).__name__}: {exc}); offline?") from None
-        digest, where = state_dict_sha256(net.state_dict()), "timm pretrained download"
+        digest = state_dict_sha256(net.state_dict())
     else:
         raise UserError(f"{name}: weights not found; looked in {_timm_looked(model, weights_dir)} "
                         "($EMBEDCACHE_OFFLINE=1, no download)")
@@ -115,7 +115,6 @@ def create_timm(model: str, weights_dir: Path | None, device: str) -> TorchBackb
         "input_size": list(data_cfg["input_size"]),
         **{k: (list(v) if isinstance(v, tuple) else v) for k, v in data_cfg.items() if k != "input_size"},
         "train_augment": dict(TIMM_TRAIN_AUG),
-        "weights_source": Path(where).name if path is not None else where,
     }
     tf = {
         False: create_transform(**data_cfg, is_training=False),
@@ -162,14 +161,14 @@ def create_tv(model: str, weights_dir: Path | None, device: str) -> TorchBackbon
     path = _local("tv", model, weights_dir) or (_hub_cache_file(wenum.url) if wenum is not None else None)
     if path is not None:
         load_strict(net, _read_state(path, who=name), who=f"{name} ({path})")
-        digest, where = W.sha256_file(path), path.name
+        digest = W.sha256_file(path)
     elif wenum is not None and not W.offline():
         try:
             net.load_state_dict(wenum.get_state_dict(progress=True, check_hash=True), strict=True)
         except Exception as exc:
             raise UserError(f"{name}: no local weights and the download of {wenum.url} failed "
                             f"({type(exc).__name__}: {exc}); offline?") from None
-        digest, where = state_dict_sha256(net.state_dict()), str(wenum)
+        digest = state_dict_sha256(net.state_dict())
     else:
         looked = ", ".join(W.looked_in(f"tv/{model}{e}", weights_dir) for e in _EXTS)
         raise UserError(f"{name}: weights not found; looked in {looked} and the torch hub cache")
@@ -191,7 +190,6 @@ def create_tv(model: str, weights_dir: Path | None, device: str) -> TorchBackbon
         "mean": mean,
         "std": std,
         "train_augment": {"kind": "random_resized_crop_flip", "scale": [0.6, 1.0], "ratio": [0.75, 1.3333333333333333]},
-        "weights_source": where,
     }
     return TorchBackbone(name, net, weights_sha256=digest, preprocess=preprocess, device=device)
 
