@@ -191,7 +191,7 @@ def fedpcl_comm_params(method: str, arch: HeadArch) -> int:
         return 0
     if m == "fedncm":
         return arch.num_classes * arch.in_dim  # class sums in the backbone space (Alg. 1)
-    if m in ("lp", "linearprobe"):
+    if m in ("lp", "linearprobe", "fedavglinear"):
         return arch.num_classes * arch.in_dim  # linear layer weights (FedNCM Eq. 3)
     raise UserError(f"method={method!r}: no paper convention (known: "
                     f"{', '.join(FEDPCL_TABLE2_METHODS + ('fedncm', 'lp'))})")
