@@ -185,23 +185,39 @@ def weights_file(recipe: DigitNetRecipe = DEFAULT_RECIPE) -> str:
 
 
 def ensure_weights(recipe: DigitNetRecipe = DEFAULT_RECIPE, weights_dir: Path | None = None) -> Path:
-    """Path of the cached trunk, training and caching it first if no copy exists."""
+    """Path of the cached trunk, training and caching it first if no copy exists.
+
+    Several processes (e.g. extraction workers) may ask at once: an exclusive lock on
+    ``<file>.lock`` makes exactly one of them train while the others wait and then reuse it.
+    """
     fname = weights_file(recipe)
     found = W.find_file(fname, weights_dir)
     if found is not None:
         return found
-    log.warning("%s: no cached weights (%s); %s now (recipe %s)", NAME, W.looked_in(fname, weights_dir),
-                PROVENANCE, recipe.digest())
-    state, report = train_digitnet(recipe)
-    log.warning("%s: %s; validation accuracy %.3f on held-out renderings, %.1f s", NAME, PROVENANCE,
-                report["val_accuracy"], report["seconds"])
     dest = W.cache_weights_dir() / fname
     dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = dest.with_name(f"{dest.name}.tmp{os.getpid()}")
-    torch.save({"state_dict": state, "recipe": {**asdict(recipe), "widths": list(recipe.widths)},
-                "report": report, "provenance": PROVENANCE}, tmp)
-    os.replace(tmp, dest)
+    with open(dest.with_name(fname + ".lock"), "w") as lock:
+        _lock(lock)
+        if dest.is_file():  # another process finished while we waited
+            return dest
+        log.warning("%s: no cached weights (%s); %s now (recipe %s)", NAME, W.looked_in(fname, weights_dir),
+                    PROVENANCE, recipe.digest())
+        state, report = train_digitnet(recipe)
+        log.warning("%s: %s; validation accuracy %.3f on held-out renderings, %.1f s", NAME, PROVENANCE,
+                    report["val_accuracy"], report["seconds"])
+        tmp = dest.with_name(f"{dest.name}.tmp{os.getpid()}")
+        torch.save({"state_dict": state, "recipe": {**asdict(recipe), "widths": list(recipe.widths)},
+                    "report": report, "provenance": PROVENANCE}, tmp)
+        os.replace(tmp, dest)
     return dest
+
+
+def _lock(f) -> None:
+    try:
+        import fcntl
+    except ImportError:  # Windows: no advisory lock; at worst two processes train the same file
+        return
+    fcntl.flock(f.fileno(), fcntl.LOCK_EX)
 
 
 def load_digitnet(path: Path, recipe: DigitNetRecipe = DEFAULT_RECIPE, *, device: str = "cpu") -> TorchBackbone:
