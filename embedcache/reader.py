@@ -9,7 +9,7 @@ asked: FedPCL's r(x; Phi*) = concat(r_1(x; phi_1*), ..., r_K(x; phi_K*))
 from __future__ import annotations
 
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -168,3 +168,50 @@ def load_split(
         out[client] = ClientSplit(client=client, domain=first[0].domain, features=feats,
                                   labels=first[2], sample_ids=first[3], views=vws)
     return out
+
+
+def iter_split_chunks(
+    store: str | Path | StoreInfo,
+    backbones: Sequence[str] | str,
+    split: str,
+    client: str,
+    chunk_rows: int = 65_536,
+) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """Stream one client's split in row chunks: (features [n, sum D_k] float32, labels [n],
+    sample_ids [n]) per chunk, backbones concatenated in order. Memory is one chunk, whatever
+    the shard size (batch prediction). Same checks as `load_split`, done per chunk."""
+    if chunk_rows < 1:
+        raise UserError(f"chunk_rows {chunk_rows}: must be >= 1")
+    info = store if isinstance(store, StoreInfo) else open_store(store)
+    names = [backbones] if isinstance(backbones, str) else list(backbones)
+    shards = []
+    for name in names:
+        if name not in info.backbones:
+            raise UserError(f"backbone {name}: not in store {info.path} (has: {', '.join(info.backbones) or 'none'})")
+        sh = info.shard(name, client, split)
+        if sh is None:
+            raise UserError(f"{name}/{client}/{split}: shard missing from {info.path}")
+        if not sh.complete:
+            raise UserError(f"{sh.path}: shard incomplete (extraction interrupted?); run extract again")
+        shards.append(sh)
+    if len({sh.n for sh in shards}) > 1:
+        raise UserError(f"{client}/{split}: backbones hold different numbers of samples")
+    root = _open(info.path)
+    groups = [root[sh.path] for sh in shards]
+    n = shards[0].n
+    for a in range(0, n, chunk_rows):
+        b = min(a + chunk_rows, n)
+        feats, labels, ids = [], None, None
+        for sh, g in zip(shards, groups):
+            f = np.asarray(g["features"][a:b], dtype=np.float32)
+            y = np.asarray(g["labels"][a:b], dtype=np.int64)
+            s = np.array(np.asarray(g["sample_ids"][a:b]).tolist(), dtype=str).reshape(-1)
+            if not np.isfinite(f).all():
+                raise UserError(f"{sh.path}: features contain NaN/inf (rows {a}..{b - 1})")
+            if labels is None:
+                labels, ids = y, s
+            elif not (np.array_equal(y, labels) and np.array_equal(s, ids)):
+                raise UserError(f"{client}/{split}: sample ids or labels differ between backbones "
+                                f"{shards[0].backbone} and {sh.backbone}; re-extract with one manifest")
+            feats.append(f)
+        yield np.concatenate(feats, axis=1), labels, ids

@@ -9,6 +9,9 @@ they can never be predicted (the authors' code gives them "a large distance" ins
 Rules (chosen by the algorithm):
   * ``"cosine"``: IndexFlatIP over unit vectors (prototypes and queries L2-normalised);
     score = cosine similarity, higher is nearer.
+  * ``"ip"``: IndexFlatIP on the vectors as they are; score = inner product, higher is
+    nearer (FedPCL's rule: its z is unit length, its prototypes are means of unit vectors
+    and are not re-normalised, so this is not cosine).
   * ``"sqeuclidean"``: IndexFlatL2; score = squared Euclidean distance, lower is nearer.
 Ties are broken towards the smaller class id, whatever order faiss returns them in.
 
@@ -31,7 +34,8 @@ import numpy as np
 
 from embedcache.errors import UserError
 
-RULES = ("cosine", "sqeuclidean")
+RULES = ("cosine", "ip", "sqeuclidean")
+SIMILARITY_RULES = ("cosine", "ip")  # higher score is nearer
 _GPU_RES: Any = None  # one StandardGpuResources per process (it owns scratch memory)
 
 
@@ -71,6 +75,7 @@ class PrototypeIndex:
         bank = np.ascontiguousarray(protos[self.class_ids])
         if rule == "cosine":
             faiss.normalize_L2(bank)
+        if rule in SIMILARITY_RULES:
             index = faiss.IndexFlatIP(self.dim)
         else:
             index = faiss.IndexFlatL2(self.dim)
@@ -123,7 +128,7 @@ class PrototypeIndex:
 def _order(d: np.ndarray, i: np.ndarray, rule: str) -> tuple[np.ndarray, np.ndarray]:
     """Sort each row nearest-first, ties by smaller index row (= smaller class id, since
     index rows follow class order)."""
-    key = -d if rule == "cosine" else d
+    key = -d if rule in SIMILARITY_RULES else d
     order = np.lexsort((i, key), axis=1)
     return np.take_along_axis(d, order, 1), np.take_along_axis(i, order, 1)
 

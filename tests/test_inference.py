@@ -19,6 +19,8 @@ def brute_force(protos, present, rule, x, k):
         p = p / np.maximum(np.linalg.norm(p, axis=1, keepdims=True), 1e-30)
         q = q / np.maximum(np.linalg.norm(q, axis=1, keepdims=True), 1e-30)
         key = -(q @ p.T)
+    elif rule == "ip":
+        key = -(q @ p.T)
     else:
         key = (q * q).sum(1)[:, None] - 2 * q @ p.T + (p * p).sum(1)[None]
     key[:, ~present] = np.inf
@@ -37,7 +39,7 @@ def test_matches_brute_force_random(rule):
     pred = I.predict_features(protos, present, rule, x, k=4, chunk_rows=64)
     ref_lab, ref_key = brute_force(protos, present, rule, x, 4)
     np.testing.assert_array_equal(pred.topk_labels, ref_lab)
-    ref_score = -ref_key if rule == "cosine" else ref_key
+    ref_score = -ref_key if rule in I.SIMILARITY_RULES else ref_key
     np.testing.assert_allclose(pred.topk_scores, ref_score, rtol=1e-4, atol=1e-4)
     assert not np.isin(pred.labels, [3, 7]).any()
     np.testing.assert_array_equal(pred.labels, pred.topk_labels[:, 0])
@@ -53,7 +55,10 @@ def test_ties_go_to_smaller_class(rule):
     pred = I.predict_features(protos, present, rule, x, k=3)
     ref_lab, _ = brute_force(protos, present, rule, x, 3)
     np.testing.assert_array_equal(pred.topk_labels, ref_lab)
-    assert pred.labels[0] == 0 and pred.labels[1] == 2
+    if rule == "ip":  # the unnormalised 2x copies win on inner product
+        assert pred.labels[0] == 6 and pred.labels[1] == 8
+    else:
+        assert pred.labels[0] == 0 and pred.labels[1] == 2
     if rule == "cosine":
         assert pred.topk_labels[0].tolist() == [0, 3, 6]   # three-way tie, cut at k=3
         assert I.predict_features(protos, present, rule, x, k=2).topk_labels[0].tolist() == [0, 3]

@@ -183,6 +183,13 @@ class FedNCM:
         out = {r: ncm_scores(ss.means, ss.present, x, r) for r in RULES}
         return {"main": out[self.cfg.rule], **out}
 
+    def prototype_view(self, cs: FedNCMClientState, ss: FedNCMServerState, x: torch.Tensor,
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, str]:
+        """For faiss batch prediction (fedheads.predict): the queries are the features
+        themselves and every client shares the server's class means l_c."""
+        M = x.shape[0]
+        return x, ss.means.unsqueeze(0).expand(M, -1, -1), ss.present.unsqueeze(0).expand(M, -1), self.cfg.rule
+
     def trainable_params(self, cs: FedNCMClientState) -> int:
         return 0  # nothing is trained: the means are computed in closed form
 
