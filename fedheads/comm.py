@@ -163,22 +163,24 @@ class HeadArch:
 FEDPCL_TABLE2_METHODS = ("fedavg", "pfedme", "perfedavg", "fedrep", "fedproto", "fedpcl", "solo")
 
 
-def _norm(method: str) -> str:
+def method_key(method: str) -> str:
+    """Case/punctuation-free method name: "Per-FedAvg" -> "perfedavg"."""
     return method.lower().replace("-", "").replace("_", "").replace(" ", "")
 
 
-def fedpcl_trainable_params(arch: HeadArch, method: str = "fedavg") -> int:
-    """FedPCL Table 14 "# of Training Params" (weights only): projection 512K x 256 plus the
-    256 x C classifier of the baselines' architecture (133,632 / 264,704 / 395,776 for
-    K = 1, 2, 3). FedPCL itself has no classifier, so ``method="fedpcl"`` gives the
-    projection only."""
-    proj = arch.in_dim * arch.proj_dim
-    return proj if _norm(method) in ("fedpcl", "fedproto") else proj + arch.proj_dim * arch.num_classes
+def fedpcl_trainable_params(arch: HeadArch) -> int:
+    """FedPCL Table 14 "# of Training Params" (weights only): 512K x 256 projection plus
+    256 x C (133,632 / 264,704 / 395,776 for K = 1, 2, 3). Table 14 is an experiment on
+    FedPCL itself, which has no classifier, yet its count includes the 256 x C term (the
+    size of the prototype set, or the baselines' classifier; the paper does not say): the
+    convention is reproduced as printed. The measured count (``trainable_params_per_client``
+    in results.json) comes from the actual tensors."""
+    return arch.in_dim * arch.proj_dim + arch.proj_dim * arch.num_classes
 
 
 def fedpcl_comm_params(method: str, arch: HeadArch) -> int:
     """FedPCL Table 2 "# of Comm Params": parameters one client sends per round."""
-    m = _norm(method)
+    m = method_key(method)
     proj = arch.in_dim * arch.proj_dim
     cls = arch.proj_dim * arch.num_classes
     if m in ("fedavg", "pfedme", "perfedavg"):

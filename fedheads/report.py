@@ -103,9 +103,9 @@ def summarise_runs(per_seed: Sequence[Mapping[str, Any]], *, algorithm: str,
             paper_params = comm.fedpcl_comm_params(algorithm, arch)
         except UserError:
             paper_params = None  # no published convention for this algorithm
-        if algorithm.lower() in comm.FEDPCL_TABLE2_METHODS and algorithm.lower() != "solo":
-            paper_trainable = comm.fedpcl_trainable_params(arch, algorithm)
-    comm_rounds = 1 if algorithm.lower() in ONE_ROUND_ALGORITHMS else rounds
+        if comm.method_key(algorithm) in comm.FEDPCL_TABLE2_METHODS:  # same head (FedPCL Sec. 5.1)
+            paper_trainable = comm.fedpcl_trainable_params(arch)
+    comm_rounds = 1 if comm.method_key(algorithm) in ONE_ROUND_ALGORITHMS else rounds
     comm_out["paper_comm_params_per_client_per_round"] = paper_params
     comm_out["paper_total_bytes"] = (None if paper_params is None else comm.paper_total_bytes(
         paper_params, n_clients, comm_rounds, fraction))

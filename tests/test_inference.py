@@ -136,3 +136,19 @@ def test_gpu_index_matches_cpu():
         a = I.predict_features(protos, np.ones(10, bool), rule, x, k=3, use_gpu=True)
         b = I.predict_features(protos, np.ones(10, bool), rule, x, k=3, use_gpu=False)
         np.testing.assert_array_equal(a.topk_labels, b.topk_labels)
+
+
+def test_streams_a_zarr_array_in_row_chunks(tmp_path):
+    zarr = pytest.importorskip("zarr")
+    rng = np.random.default_rng(3)
+    protos = rng.normal(size=(6, 8)).astype(np.float32)
+    x = rng.normal(size=(75, 8)).astype(np.float32)
+    z = zarr.create_array(str(tmp_path / "f.zarr"), shape=x.shape, chunks=(16, 8), dtype="float32")
+    z[:] = x
+    seen = []
+    chunks = I.iter_row_chunks(z, chunk_rows=16)
+    got = I.predict_features(protos, np.ones(6, bool), "sqeuclidean",
+                             (seen.append(c.shape[0]) or c for c in chunks), k=2)
+    assert seen == [16, 16, 16, 16, 11]
+    ref, _ = brute_force(protos, np.ones(6, bool), "sqeuclidean", x, 2)
+    np.testing.assert_array_equal(got.topk_labels, ref)

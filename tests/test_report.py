@@ -38,7 +38,7 @@ def test_summarise_runs_contract_keys_and_values():
     assert c["paper_comm_params_per_client_per_round"] == 2_560
     assert c["paper_total_bytes"] == 2 * 2560 * 2 * 2 * 4
     assert c["upload_params_per_client_per_round"] == 2560.0
-    assert r["paper_trainable_params_per_client"] == 131_072
+    assert r["paper_trainable_params_per_client"] == 133_632   # FedPCL Table 14, K=1
     assert r["history"] == [{"round": 1, "accuracy": 42.0, "std": 2.0},
                             {"round": 2, "accuracy": 50.0, "std": 0.0}]
     json.dumps(r)  # JSON-able
