@@ -60,7 +60,9 @@ def test_lg_and_lp_by_hand_positive_not_in_denominator() -> None:
     # Eq. 8: -log( e^{z.G0} / (e^{z.G1} + e^{z.G2}) ) = -0.25 + log(e^0 + e^1)
     assert ok.all()
     torch.testing.assert_close(l_g[0, 0, 0], torch.tensor(-0.25 + math.log(1 + E)))
-    l_p, _ = contrast_terms(z, bc.local_sets.unsqueeze(0), bc.set_present.unsqueeze(0), y, tau=1.0)
+    l_p, _ = contrast_terms(z, bc.local_sets, bc.set_present, y, tau=1.0)  # shared [S,C,d] form
+    l_p4, _ = contrast_terms(z, bc.local_sets.unsqueeze(0), bc.set_present.unsqueeze(0), y, tau=1.0)
+    torch.testing.assert_close(l_p4, l_p)
     # set 0: z.(1,0)=1 pos, negatives 0 and 1 -> -1 + log(1+e); set 1: pos 0, negatives 0, 1 -> log(1+e)
     torch.testing.assert_close(l_p[0, 0], torch.tensor([-1 + math.log(1 + E), math.log(1 + E)]))
     # temperature divides every logit

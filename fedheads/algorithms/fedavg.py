@@ -45,7 +45,7 @@ class FedAvgConfig:
 class FedAvgClientState:
     params: Params  # [M, ...] each client's model after its last local training
     buffers: Params  # [M, ...] BN running statistics of that model
-    opt: OptState  # client optimiser state
+    opt: OptState  # client optimiser state (only the step counter when reset every round)
 
 
 @dataclass(frozen=True)
@@ -100,9 +100,16 @@ class FedAvg:
         b = {k: v[0] for k, v in gb.items()}
         M = spec.num_clients
         cp, cb = _expand(g, M), _expand(b, M)
-        cs = FedAvgClientState(cp, cb, opt_init(self.cfg.optimizer, cp))
+        cs = FedAvgClientState(cp, cb, self._opt0(cp))
         ss = FedAvgServerState(g, b, self.server_opt.init(g))
         return Init(cs, ss, FedAvgBroadcast(g, b))
+
+    def _opt0(self, params: Params) -> OptState:
+        # with a per-round reset nothing needs to persist between rounds: keep only the counter
+        if self.cfg.reset_optimizer:
+            return OptState(torch.zeros(next(iter(params.values())).shape[0], dtype=torch.float64,
+                                        device=next(iter(params.values())).device))
+        return opt_init(self.cfg.optimizer, params)
 
     def client_update(self, cs: FedAvgClientState, bc: FedAvgBroadcast, data: FedData,
                       ctx: RoundCtx) -> tuple[FedAvgClientState, FedAvgMessage]:
@@ -110,7 +117,7 @@ class FedAvg:
         spec, mu = self.spec, self.cfg.proximal_mu
         M = data.num_clients
         start_p, start_b = _expand(bc.params, M), _expand(bc.buffers, M)
-        opt = opt_init(self.cfg.optimizer, start_p) if self.cfg.reset_optimizer else cs.opt
+        opt = None if self.cfg.reset_optimizer else cs.opt
 
         def loss_fn(p: Params, b: Params, x: torch.Tensor, y: torch.Tensor, m: torch.Tensor):
             z, nb = heads.embed(spec, p, b, x, m, train=True)
@@ -124,7 +131,7 @@ class FedAvg:
                                 self.cfg.batch_size, self.cfg.local_epochs)
         w = torch.tensor(data.n_train, dtype=torch.float32, device=data.device)
         msg = FedAvgMessage({k: p[k] - start_p[k] for k in p}, {k: b[k] - start_b[k] for k in b}, w)
-        return FedAvgClientState(p, b, opt), msg
+        return FedAvgClientState(p, b, cs.opt if self.cfg.reset_optimizer else opt), msg
 
     def server_aggregate(self, ss: FedAvgServerState, msg: FedAvgMessage,
                          ctx: RoundCtx) -> tuple[FedAvgServerState, FedAvgBroadcast]:

@@ -95,7 +95,7 @@ class FedPCLConfig:
 class FedPCLClientState:
     params: Params  # [M, ...] projection network theta_i
     buffers: Params  # [M, ...] BN running statistics
-    opt: OptState  # Adam state
+    opt: OptState  # Adam state (only the step counter when reset every round)
     protos: torch.Tensor  # [M, C, d] local prototypes C_i (Eq. 5), noise-free, for inference
     present: torch.Tensor  # [M, C] bool: client holds class j
 
@@ -139,12 +139,14 @@ def contrast_terms(z: torch.Tensor, protos: torch.Tensor, avail: torch.Tensor, y
                    tau: float) -> tuple[torch.Tensor, torch.Tensor]:
     """-log( exp(z.P_y/tau) / sum_{a in A(y)} exp(z.P_a/tau) ), A(y) = available classes != y.
 
-    z [M,B,d], protos [M,S,C,d] (S prototype sets), avail [M,S,C] bool -> (terms [M,B,S],
-    ok [M,B,S] bool: the positive is available and A(y) is not empty)."""
-    logits = torch.einsum("mbd,mscd->mbsc", z, protos) / tau
+    z [M,B,d], protos [S,C,d] (S prototype sets shared by all clients, e.g. the broadcast) or
+    [M,S,C,d]; avail [S,C] or [M,S,C] bool -> (terms [M,B,S], ok [M,B,S] bool: the positive is
+    available and A(y) is not empty)."""
+    shared = protos.dim() == 3
+    logits = torch.einsum("mbd,scd->mbsc" if shared else "mbd,mscd->mbsc", z, protos) / tau
     C = protos.shape[-2]
     is_y = torch.nn.functional.one_hot(y, C).bool().unsqueeze(2)  # [M,B,1,C]
-    av = avail.unsqueeze(1)  # [M,1,S,C]
+    av = avail.view(1, 1, *avail.shape) if shared else avail.unsqueeze(1)  # [M|1,1,S,C]
     pos = (logits * is_y).sum(-1)
     neg_mask = av & ~is_y
     lse = torch.logsumexp(logits.masked_fill(~neg_mask, _NEG), dim=-1)
@@ -191,7 +193,7 @@ class FedPCL:
         M, C, d, dev = spec.num_clients, spec.num_classes, self.cfg.hidden, spec.device
         # each client owns its projection network: independent seeded initialisations
         p, b = heads.init_head(self.spec, [seed * 100_003 + i for i in range(M)], dev)
-        cs = FedPCLClientState(p, b, opt_init(self.cfg.optimizer, p), torch.zeros(M, C, d, device=dev),
+        cs = FedPCLClientState(p, b, self._opt0(p), torch.zeros(M, C, d, device=dev),
                                torch.zeros(M, C, dtype=torch.bool, device=dev))
         ss = FedPCLServerState(torch.zeros(M, C, d, device=dev), torch.zeros(M, C, dtype=torch.bool, device=dev),
                                torch.zeros(M, dtype=torch.bool, device=dev), torch.zeros(C, d, device=dev),
@@ -208,17 +210,13 @@ class FedPCL:
     def _loss_fn(self, bc: FedPCLBroadcast):
         spec, cfg = self.spec, self.cfg
         assert spec is not None
-        sets = bc.local_sets.unsqueeze(0)  # [1,S,C,d]
         set_avail = bc.set_present
         n_sets = bc.set_valid.sum().clamp_min(1).to(torch.float32)
 
         def paper(p: Params, b: Params, x: torch.Tensor, y: torch.Tensor, m: torch.Tensor):
             z, nb = heads.embed(spec, p, b, self._x(x), m, train=True)
-            M = z.shape[0]
-            g = bc.global_protos.view(1, 1, *bc.global_protos.shape).expand(M, 1, -1, -1)
-            ga = bc.global_present.view(1, 1, -1).expand(M, 1, -1)
-            l_g, _ = contrast_terms(z, g, ga, y, cfg.tau)  # Eq. 8, [M,B,1]
-            l_p, _ = contrast_terms(z, sets.expand(M, -1, -1, -1), set_avail.unsqueeze(0).expand(M, -1, -1), y, cfg.tau)
+            l_g, _ = contrast_terms(z, bc.global_protos.unsqueeze(0), bc.global_present.unsqueeze(0), y, cfg.tau)  # Eq. 8
+            l_p, _ = contrast_terms(z, bc.local_sets, set_avail, y, cfg.tau)  # Eq. 9 terms, [M,B,S]
             l_p = (l_p * bc.set_valid.view(1, 1, -1)).sum(-1) / n_sets  # Eq. 9: (1/m) sum_p
             return ops.masked_mean(l_g[..., 0] + l_p, m), nb  # Eq. 10
 
@@ -232,6 +230,13 @@ class FedPCL:
 
         return paper if cfg.variant == "paper" else code
 
+    def _opt0(self, params: Params) -> OptState:
+        # with a per-round reset nothing needs to persist between rounds: keep only the counter
+        if self.cfg.reset_optimizer:
+            return OptState(torch.zeros(next(iter(params.values())).shape[0], dtype=torch.float64,
+                                        device=next(iter(params.values())).device))
+        return opt_init(self.cfg.optimizer, params)
+
     def client_update(self, cs: FedPCLClientState, bc: FedPCLBroadcast, data: FedData,
                       ctx: RoundCtx) -> tuple[FedPCLClientState, FedPCLMessage]:
         assert self.spec is not None, "init() first"
@@ -239,7 +244,7 @@ class FedPCL:
         p, b, opt = cs.params, cs.buffers, cs.opt
         if not bc.collect_only:
             if cfg.reset_optimizer:
-                opt = opt_init(cfg.optimizer, p)
+                opt = None
             p, b, opt = local_train(p, b, opt, cfg.optimizer, self._loss_fn(bc), data, ctx,
                                     cfg.batch_size, cfg.local_epochs)
         with torch.no_grad():  # Eq. 5 over the full training set, eval mode
@@ -248,7 +253,7 @@ class FedPCL:
             protos = sums / counts.clamp_min(1).unsqueeze(-1)
             present = counts > 0
             sent = self._noisy(protos, present, data, ctx)
-        return (FedPCLClientState(p, b, opt, protos, present),
+        return (FedPCLClientState(p, b, cs.opt if cfg.reset_optimizer else opt, protos, present),
                 FedPCLMessage(sent, counts.to(torch.float32), present))
 
     def _noisy(self, protos: torch.Tensor, present: torch.Tensor, data: FedData, ctx: RoundCtx) -> torch.Tensor:

@@ -52,7 +52,7 @@ class FedProtoConfig:
 class FedProtoClientState:
     params: Params  # [M, ...] projection + classifier
     buffers: Params  # [M, ...] BN running statistics
-    opt: OptState  # client optimiser state
+    opt: OptState  # client optimiser state (only the step counter when reset every round)
     protos: torch.Tensor  # [M, C, d] local prototypes
     present: torch.Tensor  # [M, C] bool
 
@@ -88,10 +88,17 @@ class FedProto:
         self.spec = HeadSpec(spec.dim, self.cfg.hidden, spec.num_classes, True, self.cfg.normalize)
         M, C, d, dev = spec.num_clients, spec.num_classes, self.cfg.hidden, spec.device
         p, b = heads.init_head(self.spec, [seed * 100_003 + i for i in range(M)], dev)
-        cs = FedProtoClientState(p, b, opt_init(self.cfg.optimizer, p), torch.zeros(M, C, d, device=dev),
+        cs = FedProtoClientState(p, b, self._opt0(p), torch.zeros(M, C, d, device=dev),
                                  torch.zeros(M, C, dtype=torch.bool, device=dev))
         ss = FedProtoServerState(torch.zeros(C, d, device=dev), torch.zeros(C, dtype=torch.bool, device=dev))
         return Init(cs, ss, FedProtoBroadcast(ss.global_protos, ss.global_present))
+
+    def _opt0(self, params: Params) -> OptState:
+        # with a per-round reset nothing needs to persist between rounds: keep only the counter
+        if self.cfg.reset_optimizer:
+            return OptState(torch.zeros(next(iter(params.values())).shape[0], dtype=torch.float64,
+                                        device=next(iter(params.values())).device))
+        return opt_init(self.cfg.optimizer, params)
 
     def client_update(self, cs: FedProtoClientState, bc: FedProtoBroadcast, data: FedData,
                       ctx: RoundCtx) -> tuple[FedProtoClientState, FedProtoMessage]:
@@ -106,14 +113,14 @@ class FedProto:
             mse = ((z - target) ** 2).mean(-1) * has
             return ce + cfg.lam * ops.masked_mean(mse, m), nb
 
-        opt = opt_init(cfg.optimizer, cs.params) if cfg.reset_optimizer else cs.opt
+        opt = None if cfg.reset_optimizer else cs.opt
         p, b, opt = local_train(cs.params, cs.buffers, opt, cfg.optimizer, loss_fn, data, ctx,
                                 cfg.batch_size, cfg.local_epochs)
         with torch.no_grad():
             z, _ = heads.embed(spec, p, b, data.x_train, data.m_train, train=False)
             sums, counts = ops.class_sums(z, data.y_train, data.m_train, data.num_classes)
         protos = sums / counts.clamp_min(1).unsqueeze(-1)
-        return (FedProtoClientState(p, b, opt, protos, counts > 0),
+        return (FedProtoClientState(p, b, cs.opt if cfg.reset_optimizer else opt, protos, counts > 0),
                 FedProtoMessage(sums, counts.to(torch.float32)))
 
     def server_aggregate(self, ss: FedProtoServerState, msg: FedProtoMessage,

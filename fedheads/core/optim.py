@@ -78,50 +78,44 @@ def _update(cfg: OptimizerConfig, p: torch.Tensor, g: torch.Tensor, m: torch.Ten
 
 
 @torch.no_grad()
-def opt_step_(cfg: OptimizerConfig, params: Params, grads: Params, state: OptState, rows: torch.Tensor,
-              num_clients: int) -> OptState:
-    """In-place step of the rows `rows` (active clients) of tensors the CALLER OWNS (local_train
-    clones them once per round). Same arithmetic as `opt_step`, but no large temporaries: fresh
-    multi-MB allocations cost page faults on every step, which dominated the vectorised engine.
-    `grads` are consumed (used as scratch). Returns the new state (tensors updated in place)."""
-    act = torch.zeros(num_clients, dtype=state.step.dtype, device=state.step.device).index_fill_(0, rows, 1.0)
+def opt_step_(cfg: OptimizerConfig, params: Params, grads: Params, state: OptState,
+              active: torch.Tensor) -> OptState:
+    """In-place step on tensors the CALLER OWNS (local_train copies them once per round); `grads`
+    are consumed as scratch. Same arithmetic as `opt_step`, without any full-size temporary:
+    fresh multi-MB allocations (page faults) dominated the vectorised engine. Inactive clients
+    get per-client coefficients that leave them bit-for-bit unchanged (lerp weight 0, decay 1,
+    step size 0, zeroed gradient), so no gather/scatter or masking pass is needed."""
+    act = active.to(state.step.dtype)
     step = state.step + act
-    full = rows.numel() == num_clients
-    st = step if full else step.index_select(0, rows)
+    actf = _bcast(active.to(torch.float32), next(iter(params.values())))
     if cfg.name == "adam":
         b1, b2 = cfg.betas
-        neg_step_size = (-cfg.lr / (1.0 - b1 ** st.clamp_min(1.0)))
-        bc2_sqrt = (1.0 - b2 ** st.clamp_min(1.0)).sqrt()
-    for k, p_all in params.items():
-        if full:
-            p, g = p_all, grads[k]
-            m, v = state.m.get(k), state.v.get(k)
-        else:
-            p, g = p_all.index_select(0, rows), grads[k].index_select(0, rows)
-            m = state.m[k].index_select(0, rows) if k in state.m else None
-            v = state.v[k].index_select(0, rows) if k in state.v else None
+        st = step.clamp_min(1.0)
+        neg_step = (-cfg.lr / (1.0 - b1 ** st)) * act  # 0 for inactive clients
+        bc2_sqrt = (1.0 - b2 ** st).sqrt()
+        w1 = (1 - b1) * act  # lerp weight
+        d2 = torch.where(active, torch.full_like(st, b2), torch.ones_like(st))
+    for k, p in params.items():
+        g = grads[k]
+        a = actf.view(-1, *([1] * (p.dim() - 1)))
         if cfg.weight_decay:
             g.add_(p, alpha=cfg.weight_decay)
+        g.mul_(a)
         if cfg.name == "adam":
-            assert m is not None and v is not None
-            m.lerp_(g, 1 - b1)
-            v.mul_(b2).addcmul_(g, g, value=1 - b2)
+            m, v = state.m[k], state.v[k]
+            m.lerp_(g, _bcast(w1.to(p.dtype), p))
+            v.mul_(_bcast(d2.to(p.dtype), p)).addcmul_(g, g, value=1 - b2)
             torch.sqrt(v, out=g)  # g becomes the denominator
             g.div_(_bcast(bc2_sqrt.to(p.dtype), p)).add_(cfg.eps)
             torch.div(m, g, out=g)
-            p.addcmul_(g, _bcast(neg_step_size.to(p.dtype), p))
+            p.addcmul_(g, _bcast(neg_step.to(p.dtype), p))
         else:
             if cfg.momentum:
-                assert m is not None
-                m.mul_(cfg.momentum).add_(g)
-                g = m
-            p.add_(g, alpha=-cfg.lr)
-        if not full:
-            p_all.index_copy_(0, rows, p)
-            if m is not None and k in state.m:
-                state.m[k].index_copy_(0, rows, m)
-            if v is not None and k in state.v:
-                state.v[k].index_copy_(0, rows, v)
+                m = state.m[k]
+                m.mul_(torch.where(a > 0, cfg.momentum, 1.0).to(p.dtype)).add_(g)
+                p.addcmul_(m, a, value=-cfg.lr)
+            else:
+                p.add_(g, alpha=-cfg.lr)
     return OptState(step=step, m=state.m, v=state.v)
 
 

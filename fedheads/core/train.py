@@ -14,7 +14,7 @@ import torch
 
 from fedheads.core.batching import make_schedule
 from fedheads.core.heads import Params
-from fedheads.core.optim import OptimizerConfig, OptState, opt_step_
+from fedheads.core.optim import OptimizerConfig, OptState, opt_init, opt_step_
 from fedheads.core.protocol import RoundCtx
 from fedheads.core.tree import tree_where
 from fedheads.data import FedData
@@ -30,17 +30,22 @@ def gather_rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     return torch.gather(x, 1, index.unsqueeze(-1).expand(*index.shape, x.shape[-1]))
 
 
-def local_train(params: Params, buffers: Params, opt_state: OptState, opt_cfg: OptimizerConfig,
+def local_train(params: Params, buffers: Params, opt_state: OptState | None, opt_cfg: OptimizerConfig,
                 loss_fn: LossFn, data: FedData, ctx: RoundCtx, batch_size: int,
                 epochs: int) -> tuple[Params, Params, OptState]:
-    """Run `epochs` local epochs for every client in `data`; returns updated (params, buffers, opt)."""
+    """Run `epochs` local epochs for every client in `data`; returns updated (params, buffers, opt).
+
+    `opt_state=None` starts a fresh optimiser (as the papers' code building one per round)."""
     sched = make_schedule(list(data.n_train), data.client_index, batch_size, epochs, ctx.seed,
                           ctx.round, data.device)
     keys = list(params)
     # functional at the boundary: private copies, then in-place steps (no per-step large allocations)
     params = {k: v.detach().clone() for k, v in params.items()}
-    opt_state = OptState(opt_state.step.clone(), {k: v.clone() for k, v in opt_state.m.items()},
-                         {k: v.clone() for k, v in opt_state.v.items()})
+    if opt_state is None:
+        opt_state = opt_init(opt_cfg, params)
+    else:
+        opt_state = OptState(opt_state.step.clone(), {k: v.clone() for k, v in opt_state.m.items()},
+                             {k: v.clone() for k, v in opt_state.v.items()})
     M = data.num_clients
     for s in range(sched.num_steps):
         idx, valid, active = sched.index[s], sched.valid[s], sched.active[s]
@@ -52,8 +57,8 @@ def local_train(params: Params, buffers: Params, opt_state: OptState, opt_cfg: O
             grads = torch.autograd.grad(loss.sum(), [leaf[k] for k in keys], allow_unused=True)
         del leaf
         g = {k: (gk.contiguous() if gk is not None else torch.zeros_like(params[k])) for k, gk in zip(keys, grads)}
-        rows = sched.rows[s]
-        opt_state = opt_step_(opt_cfg, params, g, opt_state, rows, M)
+        opt_state = opt_step_(opt_cfg, params, g, opt_state, active)
+        all_on = sched.rows[s].numel() == M  # host-side: no device sync
         new_buf = {k: v.detach() for k, v in new_buf.items()}
-        buffers = new_buf if rows.numel() == M else tree_where(active, new_buf, buffers)
+        buffers = new_buf if all_on else tree_where(active, new_buf, buffers)
     return params, buffers, opt_state
