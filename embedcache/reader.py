@@ -104,11 +104,44 @@ def open_store(path: str | Path) -> StoreInfo:
         clients=tuple(sorted({s.client for s in shards})), shards=tuple(shards))
 
 
+def _names(info: StoreInfo, backbones: Sequence[str] | str, split: str) -> list[str]:
+    """The backbone list, each checked to be in the store."""
+    names = [backbones] if isinstance(backbones, str) else list(backbones)
+    if split not in _SPLITS:
+        raise UserError(f"split {split}: must be train or test")
+    if not names:
+        raise UserError("backbones: at least one is needed")
+    for name in names:
+        if name not in info.backbones:
+            raise UserError(f"backbone {name}: not in store {info.path} (has: {', '.join(info.backbones) or 'none'})")
+    return names
+
+
+def _complete_shard(info: StoreInfo, name: str, client: str, split: str) -> ShardInfo:
+    sh = info.shard(name, client, split)
+    if sh is None:
+        raise UserError(f"{name}/{client}/{split}: shard missing from {info.path}")
+    if not sh.complete:
+        raise UserError(f"{sh.path}: shard incomplete (extraction interrupted?); run extract again")
+    return sh
+
+
+def _str_ids(arr: object) -> np.ndarray:
+    """zarr's variable-length strings as a plain numpy str array."""
+    return np.array(np.asarray(arr).tolist(), dtype=str).reshape(-1)
+
+
+def _same_rows(client: str, split: str, first: str, other: str, ids: tuple, labels: tuple) -> None:
+    if not (np.array_equal(ids[0], ids[1]) and np.array_equal(labels[0], labels[1])):
+        raise UserError(f"{client}/{split}: sample ids or labels differ between backbones "
+                        f"{first} and {other}; re-extract with one manifest")
+
+
 def _read(root: zarr.Group, info: ShardInfo, views: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]:
     g = root[info.path]
     feats = np.asarray(g["features"][...], dtype=np.float32)
     labels = np.asarray(g["labels"][...], dtype=np.int64)
-    ids = np.array(np.asarray(g["sample_ids"][...]).tolist(), dtype=str).reshape(-1)
+    ids = _str_ids(g["sample_ids"][...])
     vws = None
     if views:
         if info.views <= 1:
@@ -134,32 +167,16 @@ def load_split(
     backbones disagree on the sample ids/labels of a client, or a feature is NaN/inf.
     """
     info = store if isinstance(store, StoreInfo) else open_store(store)
-    names = [backbones] if isinstance(backbones, str) else list(backbones)
-    if split not in _SPLITS:
-        raise UserError(f"split {split}: must be train or test")
-    if not names:
-        raise UserError("backbones: at least one is needed")
-    for name in names:
-        if name not in info.backbones:
-            raise UserError(f"backbone {name}: not in store {info.path} (has: {', '.join(info.backbones) or 'none'})")
+    names = _names(info, backbones, split)
     wanted = list(clients) if clients is not None else sorted(
         {s.client for s in info.shards if s.backbone == names[0] and s.split == split})
     root = _open(info.path)
     out: dict[str, ClientSplit] = {}
     for client in wanted:
-        parts = []
-        for name in names:
-            sh = info.shard(name, client, split)
-            if sh is None:
-                raise UserError(f"{name}/{client}/{split}: shard missing from {info.path}")
-            if not sh.complete:
-                raise UserError(f"{sh.path}: shard incomplete (extraction interrupted?); run extract again")
-            parts.append((sh, *_read(root, sh, views)))
+        parts = [(sh, *_read(root, sh, views)) for sh in (_complete_shard(info, n, client, split) for n in names)]
         first = parts[0]
         for sh, _, labels, ids, _ in parts[1:]:
-            if not np.array_equal(ids, first[3]) or not np.array_equal(labels, first[2]):
-                raise UserError(f"{client}/{split}: sample ids or labels differ between backbones "
-                                f"{first[0].backbone} and {sh.backbone}; re-extract with one manifest")
+            _same_rows(client, split, first[0].backbone, sh.backbone, (first[3], ids), (first[2], labels))
         if views and len({p[4].shape[0] for p in parts}) > 1:
             raise UserError(f"{client}/{split}: backbones hold different numbers of views "
                             f"({', '.join(f'{p[0].backbone}={p[4].shape[0]}' for p in parts)})")
@@ -183,17 +200,7 @@ def iter_split_chunks(
     if chunk_rows < 1:
         raise UserError(f"chunk_rows {chunk_rows}: must be >= 1")
     info = store if isinstance(store, StoreInfo) else open_store(store)
-    names = [backbones] if isinstance(backbones, str) else list(backbones)
-    shards = []
-    for name in names:
-        if name not in info.backbones:
-            raise UserError(f"backbone {name}: not in store {info.path} (has: {', '.join(info.backbones) or 'none'})")
-        sh = info.shard(name, client, split)
-        if sh is None:
-            raise UserError(f"{name}/{client}/{split}: shard missing from {info.path}")
-        if not sh.complete:
-            raise UserError(f"{sh.path}: shard incomplete (extraction interrupted?); run extract again")
-        shards.append(sh)
+    shards = [_complete_shard(info, name, client, split) for name in _names(info, backbones, split)]
     if len({sh.n for sh in shards}) > 1:
         raise UserError(f"{client}/{split}: backbones hold different numbers of samples")
     root = _open(info.path)
@@ -205,13 +212,12 @@ def iter_split_chunks(
         for sh, g in zip(shards, groups):
             f = np.asarray(g["features"][a:b], dtype=np.float32)
             y = np.asarray(g["labels"][a:b], dtype=np.int64)
-            s = np.array(np.asarray(g["sample_ids"][a:b]).tolist(), dtype=str).reshape(-1)
+            s = _str_ids(g["sample_ids"][a:b])
             if not np.isfinite(f).all():
                 raise UserError(f"{sh.path}: features contain NaN/inf (rows {a}..{b - 1})")
             if labels is None:
                 labels, ids = y, s
-            elif not (np.array_equal(y, labels) and np.array_equal(s, ids)):
-                raise UserError(f"{client}/{split}: sample ids or labels differ between backbones "
-                                f"{shards[0].backbone} and {sh.backbone}; re-extract with one manifest")
+            else:
+                _same_rows(client, split, shards[0].backbone, sh.backbone, (ids, s), (labels, y))
             feats.append(f)
         yield np.concatenate(feats, axis=1), labels, ids
