@@ -36,6 +36,7 @@ from embedcache.errors import UserError
 
 RULES = ("cosine", "ip", "sqeuclidean")
 SIMILARITY_RULES = ("cosine", "ip")  # higher score is nearer
+_GPU_MAX_K = 2048  # faiss GPU k-selection limit
 _GPU_RES: Any = None  # one StandardGpuResources per process (it owns scratch memory)
 
 
@@ -79,11 +80,16 @@ class PrototypeIndex:
             index = faiss.IndexFlatIP(self.dim)
         else:
             index = faiss.IndexFlatL2(self.dim)
+        # faiss GPU search is limited to k <= 2048 and tie resolution may ask for every row
+        fits_gpu = self.class_ids.size <= _GPU_MAX_K
         if use_gpu is None:
-            use_gpu = gpu_available()
+            use_gpu = gpu_available() and fits_gpu
         if use_gpu:
             if not gpu_available():
                 raise UserError("use_gpu=True: this faiss build has no GPU support or sees no GPU")
+            if not fits_gpu:
+                raise UserError(f"use_gpu=True: {self.class_ids.size} prototypes exceed faiss-gpu's "
+                                f"k limit {_GPU_MAX_K}")
             global _GPU_RES
             if _GPU_RES is None:
                 _GPU_RES = faiss.StandardGpuResources()
