@@ -250,8 +250,11 @@ def test_registry_builds_every_baseline() -> None:
     assert create_algorithm("pfedme", lr=0.01).cfg.lr == 0.01  # pFedMe's own eta
     assert create_algorithm("fedrep", lr=0.01, head_epochs=3).cfg.optimizer.lr == 0.01
     assert create_algorithm("perfedavg").cfg.alpha == 0.005 and create_algorithm("solo").name == "solo"
-    with pytest.raises(UserError, match="bogus"):
+    assert create_algorithm("mlp", hidden=[32, 16]).cfg.hidden == (32, 16)
+    with pytest.raises(TypeError, match="bogus"):  # the runner reports it as "does not apply"
         create_algorithm("fedrep", bogus=1)
+    with pytest.raises(TypeError, match="local_epochs"):  # FedRep has head_epochs / rep_epochs
+        create_algorithm("fedrep", local_epochs=2)
     with pytest.raises(UserError, match="server_opt"):
         create_algorithm("lp", server_opt="sgd")
 
@@ -265,3 +268,35 @@ def test_personalised_baselines_learn_separable_clusters(name: str) -> None:
            "solo": lambda: Solo(SoloConfig(hidden=8, batch_size=16, local_epochs=2, optimizer=adam))}[name]()
     res = run(alg, tiny_fed(M=3, seed=1), rounds=5, seed=0, progress=False)
     assert float(res.final_accuracy().mean()) > 0.6  # chance is 1/3
+
+
+def test_cli_trains_baselines_from_a_store(tmp_path) -> None:
+    import json
+
+    from click.testing import CliRunner
+
+    from embedcache.store_io import import_features
+    from fedheads.cli import main
+
+    rs = np.random.default_rng(0)
+    centers = rs.normal(size=(3, 6)) * 2
+    for ci in range(2):
+        for split, n in (("train", 20), ("test", 10)):
+            y = rs.integers(0, 3, n)
+            np.savez(tmp_path / f"{ci}{split}.npz", features=(centers[y] + rs.normal(size=(n, 6))).astype("f4"), labels=y)
+            import_features(tmp_path / "st.zarr", tmp_path / f"{ci}{split}.npz", backbone="b", client=f"c{ci}",
+                            split=split, domain=f"d{ci}", classes=["x", "y", "z"])
+    for name, extra in (("fedrep", ["--set", "head_epochs=2"]),
+                        ("lp", ["--set", "server_opt=fedadam", "--set", "init=fedncm", "--lr", "0.1"])):
+        out = tmp_path / name
+        r = CliRunner().invoke(main, ["train", "--store", str(tmp_path / "st.zarr"), "--backbones", "b",
+                                      "--algorithm", name, "--rounds", "2", "--seeds", "0", "--quiet",
+                                      "--out", str(out), *extra], catch_exceptions=False)
+        assert r.exit_code == 0, r.output
+        res = json.loads((out / "results.json").read_text())
+        assert res["algorithm"] == name and res["trainable_params_per_client"] > 0
+    cfg = json.loads((out / "config.json").read_text())["algorithm_config"]
+    assert cfg["server_opt"] == "fedadam" and cfg["init"] == "fedncm"
+    r = CliRunner().invoke(main, ["train", "--store", str(tmp_path / "st.zarr"), "--backbones", "b", "--algorithm",
+                                  "fedrep", "--local-epochs", "2", "--quiet", "--out", str(tmp_path / "bad")])
+    assert r.exit_code == 2 and "does not apply" in r.output

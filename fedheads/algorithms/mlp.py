@@ -35,9 +35,11 @@ def MLP(cfg: MLPConfig = MLPConfig()) -> HeadTuning:
 
 
 def _factory(**kw: object) -> HeadTuning:
-    if isinstance(kw.get("hidden"), (int, str)):  # CLI: "--hidden 512" or "512,512"
-        h = kw["hidden"]
-        kw = {**kw, "hidden": tuple(int(v) for v in str(h).split(",")) * (2 if "," not in str(h) else 1)}
+    h = kw.get("hidden")
+    if isinstance(h, (int, str)):  # CLI --set hidden=512 (both layers) or hidden=512,256
+        kw = {**kw, "hidden": tuple(int(v) for v in str(h).split(",")) * (1 if "," in str(h) else 2)}
+    elif isinstance(h, list):  # CLI --set hidden=[512,256] (JSON)
+        kw = {**kw, "hidden": tuple(int(v) for v in h)}
     return MLP(config_from_kwargs(MLPConfig, kw))  # type: ignore[arg-type]
 
 

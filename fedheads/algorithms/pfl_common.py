@@ -101,8 +101,9 @@ _OPT_KEYS = {"lr": "lr", "weight_decay": "weight_decay", "momentum": "momentum",
 
 def config_from_kwargs(cfg_cls: type, kw: dict, opt_field: str = "optimizer") -> object:
     """Build a config dataclass from flat registry kwargs: lr / weight_decay / momentum /
-    optimizer_name override fields of its OptimizerConfig (keeping the algorithm's defaults)."""
-    from embedcache.errors import UserError
+    optimizer_name override fields of its OptimizerConfig (keeping the algorithm's defaults).
+    An unknown option raises TypeError, as a dataclass does: fedheads.runner turns it into
+    "does not apply to algorithm X" (train) or drops and records it (compare)."""
     from fedheads.core.optim import OptimizerConfig
 
     fields = {f.name: f for f in dataclasses.fields(cfg_cls)}
@@ -111,7 +112,7 @@ def config_from_kwargs(cfg_cls: type, kw: dict, opt_field: str = "optimizer") ->
     rest = {k: v for k, v in kw.items() if k not in opt_keys}
     unknown = sorted(set(rest) - set(fields))
     if unknown:
-        raise UserError(f"{', '.join(unknown)}: unknown option(s) for {cfg_cls.__name__} "
+        raise TypeError(f"{', '.join(unknown)}: unknown option(s) for {cfg_cls.__name__} "
                         f"(known: {', '.join(sorted(set(fields) | set(opt_keys)))})")
     over = {opt_keys[k]: v for k, v in kw.items() if k in opt_keys}
     if over:
