@@ -22,8 +22,6 @@ support *and* a GPU is visible; results are the same either way.
 
 from __future__ import annotations
 
-import os
-import tempfile
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,6 +31,7 @@ import faiss
 import numpy as np
 
 from embedcache.errors import UserError
+from fedheads.atomic import atomic_path
 
 RULES = ("cosine", "ip", "sqeuclidean")
 SIMILARITY_RULES = ("cosine", "ip")  # higher score is nearer
@@ -219,10 +218,7 @@ def write_predictions(rows: Mapping[str, Any] | Iterable[Mapping[str, Any]], pat
         except ImportError as exc:  # pragma: no cover - depends on the environment
             raise UserError(f"{path}: writing .parquet needs pyarrow "
                             "(pip install 'fedfrozen[parquet]')") from exc
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    try:
+    with atomic_path(path) as tmp:
         columns: list[str] | None = None
         if suffix == ".csv":
             import csv
@@ -234,23 +230,20 @@ def write_predictions(rows: Mapping[str, Any] | Iterable[Mapping[str, Any]], pat
                     if fh.tell() == 0:
                         w.writerow(columns)
                     w.writerows(zip(*(_csv_col(np.asarray(t[c])) for c in columns)))
-                if columns is None:
-                    raise UserError(f"{path}: no prediction rows to write")
         else:
             writer = None
-            for t in tables:
-                columns = _check_columns(t, columns, path)
-                tab = pa.table({c: _arrow_col(np.asarray(t[c])) for c in columns})
-                if writer is None:
-                    writer = pq.ParquetWriter(tmp, tab.schema)
-                writer.write_table(tab)
-            if writer is None:
-                raise UserError(f"{path}: no prediction rows to write")
-            writer.close()
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+            try:
+                for t in tables:
+                    columns = _check_columns(t, columns, path)
+                    tab = pa.table({c: _arrow_col(np.asarray(t[c])) for c in columns})
+                    if writer is None:
+                        writer = pq.ParquetWriter(str(tmp), tab.schema)
+                    writer.write_table(tab)
+            finally:
+                if writer is not None:
+                    writer.close()
+        if columns is None:
+            raise UserError(f"{path}: no prediction rows to write")
     return path
 
 

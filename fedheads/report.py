@@ -17,8 +17,6 @@ Tables 12-13.
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -27,20 +25,14 @@ import numpy as np
 
 from embedcache.errors import UserError
 from fedheads import comm, metrics
+from fedheads.atomic import atomic_path
 
 ONE_ROUND_ALGORITHMS = ("fedncm",)  # communicate once whatever `rounds` says (FedNCM Alg. 1)
 
 
 def _atomic_write(path: Path, write: Any, binary: bool = False) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb" if binary else "w") as fh:
-            write(fh)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    with atomic_path(path) as tmp, open(tmp, "wb" if binary else "w") as fh:
+        write(fh)
     return path
 
 

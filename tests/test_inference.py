@@ -123,6 +123,11 @@ def test_write_predictions_csv_and_parquet(tmp_path):
     with pytest.raises(UserError, match="different columns"):
         I.write_predictions([t1, {"client": ["x"]}], tmp_path / "q.csv")
     assert not (tmp_path / "q.csv").exists()
+    for ext in ("csv", "parquet"):
+        with pytest.raises(UserError, match="no prediction rows"):
+            I.write_predictions(iter([]), tmp_path / f"empty.{ext}")
+        assert not (tmp_path / f"empty.{ext}").exists()
+    assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
 
 
 @pytest.mark.gpu
