@@ -148,19 +148,20 @@ def comparison_markdown(results: Sequence[Mapping[str, Any]], title: str = "",
                         clients: Sequence[str] | None = None) -> str:
     """Rows = methods, columns = clients/domains + Avg + # of Comm Params (FedPCL Table 2
     layout); cells "mean(std)" over seeds. "# of Comm Params" is the papers' convention
-    when known, else the measured upload per client per round; Solo prints "-"."""
+    ("-" where none is published, and for Solo, as printed); the measured upload per client
+    per round sits in its own column, never mixed with it."""
     if not results:
         raise UserError("results: nothing to compare")
     cols = list(clients) if clients else sorted({c for r in results for c in r["per_client"]})
     rows = []
     for r in results:
         c = r.get("communication", {})
-        p = c.get("paper_comm_params_per_client_per_round")
-        p = c.get("upload_params_per_client_per_round") if p is None else p
         rows.append([r["algorithm"]] + [_cell(r["per_client"].get(k)) for k in cols]
-                    + [_cell(r["accuracy"]), _int(p)])
+                    + [_cell(r["accuracy"]), _int(c.get("paper_comm_params_per_client_per_round")),
+                       _int(c.get("upload_params_per_client_per_round"))])
     out = [f"## {title}", ""] if title else []
-    out.append(_table(["Method", *cols, "Avg", "# of Comm Params"], rows))
+    out.append(_table(["Method", *cols, "Avg", "# of Comm Params", "Measured upload/client/round"],
+                      rows))
     fair = [[r["algorithm"]] + [metrics.format_mean_std(r["fairness"][k],
                                                          r.get("fairness_std", {}).get(k, 0.0))
                                 for k in metrics.FAIRNESS_KEYS] for r in results]

@@ -64,9 +64,10 @@ def test_comparison_markdown_layout():
                          feature_dims=[512], num_classes=10)
     md = R.comparison_markdown([a, b], clients=["MNIST", "SVHN"])
     lines = md.splitlines()
-    assert lines[0] == "| Method | MNIST | SVHN | Avg | # of Comm Params |"
-    assert lines[2] == "| FedAvg | 82.00(2.00) | 18.00(2.00) | 50.00(0.00) | 133,632 |"
-    assert lines[3].endswith("| - |")
+    assert lines[0] == ("| Method | MNIST | SVHN | Avg | # of Comm Params |"
+                        " Measured upload/client/round |")
+    assert lines[2] == "| FedAvg | 82.00(2.00) | 18.00(2.00) | 50.00(0.00) | 133,632 | 2,560 |"
+    assert lines[3].endswith("| - | 2,560 |")   # Solo: "-" as printed; measured kept apart
     assert "| Method | Average | Worst 10% |" in md
 
 
