@@ -31,7 +31,7 @@ class HeadSpec:
 
 
 def _uniform(shape: tuple[int, ...], bound: float, gen: torch.Generator) -> torch.Tensor:
-    return (torch.rand(shape, generator=gen, dtype=torch.float64) * 2 - 1).mul_(bound).to(torch.float32)
+    return torch.empty(shape, dtype=torch.float32).uniform_(-bound, bound, generator=gen)
 
 
 def _init_linear(din: int, dout: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
