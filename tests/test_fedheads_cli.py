@@ -118,8 +118,8 @@ def test_predictions_equal_the_trainers_evaluation(store, tmp_path, algorithm):
     acc = _accuracy_by_client(rows)
     for c in CLIENTS:
         assert acc[c] == pytest.approx(res["per_client"][c]["mean"], abs=1e-6), c
-    # c1 never saw class 3: prototype rules cannot predict it
-    if algorithm in ("fedpcl", "fedproto"):
+    # c1 never saw class 3: FedPCL's local prototypes cannot predict it (FedNCM's global means can)
+    if algorithm == "fedpcl":
         assert all(r["prediction"] != "3" for r in rows if r["client"] == "c1")
 
 
@@ -193,10 +193,26 @@ def test_bad_input_gives_one_line_errors(store, tmp_path):
     assert not (tmp_path / "x" / "results.json").exists()
 
 
-@pytest.mark.parametrize("kind,needle", [("nan", "NaN"), ("dim", "dimension"), ("empty", "no training samples")])
+def test_dimension_mismatch_is_refused_at_the_store(tmp_path):
+    from embedcache.errors import UserError
+
+    with pytest.raises(UserError, match="feature dim 10 differs"):
+        _write_store(tmp_path, dim_client="c2")
+
+
+def test_dimension_mismatch_across_clients_in_memory():
+    from embedcache.errors import UserError
+    from fedheads.data import FedData
+
+    a = (np.zeros((3, 4)), np.zeros(3, int), np.zeros((2, 4)), np.zeros(2, int))
+    b = (np.zeros((3, 5)), np.zeros(3, int), np.zeros((2, 5)), np.zeros(2, int))
+    with pytest.raises(UserError, match="dimension"):
+        FedData.from_arrays([a, b], num_classes=2)
+
+
+@pytest.mark.parametrize("kind,needle", [("nan", "NaN"), ("empty", "no training samples")])
 def test_bad_stores_give_one_line_errors(tmp_path, kind, needle):
     st = _write_store(tmp_path, nan_client="c2" if kind == "nan" else None,
-                      dim_client="c2" if kind == "dim" else None,
                       empty_client="c2" if kind == "empty" else None)
     _one_line_error(["train", "--store", str(st), "--backbones", "synth", "--algorithm", "fedpcl",
                      "--rounds", "1", "--seeds", "0", "--quiet", "--out", str(tmp_path / "r")], needle)

@@ -297,6 +297,17 @@ class FedPCL:
         main = local_dot if self.cfg.rule == "dot" else local_sq
         return {"main": main, "local_dot": local_dot, "local_sqdist": local_sq, "global_dot": glob}
 
+    def prototype_view(self, cs: FedPCLClientState, ss: FedPCLServerState, x: torch.Tensor,
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, str]:
+        """For faiss batch prediction (fedheads.predict): z(x) and each client's LOCAL prototypes
+        (Section 4, prototype-based inference), with the rule `predict` uses for "main": inner
+        product ("ip"), or squared distance in the authors'-code variant (argmin of the mean
+        squared error is argmin of the squared distance; absent classes are left out)."""
+        assert self.spec is not None
+        mask = torch.ones(x.shape[:2], dtype=torch.bool, device=x.device)
+        z, _ = heads.embed(self.spec, cs.params, cs.buffers, self._x(x), mask, train=False)
+        return z, cs.protos, cs.present, ("ip" if self.cfg.rule == "dot" else "sqeuclidean")
+
     def trainable_params(self, cs: FedPCLClientState) -> int:
         return heads.count_params(cs.params)
 
