@@ -176,7 +176,7 @@ def build_specs(manifest: Any, backbone: Any, cfg: ExtractConfig) -> list[tuple[
                 manifest_hash=manifest.content_hash,
                 sample_list_hash=manifest.sample_list_hash(client.name, split),
                 sample_ids=tuple(s.id for s in samples), labels=tuple(int(s.label) for s in samples),
-                views=cfg.views, dtype=cfg.dtype, chunk_rows=cfg.chunk_rows)
+                views=cfg.views, dtype=cfg.dtype, chunk_rows=cfg.chunk_rows, batch_size=cfg.batch_size)
             out.append((spec, tuple(s.locator for s in samples)))
     return out
 
@@ -241,7 +241,7 @@ def run_local(jobs: Sequence[ChunkJob], backbone: Any, cfg: ExtractConfig, bar: 
             decoded = _prefetch(thunks(), pool, ahead)
             for job in jobs:
                 items = [next(decoded) for _ in job.locators]
-                feats, views = embed_chunk(backbone, items, job.spec, cfg.batch_size)
+                feats, views = embed_chunk(backbone, items, job.spec, job.batch_size)
                 path = st.shard_path(job.store, job.spec.backbone, job.spec.client, job.spec.split)
                 if path not in shards:
                     shards[path] = st.open_shard(job.store, job.spec.backbone, job.spec.client, job.spec.split)
@@ -328,6 +328,8 @@ def _extract_all(manifest: Any, cfg: ExtractConfig, source: Any, backbone_factor
                 continue
             todo.append(spec)
             shard = st.open_shard(cfg.store, spec.backbone, spec.client, spec.split)
+            # Resume with the batches the shard was started with: same batches, same floats.
+            batch_size = int(shard.attrs.get("batch_size", cfg.batch_size))
             if src is None:
                 from embedcache.sources import open_source
 
@@ -336,7 +338,7 @@ def _extract_all(manifest: Any, cfg: ExtractConfig, source: Any, backbone_factor
                 a, b = spec.rows(chunk)
                 jobs.append(ChunkJob(store=str(cfg.store), spec=spec, chunk=chunk, locators=locators[a:b],
                                      source=src, weights_dir=cfg.weights_dir, device=device,
-                                     batch_size=cfg.batch_size, plugins=cfg.plugins,
+                                     batch_size=batch_size, plugins=cfg.plugins,
                                      factory=backbone_factory))
         rows = sum(len(j.locators) for j in jobs)
         with tqdm(total=rows, desc=name, unit="img", disable=not cfg.progress or rows == 0) as bar:

@@ -92,6 +92,7 @@ class ShardSpec:
     views: int = 1  # V; a `views` array [V, N, D] exists only when V > 1
     dtype: str = "float32"  # storage dtype of features/views (see DTYPES)
     chunk_rows: int = DEFAULT_CHUNK_ROWS  # rows per zarr chunk and per extraction task
+    batch_size: int = 64  # rows per forward pass; recorded so a resumed run batches the same way
 
     @property
     def n(self) -> int:
@@ -205,6 +206,7 @@ def _shard_attrs(spec: ShardSpec) -> dict:
         "n": spec.n,
         "dim": spec.feature_dim,
         "domain": spec.domain,
+        "batch_size": spec.batch_size,
     }
 
 

@@ -166,7 +166,7 @@ def test_kill_minus_9_then_resume_is_bitwise_identical(images, tmp_path, monkeyp
     assert not all(s.complete for s in open_store(store).shards)
     monkeypatch.setenv("TINY_DELAY", "0")
     cfg = dict(backbones=("tiny-slow",), chunk_rows=2, batch_size=1)
-    rep = _run(images, store, **cfg)
+    rep = _run(images, store, **dict(cfg, batch_size=3))  # resumes with the batches the shards began with
     assert 0 < rep.rows_computed < 30  # only the missing chunks
     _run(images, tmp_path / "fresh", **cfg)
     assert_stores_equal(store, tmp_path / "fresh")
