@@ -62,9 +62,10 @@ def test_vectorized_equals_loop(name: str, fraction: float) -> None:
 
 def test_training_changes_state_and_learns() -> None:
     data = tiny_fed(M=3, seed=1)
-    res = run(FedAvg(FedAvgConfig(hidden=8, batch_size=8, local_epochs=3)), data, rounds=8, seed=0, progress=False)
+    cfg = FedAvgConfig(hidden=8, batch_size=8, local_epochs=2, optimizer=OptimizerConfig(lr=0.03))
+    res = run(FedAvg(cfg), data, rounds=5, seed=0, progress=False)
     acc = res.final_accuracy()
-    assert float(acc.mean()) > 0.6  # well-separated clusters: chance is 1/3
+    assert float(acc.mean()) > 0.7  # separated clusters: chance is 1/3
     assert res.history[0].comm.up_values == 3 * res.upload_values_per_client
 
 
@@ -73,3 +74,18 @@ def test_participant_selection_is_seeded() -> None:
     assert a.tolist() == select_participants(10, 0.3, seed=1, round_=4).tolist()
     assert len(a) == 3 and a.tolist() == sorted(a.tolist())
     assert select_participants(10, 1.0, 1, 0).tolist() == list(range(10))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_matches_cpu() -> None:
+    from fedheads.algorithms.fedpcl import FedPCL, FedPCLConfig
+    from fedheads.core.engine import to_device
+
+    cpu = tiny_fed()
+    gpu = to_device(cpu, "cuda")
+    for make in (ALGOS["fedavg"], lambda: FedPCL(FedPCLConfig(hidden=8, batch_size=4))):
+        a = run(make(), cpu, rounds=3, seed=1, progress=False)
+        b = run(make(), gpu, rounds=3, seed=1, progress=False)
+        for ta, tb in zip(tree_leaves(a.client_state), tree_leaves(b.client_state)):
+            torch.testing.assert_close(ta, tb.cpu(), atol=1e-4, rtol=1e-3)
