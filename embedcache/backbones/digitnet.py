@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from embedcache.backbones import weights as W
-from embedcache.backbones.base import TorchBackbone
+from embedcache.backbones.base import TorchBackbone, load_strict
 from embedcache.backbones.registry import register_backbone
 from embedcache.errors import UserError
 
@@ -225,8 +225,6 @@ def load_digitnet(path: Path, recipe: DigitNetRecipe = DEFAULT_RECIPE, *, device
     if not isinstance(ckpt, dict) or "state_dict" not in ckpt:
         raise UserError(f"{path}: not a {NAME} checkpoint (no 'state_dict')")
     model = DigitNet(recipe.widths)
-    from embedcache.backbones.base import load_strict
-
     load_strict(model, ckpt["state_dict"], who=f"{NAME} ({path})")
     pre = dict(PREPROCESS, recipe=recipe.digest(), provenance=PROVENANCE)
     return TorchBackbone(NAME, model, weights_sha256=W.sha256_file(path), preprocess=pre, device=device)
