@@ -249,3 +249,27 @@ def test_preprocess_dict_drives_the_transform():
     b = build_transform(dict(PREPROCESS, mean=[0.0, 0.0, 0.0]), train=False)(img)
     c = build_transform(dict(PREPROCESS, resize=[16, 16], input_size=[3, 16, 16]), train=False)(img)
     assert a.shape == (3, 32, 32) and c.shape == (3, 16, 16) and not torch.equal(a, b)
+
+
+def test_timm_and_tv_from_hub_caches_offline(monkeypatch, tmp_path):
+    """No local file: timm finds the HF hub cache entry, torchvision the torch hub cache file."""
+    import huggingface_hub
+    from torchvision import models
+
+    st = tmp_path / "hf" / "model.safetensors"
+    write_timm_checkpoint(st, seed=4)
+    seen = []
+
+    def fake_cache(repo_id, filename, **kw):
+        seen.append(repo_id)
+        return str(st) if filename == "model.safetensors" else None
+
+    monkeypatch.setattr(huggingface_hub, "try_to_load_from_cache", fake_cache)
+    bb = create_backbone(f"timm:{TIMM_MODEL}", weights_dir=tmp_path / "empty")
+    assert seen and seen[0].startswith("timm/") and bb.weights_sha256 == W.sha256_file(st)
+
+    monkeypatch.setattr(torch.hub, "get_dir", lambda: str(tmp_path / "hub"))
+    url = models.get_model_weights(TV_MODEL).DEFAULT.url
+    write_tv_checkpoint(tmp_path / "hub" / "checkpoints" / url.rsplit("/", 1)[-1], seed=5)
+    tv = create_backbone(f"tv:{TV_MODEL}", weights_dir=tmp_path / "empty")
+    assert tv.feature_dim == 1024
