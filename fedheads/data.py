@@ -52,6 +52,7 @@ class FedData:
     client_names: tuple[str, ...]  # names of these clients
     domains: tuple[str, ...]  # domain of each client
     client_index: torch.Tensor  # [M] int64 global client ids (seeds batches/noise per client)
+    v_train: torch.Tensor | None = None  # [M, V, Nmax, D] stored augmented views of the train rows, if loaded
 
     @property
     def num_clients(self) -> int:
@@ -88,14 +89,16 @@ class FedData:
             client_names=tuple(self.client_names[i] for i in ids),
             domains=tuple(self.domains[i] for i in ids),
             client_index=self.client_index.index_select(0, t),
+            v_train=None if self.v_train is None else self.v_train.index_select(0, t)[:, :, :a],
         )
 
     @staticmethod
     def from_arrays(clients: Sequence[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]],
                     num_classes: int, client_names: Sequence[str] | None = None,
                     domains: Sequence[str] | None = None, device: str | torch.device = "cpu",
-                    binarize: bool = False) -> "FedData":
-        """Stack per-client (x_train, y_train, x_test, y_test) numpy arrays.
+                    binarize: bool = False, train_views: Sequence[np.ndarray] | None = None) -> "FedData":
+        """Stack per-client (x_train, y_train, x_test, y_test) numpy arrays (and optionally each
+        client's augmented train views [V, N, D], same V for all clients).
 
         `binarize` reproduces the FedPCL code's L2-normalisation over a size-1 axis, which maps
         every feature to 0/1 (= x > 0 for non-negative pooled features; sign(x) in general)."""
@@ -136,14 +139,27 @@ class FedData:
 
         xtr = pad([c[0] for c in clients], a, (D,), torch.float32)
         xte = pad([c[2] for c in clients], b, (D,), torch.float32)
+        vtr = None
+        if train_views is not None:
+            vs = [np.asarray(v) for v in train_views]
+            if len(vs) != M or len({v.shape[0] for v in vs}) != 1:
+                raise UserError("train_views: need one [V, N, D] array per client with the same V")
+            for name, v, n in zip(names, vs, ntr):
+                if v.shape[1:] != (n, D) or not np.isfinite(v).all():
+                    raise UserError(f"{name}/train views: expected finite [V, {n}, {D}], got {v.shape}")
+            vtr = torch.zeros((M, vs[0].shape[0], a, D), dtype=torch.float32)
+            for i, v in enumerate(vs):
+                vtr[i, :, : v.shape[1]] = torch.as_tensor(v)
+            vtr = vtr.to(dev)
         if binarize:
             xtr, xte = torch.sign(xtr), torch.sign(xte)
+            vtr = None if vtr is None else torch.sign(vtr)
         mk = lambda ns, n: (torch.arange(n).view(1, n) < torch.tensor(ns).view(-1, 1)).to(dev)  # noqa: E731
         return FedData(
             x_train=xtr, y_train=pad([c[1] for c in clients], a, (), torch.int64), m_train=mk(ntr, a),
             x_test=xte, y_test=pad([c[3] for c in clients], b, (), torch.int64), m_test=mk(nte, b),
             n_train=tuple(ntr), n_test=tuple(nte), num_classes=int(num_classes),
-            client_names=names, domains=doms, client_index=torch.arange(M, device=dev),
+            client_names=names, domains=doms, client_index=torch.arange(M, device=dev), v_train=vtr,
         )
 
 
@@ -152,15 +168,13 @@ def load_fed_data(store: str, backbones: Sequence[str], device: str | torch.devi
                   clients: Sequence[str] | None = None) -> FedData:
     """FedData from a feature store (embedcache contract 4), backbones concatenated in order.
 
-    `views` is accepted for the reader's augmented views; the engines train on the first
-    (un-augmented) features only, so it currently must be False."""
+    `views=True` also loads the stored augmented views of the train split (extracted with
+    --views V > 1) into `v_train`; FedPCL's code variant contrasts them as its two views."""
     from embedcache.reader import load_split, open_store  # reader: numpy + zarr only
 
-    if views:
-        raise UserError("views=True: training on stored augmented views is not supported yet")
     info = open_store(store)
     classes = list(getattr(info, "classes"))
-    train = load_split(store, list(backbones), "train", clients=clients)
+    train = load_split(store, list(backbones), "train", clients=clients, views=views)
     test = load_split(store, list(backbones), "test", clients=clients)
     names = list(train.keys())
     arrs = []
@@ -169,4 +183,6 @@ def load_fed_data(store: str, backbones: Sequence[str], device: str | torch.devi
         if te is None:
             raise UserError(f"{n}: client has a train split but no test split")
         arrs.append((tr.features, tr.labels, te.features, te.labels))
-    return FedData.from_arrays(arrs, len(classes), names, [train[n].domain for n in names], device, binarize)
+    tv = [train[n].views for n in names] if views else None
+    return FedData.from_arrays(arrs, len(classes), names, [train[n].domain for n in names], device, binarize,
+                               train_views=tv)

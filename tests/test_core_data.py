@@ -58,10 +58,14 @@ def test_load_from_store_concatenates_backbones(tmp_path) -> None:
                 labels = tuple(int(i % 2) for i in range(n))
                 spec = store_mod.ShardSpec(backbone=bb, weights_sha256="w" * 64, preprocess={"size": 8}, feature_dim=dim,
                                            client=client, split=split, domain="dom-" + client, manifest_hash="m" * 64,
-                                           sample_list_hash="h" + client + split, sample_ids=ids, labels=labels)
+                                           sample_list_hash="h" + client + split, sample_ids=ids, labels=labels,
+                                           views=2 if split == "train" else 1)
                 x = rs.normal(size=(n, dim)).astype("f4")
                 feats[bb, client, split] = x
-                store_mod.write_shard(store, spec, x)
+                v = rs.normal(size=(2, n, dim)).astype("f4") if split == "train" else None
+                if v is not None:
+                    feats[bb, client, "views"] = v
+                store_mod.write_shard(store, spec, x, views=v)
     d = load_fed_data(str(store), ["bb1", "bb2"], device="cpu")
     assert d.client_names == ("c0", "c1") and d.domains == ("dom-c0", "dom-c1") and d.num_classes == 2
     want = np.concatenate([feats["bb1", "c1", "train"], feats["bb2", "c1", "train"]], axis=1)
@@ -69,3 +73,7 @@ def test_load_from_store_concatenates_backbones(tmp_path) -> None:
     assert d.y_train[0, :4].tolist() == [0, 1, 0, 1]
     b = load_fed_data(str(store), ["bb2"], device="cpu", binarize=True)
     assert set(b.x_train.unique().tolist()) <= {-1.0, 0.0, 1.0} and b.dim == 3
+    assert d.v_train is None
+    v = load_fed_data(str(store), ["bb1", "bb2"], device="cpu", views=True)
+    want_v = np.concatenate([feats["bb1", "c0", "views"], feats["bb2", "c0", "views"]], axis=2)
+    np.testing.assert_allclose(v.v_train[0, :, :4].numpy(), want_v)

@@ -186,3 +186,25 @@ def test_running_code_parameter_counts() -> None:
     assert pc.upload_per_client == 3 * 8 + 3 + 3
     # steady state after one client uploaded: its padded set + the global set (+ presence)
     assert pc.download_per_client == 2 * 3 * 8 + 2 * 3
+
+
+def test_code_variant_trains_on_stored_views() -> None:
+    base = tiny_fed(M=2, D=4, C=3)
+    rs = np.random.default_rng(0)
+    clients, views = [], []
+    for i in range(2):
+        n, t = base.n_train[i], base.n_test[i]
+        x = base.x_train[i, :n].numpy()
+        clients.append((x, base.y_train[i, :n].numpy(), base.x_test[i, :t].numpy(), base.y_test[i, :t].numpy()))
+        views.append(np.stack([x + 0.1 * rs.normal(size=x.shape), x - 0.1 * rs.normal(size=x.shape)]).astype("f4"))
+    with_views = FedData.from_arrays(clients, 3, train_views=views)
+    assert with_views.v_train.shape == (2, 2, base.x_train.shape[1], 4)
+    assert with_views.select([1]).v_train.shape[2] == base.n_train[1]
+    cfg = FedPCLConfig(hidden=8, batch_size=4, variant="code")
+    a = run(FedPCL(cfg), with_views, rounds=2, seed=0, progress=False)
+    b = run(FedPCL(cfg), base, rounds=2, seed=0, progress=False)
+    assert not torch.allclose(a.client_state.params["proj.weight"], b.client_state.params["proj.weight"])
+    c = run(FedPCL(cfg), with_views, rounds=2, seed=0, engine="loop", progress=False)
+    torch.testing.assert_close(a.client_state.params["proj.weight"], c.client_state.params["proj.weight"], atol=5e-5, rtol=1e-3)
+    with pytest.raises(UserError, match="views"):
+        run(FedPCL(FedPCLConfig(hidden=8, variant="code", code_views=3)), with_views, rounds=2, seed=0, progress=False)

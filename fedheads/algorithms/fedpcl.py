@@ -35,6 +35,7 @@ seeded by (seed, round, client, class, dim)."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
@@ -62,7 +63,7 @@ class FedPCLConfig:
     variant: str = "paper"  # "paper" (Eq. 8-10) or "code" (authors' SupCon-style loss)
     aggregation: str = ""  # "weighted" | "eq6_literal" | "mean"; "" = weighted (paper) / mean (code)
     inference: str = ""  # "dot" | "sqdist"; "" = dot (paper) / sqdist (code)
-    code_views: int = 2  # views per sample in the code variant's contrast set (copies of the cached view)
+    code_views: int = 2  # views per sample in the code variant (stored augmented views if loaded, else copies)
     binarize_features: bool = False  # x -> sign(x), the code's L2-norm over a size-1 axis
     noise: str = "none"  # noise on uploaded prototypes: "none" | "laplace" | "gaussian" (Table 15)
     noise_scale: float = 0.05  # s, scale of the noise distribution
@@ -158,11 +159,12 @@ def code_supcon(z: torch.Tensor, anchors: torch.Tensor, y: torch.Tensor, valid: 
                 tau: float, views: int) -> torch.Tensor:
     """Authors' ConLoss (temperature = base_temperature) for one prototype set per client.
 
-    z [M,B,d] batch features, anchors [M,B,d] = that set's prototype of each sample's label.
-    Contrast set = V copies of the batch; anchor row i is excluded from contrast column i.
+    z [M,B,d] batch features (repeated V times here: identical cached views) or [M,V*B,d] (V
+    stored augmented views, view-major); anchors [M,B,d] = that set's prototype of each sample's
+    label. Anchor row i is excluded from contrast column i (the code's self-contrast mask).
     Returns [M]: mean over valid anchors that have a positive (the code divides by 0 otherwise)."""
-    M, B, _ = z.shape
-    f = z.repeat(1, views, 1)  # [M,VB,d]
+    M, B, _ = anchors.shape
+    f = z if z.shape[1] == views * B and views > 1 else z.repeat(1, views, 1)  # [M,VB,d]
     a = anchors.repeat(1, views, 1)
     yy, vv = y.repeat(1, views), valid.repeat(1, views)
     logits = torch.bmm(a, f.transpose(1, 2)) / tau  # [M,VB,VB]
@@ -207,6 +209,16 @@ class FedPCL:
         avail = (ss.bank_present | ss.global_present.unsqueeze(0)) & ss.seen.unsqueeze(-1)
         return FedPCLBroadcast(collect_only, sets, ss.seen.clone(), avail, ss.global_protos, ss.global_present)
 
+    def _train_data(self, data: FedData) -> FedData:
+        """Code variant with stored augmented views: train on V views placed side by side in x."""
+        if self.cfg.variant != "code" or data.v_train is None:
+            return data
+        V = self.cfg.code_views
+        if data.v_train.shape[1] < V:
+            raise UserError(f"code_views {V}: the store holds only {data.v_train.shape[1]} views")
+        M, _, N, D = data.v_train.shape
+        return dataclasses.replace(data, x_train=data.v_train[:, :V].permute(0, 2, 1, 3).reshape(M, N, V * D))
+
     def _loss_fn(self, bc: FedPCLBroadcast):
         spec, cfg = self.spec, self.cfg
         assert spec is not None
@@ -221,7 +233,13 @@ class FedPCL:
             return ops.masked_mean(l_g[..., 0] + l_p, m), nb  # Eq. 10
 
         def code(p: Params, b: Params, x: torch.Tensor, y: torch.Tensor, m: torch.Tensor):
-            z, nb = heads.embed(spec, p, b, self._x(x), m, train=True)
+            V = cfg.code_views
+            if x.shape[-1] != spec.in_dim:  # stored views side by side: [M,B,V*D] -> [M,V*B,D]
+                M, B = x.shape[:2]
+                x = x.view(M, B, V, spec.in_dim).transpose(1, 2).reshape(M, V * B, spec.in_dim)
+                z, nb = heads.embed(spec, p, b, self._x(x), m.repeat(1, V), train=True)
+            else:
+                z, nb = heads.embed(spec, p, b, self._x(x), m, train=True)
             total = torch.zeros(z.shape[0], device=z.device)
             for s in range(bc.local_sets.shape[0]):  # sum over the clients' padded sets
                 anchors = bc.local_sets[s][y]  # [M,B,d]
@@ -245,7 +263,7 @@ class FedPCL:
         if not bc.collect_only:
             if cfg.reset_optimizer:
                 opt = None
-            p, b, opt = local_train(p, b, opt, cfg.optimizer, self._loss_fn(bc), data, ctx,
+            p, b, opt = local_train(p, b, opt, cfg.optimizer, self._loss_fn(bc), self._train_data(data), ctx,
                                     cfg.batch_size, cfg.local_epochs)
         with torch.no_grad():  # Eq. 5 over the full training set, eval mode
             z, _ = heads.embed(self.spec, p, b, self._x(data.x_train), data.m_train, train=False)
