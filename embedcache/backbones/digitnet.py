@@ -235,7 +235,7 @@ def _build(weights_dir: Path | None, device: str) -> TorchBackbone:
 
 
 def _probe(weights_dir: Path | None) -> tuple[bool, str]:
-    p = W.find_file(weights_file(), weights_dir)
+    p = W.find_file(weights_file(DEFAULT_RECIPE), weights_dir)
     if p is not None:
         return True, f"{p} ({PROVENANCE})"
     return True, f"not cached yet: trained on first use (about a minute of CPU) into {W.cache_weights_dir()}"
