@@ -1,0 +1,42 @@
+"""Image sources (contract 2 in docs/contracts.md): where a manifest's locators point.
+
+    open_source("imagefolder:PATH")     PATH/<domain>/<class>/<image> (Office-Caltech-10, Office-31,
+                                        DomainNet, Digit-5 exported as images)
+    open_source("jda-digits:FILE.mat")  the MNIST/USPS .mat of the JDA benchmark
+    open_source("builtin:digits")       the embedded default (embedcache.sources.builtin_digits)
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from PIL import Image
+
+from embedcache.errors import UserError
+
+
+class ImageSource(Protocol):
+    spec: str
+
+    def classes(self) -> list[str]: ...
+    def domains(self) -> list[str]: ...
+    def index(self) -> list[tuple[str, str, int]]: ...
+    def load(self, locator: str) -> Image.Image: ...
+
+
+def open_source(spec: str) -> ImageSource:
+    """The source named by `spec` (UserError for an unknown form or a missing path)."""
+    kind, sep, arg = spec.partition(":")
+    if kind == "imagefolder" and sep:
+        from embedcache.sources.imagefolder import ImageFolder
+
+        return ImageFolder(spec, arg)
+    if kind == "jda-digits" and sep:
+        from embedcache.sources.jda_digits import JDADigits
+
+        return JDADigits(spec, arg)
+    if spec == "builtin:digits":
+        from embedcache.sources.builtin_digits import BuiltinDigits
+
+        return BuiltinDigits()
+    raise UserError(f"source {spec!r}: unknown (use imagefolder:PATH, jda-digits:FILE.mat or builtin:digits)")

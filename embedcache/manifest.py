@@ -1,0 +1,185 @@
+"""Data manifests (contract 1 in docs/contracts.md): for every client its domain and its train and
+test samples (locator into the source + label), plus the class names, the source, the recipe
+and the seed that produced it, and a content hash. The unit of reproducibility: the same
+`embedcache partition` command and seed give the same manifest, byte for byte (canonical JSON).
+
+On disk (JSON; YAML with the same keys is also read):
+    {"format": "embedcache-manifest/1", "source": ..., "classes": [...], "seed": 0,
+     "recipe": {...}, "report": {...}, "content_hash": "<sha256>",
+     "clients": [{"name": "c00-amazon", "domain": "amazon",
+                  "train": [[id, locator, label], ...], "test": [...]}]}
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from embedcache.errors import UserError
+
+FORMAT = "embedcache-manifest/1"
+_CLIENT_NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
+SPLITS = ("train", "test")
+
+
+@dataclass(frozen=True)
+class Sample:
+    id: str  # unique within the manifest and stable
+    locator: str  # what ImageSource.load() takes
+    label: int  # index into Manifest.classes
+
+
+@dataclass(frozen=True)
+class Client:
+    name: str  # unique, filesystem-safe
+    domain: str
+    train: tuple[Sample, ...]
+    test: tuple[Sample, ...]
+
+
+def canonical_json(obj: Any) -> str:
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+
+
+@dataclass(frozen=True)
+class Manifest:
+    source: str
+    classes: tuple[str, ...]
+    clients: tuple[Client, ...]
+    recipe: dict = field(default_factory=dict)
+    seed: int = 0
+    report: dict = field(default_factory=dict)
+
+    def body(self) -> dict[str, Any]:
+        """Everything but the hash, as plain JSON values."""
+        return {
+            "format": FORMAT, "source": self.source, "classes": list(self.classes), "seed": int(self.seed),
+            "recipe": self.recipe, "report": self.report,
+            "clients": [{"name": c.name, "domain": c.domain,
+                         "train": [[s.id, s.locator, int(s.label)] for s in c.train],
+                         "test": [[s.id, s.locator, int(s.label)] for s in c.test]} for c in self.clients],
+        }
+
+    @property
+    def content_hash(self) -> str:
+        return hashlib.sha256(canonical_json(self.body()).encode()).hexdigest()
+
+    def client(self, name: str) -> Client:
+        for c in self.clients:
+            if c.name == name:
+                return c
+        raise UserError(f"client {name!r}: not in the manifest")
+
+    def samples(self, client: str, split: str) -> tuple[Sample, ...]:
+        if split not in SPLITS:
+            raise UserError(f"split {split!r}: must be train or test")
+        return getattr(self.client(client), split)
+
+    def sample_list_hash(self, client: str, split: str) -> str:
+        """sha256 over the source and the (id, locator, label) rows of one split: the part of
+        the cache key that changes whenever the samples of a shard change."""
+        rows = [[s.id, s.locator, int(s.label)] for s in self.samples(client, split)]
+        return hashlib.sha256(canonical_json([self.source, rows]).encode()).hexdigest()
+
+    def validate(self, where: str = "manifest") -> "Manifest":
+        """UserError naming the offending item: bad client names, duplicate ids, labels outside
+        the class list, duplicate class names."""
+        if len(set(self.classes)) != len(self.classes):
+            raise UserError(f"{where}: duplicate class names")
+        seen_clients: set[str] = set()
+        seen_ids: set[str] = set()
+        for c in self.clients:
+            if not _CLIENT_NAME.match(c.name):
+                raise UserError(f"{where}: client name {c.name!r} must match [A-Za-z0-9_.-]+")
+            if c.name in seen_clients:
+                raise UserError(f"{where}: client {c.name} appears twice")
+            seen_clients.add(c.name)
+            for split in SPLITS:
+                for s in getattr(c, split):
+                    if not 0 <= s.label < len(self.classes):
+                        raise UserError(f"{where}: sample {s.id} ({c.name}/{split}) has label {s.label} "
+                                        f"outside the class list 0..{len(self.classes) - 1}")
+                    if s.id in seen_ids:
+                        raise UserError(f"{where}: sample id {s.id} appears twice")
+                    seen_ids.add(s.id)
+        return self
+
+
+def manifest_to_json(m: Manifest) -> str:
+    body = m.body()
+    body["content_hash"] = m.content_hash
+    return json.dumps(body, sort_keys=True, indent=1, ensure_ascii=True) + "\n"
+
+
+def save_manifest(m: Manifest, path: str | Path) -> None:
+    """Canonical JSON, written atomically (temp file + rename)."""
+    path = Path(path)
+    m.validate(str(path))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        with os.fdopen(fd, "w") as fh:
+            fh.write(manifest_to_json(m))
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def _samples(rows: Any, where: str) -> tuple[Sample, ...]:
+    out = []
+    for r in rows:
+        if not isinstance(r, (list, tuple)) or len(r) != 3:
+            raise UserError(f"{where}: sample rows must be [id, locator, label], got {r!r}")
+        try:
+            out.append(Sample(str(r[0]), str(r[1]), int(r[2])))
+        except (TypeError, ValueError):
+            raise UserError(f"{where}: sample {r[0]!r} has a non-integer label {r[2]!r}") from None
+    return tuple(out)
+
+
+def manifest_from_dict(d: Any, where: str = "manifest") -> Manifest:
+    if not isinstance(d, dict):
+        raise UserError(f"{where}: not a manifest (expected a mapping)")
+    for key in ("source", "classes", "clients"):
+        if key not in d:
+            raise UserError(f"{where}: key {key!r} missing")
+    try:
+        clients = tuple(Client(str(c["name"]), str(c.get("domain", "")),
+                               _samples(c.get("train", []), f"{where}: {c['name']}/train"),
+                               _samples(c.get("test", []), f"{where}: {c['name']}/test")) for c in d["clients"])
+    except (KeyError, TypeError):
+        raise UserError(f"{where}: every client needs a name and train/test lists") from None
+    m = Manifest(source=str(d["source"]), classes=tuple(str(c) for c in d["classes"]), clients=clients,
+                 recipe=dict(d.get("recipe", {})), seed=int(d.get("seed", 0)), report=dict(d.get("report", {})))
+    m.validate(where)
+    want = d.get("content_hash")
+    if want is not None and want != m.content_hash:
+        raise UserError(f"{where}: content_hash does not match the content (edited by hand? remove the "
+                        f"content_hash key to accept the edit)")
+    return m
+
+
+def load_manifest(path: str | Path) -> Manifest:
+    """Read a .json/.yaml manifest, checking its hash, labels and ids (UserError on bad input)."""
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"{path}: manifest file not found")
+    text = path.read_text()
+    try:
+        if path.suffix.lower() in (".yaml", ".yml"):
+            import yaml
+
+            data = yaml.safe_load(text)
+        else:
+            data = json.loads(text)
+    except Exception as exc:
+        raise UserError(f"{path}: not valid {'YAML' if path.suffix.lower() in ('.yaml', '.yml') else 'JSON'} "
+                        f"({str(exc).splitlines()[0]})") from None
+    return manifest_from_dict(data, str(path))
