@@ -126,6 +126,7 @@ def save_manifest(m: Manifest, path: str | Path) -> None:
     try:
         with os.fdopen(fd, "w") as fh:
             fh.write(manifest_to_json(m))
+        os.chmod(tmp, 0o644)  # mkstemp creates 0600; a manifest is meant to be shared
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):

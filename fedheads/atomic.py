@@ -20,6 +20,7 @@ def atomic_path(path: str | Path) -> Iterator[Path]:
     os.close(fd)
     try:
         yield Path(tmp)
+        os.chmod(tmp, 0o644)  # mkstemp creates 0600; results are meant to be read by others
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):

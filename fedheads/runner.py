@@ -19,7 +19,6 @@ import io
 import json
 import os
 import platform
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Sequence
@@ -28,6 +27,7 @@ import torch
 
 from embedcache.errors import UserError
 from fedheads import __version__, report
+from fedheads.atomic import atomic_path
 from fedheads.algorithms import create_algorithm
 from fedheads.core.engine import RunResult, run, to_device
 from fedheads.core.tree import tree_leaves, tree_map
@@ -107,15 +107,8 @@ def _config_dict(obj: Any) -> Any:
 
 
 def _atomic_bytes(path: Path, data: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(data)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    with atomic_path(path) as tmp:
+        tmp.write_bytes(data)
 
 
 def save_state(path: Path, result: RunResult) -> None:
