@@ -16,7 +16,6 @@ each domain in sorted path order, split train/test 2:1 per client):
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import platform
@@ -24,76 +23,33 @@ import shutil
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 
 from embedcache.backbones import create_backbone
 from embedcache.extract import ExtractConfig, batch_bounds, decode_sample, extract, forward
+from embedcache.manifest import Client, Manifest, Sample
 from embedcache.reader import load_split
+from embedcache.sources import open_source
 
 REPO = Path(__file__).resolve().parents[1]
 
 
-@dataclass(frozen=True)
-class _Sample:
-    id: str
-    locator: str
-    label: int
-
-
-@dataclass(frozen=True)
-class _Client:
-    name: str
-    domain: str
-    train: tuple
-    test: tuple
-
-
-@dataclass(frozen=True)
-class SubsetManifest:
-    """A contract-1 manifest over a fixed Office-Caltech subset (no partitioner needed)."""
-
-    source: str
-    classes: tuple
-    clients: tuple
-    content_hash: str
-
-    def samples(self, client: str, split: str) -> tuple:
-        return getattr(next(c for c in self.clients if c.name == client), split)
-
-    def sample_list_hash(self, client: str, split: str) -> str:
-        rows = [self.source] + [[s.id, s.locator, s.label] for s in self.samples(client, split)]
-        return hashlib.sha256(json.dumps(rows).encode()).hexdigest()
-
-
-@dataclass(frozen=True)
-class FileSource:
-    """Loads `root/locator` as RGB (picklable for dask workers)."""
-
-    root: str
-    spec: str = "bench-files"
-
-    def load(self, locator: str):
-        from PIL import Image
-
-        with Image.open(Path(self.root) / locator) as im:
-            return im.convert("RGB")
-
-
-def subset_manifest(root: Path, per_domain: int) -> SubsetManifest:
+def subset_manifest(root: Path, per_domain: int) -> Manifest:
+    """One client per domain over its first `per_domain` images (0: all); every third to test."""
     domains = sorted(p.name for p in root.iterdir() if p.is_dir())
     classes = tuple(sorted(p.name for p in (root / domains[0]).iterdir() if p.is_dir()))
     clients = []
     for d in domains:
-        files = sorted((root / d).glob("*/*.jpg"))[:per_domain] if per_domain else sorted((root / d).glob("*/*.jpg"))
-        rows = [_Sample(str(f.relative_to(root)), str(f.relative_to(root)), classes.index(f.parent.name)) for f in files]
-        clients.append(_Client(f"c-{d}", d, tuple(r for i, r in enumerate(rows) if i % 3),
-                               tuple(r for i, r in enumerate(rows) if i % 3 == 0)))
-    h = hashlib.sha256(json.dumps([str(root), per_domain, classes]).encode()).hexdigest()
-    return SubsetManifest(f"imagefolder:{root}", classes, tuple(clients), h)
+        files = sorted((root / d).glob("*/*.jpg"))
+        files = files[:per_domain] if per_domain else files
+        rows = [Sample(str(f.relative_to(root)), str(f.relative_to(root)), classes.index(f.parent.name)) for f in files]
+        clients.append(Client(f"c-{d}", d, tuple(r for i, r in enumerate(rows) if i % 3),
+                              tuple(r for i, r in enumerate(rows) if i % 3 == 0)))
+    return Manifest(f"imagefolder:{root}", classes, tuple(clients), recipe={"bench": "extract", "per_domain": per_domain})
 
 
 def _cpu_model() -> str:
@@ -106,7 +62,7 @@ def _cpu_model() -> str:
     return platform.processor()
 
 
-def bench_backbone(name: str, m: SubsetManifest, src: FileSource, args, tmp: Path) -> dict:
+def bench_backbone(name: str, m: Manifest, src: Any, args, tmp: Path) -> dict:
     bb = create_backbone(name, device="cpu")
     rows = [(s.id, s.locator) for c in m.clients for split in ("train", "test") for s in m.samples(c.name, split)]
     n = len(rows)
@@ -166,7 +122,7 @@ def main() -> None:
     if not root.is_dir():
         raise SystemExit(f"{root}: Office-Caltech-10 not found (set EMBEDCACHE_ASSETS or --data)")
     m = subset_manifest(root, args.per_domain)
-    src = FileSource(str(root))
+    src = open_source(m.source)
     tmp = Path(tempfile.mkdtemp(prefix="bench_extract_"))
     results = []
     try:

@@ -162,6 +162,7 @@ def embed_chunk(backbone: Any, items: Sequence[tuple[torch.Tensor, list[torch.Te
 def build_specs(manifest: Any, backbone: Any, cfg: ExtractConfig) -> list[tuple[st.ShardSpec, tuple[str, ...]]]:
     """One ShardSpec per (client, split) of the manifest, with the rows' locators."""
     n_classes = len(manifest.classes)
+    manifest_hash = manifest.content_hash  # a property that hashes the whole manifest: once
     out = []
     for client in manifest.clients:
         for split in st.SPLITS:
@@ -173,7 +174,7 @@ def build_specs(manifest: Any, backbone: Any, cfg: ExtractConfig) -> list[tuple[
                 backbone=backbone.name, weights_sha256=backbone.weights_sha256,
                 preprocess=dict(backbone.preprocess), feature_dim=int(backbone.feature_dim),
                 client=client.name, split=split, domain=client.domain,
-                manifest_hash=manifest.content_hash,
+                manifest_hash=manifest_hash,
                 sample_list_hash=manifest.sample_list_hash(client.name, split),
                 sample_ids=tuple(s.id for s in samples), labels=tuple(int(s.label) for s in samples),
                 views=cfg.views, dtype=cfg.dtype, chunk_rows=cfg.chunk_rows, batch_size=cfg.batch_size)

@@ -1,12 +1,10 @@
 """Small test doubles for the store/extract tests: a tiny image folder, a source that can be
-made to fail when touched, a duck-typed manifest (contract 1) and tiny torch backbones
-(contract 3). Module-level so that dask worker processes can unpickle them by reference.
-Also usable as `--plugin store_doubles` from the CLI (registers the tiny backbones)."""
+made to fail when touched, a fixed-split manifest and tiny torch backbones (contract 3).
+Module-level so that dask worker processes can unpickle them by reference. Also usable as `--plugin store_doubles` from the CLI (registers the tiny backbones)."""
 
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import time
 from dataclasses import dataclass
@@ -17,6 +15,8 @@ import torch
 from PIL import Image
 
 from embedcache.errors import UserError
+from embedcache.manifest import Client, Manifest, Sample
+from embedcache.sources import open_source
 
 
 def make_imagefolder(root: Path, domains=("a", "b"), classes=("cat", "dog", "emu"), per_class: int = 5,
@@ -34,56 +34,16 @@ def make_imagefolder(root: Path, domains=("a", "b"), classes=("cat", "dog", "emu
 
 @dataclass
 class FolderSource:
-    """ImageSource double over an image folder; `fail=True` makes every load an error."""
+    """The real `imagefolder:` source, except that `fail=True` makes every load an error
+    (to prove a cache hit touches no image)."""
 
     root: str
     fail: bool = False
-    spec: str = "test-folder"
 
     def load(self, locator: str) -> Image.Image:
         if self.fail:
             raise AssertionError(f"image source touched: {locator}")
-        path = Path(self.root) / locator
-        if not path.is_file():
-            raise UserError(f"{locator}: image file missing")
-        try:
-            with Image.open(path) as im:
-                return im.convert("RGB")
-        except Exception as exc:
-            raise UserError(f"{locator}: cannot decode image ({exc})") from None
-
-
-@dataclass(frozen=True)
-class Sample:
-    id: str
-    locator: str
-    label: int
-
-
-@dataclass(frozen=True)
-class Client:
-    name: str
-    domain: str
-    train: tuple
-    test: tuple
-
-
-@dataclass(frozen=True)
-class Manifest:
-    source: str
-    classes: tuple
-    clients: tuple
-    content_hash: str
-
-    def client(self, name: str) -> Client:
-        return next(c for c in self.clients if c.name == name)
-
-    def samples(self, client: str, split: str) -> tuple:
-        return getattr(self.client(client), split)
-
-    def sample_list_hash(self, client: str, split: str) -> str:
-        rows = [self.source] + [[s.id, s.locator, s.label] for s in self.samples(client, split)]
-        return hashlib.sha256(json.dumps(rows).encode()).hexdigest()
+        return open_source(f"imagefolder:{self.root}").load(locator)
 
 
 def make_manifest(root: Path, test_every: int = 3, domains=None, classes=None, per_class: int | None = None) -> Manifest:
@@ -99,8 +59,7 @@ def make_manifest(root: Path, test_every: int = 3, domains=None, classes=None, p
                 s = Sample(f"{d}/{c}/{f.name}", f"{d}/{c}/{f.name}", ci)
                 (test if k % test_every == 0 else train).append(s)
         clients.append(Client(f"c-{d}", d, tuple(train), tuple(test)))
-    body = json.dumps([str(root), classes, [(c.name, c.domain, c.train, c.test) for c in clients]], default=str)
-    return Manifest(f"imagefolder:{root}", classes, tuple(clients), hashlib.sha256(body.encode()).hexdigest())
+    return Manifest(f"imagefolder:{root}", classes, tuple(clients))
 
 
 class TinyBackbone:

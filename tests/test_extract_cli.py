@@ -20,3 +20,55 @@ def test_bad_scheduler_and_plugin(tmp_path):
     res = CliRunner().invoke(main, ["extract", "--manifest", str(m), "--backbones", "x", "--store", str(tmp_path / "s"),
                                     "--plugin", "no_such_module_xyz"])
     assert res.exit_code == 2 and "plugin no_such_module_xyz: cannot import" in res.output
+
+
+def _partition(root, out):
+    res = CliRunner().invoke(main, ["partition", f"imagefolder:{root}", "--scheme", "feature-shift",
+                                    "--train-per-class", "2", "--test-per-class", "1", "--out", str(out)])
+    assert res.exit_code == 0, res.output
+
+
+def test_partition_extract_inspect_verify_end_to_end(tmp_path):
+    import json
+
+    import store_doubles as d
+
+    from embedcache.manifest import load_manifest
+    from embedcache.reader import load_split
+
+    root = d.make_imagefolder(tmp_path / "imgs")
+    _partition(root, tmp_path / "m.json")
+    m = load_manifest(tmp_path / "m.json")
+    store = str(tmp_path / "s")
+    args = ["extract", "--manifest", str(tmp_path / "m.json"), "--backbones", "tiny,tiny2", "--store", store,
+            "--plugin", "store_doubles", "--batch-size", "2", "--chunk-rows", "2", "--quiet"]
+    res = CliRunner().invoke(main, args)
+    assert res.exit_code == 0, res.output
+    out = load_split(store, ["tiny", "tiny2"], "train")
+    assert sorted(out) == sorted(c.name for c in m.clients)
+    for c in m.clients:
+        assert list(out[c.name].sample_ids) == [s.id for s in c.train] and out[c.name].features.shape[1] == 8
+    assert CliRunner().invoke(main, ["verify", store]).exit_code == 0
+    rep = json.loads(CliRunner().invoke(main, ["inspect", store, "--json"]).output)
+    assert rep["complete"] and len(rep["shards"]) == 4 * len(m.clients)
+    res = CliRunner().invoke(main, args)  # cache hit
+    assert res.exit_code == 0 and "(8 cache hits), 0 chunks" in res.output
+
+
+def test_cli_bad_input_one_line_exit_2(tmp_path):
+    import store_doubles as d
+
+    from embedcache.manifest import load_manifest
+    from embedcache.reader import open_store
+
+    root = d.make_imagefolder(tmp_path / "imgs")
+    _partition(root, tmp_path / "m.json")
+    victim = load_manifest(tmp_path / "m.json").clients[0].train[0].locator
+    (root / victim).write_bytes(b"garbage, not a png")
+    base = ["extract", "--manifest", str(tmp_path / "m.json"), "--store", str(tmp_path / "s"), "--plugin",
+            "store_doubles", "--quiet"]
+    res = CliRunner().invoke(main, base + ["--backbones", "tiny"])
+    assert res.exit_code == 2 and victim in res.output and res.output.count("\n") == 1, res.output
+    assert not all(s.complete for s in open_store(tmp_path / "s").shards)
+    res = CliRunner().invoke(main, base + ["--backbones", "no-such-net"])
+    assert res.exit_code == 2 and "no-such-net: unknown backbone" in res.output
