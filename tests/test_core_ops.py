@@ -158,3 +158,24 @@ def test_inplace_step_equals_functional_step() -> None:
                     torch.testing.assert_close(got_s.m[k], want_s.m[k])
             torch.testing.assert_close(got_s.step, want_s.step)
             params, state = want_p, want_s
+
+
+def test_grad_workspace_linear_matches_autograd_and_second_order() -> None:
+    torch.manual_seed(0)
+    x = torch.randn(2, 5, 3, requires_grad=True)
+    w = torch.randn(2, 3, 4, requires_grad=True)
+    b = torch.randn(2, 4, requires_grad=True)
+    ref = torch.autograd.grad((ops.linear(x, w, b) ** 2).sum(), [x, w, b])
+    with ops.grad_workspace():
+        for _ in range(2):  # the buffer is reused across steps
+            ops.new_step()
+            got = torch.autograd.grad((ops.linear(x, w, b) ** 2).sum(), [x, w, b])
+            for r, g in zip(ref, got):
+                torch.testing.assert_close(g, r)
+        ops.new_step()
+        y = ops.linear(x, w, b) + ops.linear(x, w, None)  # second use of w falls back
+        torch.testing.assert_close(torch.autograd.grad(y.sum(), w)[0], 2 * torch.autograd.grad(ops.linear(x, w, b).sum(), w)[0])
+        ops.new_step()
+        (gw,) = torch.autograd.grad((ops.linear(x, w, b) ** 2).sum(), [w], create_graph=True)
+        (hw,) = torch.autograd.grad(gw.sum(), [w])  # second order still works
+        assert torch.isfinite(hw).all()

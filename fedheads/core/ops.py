@@ -6,12 +6,69 @@ For M=1 every op matches the torch.nn module it replaces (checked in tests/test_
 
 from __future__ import annotations
 
+import contextlib
+import threading
+from typing import Iterator
+
 import torch
 import torch.nn.functional as F
+
+_ws = threading.local()  # active gradient workspace of local_train (see grad_workspace)
+
+
+@contextlib.contextmanager
+def grad_workspace() -> Iterator[dict]:
+    """Inside, `linear` writes each weight's gradient into a buffer reused at every step instead
+    of a fresh [M, Din, Dout] tensor: on CPU the page faults of that allocation cost as much as
+    the GEMM. Only for callers that consume the gradient before the next backward (local_train).
+    Call `new_step()` before each forward; a weight used twice in one step falls back to autograd.
+    A loss function that itself calls autograd.grad (e.g. a MAML inner step) must use that
+    gradient before the step's main backward, which overwrites the buffer."""
+    prev = getattr(_ws, "bufs", None)
+    _ws.bufs, _ws.used = {}, set()
+    try:
+        yield _ws.bufs
+    finally:
+        _ws.bufs, _ws.used = prev, set()
+
+
+def new_step() -> None:
+    """Mark the start of a forward/backward inside `grad_workspace`."""
+    if getattr(_ws, "bufs", None) is not None:
+        _ws.used = set()
+
+
+class _LinearWS(torch.autograd.Function):
+    """baddbmm whose weight gradient lands in a preallocated buffer."""
+
+    @staticmethod
+    def forward(ctx, x, w, b, buf):  # type: ignore[override]
+        ctx.save_for_backward(x, w)
+        ctx.buf, ctx.has_b = buf, b is not None
+        return torch.bmm(x, w) if b is None else torch.baddbmm(b.unsqueeze(1), x, w)
+
+    @staticmethod
+    def backward(ctx, gy):  # type: ignore[override]
+        x, w = ctx.saved_tensors
+        gx = torch.bmm(gy, w.transpose(1, 2)) if ctx.needs_input_grad[0] else None
+        gw = None
+        if ctx.needs_input_grad[1]:
+            # create_graph=True (second-order methods) needs a differentiable, fresh gradient
+            gw = torch.bmm(x.transpose(1, 2), gy) if torch.is_grad_enabled() else torch.bmm(x.transpose(1, 2), gy, out=ctx.buf)
+        gb = gy.sum(1) if ctx.has_b and ctx.needs_input_grad[2] else None
+        return gx, gw, gb, None
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """y[m] = x[m] @ W[m] + b[m] for every client m."""
+    bufs = getattr(_ws, "bufs", None)
+    if bufs is not None and weight.requires_grad and torch.is_grad_enabled():
+        key = (weight.data_ptr(), tuple(weight.shape), weight.dtype)
+        if key not in _ws.used:
+            _ws.used.add(key)
+            if key not in bufs:
+                bufs[key] = torch.empty_like(weight)
+            return _LinearWS.apply(x, weight, bias, bufs[key])
     if bias is None:
         return torch.bmm(x, weight)
     return torch.baddbmm(bias.unsqueeze(1), x, weight)

@@ -12,7 +12,8 @@ from typing import Callable
 
 import torch
 
-from fedheads.core.batching import make_schedule
+from fedheads.core import ops
+from fedheads.core.batching import Schedule, make_schedule
 from fedheads.core.heads import Params
 from fedheads.core.optim import OptimizerConfig, OptState, opt_init, opt_step_
 from fedheads.core.protocol import RoundCtx
@@ -47,18 +48,27 @@ def local_train(params: Params, buffers: Params, opt_state: OptState | None, opt
         opt_state = OptState(opt_state.step.clone(), {k: v.clone() for k, v in opt_state.m.items()},
                              {k: v.clone() for k, v in opt_state.v.items()})
     M = data.num_clients
-    for s in range(sched.num_steps):
-        idx, valid, active = sched.index[s], sched.valid[s], sched.active[s]
-        xb = gather_rows(data.x_train, idx)
-        yb = gather_rows(data.y_train, idx)
-        leaf = {k: params[k].detach().requires_grad_(True) for k in keys}  # shares storage
-        with torch.enable_grad():
-            loss, new_buf = loss_fn(leaf, buffers, xb, yb, valid)
-            grads = torch.autograd.grad(loss.sum(), [leaf[k] for k in keys], allow_unused=True)
-        del leaf
-        g = {k: (gk.contiguous() if gk is not None else torch.zeros_like(params[k])) for k, gk in zip(keys, grads)}
-        opt_state = opt_step_(opt_cfg, params, g, opt_state, active)
-        all_on = sched.rows[s].numel() == M  # host-side: no device sync
-        new_buf = {k: v.detach() for k, v in new_buf.items()}
-        buffers = new_buf if all_on else tree_where(active, new_buf, buffers)
+    with ops.grad_workspace():
+        for s in range(sched.num_steps):
+            params, buffers, opt_state = _step(params, buffers, opt_state, opt_cfg, loss_fn, data, sched, s, keys, M)
+    return params, buffers, opt_state
+
+
+def _step(params: Params, buffers: Params, opt_state: OptState, opt_cfg: OptimizerConfig, loss_fn: LossFn,
+          data: FedData, sched: Schedule, s: int, keys: list[str], M: int) -> tuple[Params, Params, OptState]:
+    """One local step of every client (the gradient is consumed before the next step's backward)."""
+    ops.new_step()
+    idx, valid, active = sched.index[s], sched.valid[s], sched.active[s]
+    xb = gather_rows(data.x_train, idx)
+    yb = gather_rows(data.y_train, idx)
+    leaf = {k: params[k].detach().requires_grad_(True) for k in keys}  # shares storage
+    with torch.enable_grad():
+        loss, new_buf = loss_fn(leaf, buffers, xb, yb, valid)
+        grads = torch.autograd.grad(loss.sum(), [leaf[k] for k in keys], allow_unused=True)
+    del leaf
+    g = {k: (gk.contiguous() if gk is not None else torch.zeros_like(params[k])) for k, gk in zip(keys, grads)}
+    opt_state = opt_step_(opt_cfg, params, g, opt_state, active)
+    all_on = sched.rows[s].numel() == M  # host-side: no device sync
+    new_buf = {k: v.detach() for k, v in new_buf.items()}
+    buffers = new_buf if all_on else tree_where(active, new_buf, buffers)
     return params, buffers, opt_state
