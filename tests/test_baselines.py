@@ -263,7 +263,7 @@ def test_registry_builds_every_baseline() -> None:
 def test_personalised_baselines_learn_separable_clusters(name: str) -> None:
     adam = OptimizerConfig(lr=0.05)
     alg = {"fedrep": lambda: FedRep(FedRepConfig(hidden=8, batch_size=16, head_epochs=2, optimizer=adam)),
-           "pfedme": lambda: PFedMe(PFedMeConfig(hidden=8, batch_size=16, K=3, lr=0.05, personal_lr=0.05)),
+           "pfedme": lambda: PFedMe(PFedMeConfig(hidden=8, batch_size=16, K=3, lam=1.0, lr=1.0, personal_lr=0.3)),
            "perfedavg": lambda: PerFedAvg(PerFedAvgConfig(hidden=8, batch_size=16, alpha=0.05, optimizer=adam)),
            "solo": lambda: Solo(SoloConfig(hidden=8, batch_size=16, local_epochs=2, optimizer=adam))}[name]()
     res = run(alg, tiny_fed(M=3, seed=1), rounds=5, seed=0, progress=False)

@@ -80,7 +80,8 @@ class LPConfig:
 
 def init_mlp(in_dim: int, hidden: tuple[int, ...], num_classes: int, seed: int) -> Params:
     """One head (no client axis): fc{i} for the hidden layers, cls last; weights [Din, Dout],
-    U(+-1/sqrt(fan_in)) for weight and bias as torch.nn.Linear."""
+    U(+-1/sqrt(fan_in)) for weight and bias as torch.nn.Linear, drawn in the same order and way
+    as core.heads.init_head (so LP starts exactly where the core's linear FedAvg head does)."""
     gen = torch.Generator().manual_seed(int(seed))
     p: Params = {}
     dims = [in_dim, *hidden, num_classes]
@@ -88,8 +89,7 @@ def init_mlp(in_dim: int, hidden: tuple[int, ...], num_classes: int, seed: int) 
         name = "cls" if i == len(hidden) else f"fc{i}"
         bound = 1.0 / math.sqrt(a)
         for suffix, shape in (("weight", (a, b)), ("bias", (b,))):
-            u = torch.rand(shape, generator=gen, dtype=torch.float64) * 2 - 1
-            p[f"{name}.{suffix}"] = (u * bound).to(torch.float32)
+            p[f"{name}.{suffix}"] = torch.empty(shape, dtype=torch.float32).uniform_(-bound, bound, generator=gen)
     return p
 
 
