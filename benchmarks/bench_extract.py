@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shutil
 import tempfile
 import time
@@ -26,8 +25,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
+
+from bench_engine import cpu_model  # sibling script (benchmarks/ is on sys.path)
 
 from embedcache.backbones import create_backbone
 from embedcache.extract import ExtractConfig, batch_bounds, decode_sample, extract, forward
@@ -50,16 +50,6 @@ def subset_manifest(root: Path, per_domain: int) -> Manifest:
         clients.append(Client(f"c-{d}", d, tuple(r for i, r in enumerate(rows) if i % 3),
                               tuple(r for i, r in enumerate(rows) if i % 3 == 0)))
     return Manifest(f"imagefolder:{root}", classes, tuple(clients), recipe={"bench": "extract", "per_domain": per_domain})
-
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
 
 
 def bench_backbone(name: str, m: Manifest, src: Any, args, tmp: Path) -> dict:
@@ -136,7 +126,7 @@ def main() -> None:
         "benchmark": "extract", "data": str(root.name),
         "subset": f"first {args.per_domain} images per domain (sorted paths), 4 domains" if args.per_domain else "all",
         "batch_size": args.batch_size, "num_workers": args.num_workers,
-        "cpu_count": os.cpu_count(), "cpu_model": _cpu_model(), "torch": torch.__version__, "device": "cpu",
+        "cpu_count": os.cpu_count(), "cpu_model": cpu_model(), "torch": torch.__version__, "device": "cpu",
         "torch_threads": torch.get_num_threads(), "results": results,
         "note": "shared machine: other jobs were running; dask time includes starting the LocalCluster",
     }

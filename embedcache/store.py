@@ -30,7 +30,7 @@ import os
 import shutil
 import warnings
 from collections.abc import Iterator, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -38,6 +38,7 @@ import zarr
 
 from embedcache import __version__
 from embedcache.errors import UserError
+from embedcache.manifest import canonical_json
 
 STORE_FORMAT = "embedcache/1"
 SPLITS = ("train", "test")
@@ -52,11 +53,6 @@ _DIGEST = 32  # bytes in a sha256 digest
 def backbone_key(name: str) -> str:
     """Group name for a backbone: every character outside [A-Za-z0-9_.-] becomes '_'."""
     return "".join(c if (c.isascii() and (c.isalnum() or c in "_.-")) else "_" for c in name)
-
-
-def canonical_json(obj: object) -> str:
-    """Sorted-key, compact JSON: the same value always hashes the same."""
-    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
 
 
 def cache_key(
@@ -391,10 +387,3 @@ def write_shard(store: str | Path, spec: ShardSpec, features: np.ndarray, views:
         write_chunk(shard, chunk, features[a:b], None if views is None else views[:, a:b])
     finalize_shard(store, spec)
 
-
-def spec_dict(spec: ShardSpec) -> dict:
-    """A JSON-able summary of a spec (no per-row data), for reports and logs."""
-    d = asdict(spec)
-    d.pop("sample_ids")
-    d.pop("labels")
-    return d | {"n": spec.n, "cache_key": spec.key}

@@ -19,6 +19,7 @@ import zarr
 
 from embedcache import store as st
 from embedcache.errors import UserError
+from embedcache.manifest import canonical_json
 from embedcache.reader import open_store
 
 REQUIRED_ATTRS = ("cache_key", "backbone", "weights_sha256", "preprocess", "manifest_hash", "sample_list_hash",
@@ -166,8 +167,9 @@ def import_features(store: str | Path, file: str | Path, *, backbone: str, clien
         cls = existing
     if n and (labels.min() < 0 or labels.max() >= len(cls)):
         raise UserError(f"{path}: labels {labels.min()}..{labels.max()} outside the class list (0..{len(cls) - 1})")
-    sample_list_hash = hashlib.sha256(st.canonical_json(
-        [f"import:{path.name}", [[i, int(y)] for i, y in zip(ids.tolist(), labels.tolist())]]).encode()).hexdigest()
+    # The manifest's formula (sha256 of [source, [[id, locator, label], ...]]), the file as source.
+    sample_list_hash = hashlib.sha256(canonical_json(
+        [f"import:{path.name}", [[i, i, int(y)] for i, y in zip(ids.tolist(), labels.tolist())]]).encode()).hexdigest()
     spec = st.ShardSpec(
         backbone=backbone, weights_sha256=file_sha, preprocess={"imported_from": path.name}, feature_dim=d,
         client=client, split=split, domain=domain or client, manifest_hash=file_sha,
