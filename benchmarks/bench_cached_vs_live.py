@@ -54,8 +54,8 @@ def _log(msg: str) -> None:
 
 
 def _tool(name: str) -> list[str]:
-    """Run a console script with this interpreter, so the venv's packages are the ones used."""
-    return [sys.executable, "-c", f"import sys; from {name}.cli import main; sys.argv[0] = '{name}'; main()"]
+    """The `embedcache` / `fedheads` command, run by this interpreter (the venv's packages)."""
+    return [sys.executable, "-m", f"{name}.cli"]
 
 
 def timed_command(argv: Sequence[str], env: dict[str, str] | None = None) -> float:
@@ -65,7 +65,7 @@ def timed_command(argv: Sequence[str], env: dict[str, str] | None = None) -> flo
                           stdout=subprocess.PIPE, stderr=None, text=True)
     secs = time.perf_counter() - t
     if proc.returncode != 0:
-        raise UserError(f"{' '.join(argv[3:6])}: exited with {proc.returncode}: {proc.stdout.strip()[-300:]}")
+        raise UserError(f"{' '.join(argv[2:5])}: exited with {proc.returncode}: {proc.stdout.strip()[-300:]}")
     return secs
 
 
@@ -216,11 +216,17 @@ def write_json(obj: dict[str, Any], path: Path) -> None:
 @click.option("--backbones", default=",".join(BACKBONES), show_default=True)
 @click.option("--weights-dir", default=None, help="Default: $EMBEDCACHE_WEIGHTS or ../shared/weights.")
 @click.option("--num-workers", default=2, show_default=True, help="Live DataLoader workers per loader.")
+@click.option("--threads", default=None, type=int,
+              help="torch intra-op threads for every phase (OMP_NUM_THREADS for the commands); default: torch's.")
 @click.option("--work", default=None, help="Scratch directory (default: a fresh temporary one, removed after).")
 @click.option("--out", default=str(OUT), show_default=True)
 def main(rounds: int, live_rounds: int, seed: int, train_per_class: int, source: str, backbones: str,
-         weights_dir: str | None, num_workers: int, work: str | None, out: str) -> None:
+         weights_dir: str | None, num_workers: int, threads: int | None, work: str | None, out: str) -> None:
     """Time FedPCL on cached features against the authors' live-backbone loop."""
+    env: dict[str, str] = {}
+    if threads:  # the same setting for the commands (cached) and this process (live)
+        torch.set_num_threads(threads)
+        env["OMP_NUM_THREADS"] = str(threads)
     names = tuple(b.strip() for b in backbones.split(",") if b.strip())
     weights_dir = weights_dir or os.environ.get("EMBEDCACHE_WEIGHTS") or str(REPO.parent / "shared" / "weights")
     tmp = Path(work) if work else Path(tempfile.mkdtemp(prefix="bench-cached-live-"))
@@ -228,8 +234,8 @@ def main(rounds: int, live_rounds: int, seed: int, train_per_class: int, source:
     try:
         manifest_path = tmp / "manifest.json"
         _log(f"partition {source} (feature shift, {train_per_class}/class, seed {seed})")
-        part_s = partition(source, manifest_path, train_per_class, seed)
-        cached = cached_phase(manifest_path, names, tmp, rounds, seed, weights_dir)
+        part_s = partition(source, manifest_path, train_per_class, seed, env)
+        cached = cached_phase(manifest_path, names, tmp, rounds, seed, weights_dir, env=env)
         cached["partition_seconds"] = part_s
         _log(f"cached: {cached['round_seconds'] * 1e3:.1f} ms/round, final accuracy {cached['accuracy_final']:.2f}%")
 
@@ -251,6 +257,7 @@ def main(rounds: int, live_rounds: int, seed: int, train_per_class: int, source:
         if not work:
             shutil.rmtree(tmp, ignore_errors=True)
     result = {
+        "command": " ".join(["python", "benchmarks/bench_cached_vs_live.py"] + sys.argv[1:]),
         "benchmark": "FedPCL cached features vs live frozen backbones (authors' per-round loop)",
         "data": {"source": source, "scheme": "feature-shift", "train_per_class": train_per_class, "seed": seed,
                  "clients": cached["clients"], "n_train": cached["n_train"], "n_test": cached["n_test"]},
@@ -258,6 +265,7 @@ def main(rounds: int, live_rounds: int, seed: int, train_per_class: int, source:
         "algorithm": {"name": "fedpcl", "variant": "paper", "batch_size": 32, "local_epochs": 1,
                       "optimizer": "adam lr 1e-3 wd 1e-4"},
         "environment": environment(torch.get_num_threads()),
+        "live_rounds_measured": live["live_rounds_measured"], "extrapolated": live["extrapolated"],
         "cached": cached, "live": live, **summarise(cached, live),
     }
     write_json(result, Path(out))

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterator, Sequence
 
 import torch
+from PIL import Image
 from torch.utils.data import DataLoader, Dataset, Sampler
 from tqdm.auto import tqdm
 
@@ -177,6 +178,8 @@ def run_live(manifest: Any, source: Any, backbones: Sequence[Any], cfg: LiveConf
     n_train = tuple(len(manifest.samples(c.name, "train")) for c in clients)
     if min(n_train) == 0:
         raise UserError(f"{clients[n_train.index(0)].name}: no training samples")
+    for bb in reps:  # build the transforms (and import torchvision) once here, before workers fork,
+        bb.transform(Image.new("RGB", (8, 8)))  # as the authors' script does at import time
     pw = cfg.num_workers > 0
     kw: dict[str, Any] = dict(num_workers=cfg.num_workers, persistent_workers=pw)
     train_sets = [ImageSplit(source, manifest.samples(c.name, "train"), reps) for c in clients]

@@ -125,6 +125,7 @@ def test_live_phase_with_workers_extrapolates_and_reports(tiny):
     assert summ["accuracy"]["cached_at_live_rounds"] == 40.0
 
 
+@pytest.mark.slow  # three subprocesses, each importing torch: ~10 s apiece on a loaded 2-core machine
 @pytest.mark.skipif(importlib.util.find_spec("embedcache.manifest") is None,
                     reason="embedcache.manifest (the partition stage) is not in this checkout yet")
 def test_cached_phase_runs_the_real_commands(tiny, tmp_path):
