@@ -178,3 +178,15 @@ def test_dask_local2_is_bitwise_identical_to_single_process(images, tmp_path):
     rep = _run(images, tmp_path / "dask", views=2, scheduler="local:2")
     assert rep.rows_computed == 30
     assert_stores_equal(tmp_path / "single", tmp_path / "dask")
+
+
+def test_two_concurrent_extracts_on_one_store(images, tmp_path):
+    """flock is per open file description, so two threads contend like two processes."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(2) as pool:
+        reps = list(pool.map(lambda _: _run(images, tmp_path / "s", backbones=("tiny", "tiny2")), range(2)))
+    assert all(r.shards == 8 for r in reps)
+    assert verify_store(tmp_path / "s") == []
+    _run(images, tmp_path / "fresh", backbones=("tiny", "tiny2"))
+    assert_stores_equal(tmp_path / "s", tmp_path / "fresh")
