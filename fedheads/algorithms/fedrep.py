@@ -27,6 +27,7 @@ Decisions, stated explicitly:
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
@@ -36,7 +37,7 @@ from fedheads.algorithms.pfl_common import (DeltaMessage, config_from_kwargs, de
                                             mean_delta, salted)
 from fedheads.core import heads, ops
 from fedheads.core.heads import HeadSpec, Params
-from fedheads.core.optim import OptimizerConfig, opt_init
+from fedheads.core.optim import OptimizerConfig
 from fedheads.core.protocol import Init, RoundCtx
 from fedheads.core.train import local_train
 from fedheads.data import DataSpec, FedData
@@ -110,12 +111,21 @@ class FedRep:
             z, nb = heads.embed(spec, rep, b, x, m, train=True)
             return ops.masked_cross_entropy(heads.classify(head, z), y, m), nb
 
-        # 1. personal head, representation fixed
-        head, buf, _ = local_train(head0, buf0, opt_init(cfg.optimizer, head0), cfg.optimizer,
-                                   lambda h, b, x, y, m: loss_of(rep0, h, b, x, y, m), data, ctx,
-                                   cfg.batch_size, cfg.head_epochs)
+        # 1. personal head, representation fixed. FC-ReLU does not depend on the batch, so it is
+        # computed once for all rows; BN (batch statistics) and L2 still run per mini-batch.
+        with torch.no_grad():
+            pre = ops.relu(ops.linear(data.x_train, rep0["proj.weight"], rep0["proj.bias"]))
+
+        def head_loss(h: Params, b: Params, a: torch.Tensor, y: torch.Tensor, m: torch.Tensor):
+            z, rm, rv = ops.batch_norm(a, m, rep0["bn.weight"], rep0["bn.bias"], b["bn.running_mean"],
+                                       b["bn.running_var"], train=True)
+            z = ops.l2_normalize(z) if spec.normalize else z
+            return ops.masked_cross_entropy(heads.classify(h, z), y, m), {"bn.running_mean": rm, "bn.running_var": rv}
+
+        head, buf, _ = local_train(head0, buf0, None, cfg.optimizer, head_loss,
+                                   dataclasses.replace(data, x_train=pre), ctx, cfg.batch_size, cfg.head_epochs)
         # 2. representation, new head fixed (its own batch order)
-        rep, buf, _ = local_train(rep0, buf, opt_init(cfg.optimizer, rep0), cfg.optimizer,
+        rep, buf, _ = local_train(rep0, buf, None, cfg.optimizer,
                                   lambda r, b, x, y, m: loss_of(r, head, b, x, y, m), data, salted(ctx, 1),
                                   cfg.batch_size, cfg.rep_epochs)
         return FedRepClientState({**rep, **head}, buf), delta_message(rep, rep0, buf, buf0, data)
