@@ -59,7 +59,7 @@ def _train_options(f):
         click.option("--eval-every", default=1, show_default=True, help="Evaluate every k rounds (0: last only)."),
         click.option("--binarize", is_flag=True, help="FedPCL authors' 0/1 binarised backbone features."),
         click.option("--set", "settings", multiple=True, metavar="KEY=VALUE",
-                     help="Algorithm config field, e.g. --set variant=code (repeatable)."),
+                     help="Algorithm config field, e.g. --set variant=code, or --set lp.lr=0.1 for one algorithm (repeatable)."),
         click.option("--quiet", is_flag=True, help="No progress bars."),
         click.option("--out", required=True, type=click.Path(file_okay=False), help="Output directory."),
     ]

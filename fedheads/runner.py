@@ -50,7 +50,7 @@ class TrainOptions:
     local_epochs: int | None = None  # None: the algorithm's paper default
     batch_size: int | None = None
     lr: float | None = None
-    settings: tuple[tuple[str, Any], ...] = ()  # algorithm-specific config fields (--set k=v)
+    settings: tuple[tuple[str, Any], ...] = ()  # config fields (--set k=v, or --set ALG.k=v for one algorithm)
     progress: bool = True
 
     def generic(self) -> dict[str, Any]:
@@ -73,25 +73,42 @@ def parse_settings(items: Iterable[str]) -> tuple[tuple[str, Any], ...]:
     return tuple(out)
 
 
-def build_algorithm(name: str, opts: TrainOptions, strict: bool = True) -> tuple[Any, dict[str, Any], list[str]]:
-    """The algorithm with the generic options that apply to it plus the --set fields.
+def settings_for(name: str, settings: Sequence[tuple[str, Any]]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(scoped, unscoped) --set fields for algorithm `name`: `name.key=v` applies to `name` only
+    and must be one of its fields; a plain `key=v` applies to every algorithm it fits."""
+    scoped: dict[str, Any] = {}
+    plain: dict[str, Any] = {}
+    for key, value in settings:
+        scope, dot, field_ = key.rpartition(".")
+        if not dot:
+            plain[key] = value
+        elif scope == name:
+            scoped[field_] = value
+    return scoped, plain
 
-    Returns (algorithm, the kwargs used, generic options that do not apply). With `strict`
-    an option that does not apply is an error (`train`); `compare` drops and records it."""
-    specific = dict(opts.settings)
-    generic = opts.generic()
+
+def build_algorithm(name: str, opts: TrainOptions, strict: bool = True) -> tuple[Any, dict[str, Any], list[str]]:
+    """The algorithm with the --set fields and generic options that apply to it.
+
+    Returns (algorithm, the kwargs used, options that do not apply). With `strict` an option
+    that does not apply is an error (`train`); `compare` drops and records it. A field scoped
+    to this algorithm (`--set lp.lr=0.1`) must always apply."""
+    scoped, plain = settings_for(name, opts.settings)
     try:
-        create_algorithm(name, **specific)
+        create_algorithm(name, **scoped)
     except TypeError as e:
         raise UserError(f"--set for {name}: {e}") from None
-    used, ignored = dict(specific), []
-    for k, v in generic.items():
+    used, ignored = dict(scoped), []
+    for k, v in {**plain, **opts.generic()}.items():
+        if k in used:
+            continue  # the scoped value wins
         try:
             create_algorithm(name, **{**used, k: v})
             used[k] = v
         except TypeError:
             if strict:
-                raise UserError(f"--{k.replace('_', '-')}: does not apply to algorithm {name}") from None
+                flag = f"--{k.replace('_', '-')}" if k in opts.generic() else f"--set {k}"
+                raise UserError(f"{flag}: does not apply to algorithm {name}") from None
             ignored.append(k)
     return create_algorithm(name, **used), used, ignored
 

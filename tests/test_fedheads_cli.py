@@ -217,3 +217,17 @@ def test_bad_stores_give_one_line_errors(tmp_path, kind, needle):
     _one_line_error(["train", "--store", str(st), "--backbones", "synth", "--algorithm", "fedpcl",
                      "--rounds", "1", "--seeds", "0", "--quiet", "--out", str(tmp_path / "r")], needle)
     assert not (tmp_path / "r" / "results.json").exists()
+
+
+def test_set_fields_scoped_to_one_algorithm(store, tmp_path):
+    out = tmp_path / "cmp"
+    r = _invoke(["compare", "--store", str(store), "--backbones", "synth", "--algorithms", "fedpcl,fedncm",
+                 "--rounds", "1", "--seeds", "0", "--quiet", "--set", "variant=code",
+                 "--set", "fedpcl.tau=0.5", "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    pcl = json.loads((out / "fedpcl" / "config.json").read_text())
+    assert pcl["algorithm_config"]["variant"] == "code" and pcl["algorithm_config"]["tau"] == 0.5
+    assert "variant" in json.loads((out / "fedncm" / "config.json").read_text())["ignored_options"]
+    _one_line_error(["train", "--store", str(store), "--backbones", "synth", "--algorithm", "fedpcl",
+                     "--rounds", "1", "--seeds", "0", "--quiet", "--set", "fedpcl.nosuch=1",
+                     "--out", str(tmp_path / "z")], "nosuch")
