@@ -6,25 +6,16 @@ imports timm, torchvision or dask. Bad input prints one `error: ...` line and ex
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import click
 
+from embedcache.cli_base import UserErrorGroup
 from embedcache.errors import UserError
 from fedheads import __version__
 
 
-class _Group(click.Group):
-    def invoke(self, ctx: click.Context):
-        try:
-            return super().invoke(ctx)
-        except UserError as exc:
-            click.echo(f"error: {exc}", err=True)
-            sys.exit(2)
-
-
-@click.group(cls=_Group)
+@click.group(cls=UserErrorGroup)
 @click.version_option(__version__, prog_name="fedheads")
 def main() -> None:
     """Train federated heads (FedPCL, FedNCM, LP, MLP, baselines) on cached features."""
