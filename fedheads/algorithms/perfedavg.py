@@ -15,7 +15,8 @@ Decisions, stated explicitly:
   steps), so one "local step" touches each sample once per pass.
 - alpha = 0.005 and the outer step beta = 0.001 are the pFedMe authors' Per-FedAvg comparison
   run (GitHub CharlieDinh/pFedMe). The outer step is taken by the core optimiser ``optimizer``,
-  by default FedPCL Sec. 5.1's setting for all baselines (Adam lr 1e-3 = beta, wd 1e-4); pass
+  by default FedPCL Sec. 5.1's setting for all baselines (Adam lr 1e-3 = beta, wd 1e-4), fresh
+  every round as in the core's FedAvg; pass
   OptimizerConfig("sgd", lr=0.001, weight_decay=0) for the paper's plain step.
 - Only the first-order variant is implemented (the HF variant's Hessian-vector product is not).
 - Personalised evaluation ("main"): one gradient step of size alpha on the client's whole

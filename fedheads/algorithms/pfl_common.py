@@ -1,7 +1,8 @@
 """Small pieces shared by the personalised baselines (fedrep, pfedme, perfedavg, solo) and the
 head-tuning baselines (lp, mlp): stacking a global model over clients, the n_i-weighted mean of
-client deltas (a sum of contributions, then a finalize), masked plain-SGD steps and per-phase
-salting of the batch schedule."""
+client deltas (a sum of contributions, then a finalize), per-client gradients and masked updates
+for algorithms with their own step loop, per-phase salting of the batch schedule, and config
+building from the registry's flat kwargs."""
 
 from __future__ import annotations
 
@@ -64,6 +65,7 @@ def salted(ctx: RoundCtx, phase: int) -> RoundCtx:
 
 
 def schedule(data: FedData, ctx: RoundCtx, batch_size: int, epochs: int) -> Schedule:
+    """The core's seeded per-client batch schedule for this round (same in both engines)."""
     return make_schedule(list(data.n_train), data.client_index, batch_size, epochs, ctx.seed,
                          ctx.round, data.device)
 
@@ -87,12 +89,8 @@ def grads(loss_fn: LossFn, params: Params, buffers: Params, x: torch.Tensor, y: 
     return out, {k: v.detach() for k, v in nb.items()}, loss.detach()
 
 
-def sgd(params: Params, g: Params, lr: float, active: torch.Tensor) -> Params:
-    """p - lr * g for the active clients; the others unchanged."""
-    return {k: torch.where(active.view(-1, *([1] * (p.dim() - 1))), p - lr * g[k], p) for k, p in params.items()}
-
-
 def where(active: torch.Tensor, new: Params, old: Params) -> Params:
+    """`new` for the active clients, `old` for the others (a client without a batch left)."""
     return {k: torch.where(active.view(-1, *([1] * (v.dim() - 1))), v, old[k]) for k, v in new.items()}
 
 
