@@ -4,7 +4,6 @@ contract-3 backbones (tests/store_doubles.py). Whole file: a few seconds."""
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import sys
 from dataclasses import dataclass
@@ -126,8 +125,6 @@ def test_live_phase_with_workers_extrapolates_and_reports(tiny):
 
 
 @pytest.mark.slow  # three subprocesses, each importing torch: ~10 s apiece on a loaded 2-core machine
-@pytest.mark.skipif(importlib.util.find_spec("embedcache.manifest") is None,
-                    reason="embedcache.manifest (the partition stage) is not in this checkout yet")
 def test_cached_phase_runs_the_real_commands(tiny, tmp_path):
     """partition -> extract (tiny backbones via --plugin) -> fedheads train, timed, plus the
     in-process engine run, whose final accuracy must equal the command's."""
