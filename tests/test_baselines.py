@@ -203,6 +203,10 @@ def test_lp_fedncm_round_sets_normalised_class_means() -> None:
     assert res.history[0].comm.up_values == 4 * (C * D + C)  # sums + counts, nothing else
     assert res.history[0].comm.down_values == 4 * (D * C + C)  # the initial global head is broadcast
     assert res.trainable_params_per_client == D * C + C
+    from fedheads.algorithms.fedncm import FedNCM  # the same head predicts as FedNCM's cosine rule
+
+    ncm = run(FedNCM(), data, rounds=1, seed=0, progress=False)
+    torch.testing.assert_close(res.final_accuracy(), ncm.final_accuracy(), equal_nan=True)
 
 
 def test_mlp_fedncm_initialises_last_layer_from_hidden_means() -> None:
