@@ -231,3 +231,21 @@ def test_set_fields_scoped_to_one_algorithm(store, tmp_path):
     _one_line_error(["train", "--store", str(store), "--backbones", "synth", "--algorithm", "fedpcl",
                      "--rounds", "1", "--seeds", "0", "--quiet", "--set", "fedpcl.nosuch=1",
                      "--out", str(tmp_path / "z")], "nosuch")
+
+
+def test_fedheads_never_imports_backbone_or_cluster_libraries(store, tmp_path):
+    """House style: fedheads reads the store through embedcache.reader only."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "from click.testing import CliRunner\n"
+        "from fedheads.cli import main\n"
+        f"r = CliRunner().invoke(main, ['train', '--store', {str(store)!r}, '--backbones', 'synth', "
+        f"'--algorithm', 'fedpcl', '--rounds', '1', '--seeds', '0', '--quiet', '--out', {str(tmp_path / 'r')!r}])\n"
+        "assert r.exit_code == 0, r.output\n"
+        "print(sorted(m for m in ('timm', 'torchvision', 'dask', 'distributed') if m in sys.modules))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout
