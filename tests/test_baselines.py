@@ -89,7 +89,7 @@ def _close(a: torch.Tensor, b: torch.Tensor) -> None:
 
 
 def test_pfedme_one_batch_matches_reference() -> None:
-    cfg = PFedMeConfig(hidden=8, batch_size=64, K=3, lam=15.0, personal_lr=0.05, lr=0.01)
+    cfg = PFedMeConfig(hidden=8, batch_size=64, K=3, lam=15.0, personal_lr=0.05, lr=0.01, normalize=True)
     init, x, y, (cs, msg) = _one_client(PFedMe(cfg), tiny_fed())
     w = {k: v.clone() for k, v in init.broadcast.params.items()}
     theta, b = dict(w), dict(init.broadcast.buffers)
