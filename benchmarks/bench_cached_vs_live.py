@@ -177,6 +177,15 @@ def summarise(cached: dict[str, Any], live: dict[str, Any]) -> dict[str, Any]:
         "per_round_train_ratio": (live["round_breakdown_seconds"]["train"] + live["round_breakdown_seconds"]["proto"]
                                   + live["round_breakdown_seconds"]["aggregate"]) / cached["round_train_seconds_median"],
         "targets": {"end_to_end_ratio": 15.0, "per_round_ratio": 100.0},
+        "definitions": {
+            "end_to_end_ratio": "live.total_seconds (setup + all rounds, extrapolated when live_rounds_measured < "
+                                "rounds) / cached.total_seconds (cold `embedcache extract` + `fedheads train` commands)",
+            "per_round_ratio": "live.round_seconds (train + prototypes + test evaluation + aggregation, mean over "
+                               "measured rounds >= 2) / cached.round_seconds (engine wall time incl. per-round "
+                               "evaluation / rounds)",
+            "per_round_train_ratio": "the same without test evaluation: live train + prototypes + aggregation / "
+                                     "cached median round time without evaluation (rounds >= 2)",
+            "round 1": "collects prototypes only (no training), in both runs"},
         "accuracy": {"cached_final": cached["accuracy_final"], "cached_at_live_rounds": at_n,
                      "live_at_live_rounds": live["accuracy_final"], "rounds_compared": n,
                      "note": "not bitwise equal: the live run shuffles batches DataLoader-style, the engine "
