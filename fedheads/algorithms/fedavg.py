@@ -95,9 +95,7 @@ class FedAvg:
 
     def init(self, spec: DataSpec, seed: int) -> Init:
         self.spec = self._spec(spec)
-        gp, gb = heads.init_head(self.spec, [seed], spec.device)  # one global init
-        g = {k: v[0] for k, v in gp.items()}
-        b = {k: v[0] for k, v in gb.items()}
+        g, b = heads.init_global(self.spec, seed, spec.device)  # one global init
         M = spec.num_clients
         cp, cb = _expand(g, M), _expand(b, M)
         cs = FedAvgClientState(cp, cb, self._opt0(cp))

@@ -91,9 +91,7 @@ class FedRep:
 
     def init(self, spec: DataSpec, seed: int) -> Init:
         self.spec = HeadSpec(spec.dim, self.cfg.hidden, spec.num_classes, True, self.cfg.normalize)
-        gp, gb = heads.init_head(self.spec, [seed], spec.device)  # every client starts from one model
-        g = {k: v[0] for k, v in gp.items()}
-        b = {k: v[0] for k, v in gb.items()}
+        g, b = heads.init_global(self.spec, seed, spec.device)  # every client starts from one model
         rep = {k: v for k, v in g.items() if k not in HEAD_KEYS}
         M = spec.num_clients
         return Init(FedRepClientState(expand(g, M), expand(b, M)), FedRepServerState(rep, b),

@@ -88,9 +88,7 @@ class PerFedAvg:
 
     def init(self, spec: DataSpec, seed: int) -> Init:
         self.spec = HeadSpec(spec.dim, self.cfg.hidden, spec.num_classes, True, self.cfg.normalize)
-        gp, gb = heads.init_head(self.spec, [seed], spec.device)
-        g = {k: v[0] for k, v in gp.items()}
-        b = {k: v[0] for k, v in gb.items()}
+        g, b = heads.init_global(self.spec, seed, spec.device)
         M = spec.num_clients
         return Init(PerFedAvgClientState(expand(g, M), expand(b, M)), PerFedAvgServerState(g, b),
                     PerFedAvgBroadcast(g, b))

@@ -93,9 +93,7 @@ class PFedMe:
 
     def init(self, spec: DataSpec, seed: int) -> Init:
         self.spec = HeadSpec(spec.dim, self.cfg.hidden, spec.num_classes, True, self.cfg.normalize)
-        gp, gb = heads.init_head(self.spec, [seed], spec.device)
-        g = {k: v[0] for k, v in gp.items()}
-        b = {k: v[0] for k, v in gb.items()}
+        g, b = heads.init_global(self.spec, seed, spec.device)
         M = spec.num_clients
         return Init(PFedMeClientState(expand(g, M), expand(b, M)), PFedMeServerState(g, b), PFedMeBroadcast(g, b))
 

@@ -88,3 +88,10 @@ def classify(params: Params, z: torch.Tensor) -> torch.Tensor:
 def count_params(params: Params) -> int:
     """Trainable values PER CLIENT actually held in `params` (leading client axis removed)."""
     return sum(t[0].numel() for t in params.values())
+
+
+def init_global(spec: HeadSpec, seed: int, device: torch.device | str) -> tuple[Params, Params]:
+    """One model without client axis (params, buffers): the global model that every client of a
+    FedAvg-style algorithm starts from."""
+    gp, gb = init_head(spec, [seed], device)
+    return {k: v[0] for k, v in gp.items()}, {k: v[0] for k, v in gb.items()}
