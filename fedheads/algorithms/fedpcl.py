@@ -309,7 +309,8 @@ class FedPCL:
         z, _ = heads.embed(self.spec, cs.params, cs.buffers, self._x(x), mask, train=False)
         dot = torch.bmm(z, cs.protos.transpose(1, 2))
         local_dot = dot.masked_fill(~cs.present.unsqueeze(1), float("-inf"))
-        sq = ((z.unsqueeze(2) - cs.protos.unsqueeze(1)) ** 2).mean(-1)  # MSELoss as in the code
+        # MSELoss as in the code (mean over dims), without materialising [M,N,C,d]
+        sq = (z.pow(2).sum(-1, keepdim=True) - 2 * dot + cs.protos.pow(2).sum(-1).unsqueeze(1)).clamp_min(0) / z.shape[-1]
         local_sq = -sq.masked_fill(~cs.present.unsqueeze(1), 100.0)
         glob = torch.einsum("mnd,cd->mnc", z, ss.global_protos).masked_fill(~ss.global_present, float("-inf"))
         main = local_dot if self.cfg.rule == "dot" else local_sq
