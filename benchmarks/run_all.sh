@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Re-measure every benchmark, one after another, on an otherwise idle machine, and write
+# benchmarks/results/*.json. Needs ../shared (Office-Caltech-10 images, CIFAR ResNet weights).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export EMBEDCACHE_ASSETS="${EMBEDCACHE_ASSETS:-$(cd .. && pwd)/shared}"
+export EMBEDCACHE_WEIGHTS="${EMBEDCACHE_WEIGHTS:-$EMBEDCACHE_ASSETS/weights}"
+PY=${PY:-.venv/bin/python}
+for b in engine fedncm predict extract; do
+  echo "== bench_$b $(date -u +%H:%M:%S)"
+  case $b in
+    extract) args="--per-domain 0" ;;   # all 2,533 Office-Caltech-10 images
+    engine) args="--threads 0" ;;       # every core, both engines
+    *) args="" ;;
+  esac
+  "$PY" "benchmarks/bench_$b.py" $args
+done
+echo "== bench_cached_vs_live $(date -u +%H:%M:%S)"
+"$PY" benchmarks/bench_cached_vs_live.py --rounds 100 --live-rounds 5
+echo "== done $(date -u +%H:%M:%S)"
