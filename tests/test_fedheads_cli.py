@@ -249,3 +249,38 @@ def test_fedheads_never_imports_backbone_or_cluster_libraries(store, tmp_path):
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout
+
+
+@pytest.fixture(scope="module")
+def store512(tmp_path_factory) -> Path:
+    """Three '512-d backbones', 10 classes, 2 clients: the FedPCL Table 2 / Table 14 shapes."""
+    root = tmp_path_factory.mktemp("s512")
+    rng = np.random.default_rng(1)
+    store = root / "s.zarr"
+    for b in ("bb1", "bb2", "bb3"):
+        for c in ("c0", "c1"):
+            for split in ("train", "test"):
+                y = np.arange(20) % 10
+                f = root / f"{b}-{c}-{split}.npz"
+                np.savez(f, features=rng.normal(size=(20, 512)).astype(np.float32), labels=y,
+                         sample_ids=np.array([f"{c}/{split}/{i}" for i in range(20)]))
+                import_features(store, f, backbone=b, client=c, split=split, classes=[str(k) for k in range(10)])
+    return store
+
+
+@pytest.mark.parametrize("backbones,fedavg,fedrep,trainable", [
+    ("bb1", 133_632, 131_072, 133_632), ("bb1,bb2", 264_704, 262_144, 264_704), ("bb1,bb2,bb3", 395_776, 393_216, 395_776)])
+def test_paper_counts_come_out_of_real_runs(store512, tmp_path, backbones, fedavg, fedrep, trainable):
+    """FedPCL Table 2 (# of Comm Params) and Table 14 (trainable params), from runs on K x 512-d."""
+    out = tmp_path / "cmp"
+    r = _invoke(["compare", "--store", str(store512), "--backbones", backbones, "--algorithms",
+                 "fedavg,fedrep,fedproto,fedpcl", "--rounds", "1", "--seeds", "0", "--quiet", "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    res = json.loads((out / "results.json").read_text())["algorithms"]
+    paper = {k: v["communication"]["paper_comm_params_per_client_per_round"] for k, v in res.items()}
+    assert paper == {"fedavg": fedavg, "fedrep": fedrep, "fedproto": 2_560, "fedpcl": 2_560}
+    assert res["fedavg"]["paper_trainable_params_per_client"] == trainable
+    # measured uploads: FedAvg sends its whole head (weights + biases + BN), FedPCL one prototype set
+    k = len(backbones.split(","))
+    assert res["fedavg"]["communication"]["upload_params_per_client_per_round"] >= fedavg
+    assert res["fedavg"]["trainable_params_per_client"] == 512 * k * 256 + 256 + 2 * 256 + 256 * 10 + 10
