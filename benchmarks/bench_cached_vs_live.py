@@ -205,7 +205,7 @@ def environment(threads: int) -> dict[str, Any]:
     return {"cpu_count": os.cpu_count(), "cpu_model": model or platform.processor(), "torch": torch.__version__,
             "torch_threads": threads, "python": platform.python_version(), "device": "cpu",
             "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-            "note": "machine shared with other jobs (other developers' tests) during the run: timings are noisy"}
+            "load_average_1_5_15": list(os.getloadavg())}
 
 
 def write_json(obj: dict[str, Any], path: Path) -> None:
