@@ -286,7 +286,7 @@ def extract(manifest: Any, cfg: ExtractConfig, *, source: Any = None,
     import_plugins(cfg.plugins)
     manifest = _load_manifest(manifest)
     device = resolve_device(cfg.device)
-    st.init_store(cfg.store, manifest.classes, manifest.content_hash)
+    st.init_store(cfg.store, manifest.classes, manifest.content_hash, [c.name for c in manifest.clients])
     t0 = time.perf_counter()
     with contextlib.ExitStack() as stack:
         client = _LazyClient(cfg.scheduler, stack)

@@ -47,7 +47,7 @@ class StoreInfo:
     classes: tuple[str, ...]  # class names; labels index them
     manifest_hash: str  # manifest of the latest extraction into this store
     backbones: tuple[str, ...]  # backbone names present
-    clients: tuple[str, ...]  # client names present (any backbone)
+    clients: tuple[str, ...]  # the store's clients: its latest manifest's (see init_store), else all with shards
     shards: tuple[ShardInfo, ...]  # every shard, sorted by (backbone, client, split)
 
     def shard(self, backbone: str, client: str, split: str) -> ShardInfo | None:
@@ -101,7 +101,7 @@ def open_store(path: str | Path) -> StoreInfo:
         path=str(path), classes=tuple(root.attrs.get("classes", ())),
         manifest_hash=str(root.attrs.get("manifest_hash", "")),
         backbones=tuple(sorted({s.backbone for s in shards})),
-        clients=tuple(sorted({s.client for s in shards})), shards=tuple(shards))
+        clients=tuple(sorted(root.attrs.get("clients") or {s.client for s in shards})), shards=tuple(shards))
 
 
 def _names(info: StoreInfo, backbones: Sequence[str] | str, split: str) -> list[str]:
@@ -168,8 +168,8 @@ def load_split(
     """
     info = store if isinstance(store, StoreInfo) else open_store(store)
     names = _names(info, backbones, split)
-    wanted = list(clients) if clients is not None else sorted(
-        {s.client for s in info.shards if s.backbone == names[0] and s.split == split})
+    # default: the store's clients (its latest manifest's), never shards a later manifest dropped
+    wanted = list(clients) if clients is not None else list(info.clients)
     root = _open(info.path)
     out: dict[str, ClientSplit] = {}
     for client in wanted:

@@ -158,9 +158,12 @@ def has_consolidated(store: str | Path) -> bool:
     return json.loads((Path(store) / "zarr.json").read_text()).get("consolidated_metadata") is not None
 
 
-def init_store(store: str | Path, classes: Sequence[str], manifest_hash: str) -> None:
+def init_store(store: str | Path, classes: Sequence[str], manifest_hash: str,
+               clients: Sequence[str] | None = None) -> None:
     """Create the store root (or check an existing one): the class list must not change,
-    since every label in every shard indexes it."""
+    since every label in every shard indexes it. `clients` (an extraction's manifest clients)
+    becomes the store's client list, so shards of clients that a later manifest dropped stay on
+    disk but are no longer served by the reader (they would leak old samples into training)."""
     store = Path(store)
     with dir_lock(store):
         if (store / "zarr.json").exists():
@@ -173,12 +176,27 @@ def init_store(store: str | Path, classes: Sequence[str], manifest_hash: str) ->
             if root.attrs.get("manifest_hash") != manifest_hash:
                 _drop_consolidated(store, have_lock=True)
                 root.attrs["manifest_hash"] = manifest_hash
+            if clients is not None and list(root.attrs.get("clients", [])) != list(clients):
+                _drop_consolidated(store, have_lock=True)
+                root.attrs["clients"] = list(clients)
             return
         if any(p.name != "zarr.json" for p in store.iterdir()):
             # Never take over (or wipe) a directory that holds something else.
             raise UserError(f"{store}: directory is not empty and is not an embedcache store")
         root = _quiet_open(store, "w-")
         root.attrs.update({"format": STORE_FORMAT, "classes": list(classes), "manifest_hash": manifest_hash})
+        if clients is not None:
+            root.attrs["clients"] = list(clients)
+
+
+def add_client(store: str | Path, client: str) -> None:
+    """Make an imported client part of a store that keeps a client list (no-op otherwise)."""
+    with dir_lock(store):
+        root = _quiet_open(store, "r+", use_consolidated=False)
+        listed = root.attrs.get("clients")
+        if listed is not None and client not in listed:
+            _drop_consolidated(store, have_lock=True)
+            root.attrs["clients"] = [*listed, client]
 
 
 def store_classes(store: str | Path) -> list[str] | None:

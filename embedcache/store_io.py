@@ -175,6 +175,7 @@ def import_features(store: str | Path, file: str | Path, *, backbone: str, clien
         client=client, split=split, domain=domain or client, manifest_hash=file_sha,
         sample_list_hash=sample_list_hash, sample_ids=tuple(ids.tolist()), labels=tuple(labels.tolist()),
         views=1, dtype=dtype, chunk_rows=chunk_rows)
+    st.add_client(store, client)
     st.write_shard(store, spec, feats.astype(np.float32))
     st.consolidate(store)
     return spec

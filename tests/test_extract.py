@@ -190,3 +190,16 @@ def test_two_concurrent_extracts_on_one_store(images, tmp_path):
     assert verify_store(tmp_path / "s") == []
     _run(images, tmp_path / "fresh", backbones=("tiny", "tiny2"))
     assert_stores_equal(tmp_path / "s", tmp_path / "fresh")
+
+
+def test_clients_a_later_manifest_dropped_are_not_served(images, tmp_path):
+    """Re-partitioning into fewer clients must not leave the old clients' samples in training."""
+    m = d.make_manifest(images)
+    _run(images, tmp_path / "s", manifest=m)
+    assert sorted(load_split(tmp_path / "s", "tiny", "train")) == ["c-a", "c-b"]
+    one = replace(m, clients=m.clients[:1])
+    _run(images, tmp_path / "s", manifest=one)
+    assert list(load_split(tmp_path / "s", "tiny", "train")) == ["c-a"]
+    assert open_store(tmp_path / "s").clients == ("c-a",)
+    # still on disk, and still readable when asked for by name
+    assert list(load_split(tmp_path / "s", "tiny", "train", clients=["c-b"])) == ["c-b"]
