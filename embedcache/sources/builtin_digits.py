@@ -122,10 +122,10 @@ def render_synth_digits(n: int, seed: int, size: int = 32) -> tuple[np.ndarray, 
     for i in range(n):
         masks = fonts[int(rng.integers(len(fonts)))]
         digits, centre = [int(labels[i])], 0
-        if rng.random() < 0.35:
+        if rng.random() < 0.5:
             digits.insert(0, int(rng.integers(10)))
             centre = 1
-        if rng.random() < 0.35:
+        if rng.random() < 0.5:
             digits.append(int(rng.integers(10)))
         line, (cx, cy), gh = _compose_line(masks, digits, centre)
         # Forward map: glyph centre -> output centre + shift; scale so the digit fills
