@@ -221,3 +221,9 @@ def iter_split_chunks(
                 _same_rows(client, split, shards[0].backbone, sh.backbone, (ids, s), (labels, y))
             feats.append(f)
         yield np.concatenate(feats, axis=1), labels, ids
+
+
+def shard_attributes(store: str | Path | StoreInfo, shard: ShardInfo) -> dict:
+    """All attributes of one shard (backbone, weights_sha256, preprocess, cache_key, ...)."""
+    info = store if isinstance(store, StoreInfo) else open_store(store)
+    return dict(_open(info.path)[shard.path].attrs)

@@ -92,8 +92,21 @@ def predict_run(run_dir: str | Path, store: str, split: str = "test", client: st
     seed = int(results["seeds"][0]) if seed is None else seed
     if seed not in results["seeds"]:
         raise UserError(f"--seed {seed}: the run has seeds {results['seeds']}")
+    if k < 1:
+        raise UserError(f"--top-k {k}: must be >= 1")
     dev = resolve_device(device)
     info = open_store(store)
+    from fedheads.runner import store_fingerprint
+
+    trained = config.get("store_fingerprint")
+    if trained is not None:
+        now = store_fingerprint(info, backbones)
+        if now["classes"] != trained["classes"]:
+            raise UserError(f"{store}: class list differs from the training store's; predictions would be mislabelled")
+        for b, fp in trained["backbones"].items():
+            if now["backbones"][b] != fp:
+                raise UserError(f"{store}: backbone {b} was extracted with other weights, preprocessing or "
+                                f"dimension than in training; re-extract with the same backbone")
     wanted = clients if client == "all" else [client]
     for c in wanted:
         if c not in clients:

@@ -87,6 +87,11 @@ def settings_for(name: str, settings: Sequence[tuple[str, Any]]) -> tuple[dict[s
     return scoped, plain
 
 
+def _not_a_field(e: TypeError) -> bool:
+    """A config built with a keyword it does not have (as opposed to a bad value)."""
+    return any(s in str(e) for s in ("unexpected keyword", "unknown option", "does not apply"))
+
+
 def build_algorithm(name: str, opts: TrainOptions, strict: bool = True) -> tuple[Any, dict[str, Any], list[str]]:
     """The algorithm with the --set fields and generic options that apply to it.
 
@@ -105,7 +110,9 @@ def build_algorithm(name: str, opts: TrainOptions, strict: bool = True) -> tuple
         try:
             create_algorithm(name, **{**used, k: v})
             used[k] = v
-        except TypeError:
+        except TypeError as e:
+            if not _not_a_field(e):  # a field of this algorithm, given a value of the wrong type
+                raise UserError(f"{k}={v!r}: not a valid value for {name} ({e})") from None
             if strict:
                 flag = f"--{k.replace('_', '-')}" if k in opts.generic() else f"--set {k}"
                 raise UserError(f"{flag}: does not apply to algorithm {name}") from None
@@ -179,6 +186,22 @@ def _metrics_rows(result: RunResult, seed: int, names: Sequence[str]) -> list[li
     return rows
 
 
+def store_fingerprint(info: Any, backbones: Sequence[str]) -> dict[str, Any]:
+    """What must match between the training store and a prediction store: the class list and,
+    per backbone, its feature dimension, weights sha256 and preprocessing (shard attributes)."""
+    from embedcache.reader import shard_attributes
+
+    out: dict[str, Any] = {"classes": list(info.classes), "backbones": {}}
+    for b in backbones:
+        sh = next((s for s in info.shards if s.backbone == b), None)
+        if sh is None:
+            raise UserError(f"backbone {b!r}: not in store {info.path} (has: {', '.join(info.backbones)})")
+        a = shard_attributes(info, sh)
+        out["backbones"][b] = {"dim": sh.dim, "weights_sha256": a.get("weights_sha256"),
+                               "preprocess": a.get("preprocess")}
+    return out
+
+
 def backbone_dims(info: Any, backbones: Sequence[str]) -> list[int]:
     """Feature dimension of each backbone, in order (from the shards' attributes)."""
     dims = []
@@ -200,6 +223,10 @@ def train_run(store: str, backbones: Sequence[str], algorithm: str, opts: TrainO
               out: str | Path, strict: bool = True, data: FedData | None = None) -> dict[str, Any]:
     """Train `algorithm` once per seed, write the run directory, return results.json's dict."""
     out = Path(out)
+    # results.json marks a complete run directory: a re-run into it that stops half-way must not
+    # leave the old one next to new state files
+    for stale in ("results.json", "config.json"):
+        (out / stale).unlink(missing_ok=True)
     if data is None:
         data = load_fed_data(store, backbones, resolve_device(opts.device), binarize=opts.binarize)
     from embedcache.reader import open_store
@@ -231,6 +258,7 @@ def train_run(store: str, backbones: Sequence[str], algorithm: str, opts: TrainO
                                    rounds=opts.rounds, feature_dims=dims, num_classes=data.num_classes,
                                    fraction=opts.fraction, extra=extra)
     config = {"store": str(store), "backbones": list(backbones), "algorithm": algorithm,
+              "store_fingerprint": store_fingerprint(open_store(store), backbones),
               "options": _config_dict(opts), "algorithm_kwargs": used if per_seed else {},
               "algorithm_config": alg_cfg, "ignored_options": ignored, "environment": environment()}
     _write_run_dir(out, result, config, rows)

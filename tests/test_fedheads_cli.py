@@ -284,3 +284,29 @@ def test_paper_counts_come_out_of_real_runs(store512, tmp_path, backbones, fedav
     k = len(backbones.split(","))
     assert res["fedavg"]["communication"]["upload_params_per_client_per_round"] >= fedavg
     assert res["fedavg"]["trainable_params_per_client"] == 512 * k * 256 + 256 + 2 * 256 + 256 * 10 + 10
+
+
+def test_predict_refuses_features_of_another_store(store, fedpcl_run, tmp_path):
+    other = tmp_path / "other.zarr"
+    rng = np.random.default_rng(5)
+    for c in CLIENTS:
+        for split in ("train", "test"):
+            f = tmp_path / f"o-{c}-{split}.npz"
+            np.savez(f, features=rng.normal(size=(5, D)).astype(np.float32), labels=np.arange(5) % C)
+            import_features(other, f, backbone="synth", client=c, split=split, classes=[f"k{i}" for i in range(C)])
+    _one_line_error(["predict", "--run", str(fedpcl_run), "--store", str(other), "--out", str(tmp_path / "p.csv")],
+                    "other weights")
+    _one_line_error(["predict", "--run", str(fedpcl_run), "--store", str(store), "--top-k", "0",
+                     "--out", str(tmp_path / "p.csv")], "--top-k")
+    assert not (tmp_path / "p.csv").exists()
+
+
+def test_rerun_into_a_run_directory_removes_the_old_results_first(store, tmp_path):
+    out = tmp_path / "r"
+    base = ["train", "--store", str(store), "--backbones", "synth", "--rounds", "1", "--seeds", "0", "--quiet",
+            "--out", str(out)]
+    assert _invoke(base + ["--algorithm", "fedpcl"]).exit_code == 0
+    assert (out / "results.json").exists()
+    r = CliRunner().invoke(main, base + ["--algorithm", "fedpcl", "--set", "tau=abc"])
+    assert r.exit_code != 0 and "tau" in r.output
+    assert not (out / "results.json").exists()

@@ -190,7 +190,8 @@ class HeadTuning:
 
 def _factory(**kw: object) -> HeadTuning:
     if "hidden" in kw:
-        raise UserError("hidden: the linear probe has no hidden layer (use --algorithm mlp)")
+        # TypeError, like any config field an algorithm does not have: `compare` skips it for lp
+        raise TypeError("hidden: does not apply to lp, the linear probe has no hidden layer (use mlp)")
     return HeadTuning(config_from_kwargs(LPConfig, kw), name="lp")  # type: ignore[arg-type]
 
 
