@@ -44,7 +44,7 @@ class Recipe:
     alpha: float = 1.0  # Dirichlet concentration
     domains: tuple[str, ...] = ()  # restrict to these domains (label shift: one = --domain)
     train_fraction: float = 0.1  # label shift: share of each client's samples used for training
-    min_samples: int = 2  # fewest training samples a client should get
+    min_samples: int = 2  # fewest samples (train + test, before the split) a Dirichlet client should get
 
     def as_dict(self) -> dict[str, Any]:
         d = dict(self.__dict__)
@@ -203,6 +203,10 @@ def partition(source: Any, recipe: Recipe, seed: int) -> Manifest:
         raise UserError(f"--alpha {recipe.alpha}: must be > 0")
     if (recipe.clients is not None and recipe.clients < 1) or recipe.train_per_class < 1:
         raise UserError("--clients and --train-per-class must be >= 1")
+    if recipe.test_per_class is not None and recipe.test_per_class < 0:
+        raise UserError(f"--test-per-class {recipe.test_per_class}: must be >= 0")
+    if recipe.min_samples < 0:
+        raise UserError(f"--min-samples {recipe.min_samples}: must be >= 0")
     if not 0.0 < recipe.train_fraction < 1.0:
         raise UserError(f"--train-fraction {recipe.train_fraction}: must be in (0, 1)")
     classes = list(source.classes())

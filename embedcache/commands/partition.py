@@ -18,7 +18,7 @@ import click
 @click.option("--domain", "domain", default=None, help="Label shift: the one domain to draw clients from.")
 @click.option("--domains", default=None, help="Comma-separated subset of domains.")
 @click.option("--train-fraction", type=float, default=None, help="Label shift: training share per client [0.1].")
-@click.option("--min-samples", type=int, default=None, help="Fewest training samples per client [2].")
+@click.option("--min-samples", type=int, default=None, help="Label shift: fewest samples (before the train/test split) per client; re-draws below it [2].")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--out", required=True, type=click.Path(dir_okay=False), help="Manifest file (.json).")
 def partition(source, scheme, preset, train_per_class, test_per_class, clients, alpha, domain, domains,
