@@ -126,13 +126,13 @@ def test_perfedavg_fo_step_and_personalisation_match_reference() -> None:
 def test_fedrep_head_then_representation_matches_reference() -> None:
     cfg = FedRepConfig(hidden=8, batch_size=64, head_epochs=1, rep_epochs=1, optimizer=SGD(0.5))
     init, x, y, (cs, msg) = _one_client(FedRep(cfg), tiny_fed())
-    p0 = {**init.broadcast.rep, **{k: init.client_state.params[k][0] for k in ("cls.weight", "cls.bias")}}
+    p0 = {**init.broadcast.params, **{k: init.client_state.params[k][0] for k in ("cls.weight", "cls.bias")}}
     head_keys = {"cls.weight", "cls.bias"}
     gh, b1 = _ref_grad(p0, init.broadcast.buffers, x, y, keys=head_keys)
     p1 = {k: (p0[k] - 0.5 * gh[k]) if k in head_keys else p0[k] for k in p0}
-    gr, _ = _ref_grad(p1, b1, x, y, keys=set(init.broadcast.rep))
-    assert set(msg.delta) == set(init.broadcast.rep)  # only the representation is uploaded
-    for k in init.broadcast.rep:
+    gr, _ = _ref_grad(p1, b1, x, y, keys=set(init.broadcast.params))
+    assert set(msg.delta) == set(init.broadcast.params)  # only the representation is uploaded
+    for k in init.broadcast.params:
         _close(msg.delta[k][0], -0.5 * gr[k])
     for k in head_keys:
         _close(cs.params[k][0], p1[k])

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 import torch
 
 from embedcache.errors import UserError
-from fedheads.algorithms.pfl_common import (DeltaMessage, config_from_kwargs, delta_message, expand,
+from fedheads.algorithms.pfl_common import (DeltaMessage, GlobalModel, config_from_kwargs, delta_message, expand,
                                             mean_delta, salted)
 from fedheads.core import heads, ops
 from fedheads.core.heads import HeadSpec, Params
@@ -68,18 +68,6 @@ class FedRepClientState:
     buffers: Params  # [M, ...] BN running statistics of phi_i
 
 
-@dataclass(frozen=True)
-class FedRepServerState:
-    rep: Params  # global representation phi (no client axis)
-    buffers: Params  # its BN running statistics
-
-
-@dataclass(frozen=True)
-class FedRepBroadcast:
-    rep: Params  # phi
-    buffers: Params  # phi's BN running statistics
-
-
 class FedRep:
     """FedRep: shared representation, personal heads."""
 
@@ -94,15 +82,15 @@ class FedRep:
         g, b = heads.init_global(self.spec, seed, spec.device)  # every client starts from one model
         rep = {k: v for k, v in g.items() if k not in HEAD_KEYS}
         M = spec.num_clients
-        return Init(FedRepClientState(expand(g, M), expand(b, M)), FedRepServerState(rep, b),
-                    FedRepBroadcast(rep, b))
+        return Init(FedRepClientState(expand(g, M), expand(b, M)), GlobalModel(rep, b),
+                    GlobalModel(rep, b))
 
-    def client_update(self, cs: FedRepClientState, bc: FedRepBroadcast, data: FedData,
+    def client_update(self, cs: FedRepClientState, bc: GlobalModel, data: FedData,
                       ctx: RoundCtx) -> tuple[FedRepClientState, DeltaMessage]:
         spec, cfg = self.spec, self.cfg
         assert spec is not None, "init() first"
         M = data.num_clients
-        rep0, buf0 = expand(bc.rep, M), expand(bc.buffers, M)
+        rep0, buf0 = expand(bc.params, M), expand(bc.buffers, M)
         head0 = {k: cs.params[k] for k in HEAD_KEYS}
 
         def loss_of(rep: Params, head: Params, b: Params, x: torch.Tensor, y: torch.Tensor, m: torch.Tensor):
@@ -128,18 +116,18 @@ class FedRep:
                                   cfg.batch_size, cfg.rep_epochs)
         return FedRepClientState({**rep, **head}, buf), delta_message(rep, rep0, buf, buf0, data)
 
-    def server_aggregate(self, ss: FedRepServerState, msg: DeltaMessage,
-                         ctx: RoundCtx) -> tuple[FedRepServerState, FedRepBroadcast]:
+    def server_aggregate(self, ss: GlobalModel, msg: DeltaMessage,
+                         ctx: RoundCtx) -> tuple[GlobalModel, GlobalModel]:
         d, db = mean_delta(msg)
-        rep = {k: ss.rep[k] + d[k] for k in ss.rep}
+        rep = {k: ss.params[k] + d[k] for k in ss.params}
         buf = {k: ss.buffers[k] + db[k] for k in ss.buffers}
-        return FedRepServerState(rep, buf), FedRepBroadcast(rep, buf)
+        return GlobalModel(rep, buf), GlobalModel(rep, buf)
 
-    def predict(self, cs: FedRepClientState, ss: FedRepServerState, x: torch.Tensor,
+    def predict(self, cs: FedRepClientState, ss: GlobalModel, x: torch.Tensor,
                 mask: torch.Tensor) -> dict[str, torch.Tensor]:
         assert self.spec is not None
         M = x.shape[0]
-        zg, _ = heads.embed(self.spec, expand(ss.rep, M), expand(ss.buffers, M), x, mask, train=False)
+        zg, _ = heads.embed(self.spec, expand(ss.params, M), expand(ss.buffers, M), x, mask, train=False)
         zl, _ = heads.embed(self.spec, cs.params, cs.buffers, x, mask, train=False)
         personal = heads.classify(cs.params, zg)
         return {"main": personal, "global_rep": personal, "local_model": heads.classify(cs.params, zl)}

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 import torch
 
 from embedcache.errors import UserError
-from fedheads.algorithms.pfl_common import (DeltaMessage, batch, config_from_kwargs, delta_message, expand,
+from fedheads.algorithms.pfl_common import (DeltaMessage, GlobalModel, batch, config_from_kwargs, delta_message, expand,
                                             grads, mean_delta, salted, schedule, where)
 from fedheads.core import heads, ops
 from fedheads.core.heads import HeadSpec, Params
@@ -65,18 +65,6 @@ class PerFedAvgClientState:
     buffers: Params  # [M, ...] BN running statistics of that received w (used with theta_i)
 
 
-@dataclass(frozen=True)
-class PerFedAvgServerState:
-    params: Params  # global meta-model w
-    buffers: Params  # global BN running statistics
-
-
-@dataclass(frozen=True)
-class PerFedAvgBroadcast:
-    params: Params
-    buffers: Params
-
-
 class PerFedAvg:
     """Per-FedAvg, first-order MAML variant."""
 
@@ -90,8 +78,8 @@ class PerFedAvg:
         self.spec = HeadSpec(spec.dim, self.cfg.hidden, spec.num_classes, True, self.cfg.normalize)
         g, b = heads.init_global(self.spec, seed, spec.device)
         M = spec.num_clients
-        return Init(PerFedAvgClientState(expand(g, M), expand(b, M)), PerFedAvgServerState(g, b),
-                    PerFedAvgBroadcast(g, b))
+        return Init(PerFedAvgClientState(expand(g, M), expand(b, M)), GlobalModel(g, b),
+                    GlobalModel(g, b))
 
     def _loss(self, train: bool):
         spec = self.spec
@@ -108,7 +96,7 @@ class PerFedAvg:
         g, _, _ = grads(self._loss(False), params, buffers, data.x_train, data.y_train, data.m_train)
         return {k: params[k] - self.cfg.alpha * g[k] for k in params}
 
-    def client_update(self, cs: PerFedAvgClientState, bc: PerFedAvgBroadcast, data: FedData,
+    def client_update(self, cs: PerFedAvgClientState, bc: GlobalModel, data: FedData,
                       ctx: RoundCtx) -> tuple[PerFedAvgClientState, DeltaMessage]:
         cfg = self.cfg
         M = data.num_clients
@@ -130,14 +118,14 @@ class PerFedAvg:
             buf = where(act, nb2, buf)
         return PerFedAvgClientState(personal, b0), delta_message(w, w0, buf, b0, data)
 
-    def server_aggregate(self, ss: PerFedAvgServerState, msg: DeltaMessage,
-                         ctx: RoundCtx) -> tuple[PerFedAvgServerState, PerFedAvgBroadcast]:
+    def server_aggregate(self, ss: GlobalModel, msg: DeltaMessage,
+                         ctx: RoundCtx) -> tuple[GlobalModel, GlobalModel]:
         d, db = mean_delta(msg)
         p = {k: ss.params[k] + d[k] for k in ss.params}
         b = {k: ss.buffers[k] + db[k] for k in ss.buffers}
-        return PerFedAvgServerState(p, b), PerFedAvgBroadcast(p, b)
+        return GlobalModel(p, b), GlobalModel(p, b)
 
-    def predict(self, cs: PerFedAvgClientState, ss: PerFedAvgServerState, x: torch.Tensor,
+    def predict(self, cs: PerFedAvgClientState, ss: GlobalModel, x: torch.Tensor,
                 mask: torch.Tensor) -> dict[str, torch.Tensor]:
         assert self.spec is not None
         M = x.shape[0]

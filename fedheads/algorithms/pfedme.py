@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from embedcache.errors import UserError
-from fedheads.algorithms.pfl_common import (DeltaMessage, batch, config_from_kwargs, delta_message, expand,
+from fedheads.algorithms.pfl_common import (DeltaMessage, GlobalModel, batch, config_from_kwargs, delta_message, expand,
                                             grads, mean_delta, schedule, where)
 from fedheads.core import heads, ops
 from fedheads.core.heads import HeadSpec, Params
@@ -70,18 +70,6 @@ class PFedMeClientState:
     buffers: Params  # [M, ...] BN running statistics of theta_i
 
 
-@dataclass(frozen=True)
-class PFedMeServerState:
-    params: Params  # global model w
-    buffers: Params  # global BN running statistics
-
-
-@dataclass(frozen=True)
-class PFedMeBroadcast:
-    params: Params  # w
-    buffers: Params
-
-
 class PFedMe:
     """pFedMe: bi-level personalisation with Moreau envelopes."""
 
@@ -95,9 +83,9 @@ class PFedMe:
         self.spec = HeadSpec(spec.dim, self.cfg.hidden, spec.num_classes, True, self.cfg.normalize)
         g, b = heads.init_global(self.spec, seed, spec.device)
         M = spec.num_clients
-        return Init(PFedMeClientState(expand(g, M), expand(b, M)), PFedMeServerState(g, b), PFedMeBroadcast(g, b))
+        return Init(PFedMeClientState(expand(g, M), expand(b, M)), GlobalModel(g, b), GlobalModel(g, b))
 
-    def client_update(self, cs: PFedMeClientState, bc: PFedMeBroadcast, data: FedData,
+    def client_update(self, cs: PFedMeClientState, bc: GlobalModel, data: FedData,
                       ctx: RoundCtx) -> tuple[PFedMeClientState, DeltaMessage]:
         spec, cfg = self.spec, self.cfg
         assert spec is not None, "init() first"
@@ -121,14 +109,14 @@ class PFedMe:
             w = where(act, {k: w[k] - cfg.lr * cfg.lam * (w[k] - theta[k]) for k in w}, w)
         return PFedMeClientState(theta, buf), delta_message(w, w0, buf, b0, data)
 
-    def server_aggregate(self, ss: PFedMeServerState, msg: DeltaMessage,
-                         ctx: RoundCtx) -> tuple[PFedMeServerState, PFedMeBroadcast]:
+    def server_aggregate(self, ss: GlobalModel, msg: DeltaMessage,
+                         ctx: RoundCtx) -> tuple[GlobalModel, GlobalModel]:
         d, db = mean_delta(msg)
         p = {k: ss.params[k] + self.cfg.beta * d[k] for k in ss.params}
         b = {k: ss.buffers[k] + db[k] for k in ss.buffers}
-        return PFedMeServerState(p, b), PFedMeBroadcast(p, b)
+        return GlobalModel(p, b), GlobalModel(p, b)
 
-    def predict(self, cs: PFedMeClientState, ss: PFedMeServerState, x: torch.Tensor,
+    def predict(self, cs: PFedMeClientState, ss: GlobalModel, x: torch.Tensor,
                 mask: torch.Tensor) -> dict[str, torch.Tensor]:
         assert self.spec is not None
         M = x.shape[0]

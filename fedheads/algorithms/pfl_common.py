@@ -32,6 +32,14 @@ class DeltaMessage:
 
 
 @dataclass(frozen=True)
+class GlobalModel:
+    """The server's shared model (no client axis): its state, and what it broadcasts."""
+
+    params: Params  # shared parameters (the whole head, or FedRep's representation only)
+    buffers: Params  # their BN running statistics
+
+
+@dataclass(frozen=True)
 class Empty:
     """No payload (Solo: nothing is ever sent)."""
 
