@@ -20,7 +20,7 @@ import torch
 from embedcache.errors import UserError
 from fedheads.core import heads, ops
 from fedheads.core.heads import HeadSpec, Params
-from fedheads.core.optim import OptimizerConfig, OptState, opt_init
+from fedheads.core.optim import OptimizerConfig, OptState, config_from_kwargs, opt_initial
 from fedheads.core.protocol import Init, RoundCtx
 from fedheads.core.server_opt import ServerOptimizer, ServerSGD
 from fedheads.core.train import local_train
@@ -98,16 +98,9 @@ class FedAvg:
         g, b = heads.init_global(self.spec, seed, spec.device)  # one global init
         M = spec.num_clients
         cp, cb = _expand(g, M), _expand(b, M)
-        cs = FedAvgClientState(cp, cb, self._opt0(cp))
+        cs = FedAvgClientState(cp, cb, opt_initial(self.cfg.optimizer, cp, self.cfg.reset_optimizer))
         ss = FedAvgServerState(g, b, self.server_opt.init(g))
         return Init(cs, ss, FedAvgBroadcast(g, b))
-
-    def _opt0(self, params: Params) -> OptState:
-        # with a per-round reset nothing needs to persist between rounds: keep only the counter
-        if self.cfg.reset_optimizer:
-            return OptState(torch.zeros(next(iter(params.values())).shape[0], dtype=torch.float64,
-                                        device=next(iter(params.values())).device))
-        return opt_init(self.cfg.optimizer, params)
 
     def client_update(self, cs: FedAvgClientState, bc: FedAvgBroadcast, data: FedData,
                       ctx: RoundCtx) -> tuple[FedAvgClientState, FedAvgMessage]:
@@ -159,10 +152,7 @@ class FedAvg:
 
 
 def _factory(**kw: object) -> FedAvg:
-    opt_keys = {"lr", "weight_decay", "momentum", "optimizer_name"}
-    opt = {("name" if k == "optimizer_name" else k): v for k, v in kw.items() if k in opt_keys}
-    rest = {k: v for k, v in kw.items() if k not in opt_keys}
-    return FedAvg(FedAvgConfig(optimizer=OptimizerConfig(**opt), **rest))  # type: ignore[arg-type]
+    return FedAvg(config_from_kwargs(FedAvgConfig, kw))  # type: ignore[arg-type]
 
 
 def _lp_factory(**kw: object) -> FedAvg:

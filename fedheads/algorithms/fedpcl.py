@@ -43,7 +43,7 @@ import torch
 from embedcache.errors import UserError
 from fedheads.core import heads, ops, rng
 from fedheads.core.heads import HeadSpec, Params
-from fedheads.core.optim import OptimizerConfig, OptState, opt_init
+from fedheads.core.optim import OptimizerConfig, OptState, config_from_kwargs, opt_initial
 from fedheads.core.protocol import Init, RoundCtx
 from fedheads.core.train import local_train
 from fedheads.data import DataSpec, FedData
@@ -195,7 +195,7 @@ class FedPCL:
         M, C, d, dev = spec.num_clients, spec.num_classes, self.cfg.hidden, spec.device
         # each client owns its projection network: independent seeded initialisations
         p, b = heads.init_head(self.spec, [seed * 100_003 + i for i in range(M)], dev)
-        cs = FedPCLClientState(p, b, self._opt0(p), torch.zeros(M, C, d, device=dev),
+        cs = FedPCLClientState(p, b, opt_initial(self.cfg.optimizer, p, self.cfg.reset_optimizer), torch.zeros(M, C, d, device=dev),
                                torch.zeros(M, C, dtype=torch.bool, device=dev))
         ss = FedPCLServerState(torch.zeros(M, C, d, device=dev), torch.zeros(M, C, dtype=torch.bool, device=dev),
                                torch.zeros(M, dtype=torch.bool, device=dev), torch.zeros(C, d, device=dev),
@@ -247,13 +247,6 @@ class FedPCL:
             return total, nb
 
         return paper if cfg.variant == "paper" else code
-
-    def _opt0(self, params: Params) -> OptState:
-        # with a per-round reset nothing needs to persist between rounds: keep only the counter
-        if self.cfg.reset_optimizer:
-            return OptState(torch.zeros(next(iter(params.values())).shape[0], dtype=torch.float64,
-                                        device=next(iter(params.values())).device))
-        return opt_init(self.cfg.optimizer, params)
 
     def client_update(self, cs: FedPCLClientState, bc: FedPCLBroadcast, data: FedData,
                       ctx: RoundCtx) -> tuple[FedPCLClientState, FedPCLMessage]:
@@ -332,10 +325,7 @@ class FedPCL:
 
 
 def _factory(**kw: object) -> FedPCL:
-    opt_keys = {"lr", "weight_decay"}
-    opt = {k: v for k, v in kw.items() if k in opt_keys}
-    rest = {k: v for k, v in kw.items() if k not in opt_keys}
-    return FedPCL(FedPCLConfig(optimizer=OptimizerConfig(**opt), **rest))  # type: ignore[arg-type]
+    return FedPCL(config_from_kwargs(FedPCLConfig, kw))  # type: ignore[arg-type]
 
 
 from fedheads.algorithms import register_algorithm  # noqa: E402

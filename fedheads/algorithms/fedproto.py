@@ -25,7 +25,7 @@ import torch
 from embedcache.errors import UserError
 from fedheads.core import heads, ops
 from fedheads.core.heads import HeadSpec, Params
-from fedheads.core.optim import OptimizerConfig, OptState, opt_init
+from fedheads.core.optim import OptimizerConfig, OptState, config_from_kwargs, opt_initial
 from fedheads.core.protocol import Init, RoundCtx
 from fedheads.core.train import local_train
 from fedheads.data import DataSpec, FedData
@@ -88,17 +88,10 @@ class FedProto:
         self.spec = HeadSpec(spec.dim, self.cfg.hidden, spec.num_classes, True, self.cfg.normalize)
         M, C, d, dev = spec.num_clients, spec.num_classes, self.cfg.hidden, spec.device
         p, b = heads.init_head(self.spec, [seed * 100_003 + i for i in range(M)], dev)
-        cs = FedProtoClientState(p, b, self._opt0(p), torch.zeros(M, C, d, device=dev),
+        cs = FedProtoClientState(p, b, opt_initial(self.cfg.optimizer, p, self.cfg.reset_optimizer), torch.zeros(M, C, d, device=dev),
                                  torch.zeros(M, C, dtype=torch.bool, device=dev))
         ss = FedProtoServerState(torch.zeros(C, d, device=dev), torch.zeros(C, dtype=torch.bool, device=dev))
         return Init(cs, ss, FedProtoBroadcast(ss.global_protos, ss.global_present))
-
-    def _opt0(self, params: Params) -> OptState:
-        # with a per-round reset nothing needs to persist between rounds: keep only the counter
-        if self.cfg.reset_optimizer:
-            return OptState(torch.zeros(next(iter(params.values())).shape[0], dtype=torch.float64,
-                                        device=next(iter(params.values())).device))
-        return opt_init(self.cfg.optimizer, params)
 
     def client_update(self, cs: FedProtoClientState, bc: FedProtoBroadcast, data: FedData,
                       ctx: RoundCtx) -> tuple[FedProtoClientState, FedProtoMessage]:
@@ -146,10 +139,7 @@ class FedProto:
 
 
 def _factory(**kw: object) -> FedProto:
-    opt_keys = {"lr", "weight_decay"}
-    opt = {k: v for k, v in kw.items() if k in opt_keys}
-    rest = {k: v for k, v in kw.items() if k not in opt_keys}
-    return FedProto(FedProtoConfig(optimizer=OptimizerConfig(**opt), **rest))  # type: ignore[arg-type]
+    return FedProto(config_from_kwargs(FedProtoConfig, kw))  # type: ignore[arg-type]
 
 
 from fedheads.algorithms import register_algorithm  # noqa: E402

@@ -12,6 +12,7 @@ from typing import Callable
 
 import torch
 
+from fedheads.core.optim import config_from_kwargs  # noqa: F401  (re-exported for the baselines)
 from fedheads.core.batching import Schedule, make_schedule
 from fedheads.core.heads import Params
 from fedheads.core.protocol import RoundCtx
@@ -102,29 +103,3 @@ def where(active: torch.Tensor, new: Params, old: Params) -> Params:
     return {k: torch.where(active.view(-1, *([1] * (v.dim() - 1))), v, old[k]) for k, v in new.items()}
 
 
-_OPT_KEYS = {"lr": "lr", "weight_decay": "weight_decay", "momentum": "momentum", "optimizer_name": "name"}
-
-
-def config_from_kwargs(cfg_cls: type, kw: dict, opt_field: str = "optimizer") -> object:
-    """Build a config dataclass from flat registry kwargs: lr / weight_decay / momentum /
-    optimizer_name override fields of its OptimizerConfig (keeping the algorithm's defaults).
-    An unknown option raises TypeError, as a dataclass does: fedheads.runner turns it into
-    "does not apply to algorithm X" (train) or drops and records it (compare)."""
-    from fedheads.core.optim import OptimizerConfig
-
-    fields = {f.name: f for f in dataclasses.fields(cfg_cls)}
-    # a config's own field wins (pFedMe's `lr` is its eta, not an optimiser's)
-    opt_keys = {k: n for k, n in _OPT_KEYS.items() if k not in fields} if opt_field in fields else {}
-    rest = {k: v for k, v in kw.items() if k not in opt_keys}
-    unknown = sorted(set(rest) - set(fields))
-    if unknown:
-        raise TypeError(f"{', '.join(unknown)}: unknown option(s) for {cfg_cls.__name__} "
-                        f"(known: {', '.join(sorted(set(fields) | set(opt_keys)))})")
-    over = {opt_keys[k]: v for k, v in kw.items() if k in opt_keys}
-    if over:
-        base = rest.get(opt_field)
-        if base is None:
-            f = fields[opt_field]
-            base = f.default_factory() if f.default_factory is not dataclasses.MISSING else OptimizerConfig()  # type: ignore[misc]
-        rest[opt_field] = dataclasses.replace(base, **over)
-    return cfg_cls(**rest)

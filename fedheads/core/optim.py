@@ -7,6 +7,7 @@ gradient, bias-corrected Adam; checked against torch for M=1 in tests/test_core_
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
@@ -49,6 +50,15 @@ def opt_init(cfg: OptimizerConfig, params: Params) -> OptState:
     m = {k: torch.zeros_like(p) for k, p in params.items()} if (cfg.name == "adam" or cfg.momentum) else {}
     v = {k: torch.zeros_like(p) for k, p in params.items()} if cfg.name == "adam" else {}
     return OptState(step=step, m=m, v=v)
+
+
+def opt_initial(cfg: OptimizerConfig, params: Params, reset_every_round: bool) -> OptState:
+    """The client optimiser state an algorithm starts with: with a per-round reset nothing needs
+    to persist between rounds, so only the step counter is kept (moments are made per round)."""
+    if reset_every_round:
+        any_p = next(iter(params.values()))
+        return OptState(torch.zeros(any_p.shape[0], dtype=torch.float64, device=any_p.device))
+    return opt_init(cfg, params)
 
 
 def _bcast(a: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
@@ -153,3 +163,29 @@ def opt_step(cfg: OptimizerConfig, params: Params, grads: Params, state: OptStat
         if v is not None:
             new_v[k] = v
     return new_p, OptState(step=step, m=new_m, v=new_v)
+
+
+_OPT_KEYS = {"lr": "lr", "weight_decay": "weight_decay", "momentum": "momentum", "optimizer_name": "name"}
+
+
+def config_from_kwargs(cfg_cls: type, kw: dict, opt_field: str = "optimizer") -> object:
+    """Build a config dataclass from flat registry kwargs: lr / weight_decay / momentum /
+    optimizer_name override fields of its OptimizerConfig (keeping the algorithm's defaults).
+    An unknown option raises TypeError, as a dataclass does: fedheads.runner turns it into
+    "does not apply to algorithm X" (train) or drops and records it (compare)."""
+    fields = {f.name: f for f in dataclasses.fields(cfg_cls)}
+    # a config's own field wins (pFedMe's `lr` is its eta, not an optimiser's)
+    opt_keys = {k: n for k, n in _OPT_KEYS.items() if k not in fields} if opt_field in fields else {}
+    rest = {k: v for k, v in kw.items() if k not in opt_keys}
+    unknown = sorted(set(rest) - set(fields))
+    if unknown:
+        raise TypeError(f"{', '.join(unknown)}: unknown option(s) for {cfg_cls.__name__} "
+                        f"(known: {', '.join(sorted(set(fields) | set(opt_keys)))})")
+    over = {opt_keys[k]: v for k, v in kw.items() if k in opt_keys}
+    if over:
+        base = rest.get(opt_field)
+        if base is None:
+            f = fields[opt_field]
+            base = f.default_factory() if f.default_factory is not dataclasses.MISSING else OptimizerConfig()  # type: ignore[misc]
+        rest[opt_field] = dataclasses.replace(base, **over)
+    return cfg_cls(**rest)
