@@ -269,10 +269,17 @@ def prepare_shard(store: str | Path, spec: ShardSpec) -> bool:
             bgroup.attrs.update(battrs)
         cgroup = bgroup.require_group(spec.client)
         if cgroup.attrs.get("domain") != spec.domain:
+            _drop_consolidated(store)
             cgroup.attrs["domain"] = spec.domain
         if spec.split in cgroup:
             shard = cgroup[spec.split]
             if isinstance(shard, zarr.Group) and _matches(shard, spec):
+                # a cache hit under a new manifest: the features stand, the provenance moves on
+                # (neither attribute is in the cache key or the chunk digests)
+                fresh = {"domain": spec.domain, "manifest_hash": spec.manifest_hash}
+                if any(shard.attrs.get(k) != v for k, v in fresh.items()):
+                    _drop_consolidated(store)
+                    shard.attrs.update(fresh)
                 return bool(shard.attrs.get("complete", False))
         _drop_consolidated(store)
         shutil.rmtree(client_dir / spec.split, ignore_errors=True)

@@ -203,3 +203,14 @@ def test_clients_a_later_manifest_dropped_are_not_served(images, tmp_path):
     assert open_store(tmp_path / "s").clients == ("c-a",)
     # still on disk, and still readable when asked for by name
     assert list(load_split(tmp_path / "s", "tiny", "train", clients=["c-b"])) == ["c-b"]
+
+
+def test_cache_hit_under_a_new_manifest_updates_provenance(images, tmp_path):
+    m = d.make_manifest(images)
+    _run(images, tmp_path / "s", manifest=m)
+    c0 = m.clients[0]
+    moved = replace(m, clients=(replace(c0, domain="renamed"),) + m.clients[1:])
+    rep = _run(images, tmp_path / "s", manifest=moved, source=d.FolderSource(str(images), fail=True))
+    assert rep.rows_computed == 0
+    assert load_split(tmp_path / "s", "tiny", "train")["c-a"].domain == "renamed"
+    assert verify_store(tmp_path / "s") == []
