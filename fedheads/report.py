@@ -165,6 +165,11 @@ def comparison_markdown(results: Sequence[Mapping[str, Any]], title: str = "",
     fair = [[r["algorithm"]] + [metrics.format_mean_std(r["fairness"][k],
                                                          r.get("fairness_std", {}).get(k, 0.0))
                                 for k in metrics.FAIRNESS_KEYS] for r in results]
+    short = [f"{r['algorithm']} trains {r['training_rounds']} of them" for r in results
+             if r.get("training_rounds") is not None and r["training_rounds"] < r["rounds"]]
+    if short:
+        out += ["", f"Rounds: {results[0]['rounds']} communication rounds; " + "; ".join(short)
+                + " (its first round only collects statistics)."]
     out += ["", "Fairness across clients (FedPCL Tables 12-13; Variance = std in pp):", "",
             _table(["Method", "Average", "Worst 10%", "Worst 20%", "Worst 40%", "Best 10%",
                     "Variance"], fair)]

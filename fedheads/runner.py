@@ -247,7 +247,8 @@ def train_run(store: str, backbones: Sequence[str], algorithm: str, opts: TrainO
         save_state(out / "state" / f"seed{seed}.pt", RunResult(res.algorithm, res.engine,
                    client_state=to_device(res.client_state, "cpu"),
                    server_state=to_device(res.server_state, "cpu")))
-    extra = {"clients": list(data.client_names), "domains": list(data.domains),
+    extra = {"training_rounds": opts.rounds - int(getattr(alg, "collect_rounds", 0)),
+             "clients": list(data.client_names), "domains": list(data.domains),
              "num_classes": data.num_classes, "feature_dim": data.dim, "engine": opts.engine,
              "fraction": opts.fraction,
              "other_rules": {k: {"mean": float(torch.tensor(v).mean()), "values": v}

@@ -157,6 +157,7 @@ def test_compare_writes_table_and_results(store, tmp_path):
         assert RESULT_KEYS <= one.keys(), name
     md = (out / "summary.md").read_text()
     assert "| Method |" in md and "fedncm" in md
+    assert res["algorithms"]["fedpcl"]["training_rounds"] == 1 and "fedpcl trains 1 of them" in md
     # --lr does not apply to FedNCM: recorded, not silently used
     assert "lr" in json.loads((out / "fedncm" / "config.json").read_text())["ignored_options"]
     for f in ("accuracy_per_round.png", "per_client.png"):

@@ -182,6 +182,7 @@ class FedPCL:
     """Federated Prototype-wise Contrastive Learning (paper or authors'-code variant)."""
 
     name = "fedpcl"
+    collect_rounds = 1  # round 0 only uploads prototypes (Algorithm 1 line 1): R rounds train R-1
 
     def __init__(self, cfg: FedPCLConfig = FedPCLConfig()) -> None:
         self.cfg = cfg

@@ -135,6 +135,7 @@ class HeadTuning:
         if name is not None:
             self.name = name
         self.n_hidden = len(cfg.hidden)
+        self.collect_rounds = 1 if cfg.init == "fedncm" else 0  # round 0 = the FedNCM statistics round
         self.seed = 0  # run seed, set by init (draws the FedNCM layer's random bias if asked)
 
     def init(self, spec: DataSpec, seed: int) -> Init:
