@@ -17,6 +17,7 @@ import hashlib
 import importlib
 import queue
 import random
+import shutil
 import threading
 import time
 from collections import deque
@@ -286,11 +287,19 @@ def extract(manifest: Any, cfg: ExtractConfig, *, source: Any = None,
     import_plugins(cfg.plugins)
     manifest = _load_manifest(manifest)
     device = resolve_device(cfg.device)
+    fresh = not (Path(cfg.store) / "zarr.json").exists()
     st.init_store(cfg.store, manifest.classes, manifest.content_hash, [c.name for c in manifest.clients])
     t0 = time.perf_counter()
-    with contextlib.ExitStack() as stack:
-        client = _LazyClient(cfg.scheduler, stack)
-        report = _extract_all(manifest, cfg, source, backbone_factory, device, client)
+    try:
+        with contextlib.ExitStack() as stack:
+            client = _LazyClient(cfg.scheduler, stack)
+            report = _extract_all(manifest, cfg, source, backbone_factory, device, client)
+    except BaseException:
+        # a store this run created and never got a shard into (unknown backbone, missing
+        # weights...) is removed rather than left behind as an empty "store"
+        if fresh and not any(p.is_dir() for p in Path(cfg.store).iterdir()):
+            shutil.rmtree(cfg.store, ignore_errors=True)
+        raise
     if report.changed or not st.has_consolidated(cfg.store):
         st.consolidate(cfg.store)
     report.seconds = time.perf_counter() - t0

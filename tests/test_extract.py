@@ -123,6 +123,9 @@ def test_bad_input_is_one_line_and_nothing_complete(images, tmp_path, what):
         _run(images, tmp_path / "s", manifest=m, source=src)
     msg = str(exc.value)
     assert item in msg and "\n" not in msg
+    if what == "label":  # caught while planning, before any shard: the new store is removed
+        assert not (tmp_path / "s").exists()
+        return
     info = open_store(tmp_path / "s")
     assert not any(s.complete for s in info.shards if s.client == "c-a" and s.split == "train")
     assert verify_store(tmp_path / "s") != []
@@ -214,3 +217,13 @@ def test_cache_hit_under_a_new_manifest_updates_provenance(images, tmp_path):
     assert rep.rows_computed == 0
     assert load_split(tmp_path / "s", "tiny", "train")["c-a"].domain == "renamed"
     assert verify_store(tmp_path / "s") == []
+
+
+def test_a_store_that_never_got_a_shard_is_not_left_behind(images, tmp_path):
+    def unknown(name, weights_dir, device):
+        raise UserError(f"{name}: unknown backbone")
+
+    with pytest.raises(UserError, match="unknown backbone"):
+        extract(d.make_manifest(images), _cfg(tmp_path / "s"), source=d.FolderSource(str(images)),
+                backbone_factory=unknown)
+    assert not (tmp_path / "s").exists()
