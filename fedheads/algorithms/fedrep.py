@@ -33,8 +33,8 @@ from dataclasses import dataclass, field
 import torch
 
 from embedcache.errors import UserError
-from fedheads.algorithms.pfl_common import (DeltaMessage, GlobalModel, config_from_kwargs, delta_message, expand,
-                                            mean_delta, salted)
+from fedheads.algorithms.pfl_common import (DeltaMessage, GlobalModel, apply_mean_delta, config_from_kwargs, delta_message, expand,
+                                            salted)
 from fedheads.core import heads, ops
 from fedheads.core.heads import HeadSpec, Params
 from fedheads.core.optim import OptimizerConfig
@@ -118,10 +118,8 @@ class FedRep:
 
     def server_aggregate(self, ss: GlobalModel, msg: DeltaMessage,
                          ctx: RoundCtx) -> tuple[GlobalModel, GlobalModel]:
-        d, db = mean_delta(msg)
-        rep = {k: ss.params[k] + d[k] for k in ss.params}
-        buf = {k: ss.buffers[k] + db[k] for k in ss.buffers}
-        return GlobalModel(rep, buf), GlobalModel(rep, buf)
+        new = apply_mean_delta(ss, msg)
+        return new, new
 
     def predict(self, cs: FedRepClientState, ss: GlobalModel, x: torch.Tensor,
                 mask: torch.Tensor) -> dict[str, torch.Tensor]:

@@ -33,8 +33,8 @@ from dataclasses import dataclass, field
 import torch
 
 from embedcache.errors import UserError
-from fedheads.algorithms.pfl_common import (DeltaMessage, GlobalModel, batch, config_from_kwargs, delta_message, expand,
-                                            grads, mean_delta, salted, schedule, where)
+from fedheads.algorithms.pfl_common import (DeltaMessage, GlobalModel, apply_mean_delta, personal_and_global_scores, batch, config_from_kwargs, delta_message, expand,
+                                            grads, salted, schedule, where)
 from fedheads.core import heads, ops
 from fedheads.core.heads import HeadSpec, Params
 from fedheads.core.optim import OptimizerConfig, opt_init, opt_step
@@ -120,19 +120,13 @@ class PerFedAvg:
 
     def server_aggregate(self, ss: GlobalModel, msg: DeltaMessage,
                          ctx: RoundCtx) -> tuple[GlobalModel, GlobalModel]:
-        d, db = mean_delta(msg)
-        p = {k: ss.params[k] + d[k] for k in ss.params}
-        b = {k: ss.buffers[k] + db[k] for k in ss.buffers}
-        return GlobalModel(p, b), GlobalModel(p, b)
+        new = apply_mean_delta(ss, msg)
+        return new, new
 
     def predict(self, cs: PerFedAvgClientState, ss: GlobalModel, x: torch.Tensor,
                 mask: torch.Tensor) -> dict[str, torch.Tensor]:
         assert self.spec is not None
-        M = x.shape[0]
-        gp, gb = expand(ss.params, M), expand(ss.buffers, M)
-        zp, _ = heads.embed(self.spec, cs.personal, cs.buffers, x, mask, train=False)
-        zg, _ = heads.embed(self.spec, gp, gb, x, mask, train=False)
-        return {"main": heads.classify(cs.personal, zp), "global_model": heads.classify(gp, zg)}
+        return personal_and_global_scores(self.spec, cs.personal, cs.buffers, ss, x, mask)
 
     def trainable_params(self, cs: PerFedAvgClientState) -> int:
         return heads.count_params(cs.personal)

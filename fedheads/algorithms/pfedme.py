@@ -33,8 +33,8 @@ from dataclasses import dataclass
 import torch
 
 from embedcache.errors import UserError
-from fedheads.algorithms.pfl_common import (DeltaMessage, GlobalModel, batch, config_from_kwargs, delta_message, expand,
-                                            grads, mean_delta, schedule, where)
+from fedheads.algorithms.pfl_common import (DeltaMessage, GlobalModel, apply_mean_delta, personal_and_global_scores, batch, config_from_kwargs, delta_message, expand,
+                                            grads, schedule, where)
 from fedheads.core import heads, ops
 from fedheads.core.heads import HeadSpec, Params
 from fedheads.core.protocol import Init, RoundCtx
@@ -111,19 +111,13 @@ class PFedMe:
 
     def server_aggregate(self, ss: GlobalModel, msg: DeltaMessage,
                          ctx: RoundCtx) -> tuple[GlobalModel, GlobalModel]:
-        d, db = mean_delta(msg)
-        p = {k: ss.params[k] + self.cfg.beta * d[k] for k in ss.params}
-        b = {k: ss.buffers[k] + db[k] for k in ss.buffers}
-        return GlobalModel(p, b), GlobalModel(p, b)
+        new = apply_mean_delta(ss, msg, self.cfg.beta)  # Alg. 1 line 11: w <- (1-beta) w + beta mean(w_i)
+        return new, new
 
     def predict(self, cs: PFedMeClientState, ss: GlobalModel, x: torch.Tensor,
                 mask: torch.Tensor) -> dict[str, torch.Tensor]:
         assert self.spec is not None
-        M = x.shape[0]
-        zp, _ = heads.embed(self.spec, cs.theta, cs.buffers, x, mask, train=False)
-        gp, gb = expand(ss.params, M), expand(ss.buffers, M)
-        zg, _ = heads.embed(self.spec, gp, gb, x, mask, train=False)
-        return {"main": heads.classify(cs.theta, zp), "global_model": heads.classify(gp, zg)}
+        return personal_and_global_scores(self.spec, cs.theta, cs.buffers, ss, x, mask)
 
     def trainable_params(self, cs: PFedMeClientState) -> int:
         return heads.count_params(cs.theta)

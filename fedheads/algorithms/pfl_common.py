@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
 from fedheads.core.optim import config_from_kwargs  # noqa: F401  (re-exported for the baselines)
 from fedheads.core.batching import Schedule, make_schedule
+from fedheads.core import heads
 from fedheads.core.heads import Params
 from fedheads.core.protocol import RoundCtx
 from fedheads.core.train import gather_rows
@@ -59,6 +60,24 @@ def mean_delta(msg: DeltaMessage) -> tuple[Params, Params]:
     """(Delta params, Delta buffers): n_i-weighted means of the clients' deltas."""
     return ({k: weighted_mean(v, msg.weight) for k, v in msg.delta.items()},
             {k: weighted_mean(v, msg.weight) for k, v in msg.buffer_delta.items()})
+
+
+def apply_mean_delta(ss: GlobalModel, msg: DeltaMessage, step: float = 1.0) -> GlobalModel:
+    """The server step of FedAvg-style baselines: w + step * (n_i-weighted mean delta); BN
+    running statistics move by their plain weighted mean delta (pFedMe's beta is `step`)."""
+    d, db = mean_delta(msg)
+    return GlobalModel({k: ss.params[k] + step * d[k] for k in ss.params},
+                       {k: ss.buffers[k] + db[k] for k in ss.buffers})
+
+
+def personal_and_global_scores(spec: Any, personal: Params, buffers: Params, ss: GlobalModel,
+                               x: torch.Tensor, mask: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Scores of each client's personalised model ("main") and of the global model."""
+    M = x.shape[0]
+    gp, gb = expand(ss.params, M), expand(ss.buffers, M)
+    zp, _ = heads.embed(spec, personal, buffers, x, mask, train=False)
+    zg, _ = heads.embed(spec, gp, gb, x, mask, train=False)
+    return {"main": heads.classify(personal, zp), "global_model": heads.classify(gp, zg)}
 
 
 def delta_message(new_p: Params, start_p: Params, new_b: Params, start_b: Params, data: FedData) -> DeltaMessage:
