@@ -1,4 +1,5 @@
-"""The papers' baselines (fedrep, pfedme, perfedavg, solo, lp, mlp): engine equivalence, one local
+"""The papers' baselines (fedrep, pfedme, perfedavg, solo, lp, mlp; their engine equivalence is in
+tests/test_engine_equivalence.py with every other algorithm): one local
 round checked against an independent torch.nn.functional reference, the server rules by hand,
 FedNCM initialisation against numpy class means, measured communication, and the registry."""
 
@@ -28,34 +29,6 @@ from fedheads.data import FedData
 from fed_tiny import tiny_fed
 
 SGD = lambda lr: OptimizerConfig("sgd", lr=lr, weight_decay=0.0)  # noqa: E731
-
-ALGOS = {
-    "solo": lambda: Solo(SoloConfig(hidden=8, batch_size=4)),
-    "fedrep": lambda: FedRep(FedRepConfig(hidden=8, batch_size=4, head_epochs=2)),
-    "pfedme": lambda: PFedMe(PFedMeConfig(hidden=8, batch_size=5, K=2, lr=0.05)),
-    "perfedavg": lambda: PerFedAvg(PerFedAvgConfig(hidden=8, batch_size=4, alpha=0.05)),
-    "lp": lambda: HeadTuning(LPConfig(batch_size=4, optimizer=SGD(0.1))),
-    "lp-fedprox-ncm": lambda: HeadTuning(LPConfig(batch_size=4, init="fedncm", server_opt="fedprox", prox_mu=0.1)),
-    "lp-fedadam": lambda: HeadTuning(LPConfig(batch_size=4, server_opt="fedadam", server_lr=0.01, optimizer=SGD(0.1))),
-    "mlp-ncm-adam": lambda: MLP(MLPConfig(hidden=(8, 8), batch_size=4, init="fedncm", server_opt="fedadam")),
-}
-
-
-@pytest.mark.parametrize("fraction", [1.0, 0.5])
-@pytest.mark.parametrize("name", sorted(ALGOS))
-def test_vectorized_equals_loop(name: str, fraction: float) -> None:
-    data = tiny_fed()
-    a = run(ALGOS[name](), data, rounds=2, seed=3, fraction=fraction, engine="vectorized", progress=False)
-    b = run(ALGOS[name](), data, rounds=2, seed=3, fraction=fraction, engine="loop", progress=False)
-    for ra, rb in zip(a.history, b.history):
-        assert ra.participants == rb.participants and ra.comm == rb.comm
-        for k in ra.accuracy:
-            torch.testing.assert_close(ra.accuracy[k], rb.accuracy[k], equal_nan=True)
-    for sa, sb in ((a.client_state, b.client_state), (a.server_state, b.server_state)):
-        for ta, tb in zip(tree_leaves(sa), tree_leaves(sb)):
-            torch.testing.assert_close(ta, tb, atol=5e-5, rtol=1e-3)
-    assert a.trainable_params_per_client == b.trainable_params_per_client > 0
-
 
 # ---- an independent reference of the FedPCL Table 7 head (torch.nn.functional, one client) ----
 

@@ -7,39 +7,41 @@ import pytest
 import torch
 
 from fedheads.algorithms.fedavg import FedAvg, FedAvgConfig
+from fedheads.algorithms.fedpcl import FedPCL, FedPCLConfig
+from fedheads.algorithms.fedproto import FedProto, FedProtoConfig
+from fedheads.algorithms.fedrep import FedRep, FedRepConfig
+from fedheads.algorithms.lp import HeadTuning, LPConfig
+from fedheads.algorithms.mlp import MLP, MLPConfig
+from fedheads.algorithms.perfedavg import PerFedAvg, PerFedAvgConfig
+from fedheads.algorithms.pfedme import PFedMe, PFedMeConfig
+from fedheads.algorithms.solo import Solo, SoloConfig
 from fedheads.core import OptimizerConfig, run, select_participants
 from fedheads.core.tree import tree_leaves
 from fed_tiny import tiny_fed
 
 
+SGD = lambda lr: OptimizerConfig("sgd", lr=lr, weight_decay=0.0)  # noqa: E731
+
+# every trained algorithm in tiny configurations that exercise its options (FedNCM, which trains
+# nothing, is checked exactly in tests/test_fedncm.py)
 ALGOS = {
     "fedavg": lambda: FedAvg(FedAvgConfig(hidden=8, batch_size=4, local_epochs=2)),
     "fedprox-sgd": lambda: FedAvg(FedAvgConfig(hidden=8, batch_size=5, proximal_mu=0.1,
                                                optimizer=OptimizerConfig("sgd", lr=0.05, momentum=0.5))),
     "fedavg-linear": lambda: FedAvg(FedAvgConfig(hidden=0, batch_size=4)),
+    "fedpcl": lambda: FedPCL(FedPCLConfig(hidden=8, batch_size=4)),
+    "fedpcl-code": lambda: FedPCL(FedPCLConfig(hidden=8, batch_size=4, variant="code")),
+    "fedpcl-noise": lambda: FedPCL(FedPCLConfig(hidden=8, batch_size=4, noise="laplace", noise_scale=0.05, noise_p=0.1)),
+    "fedproto": lambda: FedProto(FedProtoConfig(hidden=8, batch_size=4)),
+    "solo": lambda: Solo(SoloConfig(hidden=8, batch_size=4)),
+    "fedrep": lambda: FedRep(FedRepConfig(hidden=8, batch_size=4, head_epochs=2)),
+    "pfedme": lambda: PFedMe(PFedMeConfig(hidden=8, batch_size=5, K=2, lr=0.05)),
+    "perfedavg": lambda: PerFedAvg(PerFedAvgConfig(hidden=8, batch_size=4, alpha=0.05)),
+    "lp": lambda: HeadTuning(LPConfig(batch_size=4, optimizer=SGD(0.1))),
+    "lp-fedprox-ncm": lambda: HeadTuning(LPConfig(batch_size=4, init="fedncm", server_opt="fedprox", prox_mu=0.1)),
+    "lp-fedadam": lambda: HeadTuning(LPConfig(batch_size=4, server_opt="fedadam", server_lr=0.01, optimizer=SGD(0.1))),
+    "mlp-ncm-adam": lambda: MLP(MLPConfig(hidden=(8, 8), batch_size=4, init="fedncm", server_opt="fedadam")),
 }
-
-
-def _extra_algos() -> dict:
-    out = {}
-    try:
-        from fedheads.algorithms.fedpcl import FedPCL, FedPCLConfig
-
-        out["fedpcl"] = lambda: FedPCL(FedPCLConfig(hidden=8, batch_size=4))
-        out["fedpcl-code"] = lambda: FedPCL(FedPCLConfig(hidden=8, batch_size=4, variant="code"))
-        out["fedpcl-noise"] = lambda: FedPCL(FedPCLConfig(hidden=8, batch_size=4, noise="laplace", noise_scale=0.05, noise_p=0.1))
-    except ImportError:
-        pass
-    try:
-        from fedheads.algorithms.fedproto import FedProto, FedProtoConfig
-
-        out["fedproto"] = lambda: FedProto(FedProtoConfig(hidden=8, batch_size=4))
-    except ImportError:
-        pass
-    return out
-
-
-ALGOS.update(_extra_algos())
 
 
 @pytest.mark.parametrize("fraction", [1.0, 0.5])
