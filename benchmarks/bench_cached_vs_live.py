@@ -43,6 +43,7 @@ if str(REPO / "benchmarks") not in sys.path:
 
 from embedcache.errors import UserError  # noqa: E402
 from live_fedpcl import LiveConfig, LiveResult, run_live  # noqa: E402
+from machine_info import cpu_model  # sibling module (benchmarks/ is on sys.path)
 
 OUT = REPO / "benchmarks" / "results" / "cached_vs_live.json"
 SOURCE = f"imagefolder:{(REPO.parent / 'shared' / 'data' / 'office_caltech10')}"
@@ -194,15 +195,7 @@ def summarise(cached: dict[str, Any], live: dict[str, Any]) -> dict[str, Any]:
 
 
 def environment(threads: int) -> dict[str, Any]:
-    model = ""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return {"cpu_count": os.cpu_count(), "cpu_model": model or platform.processor(), "torch": torch.__version__,
+    return {"cpu_count": os.cpu_count(), "cpu_model": cpu_model(), "torch": torch.__version__,
             "torch_threads": threads, "python": platform.python_version(), "device": "cpu",
             "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
             "load_average_1_5_15": list(os.getloadavg())}

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import platform
 import time
 from pathlib import Path
 
@@ -24,6 +23,7 @@ from fedheads.algorithms.fedavg import FedAvg, FedAvgConfig
 from fedheads.algorithms.fedpcl import FedPCL, FedPCLConfig
 from fedheads.core import run
 from fedheads.data import FedData, resolve_device
+from machine_info import cpu_model  # sibling module (benchmarks/ is on sys.path)
 
 OUT = Path(__file__).resolve().parent / "results" / "engine.json"
 
@@ -66,16 +66,6 @@ def time_both(make_alg, data: FedData, rounds: int, repeats: int, seed: int = 0)
     out["dim"] = data.dim
     out["train_samples"] = int(sum(data.n_train))
     return out
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 @click.command()

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from bench_engine import cpu_model  # sibling script (benchmarks/ is on sys.path)
+from machine_info import cpu_model  # sibling module (benchmarks/ is on sys.path)
 
 from embedcache.backbones import create_backbone
 from embedcache.extract import ExtractConfig, batch_bounds, decode_sample, extract, forward

@@ -39,20 +39,13 @@ from fedheads.core import engine
 from fedheads.core.protocol import RoundCtx
 from fedheads.core.tree import tree_cat
 from fedheads.data import FedData, load_fed_data
+from machine_info import cpu_model  # sibling module (benchmarks/ is on sys.path)
 
 HERE = Path(__file__).resolve().parent
 
 
 def machine() -> dict:
-    model = ""
-    try:
-        for line in open("/proc/cpuinfo", encoding="utf-8"):
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return {"cpu_count": os.cpu_count(), "cpu_model": model or platform.processor(),
+    return {"cpu_count": os.cpu_count(), "cpu_model": cpu_model(),
             "affinity_cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
             "torch_threads": torch.get_num_threads(), "python": sys.version.split()[0],
             "torch": torch.__version__, "platform": platform.platform()}
