@@ -172,3 +172,20 @@ def test_feature_shift_by_fraction(folder):
     with pytest.raises(UserError, match="--train-per-class and --train-fraction"):
         partition(src, Recipe("feature-shift", train_fraction=0.8, train_per_class=3), seed=0)
     assert partition(src, Recipe("feature-shift"), seed=0).recipe["train_fraction"] is None
+
+
+def test_committed_feddra_manifest_is_reproduced(shared, monkeypatch, tmp_path):
+    """The example under data_manifests/ comes out byte for byte from its documented command:
+    a caption generator change that alters any caption must bump CAPTION_VERSION (and the examples)."""
+    repo = Path(__file__).resolve().parents[1]
+    if shared.resolve() != (repo.parent / "shared").resolve():
+        pytest.skip("the example's source path is ../shared relative to the repository")
+    monkeypatch.chdir(repo)
+    want = repo / "data_manifests" / "office10-feddra-5clients-seed0.json"
+    res = CliRunner().invoke(main, ["partition", "captioned:imagefolder:../shared/data/office_caltech10", "--preset",
+                                    "feddra", "--seed", "0", "--fingerprint", "sha256", "--out", str(tmp_path / "m.json")])
+    assert res.exit_code == 0, res.output
+    assert (tmp_path / "m.json").read_bytes() == want.read_bytes()
+    m = load_manifest(want)
+    assert m.paired and m.recipe["captions"] == f"generated/{CAPTION_VERSION}"
+    assert sorted(len(c.train) + len(c.test) for c in m.clients) == [317, 395, 407, 465, 497]

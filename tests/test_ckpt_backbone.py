@@ -22,10 +22,11 @@ from embedcache.errors import UserError
 from embedcache.extract import ExtractConfig, extract
 from embedcache.manifest import save_manifest
 from embedcache.reader import load_split
-from fedheads.live.finetune import FTConfig
 from fedheads.live.model import LiveNet, Trainable
 from fedheads.live.runner import FinetuneOptions, finetune_run
 from store_doubles import make_imagefolder, make_manifest
+from test_live_finetune import _opts as live_opts
+from test_live_finetune import setup  # noqa: F401  (the fine-tuning tests' images, manifest and store)
 
 
 def _resnet8(weights_dir=None, device: str = "cpu") -> TorchBackbone:
@@ -139,22 +140,8 @@ def test_listed_and_refused_by_the_cli(tmp_path):
 
 
 # ------------------------------------------------------------------ export by fedheads finetune
-@pytest.fixture(scope="module")
-def ft_setup(tmp_path_factory):
-    root = tmp_path_factory.mktemp("ckpt_ft")
-    make_imagefolder(root / "img", domains=("a", "b"), classes=("cat", "dog"), per_class=6, size=10)
-    m = make_manifest(root / "img", test_every=3)
-    save_manifest(m, root / "manifest.json")
-    extract(m, ExtractConfig(backbones=("tiny-staged", "tiny-staged@stem"), store=str(root / "s.zarr"),
-                             batch_size=64, progress=False))
-    return root, m
-
-
 def _opts(**kw) -> FinetuneOptions:
-    base = dict(rounds=1, ft=FTConfig(lr=0.05, batch_size=4), num_workers=0, progress=False, device="cpu",
-                heads=("random",))
-    base.update(kw)
-    return FinetuneOptions(**base)
+    return live_opts(**{"rounds": 1, "heads": ("random",), **kw})
 
 
 def _finetuned(out: Path, trainable: str, num_classes: int) -> torch.nn.Module:
@@ -166,8 +153,8 @@ def _finetuned(out: Path, trainable: str, num_classes: int) -> torch.nn.Module:
 
 
 @pytest.mark.parametrize("trainable", ["all", "after:stem"])
-def test_finetune_exports_a_backbone_that_extract_caches(ft_setup, tmp_path, trainable):
-    root, m = ft_setup
+def test_finetune_exports_a_backbone_that_extract_caches(setup, tmp_path, trainable):
+    root, m = setup
     out = tmp_path / "run"
     finetune_run(root / "manifest.json", str(root / "s.zarr"), "tiny-staged", out, _opts(trainable=trainable))
     path = out / "state" / "seed0.backbone.pt"
@@ -199,16 +186,12 @@ def test_finetune_exports_a_backbone_that_extract_caches(ft_setup, tmp_path, tra
             np.testing.assert_allclose(got[c.name].features, ref, rtol=1e-6, atol=1e-6)
 
 
-def test_export_is_the_same_after_a_resume_and_absent_for_head_only(ft_setup, tmp_path):
-    root, _ = ft_setup
-    args = (root / "manifest.json", str(root / "s.zarr"), "tiny-staged")
-    finetune_run(*args, tmp_path / "straight", _opts(rounds=2))
-    finetune_run(*args, tmp_path / "split", _opts(rounds=1))
-    finetune_run(*args, tmp_path / "split", _opts(rounds=2, resume=True))
-    a, b = (tmp_path / d / "state" / "seed0.backbone.pt" for d in ("straight", "split"))
-    assert a.read_bytes() == b.read_bytes()
-    finetune_run(*args, tmp_path / "head", _opts(trainable="head", heads=("fedncm",)))
-    assert not (tmp_path / "head" / "state" / "seed0.backbone.pt").exists()
+def test_no_export_when_only_the_head_trains(setup, tmp_path):
+    root, _ = setup
+    out = tmp_path / "head"
+    finetune_run(root / "manifest.json", str(root / "s.zarr"), "tiny-staged", out,
+                 _opts(trainable="head", heads=("fedncm",)))
+    assert (out / "state" / "seed0.ckpt.pt").is_file() and not (out / "state" / "seed0.backbone.pt").exists()
 
 
 def test_real_resnet20_checkpoint_round_trip(cifar_weights, tmp_path):
