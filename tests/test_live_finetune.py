@@ -111,6 +111,8 @@ def test_resume_continues_to_the_same_weights(setup, tmp_path):
     finetune_run(*args, tmp_path / "split", _opts(rounds=3, resume=True))
     a, b = _final_state(tmp_path / "straight"), _final_state(tmp_path / "split")
     assert live_doubles.digest(a) == live_doubles.digest(b)
+    exported = [(tmp_path / d / "state" / "seed0.backbone.pt").read_bytes() for d in ("straight", "split")]
+    assert exported[0] == exported[1]  # the ckpt: export depends on the weights only (same cache key)
     r1 = json.loads((tmp_path / "split" / "results.json").read_text())
     assert r1["timing"]["per_seed"][0]["resumed_from_round"] == 1
 
