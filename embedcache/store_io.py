@@ -143,6 +143,32 @@ def verify_store(path: str | Path) -> list[str]:
     return probs
 
 
+def verify_against_manifest(path: str | Path, manifest: object) -> list[str]:
+    """Problems between the store and `manifest`: images changed since the manifest was written
+    (their fingerprints, contract 2), and shards whose samples are not the manifest's (every
+    backbone of the store, every client and split of the manifest)."""
+    from embedcache.reader import shard_attributes
+    from embedcache.sources.drift import EXAMPLES, find_changes
+
+    info = open_store(path)
+    probs = []
+    changes = find_changes(manifest)  # type: ignore[arg-type]
+    if changes:
+        kind = manifest.fingerprint_kind  # type: ignore[attr-defined]
+        shown = ", ".join(c.describe(kind) for c in changes[:EXAMPLES])
+        probs.append(f"{len(changes)} image(s) changed since the manifest was written (e.g. {shown}); the "
+                     "features of this store no longer describe them: re-run partition, then extract")
+    for b in info.backbones:
+        for c in manifest.clients:  # type: ignore[attr-defined]
+            for split in st.SPLITS:
+                sh = info.shard(b, c.name, split)
+                if sh is None:
+                    probs.append(f"{b}/{c.name}/{split}: no shard for this manifest's client")
+                elif shard_attributes(info, sh).get("sample_list_hash") != manifest.sample_list_hash(c.name, split):  # type: ignore[attr-defined]
+                    probs.append(f"{sh.path}: holds other samples than the manifest's {c.name}/{split}")
+    return probs
+
+
 def repair_consolidated(path: str | Path) -> str | None:
     """Rewrite the consolidated metadata from the hierarchy when it is missing or does not
     match the files (data is never touched). Returns what was wrong, None when nothing was."""

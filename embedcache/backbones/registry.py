@@ -1,8 +1,9 @@
 """One registry of backbone factories (the timm pattern: ``register_model`` / ``create_model``).
 
 Fixed names (``resnet20-cifar10``, ``resnet18-quickdraw``, ``digitnet-builtin``...) are
-registered by the source modules; two open families are resolved by prefix:
-``timm:<model>`` (any timm model) and ``tv:<model>`` (any torchvision classification model).
+registered by the source modules; three open families are resolved by prefix:
+``timm:<model>`` (any timm model), ``tv:<model>`` (any torchvision classification model) and
+``ckpt:<path>`` (a fine-tuned checkpoint of any of them, written by fedheads; contract 3d).
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ class _Entry:
 
 
 _REGISTRY: dict[str, _Entry] = {}
-_FAMILIES = ("timm:", "tv:")
+_FAMILIES = ("timm:", "tv:", "ckpt:")
 
 
 def register_backbone(name: str, factory: Factory, *, description: str, probe: Probe | None = None,
@@ -88,6 +89,10 @@ def create_backbone(name: str, *, weights_dir: str | os.PathLike | None = None, 
         from embedcache.backbones.timm_tv import create_timm
 
         return create_timm(name[len("timm:"):], wd, device)
+    if name.startswith("ckpt:"):
+        from embedcache.backbones.ckpt import create_ckpt
+
+        return create_ckpt(name, wd, device)
     if name.startswith("tv:"):
         from embedcache.backbones.timm_tv import create_tv
 
@@ -97,7 +102,8 @@ def create_backbone(name: str, *, weights_dir: str | os.PathLike | None = None, 
 
         return create_sized(name, wd, device)
     if name not in _REGISTRY:
-        raise UserError(f"{name}: unknown backbone; known: {', '.join(sorted(_REGISTRY))}, timm:<model>, tv:<model>")
+        raise UserError(f"{name}: unknown backbone; known: {', '.join(sorted(_REGISTRY))}, timm:<model>, tv:<model>, "
+                        f"ckpt:<path>")
     bb = _REGISTRY[name].factory(wd, device)
     if bb.name != name:
         raise UserError(f"{name}: factory returned a backbone named {bb.name!r}")
@@ -105,7 +111,7 @@ def create_backbone(name: str, *, weights_dir: str | os.PathLike | None = None, 
 
 
 def list_backbones(weights_dir: str | os.PathLike | None = None) -> list[BackboneInfo]:
-    """Every registered backbone with its availability, then the two open families."""
+    """Every registered backbone with its availability, then the open families (timm:, tv:, ckpt:)."""
     _ensure_loaded()
     wd = Path(weights_dir) if weights_dir is not None else None
     rows = []
@@ -117,6 +123,9 @@ def list_backbones(weights_dir: str | os.PathLike | None = None) -> list[Backbon
     from embedcache.backbones.timm_tv import family_rows
 
     rows.extend(family_rows(wd))
+    rows.append(BackboneInfo("ckpt:<path>", "a fine-tuned checkpoint of any backbone (fedheads finetune writes "
+                             "RUN_DIR/state/seed<S>.backbone.pt)", True,
+                             "the file names its base backbone, whose weights must be found", "checkpoint", None))
     return rows
 
 
