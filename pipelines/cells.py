@@ -7,8 +7,8 @@ bad cell cannot sink a sweep. A finished cell is written atomically to
 survive a driver that is killed while workers finish.
 
 Head cells train on the feature store through fedheads' own engine (the path `fedheads train`
-takes, one seed); fine-tuning cells call `fedheads.live.runner.finetune_run`; FedDRA cells call
-`fedheads.live.feddra_runner.feddra_run` once that entry point exists.
+takes, one seed); fine-tuning cells call `fedheads.live.runner.finetune_run`; FedDRA cells run the
+public `fedheads feddra` command (when this build has it) with the options a user would type.
 """
 
 from __future__ import annotations
@@ -139,22 +139,54 @@ def _seed_result_from_results(res: dict[str, Any], seed: int) -> dict[str, Any]:
             "n_test": {c: v.get("n_test", 0) for c, v in res["per_client"].items()}}
 
 
-def run_feddra(cfg: dict[str, Any], paths: dict[str, Any], out: Path) -> dict[str, Any]:
-    """`fedheads feddra` for one preset and seed (fedheads.live.feddra_runner, when it exists)."""
-    from fedheads.live import feddra_runner  # type: ignore[attr-defined]
+FEDDRA_COMMAND = "fedheads feddra"
+FEDDRA_MISSING = "fedheads feddra not available in this build"
 
-    opts = feddra_runner.FedDRAOptions(baselines=(cfg["algorithm"],), seeds=(cfg["seed"],))
-    fd = opts.fd
-    for k, v in {**cfg["settings"]["common"], **cfg["settings"]["method"]}.items():
-        head, _, sub = k.partition(".")
-        fd = (dataclasses.replace(fd, **{head: dataclasses.replace(getattr(fd, head), **{sub: v})}) if sub
-              else dataclasses.replace(fd, **{k: v}))
-    opts = dataclasses.replace(opts, fd=fd, rounds=cfg["options"]["rounds"]) if "rounds" in {
-        f.name for f in dataclasses.fields(opts)} else dataclasses.replace(opts, fd=fd)
+
+def feddra_available() -> bool:
+    """Whether this build's `fedheads` command line has the `feddra` command."""
+    try:
+        from fedheads.cli import main
+    except ImportError:
+        return False
+    return "feddra" in getattr(main, "commands", {})
+
+
+def feddra_args(cfg: dict[str, Any], paths: dict[str, Any], out: Path) -> list[str]:
+    """The `fedheads feddra` command line of one cell, as a user would type it: the preset is its
+    --baseline and every setting one of its options (("rho", 0.1) -> --rho 0.1; True -> a flag)."""
+    o = cfg["options"]
     image, text = cfg["backbones"][:2]
-    res = feddra_runner.feddra_run(paths["manifest"], paths["store"], image, text, out, opts)
+    args = ["feddra", "--manifest", str(paths["manifest"]), "--image-encoder", image, "--text-encoder", text,
+            "--baseline", cfg["algorithm"], "--rounds", str(o["rounds"]), "--seeds", str(cfg["seed"]),
+            "--eval-every", str(o["eval_every"]), "--device", o["device"], "--num-workers", "0", "--quiet",
+            "--out", str(out)]
+    if paths.get("weights_dir"):
+        args += ["--weights-dir", str(paths["weights_dir"])]
+    if out.exists():
+        args.append("--resume")  # a killed cell continues from its last per-round checkpoint
+    for k, v in {**cfg["settings"]["common"], **cfg["settings"]["method"]}.items():
+        flag = "--" + k.replace("_", "-")
+        if v is True:
+            args.append(flag)
+        elif v is not False and v is not None:
+            args += [flag, str(v)]
+    return args
+
+
+def run_feddra(cfg: dict[str, Any], paths: dict[str, Any], out: Path) -> dict[str, Any]:
+    """One preset and seed through the public `fedheads feddra` command (in this process: no second
+    torch start-up per cell); its results.json becomes the cell's result."""
+    if not feddra_available():
+        raise RuntimeError(FEDDRA_MISSING)
+    from fedheads.cli import main
+
+    args = feddra_args(cfg, paths, out)
+    main.main(args=args, prog_name="fedheads", standalone_mode=False)
+    res = json.loads((out / "results.json").read_text())
     return {"seed_result": _seed_result_from_results(res, cfg["seed"]), "clients": res.get("clients", []),
-            "domains": res.get("domains", []), "retrieval": res.get("retrieval"), "run_dir": str(out)}
+            "domains": res.get("domains", []), "retrieval": res.get("retrieval"), "run_dir": str(out),
+            "command": " ".join(["fedheads", *args])}
 
 
 def result_path(cells_dir: str | Path, h: str) -> Path:

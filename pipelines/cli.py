@@ -6,7 +6,9 @@
     python -m pipelines report DIR [NAME...]
 
 Bad input prints one `error: ...` line and exits 2; a run whose cells failed exits 1 (the
-report says which and why)."""
+report says which and why), and so does an experiment none of whose arms can run in this build
+(one `error: NAME: <why>` line, e.g. "fedheads feddra not available in this build"; its report
+still shows the published values)."""
 
 from __future__ import annotations
 
@@ -110,6 +112,10 @@ def run(names, scale, scheduler, out, cache, sources, originals, backbone_map, p
     failed = 0
     for name, s in summary.items():
         failed += s["failed"]
+        if s["arms"] and s["unavailable"] == s["arms"]:  # nothing could run: say why in one line, exit 1
+            click.echo(f"error: {name}: {s['why']}", err=True)
+            failed += 1
+            continue
         click.secho(f"{name}: {s['done']} cells done, {s['failed']} failed, {s['unavailable']} arms not available; "
                     f"report: {outp / name / 'report.md'}", fg="red" if s["failed"] else "green", err=True)
     click.secho(f"index: {outp / 'index.md'}", err=True)

@@ -76,7 +76,7 @@ def _plan_json(exp: Experiment, ctx: plan.RunContext, arms: list[plan.Arm], sche
                   "dims": [a.prepared.features["backbones"][b]["dim"] for b in a.backbones
                            if b in a.prepared.features["backbones"]] if a.prepared else [],
                   "manifest": str(a.prepared.manifest_path) if a.prepared else None,
-                  "store": str(a.prepared.store) if a.prepared else None,
+                  "store": str(a.prepared.store) if a.prepared and a.prepared.store else None,
                   "prepare_notes": a.prepared.notes if a.prepared else [],
                   "fraction": a.cells[0]["config"]["options"]["fraction"] if a.cells else None,
                   "cells": [c["hash"] for c in a.cells]} for a in arms],

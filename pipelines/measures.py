@@ -89,6 +89,10 @@ def values(agg: dict[str, Any] | None, records: Sequence[dict[str, Any]], metric
             i = 0 if m == "compute_F" else 1
             scale = 1.0 if m == "compute_F" else 1e-9
             v = _over_seeds([(u * scale if u is not None else None) for u in (_units(r)[i] for r in done)])
+        elif m in ("r5", "wst_r5"):  # `fedheads feddra` results.json: retrieval.t2i_r5.{mean,worst}.mean (%)
+            key = "mean" if m == "r5" else "worst"
+            v = _over_seeds([((r.get("retrieval") or {}).get("t2i_r5", {}).get(key) or {}).get("mean")
+                             for r in done])
         elif m in ("wst_r1", "disparity"):
             per = [list(r["seed_result"]["per_client"].values()) for r in done]
             f = (lambda a: min(a)) if m == "wst_r1" else (lambda a: max(a) - min(a))

@@ -81,7 +81,8 @@ def _has_field(algorithm: str, name: str) -> bool:
 
 
 def missing_requirement(requires: tuple[str, ...]) -> str:
-    """"" when every requirement is met, else "not available yet: <what>"."""
+    """"" when every requirement is met, else why not ("not available yet: <what>", or for
+    "command:fedheads feddra" the one line "fedheads feddra not available in this build")."""
     for req in requires:
         kind, _, what = req.partition(":")
         if kind == "module" and not _module_exists(what):
@@ -90,6 +91,11 @@ def missing_requirement(requires: tuple[str, ...]) -> str:
             alg, _, name = what.partition(".")
             if not _has_field(alg, name):
                 return f"not available yet: needs a {alg} option '{name}'"
+        if kind == "command" and what == "fedheads feddra":
+            from pipelines.cells import FEDDRA_MISSING, feddra_available
+
+            if not feddra_available():
+                return FEDDRA_MISSING
         if kind == "missing":
             return f"not available yet: needs {what}"
     return ""
@@ -233,6 +239,8 @@ def _fill_cut(arm: Arm) -> None:
 def extra_backbones(arm: Arm) -> list[str]:
     """What the store must hold: the backbones, plus B@CUT maps for cache-first fine-tuning."""
     names = list(arm.backbones)
+    if arm.method.kind == "feddra":  # `fedheads feddra` encodes live when given no token store
+        return []
     if arm.method.kind == "finetune":
         names = names[:1]
         trainable = str(arm.settings.get("trainable", "all"))
@@ -262,7 +270,7 @@ def cells(arm: Arm, ctx: RunContext) -> list[dict[str, Any]]:
     for seed in arm.seeds:
         cfg = {**base, "seed": int(seed)}
         out.append({"hash": cell_hash(cfg), "config": cfg,
-                    "paths": {"manifest": str(p.manifest_path), "store": str(p.store),
+                    "paths": {"manifest": str(p.manifest_path), "store": p.store and str(p.store),
                               "weights_dir": ctx.weights_dir},
                     "labels": {"point": arm.point.key(), "method": m.label, "seed": int(seed)}})
     return out

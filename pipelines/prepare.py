@@ -58,7 +58,7 @@ class DataRequest:
 class Prepared:
     manifest_path: Path
     manifest_hash: str
-    store: Path
+    store: Path | None  # None: no features wanted (the cells encode live)
     features: dict[str, Any]  # fedheads.runner.store_fingerprint: classes + per backbone dim/weights/preprocess
     clients: list[str]
     notes: list[str] = field(default_factory=list)
@@ -222,6 +222,10 @@ def prepare(req: DataRequest, backbones: list[str], cache: Path, *, weights_dir:
     notes: list[str] = []
     m = manifest_for(req, cache, notes)
     store = cache / "stores" / f"{m.content_hash[:20]}.zarr"
+    if not backbones:  # the cell encodes its images itself (FedDRA without a token store)
+        return Prepared(manifest_path=cache / "manifests" / f"{req.key()}.json", manifest_hash=m.content_hash,
+                        store=None, features={"classes": list(m.classes), "backbones": {}},
+                        clients=[c.name for c in m.clients], notes=notes)
     ensure_features(m, backbones, store, cache, weights_dir=weights_dir, scheduler=scheduler,
                     progress=progress, notes=notes)
     return Prepared(manifest_path=cache / "manifests" / f"{req.key()}.json", manifest_hash=m.content_hash,

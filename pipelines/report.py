@@ -177,7 +177,7 @@ def _setting_lines(views: Sequence[dict[str, Any]]) -> list[str]:
     return out
 
 
-def write_experiment(exp: Experiment, edir: Path, cells_dir: Path) -> dict[str, int]:
+def write_experiment(exp: Experiment, edir: Path, cells_dir: Path) -> dict[str, Any]:
     """Write report.md, results.json, cells.csv, table.csv and the figures of one experiment."""
     plan_path = edir / "plan.json"
     if not plan_path.is_file():
@@ -209,7 +209,8 @@ def write_experiment(exp: Experiment, edir: Path, cells_dir: Path) -> dict[str, 
     _write_tables(exp, plan, views, comps, edir)
     write_results_json(_results(exp, plan, views, comps, claims, devs), edir / "results.json")
     return {"done": sum(v["done"] for v in views), "failed": sum(v["failed"] for v in views),
-            "pending": sum(v["pending"] for v in views), "unavailable": sum(1 for v in views if v["unavailable"])}
+            "pending": sum(v["pending"] for v in views), "unavailable": sum(1 for v in views if v["unavailable"]),
+            "arms": len(views), "why": next((v["unavailable"] for v in views if v["unavailable"]), "")}
 
 
 def _results(exp: Experiment, plan: dict[str, Any], views: Sequence[dict[str, Any]], comps: list, claims: list,

@@ -81,7 +81,7 @@ class Method:
     settings: Settings = ()  # algorithm config fields (head: --set; finetune: FinetuneOptions / ft.* fields)
     paper_rounds: int | None = None  # the paper's (or its authors' scripts') rounds for this method
     scales: tuple[str, ...] = SCALES  # scales at which it runs
-    requires: tuple[str, ...] = ()  # "module:M" | "field:ALG.FIELD" | "missing:<what>" (pipelines.plan)
+    requires: tuple[str, ...] = ()  # "module:M" | "field:ALG.FIELD" | "command:fedheads feddra" | "missing:<what>"
     note: str = ""  # code-vs-paper remark, used in deviation sentences
 
 
