@@ -42,3 +42,43 @@ def test_flower_commands_without_the_extra_are_one_line(store, tmp_path, prelude
         assert r.returncode == 2 and len(lines) == 1, (args[0], r.stderr)
         assert lines[0].startswith("error: flower: ") and needle in lines[0], lines
         assert not out.exists()
+
+
+def test_a_node_keeps_its_runtime_api_on_loopback_and_flower_offline(tmp_path):
+    """Only the SuperLink address is remote: the SuperNode's own API binds 127.0.0.1, its node
+    config carries the node's data, and its environment turns Flower's network switches off."""
+    from flower_helpers import FLOWER_MISSING
+
+    pytest.importorskip("flwr", reason=FLOWER_MISSING)
+    from fedheads.flower import QUIET_ENV
+    from fedheads.flower.deploy import join_command
+
+    cmd, env = join_command("10.0.0.5:9092", {"store": "/data/s.zarr", "client": "c1", "manifest": ""}, tmp_path)
+    assert cmd[cmd.index("--host") + 1] == "127.0.0.1" and cmd[cmd.index("--superlink") + 1] == "10.0.0.5:9092"
+    assert cmd[cmd.index("--node-config") + 1] == 'store="/data/s.zarr" client="c1"'
+    assert all(env[k] == v for k, v in QUIET_ENV.items()) and env["FLWR_HOME"] == str(tmp_path)
+
+
+def test_simulate_command_writes_the_run_and_refuses_bad_input_in_one_line(store, tmp_path):
+    from flower_helpers import FLOWER_MISSING
+
+    pytest.importorskip("flwr", reason=FLOWER_MISSING)
+    from click.testing import CliRunner
+
+    from fedheads.cli import main
+
+    out = tmp_path / "sim"
+    base = ["simulate", "--store", str(store), "--algorithm", "fedncm", "--backbones", "synth", "--timeout", "120"]
+    r = CliRunner().invoke(main, base + ["--set", "fedncm.rule=sqeuclidean", "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    res = __import__("json").loads((out / "results.json").read_text())
+    assert res["engine"] == "flower" and len(res["flower"]["rounds"]) == 1
+    assert __import__("json").loads((out / "config.json").read_text())["algorithm_config"]["rule"] == "sqeuclidean"
+    assert "over Flower (flower)" in r.output
+    for args, needle in ((["--out", str(out)], str(out)), (["--set", "fedncm.nosuch=1", "--out", str(tmp_path / "b")],
+                                                          "nosuch"),
+                         (["--on-dropout", "continue", "--secagg", "--clients", "c0,c9", "--out", str(tmp_path / "c")],
+                          "c9 not in")):
+        r = CliRunner().invoke(main, base + args)
+        lines = [ln for ln in r.output.strip().splitlines() if ln.strip()]
+        assert r.exit_code == 2 and len(lines) == 1 and lines[0].startswith("error:") and needle in lines[0], r.output

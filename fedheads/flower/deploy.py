@@ -164,7 +164,9 @@ def join_command(superlink: str, node: dict[str, Any], home: Path, port: int = 0
                  root_certificates: str | None = None) -> tuple[list[str], dict[str, str]]:
     """The SuperNode command line and environment for a node with config `node`."""
     require_flower()
-    cmd = [str(scripts_dir() / "flower-supernode"), "--superlink", superlink, "--port", str(port or free_port()),
+    # the node's own runtime API (its ClientApp processes connect to it) stays on loopback
+    cmd = [str(scripts_dir() / "flower-supernode"), "--superlink", superlink, "--host", "127.0.0.1",
+           "--port", str(port or free_port()),
            "--node-config", node_config_arg(node), "--max-wait-time", "600"]
     cmd += ["--insecure"] if insecure else ["--root-certificates", str(root_certificates)]
     home.mkdir(parents=True, exist_ok=True)

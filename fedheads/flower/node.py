@@ -39,7 +39,6 @@ from flwr.client.mod import secaggplus_mod  # noqa: E402
 
 app = ClientApp()
 _CACHE: dict[Any, Any] = {}  # per ClientApp process: loaded data and initialised algorithms
-FAULT_ENV = "FEDHEADS_FLOWER_FAULT"  # tests: "<client>:<round>" makes that node fail in that round
 
 
 def node_settings(context: Context) -> dict[str, str]:
@@ -150,12 +149,6 @@ def _setup(msg: Message, context: Context) -> tuple[dict[str, str], dict[str, An
     return cfg, run, data, alg, _client_state(context, init, run["index"], data.device)
 
 
-def _maybe_fail(data: Any, run: dict[str, Any]) -> None:
-    fault = os.environ.get(FAULT_ENV, "")
-    if fault and fault == f"{data.client_names[0]}:{run['round']}":
-        os._exit(3)  # a node that dies mid-round (tests)
-
-
 @app.query("describe")
 def describe(msg: Message, context: Context) -> Message:
     """Extract on first use, then report what the server needs (no sample, no feature)."""
@@ -184,7 +177,6 @@ def update(msg: Message, context: Context) -> Message:
     from fedheads.flower import codec
 
     cfg, run, data, alg, cs = _setup(msg, context)
-    _maybe_fail(data, run)
     bc = codec.take(msg.content, "fh.broadcast")
     from fedheads.core.engine import to_device
 

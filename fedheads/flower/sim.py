@@ -133,7 +133,11 @@ def simulate_store(cfg: Any, store: str, clients: list[str] | None = None, clien
     from embedcache.reader import open_store
     from fedheads.flower.server import run_federation
 
-    names = list(clients) if clients else list(open_store(store).clients)
+    have = list(open_store(store).clients)
+    names = list(clients) if clients else have
+    unknown = [c for c in names if c not in have]
+    if unknown:  # before any virtual node starts: one line naming them
+        raise UserError(f"clients {','.join(names)}: {', '.join(unknown)} not in {store} (has {', '.join(have)})")
     nodes = [{"store": str(store), "client": c} for c in names]
     cfg_run = cfg.to_run_config() | {"nodes": len(nodes), "clients": cfg.clients or ",".join(names)}
     from fedheads.flower.server import FlowerRunConfig
