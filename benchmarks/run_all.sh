@@ -18,4 +18,6 @@ for b in engine memory fedncm predict extract store_read backbone_speed finetune
 done
 echo "== bench_cached_vs_live $(date -u +%H:%M:%S)"
 "$PY" benchmarks/bench_cached_vs_live.py --rounds 100 --live-rounds 5
+echo "== bench_flower $(date -u +%H:%M:%S)"   # needs the [flower] extra (part of [dev])
+"$PY" benchmarks/bench_flower.py
 echo "== done $(date -u +%H:%M:%S)"
