@@ -47,6 +47,8 @@ def _train_options(f):
         click.option("--lr", type=float, default=None, help="Client learning rate (default: paper's)."),
         click.option("--fraction", default=1.0, show_default=True, help="Client participation per round."),
         click.option("--engine", type=click.Choice(["vectorized", "loop"]), default="vectorized", show_default=True),
+        click.option("--layout", type=click.Choice(["auto", "padded", "bucketed"]), default="auto", show_default=True,
+                     help="Features padded to the largest client, or in size buckets (auto: when padding would cost)."),
         click.option("--device", default="auto", show_default=True, help="auto | cpu | cuda"),
         click.option("--eval-every", default=1, show_default=True, help="Evaluate every k rounds (0: last only)."),
         click.option("--binarize", is_flag=True, help="FedPCL authors' 0/1 binarised backbone features."),
@@ -63,14 +65,14 @@ def _train_options(f):
     return f
 
 
-def _options(rounds, seeds, local_epochs, batch_size, lr, fraction, engine, device, eval_every,
+def _options(rounds, seeds, local_epochs, batch_size, lr, fraction, engine, layout, device, eval_every,
              binarize, settings, quiet):
     from fedheads.runner import TrainOptions, parse_settings
 
     if rounds < 1:
         raise UserError(f"--rounds {rounds}: must be >= 1")
     return TrainOptions(rounds=rounds, seeds=_seeds(seeds), fraction=fraction, engine=engine,
-                        device=device, eval_every=eval_every, binarize=binarize,
+                        layout=layout, device=device, eval_every=eval_every, binarize=binarize,
                         local_epochs=local_epochs, batch_size=batch_size, lr=lr,
                         settings=parse_settings(settings), progress=not quiet)
 
