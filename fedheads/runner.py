@@ -31,7 +31,7 @@ from fedheads.atomic import atomic_path
 from fedheads.algorithms import create_algorithm
 from fedheads.core.engine import RunResult, clock, run, to_device
 from fedheads.core.tree import tree_leaves, tree_map
-from fedheads.data import DataSpec, FedData, load_fed_data, resolve_device
+from fedheads.data import DataSpec, Federation, layout_info, load_fed_data, resolve_device
 from fedheads.machine import machine
 
 STATE_FORMAT = "fedheads-state/1"
@@ -45,6 +45,7 @@ class TrainOptions:
     seeds: tuple[int, ...] = (0, 1, 2)  # the papers report mean (std) over 3 seeds
     fraction: float = 1.0  # client participation per round
     engine: str = "vectorized"  # "vectorized" (all clients stacked) or "loop" (reference)
+    layout: str = "auto"  # feature layout: "padded" | "bucketed" | "auto" (bucketed when padding would cost; fedheads/layout.py)
     device: str = "auto"  # auto | cpu | cuda
     eval_every: int = 1  # evaluate every k rounds (0 = only after the last)
     binarize: bool = False  # FedPCL authors' binarised backbone features
@@ -226,7 +227,7 @@ def _since(t0: tuple[float, float], device: torch.device) -> tuple[float, float]
     return t[0] - t0[0], t[1] - t0[1]
 
 
-def require_test_samples(data: FedData) -> None:
+def require_test_samples(data: Federation) -> None:
     """Accuracy needs test samples somewhere: stop before training when no client has any."""
     if not any(data.n_test):
         raise UserError(f"no client has test samples (e.g. {data.client_names[0]}: 0); re-partition with "
@@ -234,16 +235,18 @@ def require_test_samples(data: FedData) -> None:
 
 
 def train_run(store: str, backbones: Sequence[str], algorithm: str, opts: TrainOptions,
-              out: str | Path, strict: bool = True, data: FedData | None = None,
+              out: str | Path, strict: bool = True, data: Federation | None = None,
               overwrite: bool = False) -> dict[str, Any]:
     """Train `algorithm` once per seed, write the run directory, return results.json's dict.
-    An --out holding a run is refused unless `overwrite` (fedheads.rundir)."""
+    An --out holding a run is refused unless `overwrite` (fedheads.rundir). Features are loaded
+    in `opts.layout`; a `data` given runs in the layout it has (results.json "layout" says which)."""
     out = Path(out)
     rundir.refuse_existing(out, overwrite=overwrite)
     build_algorithm(algorithm, opts, strict=strict)  # bad options fail before the old run is touched
     t_start, load = clock(torch.device("cpu")), None  # nothing queued on a device yet
     if data is None:
-        data = load_fed_data(store, backbones, resolve_device(opts.device), binarize=opts.binarize)
+        data = load_fed_data(store, backbones, resolve_device(opts.device), binarize=opts.binarize,
+                             layout=opts.layout)
         load = _since(t_start, data.device)
     require_test_samples(data)
     if overwrite:  # results.json marks a complete run: no old file may sit beside the new ones
@@ -269,6 +272,7 @@ def train_run(store: str, backbones: Sequence[str], algorithm: str, opts: TrainO
     extra = {"training_rounds": opts.rounds - int(getattr(alg, "collect_rounds", 0)),
              "clients": list(data.client_names), "domains": list(data.domains),
              "num_classes": data.num_classes, "feature_dim": data.dim, "engine": opts.engine,
+             "layout": layout_info(data),
              "fraction": opts.fraction,
              "other_rules": {k: {"mean": float(torch.tensor(v).mean()), "values": v}
                              for k, v in extra_rules.items()}}
@@ -311,7 +315,8 @@ def compare_runs(store: str, backbones: Sequence[str], algorithms: Sequence[str]
     for name in algorithms:
         build_algorithm(name, opts, strict=False)  # unknown names / bad values fail before any training
     t_start = clock(torch.device("cpu"))  # nothing queued on a device yet
-    data = load_fed_data(store, backbones, resolve_device(opts.device), binarize=opts.binarize)
+    data = load_fed_data(store, backbones, resolve_device(opts.device), binarize=opts.binarize,
+                         layout=opts.layout)
     load = _since(t_start, data.device)
     require_test_samples(data)
     if overwrite:

@@ -3,7 +3,7 @@
 `run_cell` is what dask workers execute (and the serial path calls in-process). It never raises:
 a failure comes back as {"status": "failed", "error": one line, "traceback": ...} so that one
 bad cell cannot sink a sweep. A finished cell is written atomically to
-`<cells dir>/<hash>.json` by the process that ran it (docs/contracts.md, section 8), so results
+`<cells dir>/<hash>.json` by the process that ran it (docs/contracts.md, section 9), so results
 survive a driver that is killed while workers finish.
 
 Head cells train on the feature store through fedheads' own engine (the path `fedheads train`

@@ -1,5 +1,5 @@
 """An experiment at a scale -> arms (point x method) -> cells (arm x seed), each addressed by the
-hash of its full resolved configuration (docs/contracts.md, section 8).
+hash of its full resolved configuration (docs/contracts.md, section 9).
 
 Resolution happens in two steps: `arms()` decides, without touching data, what runs and what
 cannot (a method or point whose code, data or backbones are not available says why); `cells()`

@@ -1,6 +1,6 @@
 """Partition and extraction for a sweep, done once on the driver before any cell runs.
 
-Layout of the cache directory (docs/contracts.md, section 8):
+Layout of the cache directory (docs/contracts.md, section 9):
 
     CACHE/manifests/<request key>.json      one manifest per (source, recipe, seed): `embedcache partition`
     CACHE/features/<source key>/<h>.zarr    feature pools: stores of "delta" manifests (one client per

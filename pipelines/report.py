@@ -1,4 +1,4 @@
-"""Per-experiment reports and the index page (docs/contracts.md, section 8).
+"""Per-experiment reports and the index page (docs/contracts.md, section 9).
 
     OUT/<experiment>/report.md      our table in the paper's layout (mean (std) over seeds), every
                                     published value beside ours with its provenance and the difference,

@@ -56,7 +56,7 @@ class DataRecipe:
     # resolved to train_fraction = train_total / |domain| (at most max_train_fraction) for the copy used
     max_train_fraction: float = 0.5
     standin_domains: tuple[str, ...] | None = None  # stand-in domains when they differ from the mapped ones
-    seed: int = 0  # partition seed: one fixed split, training seeds vary (see docs/contracts.md 8)
+    seed: int = 0  # partition seed: one fixed split, training seeds vary (see docs/contracts.md 9)
     note: str = ""  # how this reads the paper's setting, when the paper is not explicit
 
 
