@@ -1,0 +1,231 @@
+"""Run one cell (experiment point x method x seed): a pure function of its configuration.
+
+`run_cell` is what dask workers execute (and the serial path calls in-process). It never raises:
+a failure comes back as {"status": "failed", "error": one line, "traceback": ...} so that one
+bad cell cannot sink a sweep. A finished cell is written atomically to
+`<cells dir>/<hash>.json` by the process that ran it (docs/contracts.md, section 9), so results
+survive a driver that is killed while workers finish.
+
+Head cells train on the feature store through fedheads' own engine (the path `fedheads train`
+takes, one seed); fine-tuning cells call `fedheads.live.runner.finetune_run`; FedDRA cells run the
+public `fedheads feddra` command (when this build has it) with the options a user would type.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import socket
+import time
+import traceback
+from collections import OrderedDict
+from pathlib import Path
+from typing import Any
+
+RESULT_FORMAT = "pipelines-cell-result/1"
+_DATA: "OrderedDict[tuple, Any]" = OrderedDict()  # per process: the last feature sets loaded
+_DATA_SLOTS = 2
+
+
+def _fed_data(store: str, backbones: tuple[str, ...], device: str, binarize: bool) -> Any:
+    from fedheads.data import load_fed_data
+
+    key = (store, backbones, device, binarize)
+    if key not in _DATA:
+        _DATA[key] = load_fed_data(store, list(backbones), device, binarize=binarize)
+        while len(_DATA) > _DATA_SLOTS:
+            _DATA.popitem(last=False)
+    _DATA.move_to_end(key)
+    return _DATA[key]
+
+
+def _settings(cfg: dict[str, Any]) -> tuple[tuple[str, Any], ...]:
+    """Method settings scoped to the algorithm (must apply), the others plain (dropped where they
+    do not apply), as `fedheads compare --set` treats them."""
+    alg = cfg["algorithm"]
+    scoped = tuple((f"{alg}.{k}", v) for k, v in cfg["settings"]["method"].items())
+    return scoped + tuple(cfg["settings"]["common"].items())
+
+
+def _paper_units(alg: str, data: Any, rounds: int, fraction: float, cfg: Any) -> dict[str, Any] | None:
+    """FedNCM App. A: Eq. 3 / 6 (LP) and FedNCM's single round, for a linear head on D features."""
+    from fedheads import comm
+
+    D, C, K, N = data.dim, data.num_classes, data.num_clients, int(sum(data.n_train))
+    if alg == "fedncm":
+        return {"comm_bytes": comm.comm_fedncm_bytes(D, C, K), "compute_F": float(comm.comp_fedncm(N)),
+                "per_round": None}
+    if alg == "lp":
+        E = int(getattr(cfg, "local_epochs", 1) or 1)
+        return {"comm_bytes": comm.comm_lp_bytes(D, C, K, rounds, fraction),
+                "compute_F": float(comm.comp_lp(rounds, E, N)),
+                "per_round": {"comm_bytes": comm.comm_lp_bytes(D, C, K, 1, fraction),
+                              "compute_F": float(comm.comp_lp(1, E, N))}}
+    return None
+
+
+def run_head(cfg: dict[str, Any], paths: dict[str, Any]) -> dict[str, Any]:
+    from fedheads import report
+    from fedheads.core.engine import run
+    from fedheads.runner import TrainOptions, _config_dict, build_algorithm
+
+    o = cfg["options"]
+    data = _fed_data(paths["store"], tuple(cfg["backbones"]), o["device"], bool(o.get("binarize", False)))
+    opts = TrainOptions(rounds=o["rounds"], seeds=(cfg["seed"],), fraction=o["fraction"],
+                        engine=o.get("engine", "vectorized"), device=o["device"], eval_every=o["eval_every"],
+                        binarize=bool(o.get("binarize", False)), settings=_settings(cfg), progress=False)
+    alg, used, ignored = build_algorithm(cfg["algorithm"], opts, strict=False)
+    res = run(alg, data, opts.rounds, seed=cfg["seed"], fraction=opts.fraction, engine=opts.engine,
+              eval_every=opts.eval_every, progress=False)
+    seed_res = report.seed_result_from_run(res, cfg["seed"], data.client_names, n_test=data.n_test)
+    other = {}
+    for rule, acc in res.history[-1].accuracy.items():  # type: ignore[union-attr]
+        if rule != "main":
+            other[rule] = 100.0 * float(acc[~acc.isnan()].mean())
+    return {"seed_result": seed_res, "clients": list(data.client_names), "domains": list(data.domains),
+            "num_classes": data.num_classes, "feature_dims": [cfg["features"]["backbones"][b]["dim"]
+                                                              for b in cfg["backbones"]],
+            "training_rounds": opts.rounds - int(getattr(alg, "collect_rounds", 0)), "other_rules": other,
+            "algorithm_kwargs": used, "ignored_options": ignored,
+            "algorithm_config": _config_dict(getattr(alg, "cfg", None)),
+            "paper_units": _paper_units(cfg["algorithm"], data, opts.rounds, opts.fraction, getattr(alg, "cfg", None))}
+
+
+def _finetune_options(cfg: dict[str, Any], paths: dict[str, Any]) -> Any:
+    from fedheads.live.finetune import FTConfig
+    from fedheads.live.runner import FinetuneOptions
+
+    o = cfg["options"]
+    fields = {f.name for f in dataclasses.fields(FinetuneOptions)}
+    ft_fields = {f.name for f in dataclasses.fields(FTConfig)}
+    top: dict[str, Any] = {}
+    ft: dict[str, Any] = {}
+    for scope in ("common", "method"):  # method settings last: they win, and they must apply
+        for k, v in cfg["settings"][scope].items():
+            sub = k[3:] if k.startswith("ft.") else k
+            if k.startswith("ft.") and sub in ft_fields or k in ("lr", "batch_size", "local_epochs") and sub in ft_fields:
+                ft[sub] = v
+            elif k in fields and k not in ("heads", "ft", "seeds"):
+                top[k] = v
+            elif scope == "method":
+                raise ValueError(f"setting {k!r}: not a field of fedheads finetune (FinetuneOptions / FTConfig)")
+    return FinetuneOptions(heads=(cfg["algorithm"],), rounds=o["rounds"], ft=FTConfig(**ft), seeds=(cfg["seed"],),
+                           fraction=o["fraction"], eval_every=o["eval_every"], device=o["device"], num_workers=0,
+                           weights_dir=paths.get("weights_dir"), resume=True, progress=False, **top)
+
+
+def run_finetune(cfg: dict[str, Any], paths: dict[str, Any], out: Path) -> dict[str, Any]:
+    """`fedheads finetune` for one stage-1 head and seed; resumes a killed cell from its checkpoint."""
+    from fedheads.live.runner import finetune_run
+
+    opts = _finetune_options(cfg, paths)
+    res = finetune_run(paths["manifest"], paths["store"], cfg["backbones"][0], out, opts)
+    return {"seed_result": _seed_result_from_results(res, cfg["seed"]), "clients": res.get("clients", []),
+            "domains": res.get("domains", []), "figure1": res.get("figure1"), "paper_units": res.get("paper_units"),
+            "stages": res.get("stages"), "run_dir": str(out)}
+
+
+def _seed_result_from_results(res: dict[str, Any], seed: int) -> dict[str, Any]:
+    """A one-seed results.json (contract 6) as a per-seed entry of fedheads.report.summarise_runs."""
+    per_client = {c: v["mean"] for c, v in res["per_client"].items() if v.get("mean") is not None}
+    comm = {k: res.get("communication", {}).get(k) for k in
+            ("upload_params_per_client_per_round", "upload_bytes_total", "download_bytes_total")}
+    return {"seed": seed, "per_client": per_client, "history": [{"round": h["round"], "accuracy": h["accuracy"]}
+                                                                  for h in res.get("history", [])],
+            "communication": comm if all(v is not None for v in comm.values()) else None,
+            "trainable_params_per_client": res.get("trainable_params_per_client"),
+            "clients_without_test": res.get("clients_without_test", []),
+            "n_test": {c: v.get("n_test", 0) for c, v in res["per_client"].items()}}
+
+
+FEDDRA_COMMAND = "fedheads feddra"
+FEDDRA_MISSING = "fedheads feddra not available in this build"
+
+
+def feddra_available() -> bool:
+    """Whether this build's `fedheads` command line has the `feddra` command."""
+    try:
+        from fedheads.cli import main
+    except ImportError:
+        return False
+    return "feddra" in getattr(main, "commands", {})
+
+
+def feddra_args(cfg: dict[str, Any], paths: dict[str, Any], out: Path) -> list[str]:
+    """The `fedheads feddra` command line of one cell, as a user would type it: the preset is its
+    --baseline and every setting one of its options (("rho", 0.1) -> --rho 0.1; True -> a flag)."""
+    o = cfg["options"]
+    image, text = cfg["backbones"][:2]
+    args = ["feddra", "--manifest", str(paths["manifest"]), "--image-encoder", image, "--text-encoder", text,
+            "--baseline", cfg["algorithm"], "--rounds", str(o["rounds"]), "--seeds", str(cfg["seed"]),
+            "--eval-every", str(o["eval_every"]), "--device", o["device"], "--num-workers", "0", "--quiet",
+            "--out", str(out)]
+    if paths.get("weights_dir"):
+        args += ["--weights-dir", str(paths["weights_dir"])]
+    if out.exists():
+        args.append("--resume")  # a killed cell continues from its last per-round checkpoint
+    for k, v in {**cfg["settings"]["common"], **cfg["settings"]["method"]}.items():
+        flag = "--" + k.replace("_", "-")
+        if v is True:
+            args.append(flag)
+        elif v is not False and v is not None:
+            args += [flag, str(v)]
+    return args
+
+
+def run_feddra(cfg: dict[str, Any], paths: dict[str, Any], out: Path) -> dict[str, Any]:
+    """One preset and seed through the public `fedheads feddra` command (in this process: no second
+    torch start-up per cell); its results.json becomes the cell's result."""
+    if not feddra_available():
+        raise RuntimeError(FEDDRA_MISSING)
+    from fedheads.cli import main
+
+    args = feddra_args(cfg, paths, out)
+    main.main(args=args, prog_name="fedheads", standalone_mode=False)
+    res = json.loads((out / "results.json").read_text())
+    return {"seed_result": _seed_result_from_results(res, cfg["seed"]), "clients": res.get("clients", []),
+            "domains": res.get("domains", []), "retrieval": res.get("retrieval"), "run_dir": str(out),
+            "command": " ".join(["fedheads", *args])}
+
+
+def result_path(cells_dir: str | Path, h: str) -> Path:
+    return Path(cells_dir) / f"{h}.json"
+
+
+def run_cell(cell: dict[str, Any], cells_dir: str) -> dict[str, Any]:
+    """Run `cell` and write its result file; returns the record (status "done" or "failed")."""
+    import torch
+
+    from fedheads.atomic import atomic_path
+
+    cfg, paths = cell["config"], cell["paths"]
+    t0, c0 = time.perf_counter(), time.process_time()
+    threads = torch.get_num_threads()
+    record: dict[str, Any] = {"format": RESULT_FORMAT, "hash": cell["hash"], "config": cfg, "labels": cell["labels"]}
+    try:
+        torch.set_num_threads(int(cfg.get("threads", 1)))
+        out = Path(cells_dir) / cell["hash"]
+        if cfg["kind"] == "head":
+            result = run_head(cfg, paths)
+        elif cfg["kind"] == "finetune":
+            result = run_finetune(cfg, paths, out / "run")
+        else:
+            result = run_feddra(cfg, paths, out / "run")
+        record.update(status="done", result=result)
+    except BaseException as exc:  # noqa: BLE001 - a cell's failure is data, never the sweep's end
+        if isinstance(exc, KeyboardInterrupt):
+            raise
+        record.update(status="failed", error=f"{type(exc).__name__}: {exc}".splitlines()[0][:500],
+                      traceback=traceback.format_exc()[-4000:])
+    finally:
+        torch.set_num_threads(threads)
+    record["timing"] = {"wall_seconds": round(time.perf_counter() - t0, 4),
+                        "cpu_seconds": round(time.process_time() - c0, 4),
+                        "host": socket.gethostname(), "pid": os.getpid(), "finished": time.time()}
+    name = result_path(cells_dir, cell["hash"] if record["status"] == "done" else f"{cell['hash']}.failed")
+    with atomic_path(name) as tmp:
+        tmp.write_text(json.dumps(record, indent=1, sort_keys=True, default=str))
+    if record["status"] == "done":
+        result_path(cells_dir, f"{cell['hash']}.failed").unlink(missing_ok=True)
+    return record

@@ -1,0 +1,128 @@
+"""PNG figures in the papers' forms: accuracy against a grid axis (FedPCL Figure 2), accuracy
+against rounds / communication / computation (FedNCM Figure 1), fairness bars (FedPCL Tables
+12-13), a learning-rate grid (FedNCM Figure 5), and ours against the published values."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from fedheads.report import _pyplot, _save  # headless matplotlib and atomic PNG writes
+
+
+def lines(series: dict[str, list[tuple[Any, float, float]]], xlabel: str, path: Path, title: str,
+          published: dict[str, list[tuple[Any, float]]] | None = None) -> Path:
+    """One line per method over a grid axis (mean +- std over seeds); published points hollow."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(5.5, 3.8))
+    xs_all = sorted({x for pts in series.values() for x, _, _ in pts}, key=float)
+    numeric_log = all(float(x) > 0 for x in xs_all) and len(xs_all) > 1 and max(map(float, xs_all)) / min(
+        map(float, xs_all)) >= 10
+    for name, pts in series.items():
+        pts = sorted(pts, key=lambda p: float(p[0]))
+        x = np.array([float(p[0]) for p in pts])
+        y, s = np.array([p[1] for p in pts]), np.array([p[2] for p in pts])
+        (ln,) = ax.plot(x, y, marker="o", label=name)
+        ax.fill_between(x, y - s, y + s, color=ln.get_color(), alpha=0.2)
+        for px, py in (published or {}).get(name, []):
+            ax.plot([float(px)], [py], marker="o", mfc="none", color=ln.get_color(), ms=9)
+    if numeric_log:
+        ax.set_xscale("log")
+    ax.set_xticks([float(x) for x in xs_all], [str(x) for x in xs_all])
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel("test accuracy (%)")
+    ax.set_title(title, fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    return _save(fig, path)
+
+
+def curves(per_method: dict[str, list[dict[str, float]]], path: Path, title: str) -> Path:
+    """FedNCM Figure 1: accuracy vs rounds, vs cumulative communication (GB), vs computation (F)."""
+    plt = _pyplot()
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
+    for name, pts in per_method.items():
+        if not pts:
+            continue
+        r = np.array([p["round"] for p in pts])
+        acc = np.array([p["accuracy"] for p in pts])
+        comm = np.array([p["comm_bytes"] for p in pts]) / 1e9
+        comp = np.array([p["compute_F"] for p in pts])
+        marker = "o" if len(pts) < 3 else None
+        axes[0].plot(r, acc, marker=marker, label=name)
+        if np.isfinite(comm).any():
+            axes[1].plot(comm, acc, marker=marker, label=name)
+        if np.isfinite(comp).any():
+            axes[2].plot(comp, acc, marker=marker, label=name)
+    for ax, xl in zip(axes, ("round", "communication (GB, App. A Eq. 3-4)", "computation (F, App. A Eq. 5-6)")):
+        ax.set_xlabel(xl)
+        ax.set_ylabel("test accuracy (%)")
+        ax.grid(alpha=0.3)
+    for ax in axes[1:]:
+        if ax.lines:
+            ax.set_xscale("log")
+    axes[0].legend(fontsize=8)
+    fig.suptitle(title, fontsize=10)
+    return _save(fig, path)
+
+
+def fairness_bars(groups: dict[str, dict[str, dict[str, tuple[float, float]]]], metrics: Sequence[str],
+                  headers: Sequence[str], path: Path, title: str) -> Path:
+    """One panel per group (e.g. 40 / 80 clients): bars per fairness metric, one colour per method."""
+    plt = _pyplot()
+    fig, axes = plt.subplots(1, max(1, len(groups)), figsize=(6 * max(1, len(groups)), 3.8), squeeze=False)
+    for ax, (gname, by_method) in zip(axes[0], groups.items()):
+        x = np.arange(len(metrics))
+        w = 0.8 / max(1, len(by_method))
+        for j, (mname, vals) in enumerate(by_method.items()):
+            m = [vals.get(k, (np.nan, 0.0))[0] for k in metrics]
+            s = [vals.get(k, (np.nan, 0.0))[1] for k in metrics]
+            ax.bar(x + (j - (len(by_method) - 1) / 2) * w, m, w, yerr=s, capsize=2, label=mname)
+        ax.set_xticks(x, headers, rotation=20)
+        ax.set_title(gname, fontsize=10)
+        ax.grid(alpha=0.3, axis="y")
+        ax.legend(fontsize=8)
+    fig.suptitle(title, fontsize=10)
+    return _save(fig, path)
+
+
+def grid(cells: dict[tuple[Any, Any], float], xs: Sequence[Any], ys: Sequence[Any], xlabel: str, ylabel: str,
+         path: Path, title: str) -> Path:
+    """A heat map of final accuracy over two learning rates (FedNCM Figure 5)."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(1.2 * len(xs) + 2, 0.8 * len(ys) + 1.5))
+    a = np.array([[cells.get((x, y), np.nan) for x in xs] for y in ys], dtype=float)
+    im = ax.imshow(a, cmap="viridis", aspect="auto")
+    for i in range(len(ys)):
+        for j in range(len(xs)):
+            if np.isfinite(a[i, j]):
+                ax.text(j, i, f"{a[i, j]:.1f}", ha="center", va="center", color="w", fontsize=8)
+    ax.set_xticks(range(len(xs)), [str(x) for x in xs])
+    ax.set_yticks(range(len(ys)), [str(y) for y in ys])
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    fig.colorbar(im, ax=ax, label="accuracy (%)")
+    ax.set_title(title, fontsize=10)
+    return _save(fig, path)
+
+
+def paper_vs_ours(pairs: Sequence[tuple[str, float, float, float]], path: Path, title: str) -> Path:
+    """Ours (y, with std) against the published value (x); the diagonal is agreement."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(4.8, 4.6))
+    x = np.array([p[1] for p in pairs])
+    y = np.array([p[2] for p in pairs])
+    s = np.array([p[3] for p in pairs])
+    ax.errorbar(x, y, yerr=s, fmt="o", ms=4, alpha=0.8)
+    lo, hi = float(min(x.min(), y.min())) - 2, float(max(x.max(), y.max())) + 2
+    ax.plot([lo, hi], [lo, hi], color="0.5", lw=1, ls="--")
+    ax.set_xlim(lo, hi)
+    ax.set_ylim(lo, hi)
+    ax.set_xlabel("published (%)")
+    ax.set_ylabel("ours (%)")
+    ax.set_title(title, fontsize=10)
+    ax.grid(alpha=0.3)
+    return _save(fig, path)

@@ -1,0 +1,91 @@
+"""FedDRA's experiments call the public `fedheads feddra` command: in a build without it they
+fail with one clear line (and their report still shows the published values); with it, each cell
+is the command line a user would type, and its results.json becomes the cell's result."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import click
+import pytest
+from click.testing import CliRunner
+
+import pipelines_doubles as pd
+from fedheads.cli import main as fedheads_main
+from pipelines import plan, registry
+from pipelines.cells import FEDDRA_MISSING
+from pipelines.cli import main
+
+ENCODERS = ["--backbone", "efficientnet-lite0=pl-tiny-a", "--backbone", "minilm-l6-v2=pl-tiny-b"]
+
+
+@pytest.fixture
+def without_feddra(monkeypatch):
+    monkeypatch.setattr(fedheads_main, "commands", {k: v for k, v in fedheads_main.commands.items() if k != "feddra"})
+
+
+def test_without_the_command_feddra_experiments_fail_in_one_line(without_feddra, tmp_path):
+    arms = plan.arms(registry.get("feddra-table8"), plan.RunContext(scale="ci"))
+    assert arms and {a.unavailable for a in arms} == {FEDDRA_MISSING}
+    res = CliRunner().invoke(main, ["run", "feddra-table8", "--scale", "smoke", "--out", str(tmp_path), "--quiet"])
+    assert res.exit_code == 1, res.output
+    errors = [ln for ln in res.output.splitlines() if ln.startswith("error:")]
+    assert errors == [f"error: feddra-table8: {FEDDRA_MISSING}"] and "Traceback" not in res.output
+    report = (tmp_path / "feddra-table8" / "report.md").read_text()
+    assert FEDDRA_MISSING in report and "| 30.20 |" not in report  # no number of ours is made up
+    assert "FedDRA Table 8, row '0.1 FedDRA (Ours)'" in report  # the published values, with provenance
+
+
+def _opts(argv: list[str]) -> dict[str, str | bool]:
+    """--name value pairs and --flags of a command line."""
+    out: dict[str, str | bool] = {}
+    for i, a in enumerate(argv):
+        if a.startswith("--"):
+            nxt = argv[i + 1] if i + 1 < len(argv) else "--"
+            out[a] = True if nxt.startswith("--") else nxt
+    return out
+
+
+def _fake_feddra(calls: list[list[str]]) -> click.Command:
+    """Stands in for `fedheads feddra`: records its arguments and writes a results.json (contract 6)."""
+
+    @click.command("feddra", context_settings={"ignore_unknown_options": True})
+    @click.argument("args", nargs=-1, type=click.UNPROCESSED)
+    def feddra(args: tuple[str, ...]) -> None:
+        calls.append(list(args))
+        opts = _opts(list(args))
+        out = Path(str(opts["--out"]))
+        out.mkdir(parents=True, exist_ok=True)
+        rho = float(str(opts["--rho"]))
+        per_client = {f"c{i}": {"mean": 20.0 + 10 * rho + i, "n_test": 4} for i in range(5)}
+        (out / "results.json").write_text(json.dumps({
+            "per_client": per_client, "clients": list(per_client), "domains": ["mimic"] * 5,
+            "history": [{"round": 1, "accuracy": 22.0 + 10 * rho}],
+            "retrieval": {"t2i_r5": {"mean": {"mean": 50.0 + rho, "std": 0.0}, "worst": {"mean": 40.0, "std": 0.0}}}}))
+
+    return feddra
+
+
+def test_each_cell_is_a_feddra_command_line(monkeypatch, tmp_path):
+    calls: list[list[str]] = []
+    monkeypatch.setitem(fedheads_main.commands, "feddra", _fake_feddra(calls))
+    copy = pd.make_folder(tmp_path / "pairs", ("mimic",), tuple("abcde"), per_class=8)
+    res = CliRunner().invoke(main, ["run", "feddra-table8", "--scale", "smoke", "--scheduler", "serial", "--quiet",
+                                    "--plugin", "pipelines_doubles", "--source",
+                                    f"mimic-cxr=captioned:imagefolder:{copy}", "--out", str(tmp_path / "out"),
+                                    *ENCODERS])
+    assert res.exit_code == 0, res.output
+    assert len(calls) == 3  # rho in {0.01, 0.1, 1.0}, one seed at smoke
+    for argv in calls:
+        opts = _opts(argv)
+        assert (opts["--baseline"], opts["--image-encoder"], opts["--text-encoder"], opts["--rounds"],
+                opts["--seeds"]) == ("feddra", "pl-tiny-a", "pl-tiny-b", "1", "0")
+        assert opts["--quiet"] is True and "--resume" not in opts  # a fresh cell starts afresh
+        assert json.loads(Path(str(opts["--manifest"])).read_text())["classes"] == list("abcde")
+    assert sorted(float(str(_opts(a)["--rho"])) for a in calls) == [0.01, 0.1, 1.0]
+    results = json.loads((tmp_path / "out" / "feddra-table8" / "results.json").read_text())
+    r1 = {a["point"]: a["values"]["r1"]["mean"] for a in results["arms"]}
+    assert r1 == pytest.approx({"rho=0.01": 22.1, "rho=0.1": 23.0, "rho=1.0": 32.0})  # mean client R@1
+    assert {a["point"]: a["values"]["r5"]["mean"] for a in results["arms"]} == \
+        pytest.approx({"rho=0.01": 50.01, "rho=0.1": 50.1, "rho=1.0": 51.0})
