@@ -3,7 +3,8 @@
 Schemes (FedPCL, Tan et al. NeurIPS 2022, Section 5.1 and Appendix A.1; FedNCM, Legate et al.
 NeurIPS 2023, Section 4):
 - feature shift (Table 8): one client per domain, N training images per class (paper: 10), the
-  rest of the domain (or T per class) as the client's test set;
+  rest of the domain (or T per class) as the client's test set; or, with a train fraction f,
+  round(f*n) of each class's n images for training (FedDRA's one-client-per-domain variant);
 - label shift (Table 9): M clients drawn from one domain (or all domains pooled), class
   proportions over clients from a per-class Dirichlet(alpha) as in the FedPCL code; each client's
   samples are split per class into train (fraction f, paper: ~10%) and test;
@@ -11,7 +12,13 @@ NeurIPS 2023, Section 4):
   label mix: client i draws class proportions q_i ~ Dirichlet(alpha) and N*C training images by
   those proportions from its domain; its test set is the rest of its domain for the classes it
   has, shared evenly between the domain's clients;
-- FedNCM: `--preset fedncm` = label shift over all domains pooled, 100 clients, alpha 0.1.
+- FedNCM: `--preset fedncm` = label shift over all domains pooled, 100 clients, alpha 0.1;
+- FedDRA (federated distributionally robust vision-language alignment; the offline setting of the
+  FedDRA reading notes, section 3): `--preset feddra` = label shift over amazon + caltech10
+  pooled, 5 clients, alpha 1, 80/20 train/test per client, on a source with texts.
+
+Sources with texts (a `captioned:` source, an image folder with captions.tsv; contract 2a) give
+every sample its text (Sample.text) and the recipe records where they came from ("captions").
 
 Everything random comes from one numpy Generator(seed) consumed in a fixed order, so the same
 arguments on the same files give the same manifest, byte for byte. Each sample's fingerprint
@@ -33,13 +40,18 @@ from embedcache.errors import UserError
 from embedcache.manifest import FINGERPRINT_KINDS, Client, Manifest, Sample
 
 SCHEMES = ("feature-shift", "label-shift", "feature-label-shift")
-PRESETS = {"fedncm": {"scheme": "label-shift", "clients": 100, "alpha": 0.1, "train_fraction": 0.8}}
+PRESETS: dict[str, dict[str, Any]] = {
+    "fedncm": {"scheme": "label-shift", "clients": 100, "alpha": 0.1, "train_fraction": 0.8},
+    "feddra": {"scheme": "label-shift", "clients": 5, "alpha": 1.0, "train_fraction": 0.8,
+               "domains": ("amazon", "caltech10")},
+}
+PAIRED_PRESETS = ("feddra",)  # presets that need a source with texts (contract 2a)
 REDRAWS = 10  # Dirichlet re-draws when a client comes out below min_samples
 
 
 # The options each scheme reads; any other option given is refused (with the reason below).
 USES = {
-    "feature-shift": {"train_per_class", "test_per_class"},
+    "feature-shift": {"train_per_class", "test_per_class", "train_fraction"},
     "label-shift": {"clients", "alpha", "train_fraction", "min_samples"},
     "feature-label-shift": {"train_per_class", "test_per_class", "clients", "alpha"},
 }
@@ -48,8 +60,8 @@ LABEL_SHIFT_CLIENTS = 5  # feature-label shift defaults to one client per domain
 _UNUSED = {
     "clients": "{scheme} makes one client per domain; choose domains with --domains",
     "alpha": "{scheme} draws no Dirichlet proportions (label-shift and feature-label-shift do)",
-    "train_fraction": "{scheme} takes --train-per-class training images per class; only label-shift "
-                      "splits clients by a fraction",
+    "train_fraction": "{scheme} takes --train-per-class training images per class; label-shift and "
+                      "feature-shift split by a fraction",
     "min_samples": "only label-shift re-draws clients that come out below it",
     "train_per_class": "{scheme} splits each client's samples by --train-fraction",
     "test_per_class": "{scheme} tests on the rest of each client's samples (--train-fraction sets the split)",
@@ -71,13 +83,17 @@ class Recipe:
     clients: int | None = None  # label shift: M [5]; feature-label shift: [one per domain]
     alpha: float | None = None  # label / feature-label shift: Dirichlet concentration [1.0]
     domains: tuple[str, ...] = ()  # restrict to these domains (label shift: one = --domain)
-    train_fraction: float | None = None  # label shift: share of each client's samples used for training [0.1]
+    train_fraction: float | None = None  # label shift: share of each client's samples used for training [0.1];
+    #                                      feature shift: share of each class per domain, instead of train_per_class
     min_samples: int | None = None  # label shift: fewest samples (train + test) a Dirichlet client should get [2]
     fingerprint: str = "stat"  # how each image is fingerprinted (ImageSource.fingerprint kinds)
+    captions: str | None = None  # set by partition(): the source's caption_origin when samples carry texts
 
     def as_dict(self) -> dict[str, Any]:
         d = dict(self.__dict__)
         d["domains"] = list(self.domains)
+        if d["captions"] is None:  # manifests without texts keep the bytes (and hashes) they had
+            del d["captions"]
         return d
 
     def resolved(self) -> "Recipe":
@@ -91,7 +107,13 @@ class Recipe:
         for option, why in _UNUSED.items():
             if option not in uses and getattr(self, option) is not None:
                 raise UserError(f"{_flag(option)}: not used by {self.scheme} ({why.format(scheme=self.scheme)})")
-        r = replace(self, **{k: v for k, v in DEFAULTS.items() if k in uses and getattr(self, k) is None})
+        fixed: set[str] = set()
+        if self.scheme == "feature-shift":  # N per class or a fraction, never both
+            if self.train_fraction is not None and self.train_per_class is not None:
+                raise UserError("--train-per-class and --train-fraction: feature-shift takes one of them")
+            fixed = {"train_fraction"} if self.train_fraction is None else {"train_per_class"}
+        r = replace(self, **{k: v for k, v in DEFAULTS.items()
+                             if k in uses and k not in fixed and getattr(self, k) is None})
         if r.scheme == "label-shift" and r.clients is None:
             r = replace(r, clients=LABEL_SHIFT_CLIENTS)
         if r.alpha is not None and r.alpha <= 0:
@@ -141,6 +163,11 @@ def feature_shift(groups: dict[str, dict[int, list[str]]], classes: Sequence[str
     short: list[str] = []
     for i, (dom, by_class) in enumerate(groups.items()):
         train, test = [], []
+        if r.train_fraction is not None:
+            train, test = _train_test([(loc, lab) for lab, locs in by_class.items() for loc in locs],
+                                      r.train_fraction, rng, r.test_per_class)
+            clients.append(Client(client_name(i, dom), dom, tuple(train), tuple(test)))
+            continue
         for lab in range(len(classes)):
             locs = by_class.get(lab, [])
             perm = [locs[j] for j in rng.permutation(len(locs))]
@@ -188,8 +215,10 @@ def dirichlet_split(by_class: dict[int, list[str]], m: int, alpha: float, rng: n
     return parts
 
 
-def _train_test(items: list[tuple[str, int]], frac: float, rng: np.random.Generator) -> tuple[list[Sample], list[Sample]]:
-    """Per class: round(frac*n) training samples (at least 1 when the class has 2 or more)."""
+def _train_test(items: list[tuple[str, int]], frac: float, rng: np.random.Generator,
+                test_cap: int | None = None) -> tuple[list[Sample], list[Sample]]:
+    """Per class: round(frac*n) training samples (at least 1 when the class has 2 or more), the
+    rest (at most `test_cap` of them) for testing."""
     by: dict[int, list[str]] = defaultdict(list)
     for loc, lab in items:
         by[lab].append(loc)
@@ -200,7 +229,7 @@ def _train_test(items: list[tuple[str, int]], frac: float, rng: np.random.Genera
         n = int(round(frac * len(perm)))
         n = max(n, 1) if len(perm) >= 2 else len(perm)
         train += _samples(perm[:n], lab)
-        test += _samples(perm[n:], lab)
+        test += _samples(perm[n:] if test_cap is None else perm[n:n + test_cap], lab)
     return train, test
 
 
@@ -278,9 +307,35 @@ def _fingerprinted(clients: list[Client], source: Any, kind: str) -> list[Client
     return [replace(c, train=fill(c.train), test=fill(c.test)) for c in clients]
 
 
-def partition(source: Any, recipe: Recipe, seed: int) -> Manifest:
-    """Build the manifest of `recipe` over `source` (an ImageSource, contract 2)."""
+def _with_texts(clients: list[Client], source: Any, report: dict[str, Any]) -> list[Client]:
+    """The clients with every sample's text from source.caption (UserError, one line, when a
+    sample has none: a manifest is paired or text-free)."""
+    from embedcache.sources.captions import caption_all
+
+    locs = sorted({s.locator for c in clients for split in (c.train, c.test) for s in split})
+    texts = dict(zip(locs, caption_all(source.caption, locs)))
+    bad = [t for t in texts.values() if isinstance(t, UserError)]
+    if bad:
+        raise UserError(f"{len(bad)} sample(s) have no text (e.g. {bad[0]})")
+    unknown = getattr(source, "unknown_caption_locators", lambda: [])()
+    if unknown:
+        report.setdefault("warnings", []).append(
+            f"{len(unknown)} caption line(s) name no image of {source.spec} (e.g. {unknown[0]})")
+
+    def fill(samples: Sequence[Sample]) -> tuple[Sample, ...]:
+        return tuple(replace(s, text=str(texts[s.locator])) for s in samples)
+
+    return [replace(c, train=fill(c.train), test=fill(c.test)) for c in clients]
+
+
+def partition(source: Any, recipe: Recipe, seed: int, *, require_texts: bool = False) -> Manifest:
+    """Build the manifest of `recipe` over `source` (an ImageSource, contract 2). Samples get
+    their texts when the source has them; `require_texts` refuses a source without."""
     recipe = recipe.resolved()
+    origin = getattr(source, "caption_origin", None)
+    if require_texts and origin is None:
+        raise UserError(f"{source.spec}: has no texts and this setting pairs every image with one; use "
+                        f"captioned:{source.spec} (generated captions) or give the images a captions.tsv")
     classes = list(source.classes())
     groups = _by_domain_class(source.index())
     if recipe.domains:
@@ -311,5 +366,8 @@ def partition(source: Any, recipe: Recipe, seed: int) -> Manifest:
     _missing_report(clients, classes, report)
     report["sizes"] = {c.name: [len(c.train), len(c.test)] for c in clients}
     clients = _fingerprinted(clients, source, recipe.fingerprint)
+    if origin is not None:
+        clients = _with_texts(clients, source, report)
+    recipe = replace(recipe, captions=None if origin is None else str(origin))
     return Manifest(source=source.spec, classes=tuple(classes), clients=tuple(clients),
                     recipe=recipe.as_dict(), seed=int(seed), report=report).validate()

@@ -89,8 +89,10 @@ def verify_shard(name: str, shard: zarr.Group, n_classes: int) -> list[str]:
         return [f"{name}: not complete"]
     n, d, v = int(a["n"]), int(a["dim"]), int(a["views"])
     probs = []
+    token_shape = a.get("token_shape")
     for arr, shape in (("features", (n, d)), ("labels", (n,)), ("sample_ids", (n,)), ("done", None)) + (
-            (("views", (v, n, d)),) if v > 1 else ()):
+            (("views", (v, n, d)),) if v > 1 else ()) + (
+            (("mask", (n, int(token_shape[0]))),) if token_shape is not None else ()):
         if arr not in shard:
             probs.append(f"{name}: array {arr} missing")
         elif shape is not None and shard[arr].shape != shape:
@@ -140,6 +142,32 @@ def verify_store(path: str | Path) -> list[str]:
             probs.append(f"{name}: unreadable ({type(exc).__name__}: {' '.join(str(exc).split())})")
     if not probs and not groups:
         probs.append(f"{path}: no shards")
+    return probs
+
+
+def verify_against_manifest(path: str | Path, manifest: object) -> list[str]:
+    """Problems between the store and `manifest`: images changed since the manifest was written
+    (their fingerprints, contract 2), and shards whose samples are not the manifest's (every
+    backbone of the store, every client and split of the manifest)."""
+    from embedcache.reader import shard_attributes
+    from embedcache.sources.drift import EXAMPLES, find_changes
+
+    info = open_store(path)
+    probs = []
+    changes = find_changes(manifest)  # type: ignore[arg-type]
+    if changes:
+        kind = manifest.fingerprint_kind  # type: ignore[attr-defined]
+        shown = ", ".join(c.describe(kind) for c in changes[:EXAMPLES])
+        probs.append(f"{len(changes)} image(s) changed since the manifest was written (e.g. {shown}); the "
+                     "features of this store no longer describe them: re-run partition, then extract")
+    for b in info.backbones:
+        for c in manifest.clients:  # type: ignore[attr-defined]
+            for split in st.SPLITS:
+                sh = info.shard(b, c.name, split)
+                if sh is None:
+                    probs.append(f"{b}/{c.name}/{split}: no shard for this manifest's client")
+                elif shard_attributes(info, sh).get("sample_list_hash") != manifest.sample_list_hash(c.name, split):  # type: ignore[attr-defined]
+                    probs.append(f"{sh.path}: holds other samples than the manifest's {c.name}/{split}")
     return probs
 
 
@@ -217,12 +245,14 @@ def export_h5(store: str | Path, out: str | Path) -> int:
                 for k, v in root[s.path].attrs.items():
                     g.attrs[k] = _h5_attr(v)
                 reader = ShardReader(root, s, s.views > 1, info.path)  # exports only checked rows
-                feats, labels, ids, views = reader.read(0, reader.n_chunks)
+                feats, labels, ids, views, mask = reader.read(0, reader.n_chunks)
                 g.create_dataset("features", data=feats.astype(s.dtype))
                 g.create_dataset("labels", data=labels)
                 g.create_dataset("sample_ids", data=np.array(ids.tolist(), dtype=object), dtype=h5py.string_dtype())
                 if views is not None:
                     g.create_dataset("views", data=views.astype(s.dtype))
+                if mask is not None:
+                    g.create_dataset("mask", data=mask)
         os.replace(tmp, out)
     finally:
         tmp.unlink(missing_ok=True)

@@ -162,3 +162,25 @@ def test_jda_digits_fingerprint_follows_the_file(shared, tmp_path):
     data["X_tar"][:, 7] = 0  # one image blanked
     savemat(str(tmp_path / "m.mat"), data)
     assert open_source(f"jda-digits:{tmp_path / 'm.mat'}").fingerprint("usps/7") != fp
+
+
+def test_verify_with_the_manifest_sees_changed_images_and_foreign_shards(tmp_path):
+    root = d.make_imagefolder(tmp_path / "imgs")
+    m, store = tmp_path / "m.json", tmp_path / "s"
+    _partition(root, m)
+    assert _extract(m, store).exit_code == 0
+    ok = CliRunner().invoke(main, ["verify", str(store), "--manifest", str(m)])
+    assert ok.exit_code == 0, ok.output
+    for f in sorted((root / "a").rglob("*.png")):
+        Image.new("RGB", Image.open(f).size).save(f)
+    bad = CliRunner().invoke(main, ["verify", str(store), "--manifest", str(m)])
+    assert bad.exit_code == 1
+    assert re.search(r"problem: \d+ image\(s\) changed since the manifest was written", bad.output), bad.output
+    # a re-partitioned manifest no longer matches domain a's shards until they are re-extracted
+    m2 = tmp_path / "m2.json"
+    _partition(root, m2)
+    other = CliRunner().invoke(main, ["verify", str(store), "--manifest", str(m2)])
+    assert other.exit_code == 1 and "tiny/c00-a/train: holds other samples" in other.output, other.output
+    assert "c01-b" not in other.output
+    assert _extract(m2, store).exit_code == 0
+    assert CliRunner().invoke(main, ["verify", str(store), "--manifest", str(m2)]).exit_code == 0

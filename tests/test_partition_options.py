@@ -31,7 +31,8 @@ def root(tmp_path_factory) -> Path:
 @pytest.mark.parametrize("args, flag", [
     (["--scheme", "feature-shift", "--clients", "3"], "--clients"),
     (["--scheme", "feature-shift", "--alpha", "0.5"], "--alpha"),
-    (["--scheme", "feature-shift", "--train-fraction", "0.2"], "--train-fraction"),
+    (["--scheme", "feature-shift", "--train-fraction", "0.2", "--train-per-class", "3"],
+     "--train-per-class and --train-fraction"),
     (["--scheme", "feature-shift", "--min-samples", "3"], "--min-samples"),
     (["--scheme", "label-shift", "--train-per-class", "5"], "--train-per-class"),
     (["--scheme", "label-shift", "--test-per-class", "2"], "--test-per-class"),

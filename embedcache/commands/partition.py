@@ -13,9 +13,11 @@ LIST_CAP = 10  # per-client warning lines before "... and N more"
 @click.argument("source")
 @click.option("--scheme", type=click.Choice(["feature-shift", "label-shift", "feature-label-shift"]),
               default=None, help="Non-IID setting (FedPCL Tables 8-10). Required unless --preset.")
-@click.option("--preset", type=click.Choice(["fedncm"]), default=None,
-              help="fedncm: label shift over all domains pooled, 100 clients, alpha 0.1.")
-@click.option("--train-per-class", type=int, default=None, help="Feature(-label) shift: N per class [10].")
+@click.option("--preset", type=click.Choice(["fedncm", "feddra"]), default=None,
+              help="fedncm: label shift over all domains pooled, 100 clients, alpha 0.1, 80/20. feddra: label "
+                   "shift over amazon+caltech10 pooled, 5 clients, alpha 1, 80/20, with texts (captioned:...).")
+@click.option("--train-per-class", type=int, default=None,
+              help="Feature(-label) shift: N per class [10] (feature shift: or --train-fraction).")
 @click.option("--test-per-class", type=int, default=None,
               help="Feature(-label) shift: cap test images per class (default: the rest).")
 @click.option("--clients", type=int, default=None,
@@ -23,7 +25,8 @@ LIST_CAP = 10  # per-client warning lines before "... and N more"
 @click.option("--alpha", type=float, default=None, help="Label / feature-label shift: Dirichlet concentration [1.0].")
 @click.option("--domain", "domain", default=None, help="One domain (label shift: the domain to draw clients from).")
 @click.option("--domains", default=None, help="Comma-separated subset of domains.")
-@click.option("--train-fraction", type=float, default=None, help="Label shift: training share per client [0.1].")
+@click.option("--train-fraction", type=float, default=None,
+              help="Label shift: training share per client [0.1]; feature shift: share per class and domain.")
 @click.option("--min-samples", type=int, default=None, help="Label shift: fewest samples (before the train/test split) per client; re-draws below it [2].")
 @click.option("--fingerprint", type=click.Choice(["stat", "sha256"]), default="stat", show_default=True,
               help="How images are fingerprinted to catch later changes: stat (size + mtime, instant) or "
@@ -32,10 +35,12 @@ LIST_CAP = 10  # per-client warning lines before "... and N more"
 @click.option("--out", required=True, type=click.Path(dir_okay=False), help="Manifest file (.json, .yaml or .yml).")
 def partition(source, scheme, preset, train_per_class, test_per_class, clients, alpha, domain, domains,
               train_fraction, min_samples, fingerprint, seed, out) -> None:
-    """Partition SOURCE (imagefolder:PATH | jda-digits:FILE.mat | builtin:digits) into clients."""
+    """Partition SOURCE (imagefolder:PATH | jda-digits:FILE.mat | builtin:digits | captioned:<one of
+    these>) into clients. Sources with texts (captioned:, an image folder with captions.tsv) write
+    each sample's text into the manifest."""
     from embedcache.errors import UserError
     from embedcache.manifest import SUFFIXES, save_manifest
-    from embedcache.partition import PRESETS, Recipe
+    from embedcache.partition import PAIRED_PRESETS, PRESETS, Recipe
     from embedcache.partition import partition as run_partition
     from embedcache.sources import open_source
 
@@ -43,7 +48,7 @@ def partition(source, scheme, preset, train_per_class, test_per_class, clients, 
         raise UserError(f"--out {out}: must end in .json, .yaml or .yml")
     base: dict = dict(PRESETS[preset]) if preset else {}
     if scheme is None and "scheme" not in base:
-        raise UserError("--scheme: required (or --preset fedncm)")
+        raise UserError(f"--scheme: required (or --preset {' / '.join(PRESETS)})")
     if preset and scheme is not None and scheme != base["scheme"]:
         raise UserError(f"--scheme {scheme}: --preset {preset} is {base['scheme']}; drop one of them")
     if domain and domains:
@@ -52,14 +57,19 @@ def partition(source, scheme, preset, train_per_class, test_per_class, clients, 
              "clients": clients, "alpha": alpha, "train_fraction": train_fraction, "min_samples": min_samples}
     base.update({k: v for k, v in given.items() if v is not None})
     doms = tuple(d.strip() for d in (domains or domain or "").split(",") if d.strip())
-    recipe = Recipe(domains=doms, fingerprint=fingerprint, **base)
-    manifest = run_partition(open_source(source), recipe, seed)
+    preset_doms = tuple(base.pop("domains", ()))
+    recipe = Recipe(domains=doms or preset_doms, fingerprint=fingerprint, **base)
+    manifest = run_partition(open_source(source), recipe, seed, require_texts=preset in PAIRED_PRESETS)
     save_manifest(manifest, out)
     _warn(manifest)
     n_tr = sum(len(c.train) for c in manifest.clients)
     n_te = sum(len(c.test) for c in manifest.clients)
+    texts = ""
+    if manifest.paired:
+        distinct = len({s.text for s in manifest.all_samples()})
+        texts = f", {distinct} distinct texts ({manifest.recipe.get('captions')})"
     click.echo(f"{out}: {len(manifest.clients)} clients, {len(manifest.classes)} classes, "
-               f"{n_tr} train / {n_te} test samples, hash {manifest.content_hash[:12]}")
+               f"{n_tr} train / {n_te} test samples{texts}, hash {manifest.content_hash[:12]}")
 
 
 def _warn(manifest) -> None:

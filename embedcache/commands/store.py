@@ -46,16 +46,28 @@ def inspect(store: str, as_json: bool) -> None:
 @click.argument("store")
 @click.option("--repair", is_flag=True,
               help="First rewrite the consolidated metadata from the files if it is missing or stale (data is never touched).")
-def verify(store: str, repair: bool) -> None:
+@click.option("--manifest", "manifest_path", default=None,
+              help="Also check the images against the manifest's fingerprints and every shard's samples against it.")
+def verify(store: str, repair: bool, manifest_path: str | None) -> None:
     """Exit 0 only if every shard of STORE is complete and consistent (chunk sha256s re-checked)
-    and its consolidated metadata matches the files (never trusted: the hierarchy is read)."""
-    from embedcache.store_io import repair_consolidated, verify_store
+    and its consolidated metadata matches the files (never trusted: the hierarchy is read);
+    with --manifest, also that the images did not change since the manifest was written and
+    that every shard holds the manifest's samples."""
+    from embedcache.store_io import repair_consolidated, verify_against_manifest, verify_store
+
+    manifest = None
+    if manifest_path is not None:
+        from embedcache.manifest import load_manifest
+
+        manifest = load_manifest(manifest_path)
 
     if repair:
         wrong = repair_consolidated(store)
         if wrong:
             click.echo(f"repaired: consolidated metadata {wrong}; rewritten from the files", err=True)
     problems = verify_store(store)
+    if manifest is not None:
+        problems += verify_against_manifest(store, manifest)
     for p in problems:
         click.echo(f"problem: {p}", err=True)
     if problems:

@@ -4,9 +4,13 @@
                                         DomainNet, Digit-5 exported as images)
     open_source("jda-digits:FILE.mat")  the MNIST/USPS .mat of the JDA benchmark
     open_source("builtin:digits")       the embedded default (embedcache.sources.builtin_digits)
+    open_source("captioned:<spec>")     any of these with a generated caption per image (FedDRA's
+                                        paired image-text setting; embedcache.sources.captions)
 
 Every source can `fingerprint(locator, kind)` a sample without decoding it; the manifest keeps
 the fingerprints and `embedcache.sources.drift` compares them with the files as they are now.
+A source with texts also has `caption_origin` (not None) and `caption(locator)` (contract 2a):
+`captioned:` sources, and `imagefolder:` with a `captions.tsv`.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ class ImageSource(Protocol):
     def index(self) -> list[tuple[str, str, int]]: ...
     def load(self, locator: str) -> Image.Image: ...
     def fingerprint(self, locator: str, kind: str = "stat") -> str: ...
+    # optional (contract 2a): caption_origin: str | None; caption(locator) -> str
 
 
 def open_source(spec: str) -> ImageSource:
@@ -42,8 +47,13 @@ def open_source(spec: str) -> ImageSource:
         from embedcache.sources.jda_digits import JDADigits
 
         return JDADigits(spec, arg)
+    if kind == "captioned" and sep:
+        from embedcache.sources.captioned import open_captioned
+
+        return open_captioned(spec)
     if spec == "builtin:digits":
         from embedcache.sources.builtin_digits import BuiltinDigits
 
         return BuiltinDigits()
-    raise UserError(f"source {spec!r}: unknown (use imagefolder:PATH, jda-digits:FILE.mat or builtin:digits)")
+    raise UserError(f"source {spec!r}: unknown (use imagefolder:PATH, jda-digits:FILE.mat, builtin:digits "
+                    f"or captioned:<one of these>)")

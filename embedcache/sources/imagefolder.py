@@ -3,7 +3,10 @@ folders over all domains (a domain lacking a class is fine); locator = "domain/c
 
 Fingerprints (contract 2): "stat" = f"{size}:{mtime_ns}" (one stat call, the default: catches
 any rewrite of a file, but a copy of the data set that does not keep mtimes looks changed);
-"sha256" = the file's sha256 (reads every byte; the same on every copy of the same files)."""
+"sha256" = the file's sha256 (reads every byte; the same on every copy of the same files).
+
+Texts (contract 2a): a file PATH/captions.tsv of `<locator>\t<text>` lines gives the samples user
+captions (paired image-text data); without it the source has no texts."""
 
 from __future__ import annotations
 
@@ -17,6 +20,7 @@ from PIL import Image, UnidentifiedImageError
 
 from embedcache.errors import UserError
 
+CAPTIONS_FILE = "captions.tsv"
 IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".bmp", ".gif", ".tif", ".tiff", ".webp", ".ppm", ".pgm"}
 
 
@@ -44,6 +48,32 @@ class ImageFolder:
 
     def domains(self) -> list[str]:
         return list(self._layout)
+
+    @functools.cached_property
+    def _captions(self) -> tuple[str | None, dict[str, str]]:
+        path = self.root / CAPTIONS_FILE
+        if not path.is_file():
+            return None, {}
+        return read_captions_tsv(path)
+
+    @property
+    def caption_origin(self) -> str | None:
+        """"captions.tsv:<sha256[:16]>" when PATH/captions.tsv exists, else None (no texts)."""
+        return self._captions[0]
+
+    def caption(self, locator: str) -> str:
+        origin, texts = self._captions
+        if origin is None:
+            raise UserError(f"{locator}: {self.spec} has no texts (no {self.root / CAPTIONS_FILE}; "
+                            f"captioned:{self.spec} generates captions)")
+        if locator not in texts:
+            raise UserError(f"{locator}: no caption in {self.root / CAPTIONS_FILE}")
+        return texts[locator]
+
+    def unknown_caption_locators(self) -> list[str]:
+        """Locators of captions.tsv that name no image of this folder (likely typos)."""
+        known = {loc for _, loc, _ in self.index()}
+        return sorted(loc for loc in self._captions[1] if loc not in known)
 
     def classes(self) -> list[str]:
         return sorted({c for cl in self._layout.values() for c in cl})
@@ -84,3 +114,28 @@ class ImageFolder:
                 return im.convert("RGB")
         except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as exc:
             raise UserError(f"{locator}: unreadable or corrupt image ({type(exc).__name__}: {exc})") from None
+
+
+def read_captions_tsv(path: Path) -> tuple[str, dict[str, str]]:
+    """("captions.tsv:<sha256[:16]>", {locator: text}) from `<locator>\t<text>` lines (UTF-8; an
+    optional header `locator\ttext`; blank and `#` lines skipped). UserError naming the line for a
+    line without a tab, an empty text or a locator given twice."""
+    raw = path.read_bytes()
+    try:
+        text = raw.decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        raise UserError(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+    out: dict[str, str] = {}
+    for n, line in enumerate(text.splitlines(), 1):
+        if not line.strip() or line.startswith("#") or (n == 1 and line.strip() == "locator\ttext"):
+            continue
+        loc, tab, caption = line.partition("\t")
+        loc, caption = loc.strip(), caption.strip()
+        if not tab or not loc:
+            raise UserError(f"{path}:{n}: expected <locator><TAB><text>, got {line[:80]!r}")
+        if not caption:
+            raise UserError(f"{path}:{n}: {loc} has an empty caption")
+        if loc in out:
+            raise UserError(f"{path}:{n}: {loc} has a caption already (one line per image)")
+        out[loc] = caption
+    return f"{CAPTIONS_FILE}:{hashlib.sha256(raw).hexdigest()[:16]}", out

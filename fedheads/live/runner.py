@@ -7,6 +7,9 @@
     RUN_DIR/summary.md, accuracy_per_round.png, per_client.png, figure1.png
     RUN_DIR/state/seed<S>.ckpt.pt   checkpoint after every round (weights_only loadable); the
                                last one holds the final global model
+    RUN_DIR/state/seed<S>.backbone.pt  the final fine-tuned backbone (no head) as a `ckpt:` file
+                               (docs/contracts.md 3f): `embedcache extract --backbones
+                               ckpt:RUN_DIR/state/seed0.backbone.pt` caches its features
 
 Several `--head` values write one such directory per method under RUN_DIR plus a combined
 summary.md / results.json / figure1.png (FedNCM paper Figure 1: accuracy vs rounds, vs
@@ -184,6 +187,11 @@ def _one_method(head: str, m: Any, store: str, bb: Any, backbone: str, trainable
         run = run_finetune(alg, net, split_state(net), clients, rounds=opts.rounds, seed=seed,
                            fraction=opts.fraction, eval_every=opts.eval_every, device=device, checkpoint=ck,
                            resume=opts.resume, progress=opts.progress)
+        if trainable.mode != "head":  # head-only: the backbone did not change
+            _export_backbone(out / "state" / f"seed{seed}.backbone.pt", bb, backbone, net, run,
+                             f"fedheads finetune {name}, seed {seed}, {opts.rounds} rounds, trainable "
+                             f"{trainable.spec}, bn {opts.bn}, manifest {m.content_hash[:12]}, from {backbone} "
+                             f"(weights {bb.weights_sha256[:12]})")
         heads_done.append(hr)
         runs.append(run)
         per_seed.append(_seed_result(run, hr, net, clients, seed, opts))
@@ -211,6 +219,19 @@ def _one_method(head: str, m: Any, store: str, bb: Any, backbone: str, trainable
     report.write_markdown(md, out / "summary.md")
     report.write_results_json(result, out / "results.json")  # last: marks the directory complete
     return result
+
+
+def _export_backbone(path: Path, bb: Any, backbone: str, net: LiveNet, run: FTRun, note: str) -> None:
+    """The seed's fine-tuned backbone as a `ckpt:` file: the trained stages from the final global
+    model, everything else (the frozen prefix, BatchNorm counters) from the pre-trained backbone,
+    so the file depends on the weights only (a resumed run writes the same bytes)."""
+    from embedcache.backbones.ckpt import CkptBackbone, save_backbone_checkpoint
+
+    staged = bb.trainable()
+    fresh = LiveNet(staged, net.trainable, net.head.out_features, bn=net.bn, live_prefix=net.live_prefix)
+    fresh.load_trained_state({**run.state.model.params, **run.state.model.buffers})
+    base = bb.base_name if isinstance(bb, CkptBackbone) else backbone  # the file records the root base
+    save_backbone_checkpoint(path, base, staged, note)
 
 
 def _seed_result(run: FTRun, hr: HeadResult, net: LiveNet, clients: list, seed: int,
