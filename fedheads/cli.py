@@ -176,11 +176,12 @@ def finetune(manifest_path, store, backbone, heads, head_rounds, rounds, server,
 @main.command()
 @click.option("--manifest", "manifest_path", required=True, type=click.Path(), help="A paired (image, text) manifest.")
 @click.option("--store", default=None, type=click.Path(),
-              help="Store with the encoders' token states (IMAGE@CUT maps, TEXT@tokens): stage 1 reads them; "
+              help="Store with the encoders' token states (IMAGE@CUT maps, TEXT@CUT token shards): stage 1 reads them; "
                    "without it stage 1 encodes live.")
 @click.option("--image-encoder", required=True, help="Trainable image backbone, e.g. resnet20-cifar10, efficientnet-lite0:160.")
 @click.option("--image-cut", default=None, help="Image token states after this stage (default: its last map; Lite0 blocks.6).")
-@click.option("--text-encoder", required=True, help="Text backbone, e.g. minilm-l6-v2.")
+@click.option("--text-encoder", required=True, help="Text backbone, e.g. minilm-l6-v2:32 (T = 32 tokens).")
+@click.option("--text-cut", default=None, help="Text token states after this stage (default: its last layer, layer.5).")
 @click.option("--baseline", "baselines", default="feddra", show_default=True,
               help="Comma-separated presets: feddra, fedavg, fedprox, no-two-stage, no-constraint, no-dro.")
 @click.option("--schedule", type=click.Choice(["interleaved", "sequential"]), default="interleaved", show_default=True,
@@ -223,7 +224,7 @@ def finetune(manifest_path, store, backbone, heads, head_rounds, rounds, server,
 @click.option("--overwrite", is_flag=True, help="Replace a finished run in --out.")
 @click.option("--quiet", is_flag=True, help="No progress bars.")
 @click.option("--out", required=True, type=click.Path(file_okay=False), help="Run directory.")
-def feddra(manifest_path, store, image_encoder, image_cut, text_encoder, baselines, schedule, stage1_rounds,
+def feddra(manifest_path, store, image_encoder, image_cut, text_encoder, text_cut, baselines, schedule, stage1_rounds,
            no_two_stage, rounds, steps, batch_size, rho, divergence, radius_convention, gamma, mu, tau, lr, encoder_lr,
            weight_decay, step_scaling, dro_loss, dro_model, dro_batches, prox_mu, image_trainable, text_trainable, bn,
            stage1_inputs, no_augment, probe_manifest, probe_shots, probe_draws, seeds, eval_every, device, num_workers,
@@ -247,7 +248,7 @@ def feddra(manifest_path, store, image_encoder, image_cut, text_encoder, baselin
         except ValueError:
             raise UserError(f"--probe-shots {probe_shots!r}: expected comma-separated integers") from None
         probe = ProbeOptions(manifest=probe_manifest, shots=shots, draws=probe_draws)
-    opts = FedDRAOptions(fd=fd, baselines=names, image_cut=image_cut, image_trainable=image_trainable,
+    opts = FedDRAOptions(fd=fd, baselines=names, image_cut=image_cut, text_cut=text_cut, image_trainable=image_trainable,
                          text_trainable=text_trainable, bn=bn, seeds=_seeds(seeds), eval_every=eval_every,
                          augment=not no_augment, stage1_inputs=stage1_inputs, probe=probe, device=device,
                          num_workers=num_workers, weights_dir=weights_dir, resume=resume, overwrite=overwrite,

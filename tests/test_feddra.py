@@ -20,7 +20,8 @@ import vl_doubles
 from embedcache.errors import UserError
 from fedheads.live.dro import DROConfig
 from fedheads.live.feddra import FDMessage, FedDRA, FedDRAConfig, info_nce, l_c, l_mi
-from fedheads.live.feddra_driver import run_feddra
+from fedheads.live.data import seeded
+from fedheads.live.feddra_driver import _seed, run_feddra
 from fedheads.live.feddra_eval import retrieval
 from fedheads.live.feddra_model import DualEncoder, ModuleShape, is_module_key
 from fedheads.live.feddra_runner import BASELINES, apply_baseline
@@ -39,13 +40,13 @@ def _world(m, store=None):
     from embedcache.backbones import create_backbone
     from embedcache.sources import open_source
 
-    img, text = create_backbone("tiny-staged"), vl_doubles.TinyText()
+    img, text = create_backbone("tiny-staged"), create_backbone(vl_doubles.TEXT)
     clients = pair_clients(m, open_source(m.source), img.transform, text)
     if store is not None:
-        cache_from_store(clients, m, store, "tiny-staged@stem", "tiny-text@tokens")
+        cache_from_store(clients, m, store, "tiny-staged@stem", vl_doubles.TEXT_TOKENS)
 
     def make(seed: int = 0, **kw) -> DualEncoder:
-        return DualEncoder(img.trainable(), "stem", text.trainable(), text.feature_dim, shape=SHAPE, seed=seed, **kw)
+        return DualEncoder(img.trainable(), "stem", text.trainable(), text.token_dim, shape=SHAPE, seed=seed, **kw)
     return clients, make
 
 
@@ -74,22 +75,23 @@ def _plain_fedavg(cfg, clients, make, seed=0):
         for st in cfg.plan()[r - 1]:
             local = []
             for c in clients:
-                net.load_state(g)
-                net.set_mode(st)
-                named = net.named_trained(st)
-                groups = [{"params": [p for k, p in named if is_module_key(k)], "lr": cfg.lr},
-                          {"params": [p for k, p in named if not is_module_key(k)], "lr": cfg.encoder_lr}]
-                opt = torch.optim.AdamW([x for x in groups if x["params"]], weight_decay=cfg.weight_decay)
-                rows = step_rows(c.n_train, c.index, cfg.batch_size, cfg.steps, seed, r - 1, st)
-                for b in c.batches("train", rows, CPU, augment=(seed, 2 * (r - 1) + st) if st == 2 else None):
-                    with torch.set_grad_enabled(st == 2):
-                        img, txt = net.image_tokens(b.images), net.text_tokens(b.ids, b.mask)
-                    zx, zy = net.align(img, None, txt, b.mask)
-                    loss = l_mi(zx, zy, cfg)  # the same float operations: Adam would amplify any noise
-                    opt.zero_grad()
-                    loss.backward()
-                    opt.step()
-                local.append({k: v.clone() for k, v in net.state(st).items()})
+                with seeded(_seed(seed, r - 1, c.index, st)):  # BERT dropout: the driver's seed per (round, client, stage)
+                    net.load_state(g)
+                    net.set_mode(st)
+                    named = net.named_trained(st)
+                    groups = [{"params": [p for k, p in named if is_module_key(k)], "lr": cfg.lr},
+                              {"params": [p for k, p in named if not is_module_key(k)], "lr": cfg.encoder_lr}]
+                    opt = torch.optim.AdamW([x for x in groups if x["params"]], weight_decay=cfg.weight_decay)
+                    rows = step_rows(c.n_train, c.index, cfg.batch_size, cfg.steps, seed, r - 1, st)
+                    for b in c.batches("train", rows, CPU, augment=(seed, 2 * (r - 1) + st) if st == 2 else None):
+                        with torch.set_grad_enabled(st == 2):
+                            img, txt = net.image_tokens(b.images), net.text_tokens(b.ids, b.mask)
+                        zx, zy = net.align(img, None, txt, b.mask)
+                        loss = l_mi(zx, zy, cfg)  # the same float operations: Adam would amplify any noise
+                        opt.zero_grad()
+                        loss.backward()
+                        opt.step()
+                    local.append({k: v.clone() for k, v in net.state(st).items()})
             for k in local[0]:
                 total = local[0][k] - g[k]
                 for x in local[1:]:
@@ -185,13 +187,18 @@ def test_stages_train_what_the_paper_says(paired):
     _, make = _world(m)
     net = make()
     assert all(is_module_key(k) for k in net.state(1))
-    assert {k.split("/")[0] for k in net.state(2)} == {"psi", "phi", "image:stem", "text:embeddings", "text:layer.0"}
+    assert {k.split("/")[0] for k in net.state(2)} == {"psi", "phi", "image:stem", "text:embeddings", "text:layer.0",
+                                                       "text:layer.1"}
     part = make(text_trainable="after:embeddings", image_trainable="frozen")
-    assert {k.split("/")[0] for k in part.state(2)} == {"psi", "phi", "text:layer.0"}
+    assert {k.split("/")[0] for k in part.state(2)} == {"psi", "phi", "text:layer.0", "text:layer.1"}
+    early = make(text_cut="layer.0")  # tokens after layer.0: layer.1 is never used, never trained
+    assert {k.split("/")[0] for k in early.state(2)} == {"psi", "phi", "image:stem", "text:embeddings", "text:layer.0"}
+    with pytest.raises(UserError, match="--text-cut pool"):
+        make(text_cut="pool")
     with pytest.raises(UserError, match="--image-trainable 'after:block'"):
         make(image_trainable="after:block")  # after the token cut: unused stages
     with pytest.raises(UserError, match="no cut 'pool'"):
-        DualEncoder(make().image, "pool", make().text, 6)
+        DualEncoder(make().image, "pool", make().text, 16)
     assert FedDRAConfig(rounds=4).plan() == [(1, 2)] * 4
     assert FedDRAConfig(rounds=5, schedule="sequential").plan() == [(1,)] * 3 + [(2,)] * 2
     assert FedDRAConfig(rounds=3, two_stage=False).plan() == [(2,)] * 3

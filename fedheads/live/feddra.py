@@ -41,7 +41,7 @@ from embedcache.errors import UserError
 from fedheads.algorithms.pfl_common import GlobalModel
 from fedheads.live import dro
 from fedheads.live.feddra_model import DualEncoder, Params, is_module_key
-from fedheads.live.finetune import AMP, _amp
+from fedheads.live.finetune import AMP, _amp, optimizer_step
 from fedheads.live.pairs import PairBatch
 
 SCHEDULES = ("interleaved", "sequential")
@@ -241,14 +241,7 @@ class FedDRA:
                 loss = self.local_loss(net, anchor, b, stage)
             if cfg.prox_mu:  # FedProx (Li et al. 2020, Eq. 2)
                 loss = loss + 0.5 * cfg.prox_mu * sum(((p - s) ** 2).sum() for (_, p), s in zip(named, start))
-            opt.zero_grad(set_to_none=True)
-            if scaler is None:
-                loss.backward()
-                opt.step()
-            else:
-                scaler.scale(loss).backward()
-                scaler.step(opt)
-                scaler.update()
+            optimizer_step(opt, scaler, loss)
         v = math.nan if value_batches is None else self.client_value(net, anchor, value_batches, stage)
         now = net.state(stage)
         send = self.sent_keys(stage, net)

@@ -88,7 +88,7 @@ class ModuleShape:
 
 def _trained_stages(names: tuple[str, ...], spec: str, last: str | None, who: str) -> tuple[str, ...]:
     """Stages that train in stage 2 for `spec` ("all" | "after:STAGE" | "frozen"), up to `last`."""
-    usable = names[: names.index(last) + 1] if last is not None else names
+    usable = names[: names.index(last) + 1] if last is not None and names else names
     if spec == "all":
         return usable
     if spec == "frozen":
@@ -105,7 +105,7 @@ class DualEncoder(nn.Module):
 
     def __init__(self, image: nn.Module, image_cut: str, text: nn.Module, text_dim: int, *,
                  shape: ModuleShape = ModuleShape(), image_trainable: str = "all", text_trainable: str = "all",
-                 bn: str = "frozen", seed: int = 0) -> None:
+                 bn: str = "frozen", seed: int = 0, text_cut: str | None = None) -> None:
         super().__init__()
         if image_cut not in image.cut_points():
             raise UserError(f"--image-cut {image_cut}: {image.name} has no cut {image_cut!r} "
@@ -113,6 +113,13 @@ class DualEncoder(nn.Module):
         if bn not in ("train", "frozen"):
             raise UserError(f"--bn {bn!r}: use train or frozen")
         self.image, self.text, self.image_cut, self.bn = image, text, image_cut, bn
+        names = vl.stage_names(text)
+        if text_cut is None and names:
+            text_cut = text.cut_points()[-1]  # the last layer: what the pooled embedding averages
+        if names and text_cut not in text.cut_points():
+            raise UserError(f"--text-cut {text_cut}: {getattr(text, 'name', 'the text encoder')} has no cut "
+                            f"{text_cut!r} ({', '.join(text.cut_points())})")
+        self.text_cut = text_cut
         T, d_img = vl.image_token_shape(image, image_cut)
         gen_state = torch.random.get_rng_state()
         torch.manual_seed(int(seed))  # the modules' initialisation is a function of the run seed
@@ -122,7 +129,7 @@ class DualEncoder(nn.Module):
         finally:
             torch.random.set_rng_state(gen_state)
         self.image_stages = _trained_stages(tuple(image.stage_names), image_trainable, image_cut, "image")
-        self.text_stages = _trained_stages(vl.stage_names(text), text_trainable, None, "text")
+        self.text_stages = _trained_stages(names, text_trainable, text_cut, "text")
         self.image.requires_grad_(False)
         self.text.requires_grad_(False)
         for n in self.image_stages:
@@ -136,7 +143,7 @@ class DualEncoder(nn.Module):
         return vl.map_tokens(self.image(x, stop=self.image_cut))
 
     def text_tokens(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        return vl.text_states(self.text, ids, mask)
+        return vl.text_states(self.text, ids, mask, self.text_cut)
 
     def align(self, img: torch.Tensor, img_mask: torch.Tensor | None, txt: torch.Tensor,
               txt_mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:

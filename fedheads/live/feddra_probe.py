@@ -5,7 +5,6 @@ an out-of-distribution manifest, with three feature sets:
             computed in this process (the alignment module is not a backbone of the registry);
   pooled    the trained image encoder's pooled output, cached like any backbone through the run's
             exported `ckpt:` file (`embedcache extract --backbones ckpt:RUN/encoders/image-seedS.pt`);
-            needs the `ckpt:` backbone family, else recorded as skipped with the reason;
   backbone  the pre-trained image encoder's pooled output (the reference a probe must beat: the
             FedDRA notes measured raw ResNet-20 features above both federated runs).
 
@@ -25,13 +24,10 @@ import torch
 import torch.nn.functional as F
 
 from embedcache.errors import UserError
-from fedheads.live import vl
 from fedheads.live.data import ImageLoader, _Images
 from fedheads.live.feddra_eval import few_shot_probe
 
 FEATURES = ("z", "pooled", "backbone")
-NEEDS_CKPT = ("needs ckpt: backbones (the `ckpt:<path>` family of contract 3, not in this installation); "
-              "the exported encoder is at {path}")
 
 
 @dataclass(frozen=True)
@@ -99,11 +95,8 @@ def run_probe(po: ProbeOptions, glob: Any, su: Any, out: Path, seed: int, export
             x = _z_features(glob, m, su.image_bb.transform, su.device)
         elif feat == "backbone":
             x = _store_features(m, out / "probe.zarr", su.image_bb.name, su.weights_dir)
-        elif vl.ckpt_backbones_available():
+        else:  # the trained encoder's pooled output through its exported ckpt: file
             x = _store_features(m, out / "probe.zarr", f"ckpt:{exported['image']['path']}", su.weights_dir)
-        else:
-            res[feat] = {"skipped": NEEDS_CKPT.format(path=exported["image"]["path"])}
-            continue
         res[feat] = few_shot_probe(x["train"], y_tr, x["test"], y_te, num_classes=len(m.classes), shots=po.shots,
                                    draws=po.draws, seed=seed, rounds=po.rounds, lp_settings=dict(po.lp_settings))
     return res

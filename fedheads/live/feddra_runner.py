@@ -35,7 +35,6 @@ import torch
 from embedcache.errors import UserError
 from embedcache.manifest import canonical_json
 from fedheads import report, rundir
-from fedheads.atomic import atomic_path
 from fedheads.data import resolve_device
 from fedheads.live import feddra_report, vl
 from fedheads.live.feddra import FedDRA, FedDRAConfig
@@ -44,6 +43,7 @@ from fedheads.live.feddra_model import DualEncoder, ModuleShape
 from fedheads.live.feddra_probe import ProbeOptions, run_probe
 from fedheads.live.heads import check_store
 from fedheads.live.pairs import PairClient, cache_from_store, check_paired, pair_clients
+from fedheads.live.runner import _jsonable, _write
 from fedheads.machine import machine
 
 BASELINES: dict[str, dict[str, Any]] = {
@@ -80,6 +80,7 @@ class FedDRAOptions:
     image_cut: str | None = None  # token cut of the image encoder (None: DEFAULT_CUTS, else its last map)
     image_trainable: str = "all"  # stage 2: all (paper) | after:STAGE (CPU deviation) | frozen
     text_trainable: str = "all"  # stage 2: all (paper) | after:STAGE | frozen
+    text_cut: str | None = None  # text token states after this stage (None: its last layer, layer.5 for MiniLM)
     bn: str = "frozen"  # image BatchNorm in stage 2: frozen statistics (the paper's ViT/BERT have none) | train
     shape: ModuleShape = field(default_factory=ModuleShape)
     seeds: tuple[int, ...] = (0,)
@@ -99,37 +100,6 @@ def _sha(obj: Any) -> str:
     return hashlib.sha256(canonical_json(obj).encode()).hexdigest()
 
 
-def _jsonable(obj: Any) -> Any:
-    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return {k: _jsonable(v) for k, v in dataclasses.asdict(obj).items()}
-    if isinstance(obj, (list, tuple)):
-        return [_jsonable(v) for v in obj]
-    if isinstance(obj, dict):
-        return {str(k): _jsonable(v) for k, v in obj.items()}
-    return obj
-
-
-def _write(path: Path, text: str) -> None:
-    with atomic_path(path) as tmp:
-        tmp.write_text(text)
-
-
-class FrozenText(torch.nn.Module):
-    """A text backbone that cannot train, as the module DualEncoder needs (no stages to train)."""
-
-    stage_names: tuple[str, ...] = ()
-
-    def __init__(self, bb: Any) -> None:
-        super().__init__()
-        self.bb = bb
-
-    def stage(self, name: str) -> torch.nn.Module:
-        raise UserError(f"{self.bb.name}: cannot be trained in stage 2")
-
-    def token_states(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        return vl.text_frozen_states(self.bb, ids.cpu(), mask.cpu()).to(ids.device)
-
-
 def _image_cut(staged: Any, name: str, cut: str | None) -> str:
     if cut is not None:
         return cut
@@ -147,6 +117,7 @@ class _Setup:
     image_bb: Any
     text_bb: Any
     cut: str
+    text_cut: str
     clients: list[PairClient]
     device: torch.device
     needs_text: bool
@@ -171,6 +142,7 @@ def _setup(manifest: Any, store: str | None, image_encoder: str, text_encoder: s
                         f"({exc})") from None
     cut = _image_cut(staged, image_encoder, opts.image_cut)
     text_bb = vl.open_text_encoder(text_encoder, opts.weights_dir)
+    tcut = vl.text_cut(text_bb, opts.text_cut)
     stage2 = any(2 in p for cfg in cfgs for p in cfg.plan())
     needs_text = stage2 and opts.text_trainable != "frozen"
     if needs_text:
@@ -178,17 +150,17 @@ def _setup(manifest: Any, store: str | None, image_encoder: str, text_encoder: s
     if stage2 and opts.image_trainable == "frozen" and opts.text_trainable == "frozen":
         raise UserError("stage 2 with both encoders frozen trains nothing new; use --schedule sequential "
                         "--stage1-rounds R (stage 1 only) or let an encoder train")
-    DualEncoder(staged, cut, FrozenText(text_bb), text_bb.feature_dim, image_trainable=opts.image_trainable,
-                text_trainable="frozen", bn=opts.bn)  # cut and trainable specs checked here
+    DualEncoder(staged, cut, vl.FrozenText(text_bb, tcut), text_bb.token_dim, image_trainable=opts.image_trainable,
+                text_trainable="frozen", bn=opts.bn, text_cut=tcut)  # cut and trainable specs checked here
     clients = pair_clients(m, open_source(m.source), bb.transform, text_bb, opts.num_workers, device)
     if store is not None:
         img_name = f"{image_encoder}@{cut}"
         check_store(store, m, create_backbone(img_name, weights_dir=opts.weights_dir), img_name, cut=cut,
                     map_shape=staged.stage_output_shape(cut))
-        txt_name = text_encoder + vl.TEXT_TOKENS
-        check_store(store, m, text_bb, txt_name)
+        txt_name = f"{text_encoder}@{tcut}"
+        check_store(store, m, create_backbone(txt_name, weights_dir=opts.weights_dir), txt_name, cut=tcut)
         cache_from_store(clients, m, store, img_name, txt_name)
-    return _Setup(m, bb, text_bb, cut, clients, device, needs_text, opts.weights_dir)
+    return _Setup(m, bb, text_bb, cut, tcut, clients, device, needs_text, opts.weights_dir)
 
 
 def _prepare_out(out: Path, opts: FedDRAOptions) -> None:
@@ -224,8 +196,8 @@ def feddra_run(manifest: str | Path | Any, store: str | None, image_encoder: str
 
 
 def _build(su: _Setup, opts: FedDRAOptions, seed: int, device: torch.device) -> DualEncoder:
-    text = vl.text_trainable(su.text_bb) if su.needs_text else FrozenText(su.text_bb)
-    net = DualEncoder(su.image_bb.trainable(), su.cut, text, su.text_bb.feature_dim, shape=opts.shape,
+    text = vl.text_trainable(su.text_bb) if su.needs_text else vl.FrozenText(su.text_bb, su.text_cut)
+    net = DualEncoder(su.image_bb.trainable(), su.cut, text, su.text_bb.token_dim, shape=opts.shape, text_cut=su.text_cut,
                       image_trainable=opts.image_trainable,
                       text_trainable=opts.text_trainable if su.needs_text else "frozen", bn=opts.bn, seed=seed)
     net.to(device)
@@ -238,7 +210,7 @@ def _one_method(name: str, cfg: FedDRAConfig, su: _Setup, store: str | None, ima
                 text_encoder: str, out: Path, opts: FedDRAOptions) -> dict[str, Any]:
     run_cfg = {"manifest_hash": su.manifest.content_hash, "image_encoder": image_encoder,
                "image_weights_sha256": su.image_bb.weights_sha256, "text_encoder": text_encoder,
-               "text_weights_sha256": su.text_bb.weights_sha256, "image_cut": su.cut, "baseline": name,
+               "text_weights_sha256": su.text_bb.weights_sha256, "image_cut": su.cut, "text_cut": su.text_cut, "baseline": name,
                "feddra": _jsonable(cfg), "image_trainable": opts.image_trainable,
                "text_trainable": opts.text_trainable, "bn": opts.bn, "shape": _jsonable(opts.shape),
                "augment": opts.augment, "stage1_inputs": opts.stage1_inputs, "store_cache": store is not None}
@@ -273,12 +245,14 @@ def _one_method(name: str, cfg: FedDRAConfig, su: _Setup, store: str | None, ima
 
 
 def _export(glob: DualEncoder, su: _Setup, out: Path, seed: int, image_encoder: str, text_encoder: str) -> dict:
-    """The trained encoders as `ckpt:` files (contract 3), loadable by `embedcache extract`."""
-    meta = {"producer": "fedheads feddra", "seed": seed, "image_cut": su.cut}
+    """The trained encoders as `ckpt:` files (contract 3f), loadable by `embedcache extract`."""
+    note = (f"fedheads feddra, seed {seed}, {len(su.clients)} clients, manifest {su.manifest.content_hash[:12]}, "
+            f"image cut {su.cut}, text cut {su.text_cut}")
     paths = {"image": out / "encoders" / f"image-seed{seed}.pt", "text": out / "encoders" / f"text-seed{seed}.pt"}
-    shas = {"image": vl.export_encoder(paths["image"], image_encoder, glob.image, meta)}
+    shas = {"image": vl.export_encoder(paths["image"], getattr(su.image_bb, "base_name", image_encoder), glob.image,
+                                       note)}
     if su.needs_text:
-        shas["text"] = vl.export_encoder(paths["text"], text_encoder, glob.text, meta)
+        shas["text"] = vl.export_encoder(paths["text"], text_encoder, glob.text, note)
     return {k: {"path": str(paths[k]), "sha256": v} for k, v in shas.items()}
 
 

@@ -1,27 +1,25 @@
-"""Adapters to the vision-language contracts FedDRA consumes (docs/contracts.md sections 1-4 as
-extended for paired data, text encoders and token shards): the ONE place to change if those
-contracts move. Everything FedDRA needs from a text encoder, a token shard or an exported
-checkpoint goes through a function here.
+"""Adapters to the vision-language contracts FedDRA consumes (docs/contracts.md 3b, 3d, 3f, 4): the
+ONE place to change if those contracts move. Everything FedDRA needs from a text encoder, a token
+shard or an exported checkpoint goes through a function here.
 
-Text encoder (contract 3, text backbones): a Backbone with `modality == "text"`,
-`tokenize(texts) -> (ids [N, T] int64, mask [N, T] bool)` (padded; the attention mask is always
-kept: MiniLM's tokenizer pads, and padded tokens must never be attended to), `token_states(ids,
-mask) -> [N, T, D]` (frozen, before pooling), `feature_dim = D`, and `trainable()` returning a
-module with the StagedNet stage API (`stage_names`, `stage(name)`) and `token_states(ids, mask)`.
+Text encoder (contract 3d): a `TextBackbone` (`modality == "text"`, `tokenize(texts,
+pad_to_max_length=True) -> (ids [N, T] int64, mask [N, T] bool)`; the attention mask is always kept:
+padded tokens must never be attended to) whose `trainable()` is a `TextStagedNet` run as
+`net(ids, stop=CUT, mask=mask)`. FedDRA's text token states are the states after CUT (default the
+last layer), zeroed where the mask is False, exactly what the `TEXT@CUT` token shards hold.
 
 Image token states (contract 3b): the map after a cut, `B@CUT` [C, H, W], read as H*W tokens of
 C channels; a token model's stage output [T, D] is already tokens.
 
-Token shards (contract 4): `features` [N, T*D] with attrs `token_shape` [T, D] (text) or a cut
-map (`preprocess.map_shape` [C, H, W], stored in C, H, W order), plus an optional `mask` [N, T].
+Token shards (contract 4): read with `load_split(...)` and `ClientSplit.tokens()` ([N, T, D]) plus
+the shard's `mask` (text) or None (image maps: every token valid).
 
-Exported encoders (contract 3, `ckpt:<path>` backbones): a torch file {format, base, state_dict,
-sha256} that `embedcache extract --backbones ckpt:PATH` loads like any backbone.
+Exported encoders (contract 3f): `ckpt:` files written by `save_backbone_checkpoint`, so that
+`embedcache extract --backbones ckpt:PATH` caches a trained encoder like any backbone.
 """
 
 from __future__ import annotations
 
-import io
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,10 +30,6 @@ import torch
 from torch import nn
 
 from embedcache.errors import UserError
-from fedheads.atomic import atomic_path
-
-TEXT_TOKENS = "@tokens"  # store name of a text encoder's token states: "<text encoder>@tokens"
-CKPT_FORMAT = "embedcache-ckpt/1"
 
 
 # ------------------------------------------------------------------ text encoders
@@ -44,14 +38,28 @@ def open_text_encoder(name: str, weights_dir: str | None = None) -> Any:
     from embedcache.backbones import create_backbone
 
     bb = create_backbone(name, weights_dir=weights_dir, device="cpu")
-    if getattr(bb, "modality", "image") != "text" or not all(hasattr(bb, a) for a in ("tokenize", "token_states")):
-        raise UserError(f"--text-encoder {name}: not a text encoder (needs modality 'text', tokenize and token_states)")
+    if getattr(bb, "modality", "image") != "text" or not all(hasattr(bb, a) for a in ("tokenize", "cut_backbone")):
+        raise UserError(f"--text-encoder {name}: not a text encoder (contract 3d: modality 'text', tokenize, "
+                        "cut_backbone); name the pooled backbone, not a B@CUT")
+    if getattr(bb, "cut", None) is not None:
+        raise UserError(f"--text-encoder {name}: a cut backbone; name its base and give --text-cut")
     return bb
 
 
+def text_cut(bb: Any, cut: str | None) -> str:
+    """The text token cut: `cut`, or the encoder's last layer (what its pooled embedding averages)."""
+    net = getattr(bb, "_net", None)  # TextBackbone's frozen TextStagedNet: no deep copy just to read names
+    cuts = tuple((net if net is not None else bb.trainable()).cut_points())
+    if cut is None:
+        return cuts[-1]
+    if cut not in cuts:
+        raise UserError(f"--text-cut {cut}: {bb.name} has no cut {cut!r} (cut points: {', '.join(cuts)})")
+    return cut
+
+
 def tokenize(bb: Any, texts: Sequence[str]) -> tuple[torch.Tensor, torch.Tensor]:
-    """(ids [N, T] int64, mask [N, T] bool) for `texts`, padded to the encoder's fixed length."""
-    ids, mask = bb.tokenize(list(texts))
+    """(ids [N, T] int64, mask [N, T] bool), padded to the encoder's T like the store's rows."""
+    ids, mask = bb.tokenize(list(texts), pad_to_max_length=True)
     return torch.as_tensor(ids, dtype=torch.int64), torch.as_tensor(mask).to(torch.bool)
 
 
@@ -63,14 +71,30 @@ def text_trainable(bb: Any) -> nn.Module:
     return fn()
 
 
-def text_states(net: nn.Module, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Token states [B, T, D] of the trainable text encoder (before pooling)."""
-    return net.token_states(ids, mask)
+def text_states(net: nn.Module, ids: torch.Tensor, mask: torch.Tensor, cut: str) -> torch.Tensor:
+    """Token states [B, T, D] after `cut`, 0 where the mask is False (contract 3d leaves those
+    positions unspecified; the store holds 0 there)."""
+    out = net(ids, stop=cut, mask=mask)
+    return out * mask.unsqueeze(-1).to(out.dtype)
 
 
-def text_frozen_states(bb: Any, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Token states of the frozen text backbone (what its token shards hold)."""
-    return torch.as_tensor(bb.token_states(ids, mask), dtype=torch.float32)
+class FrozenText(nn.Module):
+    """A text backbone that does not train in stage 2 (or cannot), as the module DualEncoder
+    needs: no stages to train, token states from the frozen `B@CUT` backbone."""
+
+    stage_names: tuple[str, ...] = ()
+
+    def __init__(self, bb: Any, cut: str) -> None:
+        super().__init__()
+        self.bb, self.cut_bb = bb, bb.cut_backbone(cut)
+
+    def stage(self, name: str) -> nn.Module:
+        raise UserError(f"{self.bb.name}: cannot be trained in stage 2")
+
+    def forward(self, ids: torch.Tensor, stop: str | None = None, *, mask: torch.Tensor) -> torch.Tensor:
+        T, D = self.cut_bb.token_shape
+        rows = self.cut_bb.embed((ids.cpu(), mask.cpu())).view(ids.shape[0], T, D)
+        return rows[:, : ids.shape[1]].to(ids.device)
 
 
 def stage_names(net: nn.Module) -> tuple[str, ...]:
@@ -111,63 +135,25 @@ class TokenSplit:
 
 
 def read_tokens(store: str, name: str, split: str, clients: Sequence[str]) -> dict[str, TokenSplit]:
-    """Token states of `name` for each client: image maps (`map_shape`) or text tokens (`token_shape`)."""
-    from embedcache.reader import load_split, open_store, shard_attributes
+    """Token states of `name` for each client: image maps or text token shards (contract 4)."""
+    from embedcache.reader import load_split
 
-    info = open_store(store)
-    try:
-        data = load_split(info, [name], split, clients=list(clients), tokens=True)  # type: ignore[call-arg]
-    except TypeError:  # a reader without token support: masks are read beside it (below)
-        data = load_split(info, [name], split, clients=list(clients))
+    data = load_split(store, [name], split, clients=list(clients))
     out = {}
     for c in clients:
-        sh = info.shard(name, c, split)
-        attrs = shard_attributes(info, sh)
-        feats = torch.from_numpy(np.ascontiguousarray(data[c].features, dtype=np.float32))
-        mask = getattr(data[c], "mask", None)
-        if mask is None:
-            mask = _shard_mask(info, sh)
-        pre = attrs.get("preprocess") or {}
-        if attrs.get("token_shape"):
-            T, D = (int(v) for v in attrs["token_shape"])
-            tok = feats.view(-1, T, D)
-        elif pre.get("map_shape"):
-            tok = map_tokens(feats.view(-1, *(int(v) for v in pre["map_shape"])))
-        else:
+        d = data[c]
+        if d.token_shape is None:
             raise UserError(f"{store}: {name}/{c}/{split} holds pooled features, not token states "
-                            f"(extract a cut map B@CUT or {name}{TEXT_TOKENS})")
-        out[c] = TokenSplit(tok.contiguous(), None if mask is None else torch.as_tensor(mask).to(torch.bool),
-                            np.asarray(data[c].sample_ids))
+                            f"(extract a cut B@CUT)")
+        tok = torch.from_numpy(np.ascontiguousarray(d.tokens(), dtype=np.float32))
+        out[c] = TokenSplit(tok, None if d.mask is None else torch.from_numpy(np.asarray(d.mask, dtype=bool)),
+                            np.asarray(d.sample_ids))
     return out
 
 
-def _shard_mask(info: Any, sh: Any) -> np.ndarray | None:
-    from embedcache.reader import open_group
-
-    group = open_group(info.path, info.consolidated)[sh.path]
-    return np.asarray(group["mask"][...]) if "mask" in group else None
-
-
 # ------------------------------------------------------------------ exported encoders
-def export_encoder(path: Path, base: str, module: nn.Module, meta: dict[str, Any]) -> str:
-    """Write a `ckpt:` checkpoint of a trained encoder atomically; returns its state sha256."""
-    from embedcache.backbones.base import state_dict_sha256
+def export_encoder(path: Path, base: str, module: nn.Module, note: str) -> str:
+    """Write a trained encoder as a `ckpt:` file (contract 3f) atomically; returns the file's sha256."""
+    from embedcache.backbones.ckpt import save_backbone_checkpoint
 
-    state = {k: v.detach().cpu().contiguous() for k, v in module.state_dict().items()}
-    sha = state_dict_sha256(state)
-    buf = io.BytesIO()
-    torch.save({"format": CKPT_FORMAT, "base": base, "state_dict": state, "sha256": sha, "meta": meta}, buf)
-    with atomic_path(path) as tmp:
-        tmp.write_bytes(buf.getvalue())
-    return sha
-
-
-def ckpt_backbones_available() -> bool:
-    """Whether `ckpt:<path>` backbones exist in this installation (the few-shot probe needs them)."""
-    from embedcache.backbones import create_backbone
-
-    try:
-        create_backbone("ckpt:/nonexistent/probe.pt")
-    except UserError as exc:
-        return "unknown backbone" not in str(exc)
-    return True
+    return save_backbone_checkpoint(path, base, module, note)
