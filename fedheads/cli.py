@@ -1,4 +1,4 @@
-"""`fedheads` command line: train / compare / predict / finetune / algorithms, and over Flower
+"""`fedheads` command line: train / compare / predict / finetune / feddra / algorithms, and over Flower
 simulate / serve / join (fedheads.flower, imported only by those three).
 
 Every command reads the feature store through `embedcache.reader` (numpy + zarr) and never
@@ -278,6 +278,92 @@ def join(superlink, store, client, manifest, device, weights_dir, port, root_cer
     Path(node["store"]).parent.mkdir(parents=True, exist_ok=True)
     click.echo(f"joining {superlink} as {client or Path(store).name} (SuperNode, this PID)", err=True)
     os.execve(cmd[0], cmd, env)  # the SuperNode takes this process over: signals reach it directly
+
+
+@main.command()
+@click.option("--manifest", "manifest_path", required=True, type=click.Path(), help="A paired (image, text) manifest.")
+@click.option("--store", default=None, type=click.Path(),
+              help="Store with the encoders' token states (IMAGE@CUT maps, TEXT@CUT token shards): stage 1 reads them; "
+                   "without it stage 1 encodes live.")
+@click.option("--image-encoder", required=True, help="Trainable image backbone, e.g. resnet20-cifar10, efficientnet-lite0:160.")
+@click.option("--image-cut", default=None, help="Image token states after this stage (default: its last map; Lite0 blocks.6).")
+@click.option("--text-encoder", required=True, help="Text backbone, e.g. minilm-l6-v2:32 (T = 32 tokens).")
+@click.option("--text-cut", default=None, help="Text token states after this stage (default: its last layer, layer.5).")
+@click.option("--baseline", "baselines", default="feddra", show_default=True,
+              help="Comma-separated presets: feddra, fedavg, fedprox, no-two-stage, no-constraint, no-dro.")
+@click.option("--schedule", type=click.Choice(["interleaved", "sequential"]), default="interleaved", show_default=True,
+              help="Alg. 1 as printed, or R1 rounds of stage 1 then stage 2.")
+@click.option("--stage1-rounds", type=int, default=None, help="Sequential: rounds of stage 1 (default half of --rounds).")
+@click.option("--no-two-stage", is_flag=True, help="Stage 2 alone (Table 3 ablation).")
+@click.option("--rounds", default=25, show_default=True, help="Communication rounds (paper: 25).")
+@click.option("--steps-per-stage", "steps", default=50, show_default=True, help="Local steps E per stage (paper: 50).")
+@click.option("--batch-size", default=64, show_default=True, help="Local batch B (paper: 288-388).")
+@click.option("--rho", type=float, default=0.1, show_default=True, help="DRO radius (paper: 0.1; 0 = uniform weights).")
+@click.option("--divergence", type=click.Choice(["kl", "chi2"]), default="kl", show_default=True)
+@click.option("--radius-convention", type=click.Choice(["rho/N", "rho"]), default="rho/N", show_default=True)
+@click.option("--gamma", type=float, default=1.0, show_default=True, help="Mirror-ascent step of lambda.")
+@click.option("--mu", type=float, default=5.0, show_default=True, help="Weight of the global constraint L_C (paper: 5).")
+@click.option("--tau", type=float, default=0.1, show_default=True, help="InfoNCE temperature.")
+@click.option("--lr", type=float, default=1e-3, show_default=True, help="AdamW lr of the alignment modules.")
+@click.option("--encoder-lr", type=float, default=2e-5, show_default=True, help="AdamW lr of the encoders in stage 2 (paper).")
+@click.option("--weight-decay", type=float, default=0.01, show_default=True)
+@click.option("--step-scaling", type=click.Choice(["n_lambda", "lambda"]), default="n_lambda", show_default=True)
+@click.option("--dro-loss", type=click.Choice(["infonce", "local"]), default="infonce", show_default=True)
+@click.option("--dro-model", type=click.Choice(["local", "global"]), default="local", show_default=True)
+@click.option("--dro-batches", default=4, show_default=True, help="Fixed batches per client for v_i.")
+@click.option("--prox-mu", type=float, default=0.0, show_default=True,
+              help="FedProx proximal term (0: off; the fedprox preset uses 0.01 unless given).")
+@click.option("--image-trainable", default="all", show_default=True, help="Stage 2: all | after:STAGE | frozen.")
+@click.option("--text-trainable", default="all", show_default=True, help="Stage 2: all | after:STAGE | frozen.")
+@click.option("--bn", type=click.Choice(["frozen", "train"]), default="frozen", show_default=True)
+@click.option("--stage1-inputs", type=click.Choice(["auto", "reencode", "live"]), default="auto", show_default=True,
+              help="Stage 1 after the encoders changed: re-encode the client once, or encode every batch.")
+@click.option("--no-augment", is_flag=True, help="Stage 2 without training augmentation.")
+@click.option("--probe-manifest", default=None, type=click.Path(), help="Out-of-distribution manifest for the few-shot probe.")
+@click.option("--probe-shots", default="1,5", show_default=True, help="Labelled images per class, comma-separated.")
+@click.option("--probe-draws", default=5, show_default=True)
+@click.option("--seeds", default="0", show_default=True, help="Comma-separated seeds.")
+@click.option("--eval-every", default=1, show_default=True, help="Evaluate every k rounds (0: round 0 and last).")
+@click.option("--device", default="auto", show_default=True, help="auto | cpu | cuda | cuda:N")
+@click.option("--num-workers", default=2, show_default=True, help="DataLoader workers for live images.")
+@click.option("--weights-dir", default=None, help="Where backbone weights are looked up first.")
+@click.option("--resume", is_flag=True, help="Continue from the last per-round checkpoint in --out.")
+@click.option("--overwrite", is_flag=True, help="Replace a finished run in --out.")
+@click.option("--quiet", is_flag=True, help="No progress bars.")
+@click.option("--out", required=True, type=click.Path(file_okay=False), help="Run directory.")
+def feddra(manifest_path, store, image_encoder, image_cut, text_encoder, text_cut, baselines, schedule, stage1_rounds,
+           no_two_stage, rounds, steps, batch_size, rho, divergence, radius_convention, gamma, mu, tau, lr, encoder_lr,
+           weight_decay, step_scaling, dro_loss, dro_model, dro_batches, prox_mu, image_trainable, text_trainable, bn,
+           stage1_inputs, no_augment, probe_manifest, probe_shots, probe_draws, seeds, eval_every, device, num_workers,
+           weights_dir, resume, overwrite, quiet, out) -> None:
+    """FedDRA (federated distributionally robust vision-language alignment) and its baselines."""
+    from fedheads.live.dro import DROConfig
+    from fedheads.live.feddra import FedDRAConfig
+    from fedheads.live.feddra_probe import ProbeOptions
+    from fedheads.live.feddra_runner import FedDRAOptions, feddra_run, summary_line
+
+    fd = FedDRAConfig(mu=mu, tau=tau, rounds=rounds, schedule=schedule, stage1_rounds=stage1_rounds,
+                      two_stage=not no_two_stage, steps=steps, batch_size=batch_size, lr=lr, encoder_lr=encoder_lr,
+                      weight_decay=weight_decay, step_scaling=step_scaling, prox_mu=prox_mu,
+                      dro=DROConfig(rho=rho, divergence=divergence, radius_convention=radius_convention, gamma=gamma),
+                      dro_loss=dro_loss, dro_model=dro_model, dro_batches=dro_batches)
+    names = tuple(_csv(baselines, "--baseline"))
+    probe = None
+    if probe_manifest:
+        try:
+            shots = tuple(int(k) for k in _csv(probe_shots, "--probe-shots"))
+        except ValueError:
+            raise UserError(f"--probe-shots {probe_shots!r}: expected comma-separated integers") from None
+        probe = ProbeOptions(manifest=probe_manifest, shots=shots, draws=probe_draws)
+    opts = FedDRAOptions(fd=fd, baselines=names, image_cut=image_cut, text_cut=text_cut, image_trainable=image_trainable,
+                         text_trainable=text_trainable, bn=bn, seeds=_seeds(seeds), eval_every=eval_every,
+                         augment=not no_augment, stage1_inputs=stage1_inputs, probe=probe, device=device,
+                         num_workers=num_workers, weights_dir=weights_dir, resume=resume, overwrite=overwrite,
+                         progress=not quiet)
+    res = feddra_run(manifest_path, store, image_encoder, text_encoder, out, opts)
+    for r in res.get("algorithms", {"": res}).values():
+        click.echo(summary_line(r))
+    click.echo(f"report: {Path(out) / 'summary.md'}", err=True)
 
 
 @main.command(name="algorithms")

@@ -14,7 +14,8 @@ from embedcache.errors import UserError
 
 MARKERS = ("results.json", "config.json", "state")  # any of them: the directory holds a run
 RUN_FILES = ("results.json", "config.json", "metrics.csv", "summary.md", "report.md",
-             "accuracy_per_round.png", "per_client.png", "figure1.png")
+             "accuracy_per_round.png", "per_client.png", "figure1.png",
+             "retrieval_per_round.png", "retrieval_per_client.png", "lambda.png")  # the last three: fedheads feddra
 
 
 def _read_json(path: Path) -> dict:
@@ -72,9 +73,10 @@ def clear_run(out: Path, subdirs: Iterable[str] = ()) -> None:
             p = d / name
             if p.is_file() or p.is_symlink():
                 p.unlink()
-        state = d / "state"
-        if state.is_dir():
-            for f in state.glob("seed*.pt"):
-                f.unlink()
-            if not any(state.iterdir()):
-                state.rmdir()
+        for sub, pattern in (("state", "seed*.pt"), ("encoders", "*-seed*.pt")):  # encoders/: fedheads feddra
+            folder = d / sub
+            if folder.is_dir():
+                for f in folder.glob(pattern):
+                    f.unlink()
+                if not any(folder.iterdir()):
+                    folder.rmdir()

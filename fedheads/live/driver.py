@@ -20,7 +20,7 @@ import io
 import math
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -93,30 +93,38 @@ def _sync(device: torch.device) -> None:
 
 
 class Checkpoint:
-    """One file per (run directory, seed), replaced atomically after every round."""
+    """One file per (run directory, seed), replaced atomically after every round.
 
-    def __init__(self, path: Path, config_hash: str) -> None:
-        self.path, self.config_hash = path, config_hash
+    The state is a frozen dataclass with a `model` (GlobalModel) field; its other fields (FT: the
+    server optimiser state; FedDRA: lambda) are trees of tensors saved as the "opt" leaves.
+    `record` is the round record type (rebuilt from its `as_dict()`)."""
 
-    def save(self, state: FTServerState, rounds: list[FTRound]) -> None:
-        blob = {"format": CKPT_FORMAT, "config_hash": self.config_hash, "round": rounds[-1].round,
+    def __init__(self, path: Path, config_hash: str, fmt: str = CKPT_FORMAT, record: type = FTRound) -> None:
+        self.path, self.config_hash, self.fmt, self.record = path, config_hash, fmt, record
+
+    @staticmethod
+    def _rest(state: Any) -> tuple:
+        return tuple(getattr(state, f.name) for f in fields(state) if f.name != "model")
+
+    def save(self, state: Any, rounds: list[Any]) -> None:
+        blob = {"format": self.fmt, "config_hash": self.config_hash, "round": rounds[-1].round,
                 "params": {k: v.detach().cpu() for k, v in state.model.params.items()},
                 "buffers": {k: v.detach().cpu() for k, v in state.model.buffers.items()},
-                "opt": [t.detach().cpu() for t in tree_leaves(state.opt)],
+                "opt": [t.detach().cpu() for t in tree_leaves(self._rest(state))],
                 "history": [r.as_dict() for r in rounds]}
         buf = io.BytesIO()
         torch.save(blob, buf)
         with atomic_path(self.path) as tmp:
             tmp.write_bytes(buf.getvalue())
 
-    def load(self, like: FTServerState) -> tuple[FTServerState, list[FTRound]]:
+    def load(self, like: Any) -> tuple[Any, list[Any]]:
         try:
             blob = torch.load(self.path, map_location="cpu", weights_only=True)
         except Exception as exc:  # a truncated or foreign file
             raise UserError(f"{self.path}: not a readable checkpoint ({type(exc).__name__}); remove it "
                             "or run without --resume") from None
-        if not isinstance(blob, dict) or blob.get("format") != CKPT_FORMAT:
-            raise UserError(f"{self.path}: not a {CKPT_FORMAT} checkpoint")
+        if not isinstance(blob, dict) or blob.get("format") != self.fmt:
+            raise UserError(f"{self.path}: not a {self.fmt} checkpoint")
         if blob["config_hash"] != self.config_hash:
             raise UserError(f"{self.path}: written by a run with other settings; resume with the same "
                             "command, or start over with --overwrite")
@@ -128,9 +136,10 @@ class Checkpoint:
             return {k: src[k].to(dev) for k in ref}
 
         it = iter(blob["opt"])
-        opt = tree_map(lambda t: next(it).to(t.device), like.opt)
+        rest = tree_map(lambda t: next(it).to(t.device), self._rest(like))
         model = GlobalModel(fill(blob["params"], like.model.params), fill(blob["buffers"], like.model.buffers))
-        return FTServerState(model, opt), [FTRound(**r) for r in blob["history"]]
+        names = [f.name for f in fields(like) if f.name != "model"]
+        return replace(like, model=model, **dict(zip(names, rest))), [self.record(**r) for r in blob["history"]]
 
 
 def run_finetune(alg: FineTune, net: LiveNet, start: GlobalModel, clients: Sequence[LiveClient], *,

@@ -48,6 +48,18 @@ from fedheads.live.model import LiveNet, Params
 AMP = ("auto", "off", "bf16", "fp16")
 
 
+def optimizer_step(opt: torch.optim.Optimizer, scaler: Any, loss: torch.Tensor) -> None:
+    """zero_grad, backward, step; through the AMP grad scaler when there is one (CUDA fp16)."""
+    opt.zero_grad(set_to_none=True)
+    if scaler is None:
+        loss.backward()
+        opt.step()
+    else:
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+
+
 @dataclass(frozen=True)
 class FTConfig:
     """Fine-tuning hyper-parameters (FedNCM paper Sec. 4 and App. B; sources in the module doc)."""
@@ -129,14 +141,7 @@ class FineTune:
                 loss = F.cross_entropy(net(x), y)
             if mu:  # FedProx, Li et al. 2020 Eq. 2
                 loss = loss + 0.5 * mu * sum(((p - a) ** 2).sum() for p, a in zip(params, anchor))
-            opt.zero_grad(set_to_none=True)
-            if scaler is None:
-                loss.backward()
-                opt.step()
-            else:
-                scaler.scale(loss).backward()
-                scaler.step(opt)
-                scaler.update()
+            optimizer_step(opt, scaler, loss)
         now = net.trained_state()
         dev = next(iter(bc.params.values())).device
         return DeltaMessage({k: (now[k] - v).unsqueeze(0) for k, v in bc.params.items()},

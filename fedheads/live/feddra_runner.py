@@ -1,0 +1,282 @@
+"""`fedheads feddra`: FedDRA and its baselines on paired data, one run directory per method.
+
+    RUN_DIR/results.json     the results contract of `fedheads train` (per client = text->image
+                             R@1 in percent) + lambda, retrieval, stages, compute (written last)
+    RUN_DIR/config.json      the whole resolved configuration
+    RUN_DIR/metrics.csv      round x seed x client: retrieval metrics (percent), lambda, v, s
+    RUN_DIR/summary.md, retrieval_per_round.png, retrieval_per_client.png, lambda.png
+    RUN_DIR/state/seed<S>.ckpt.pt       checkpoint after every round (global model, lambda, history)
+    RUN_DIR/encoders/image-seed<S>.pt   the trained encoders as `ckpt:` checkpoints (vl.export_encoder)
+    RUN_DIR/encoders/text-seed<S>.pt
+
+Several `--baseline` values write one directory each under RUN_DIR plus a combined results.json
+and summary.md (the layout of `fedheads compare`). Presets (FedDRA Table 2 / Table 3):
+feddra (all parts), fedavg (rho = 0, mu = 0), fedprox (fedavg + proximal term), no-two-stage,
+no-constraint (mu = 0), no-dro (rho = 0); each keeps every other option.
+"""
+
+from __future__ import annotations
+
+import copy
+import csv
+import dataclasses
+import hashlib
+import io
+import json
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from embedcache.errors import UserError
+from embedcache.manifest import canonical_json
+from fedheads import report, rundir
+from fedheads.data import resolve_device
+from fedheads.live import feddra_report, vl
+from fedheads.live.feddra import FedDRA, FedDRAConfig
+from fedheads.live.feddra_driver import FDRun, feddra_checkpoint, run_feddra
+from fedheads.live.feddra_model import DualEncoder, ModuleShape
+from fedheads.live.feddra_probe import ProbeOptions, run_probe
+from fedheads.live.heads import check_store
+from fedheads.live.pairs import PairClient, cache_from_store, check_paired, pair_clients
+from fedheads.live.runner import _jsonable, _write
+from fedheads.machine import machine
+
+BASELINES: dict[str, dict[str, Any]] = {
+    "feddra": {},
+    "fedavg": {"mu": 0.0, "rho": 0.0},
+    "fedprox": {"mu": 0.0, "rho": 0.0},  # + prox_mu 0.01 unless given (Li et al. 2020's grid has 0.01)
+    "no-two-stage": {"two_stage": False},
+    "no-constraint": {"mu": 0.0},
+    "no-dro": {"rho": 0.0},
+}
+FEDPROX_MU = 0.01
+DEFAULT_CUTS = {"efficientnet-lite0": "blocks.6"}  # FedDRA notes section 4: 49 x 320 tokens at 224 px
+
+
+def apply_baseline(cfg: FedDRAConfig, name: str) -> FedDRAConfig:
+    """The preset `name` on top of `cfg` (every option it does not name is kept)."""
+    if name not in BASELINES:
+        raise UserError(f"--baseline {name!r}: use one of {', '.join(BASELINES)}")
+    over = dict(BASELINES[name])
+    if name == "fedprox" and cfg.prox_mu == 0:
+        over["prox_mu"] = FEDPROX_MU
+    rho = over.pop("rho", None)
+    if rho is not None:
+        cfg = dataclasses.replace(cfg, dro=dataclasses.replace(cfg.dro, rho=rho))
+    return dataclasses.replace(cfg, **over)
+
+
+@dataclass(frozen=True)
+class FedDRAOptions:
+    """Everything `fedheads feddra` takes besides manifest, store, encoders and output."""
+
+    fd: FedDRAConfig = field(default_factory=FedDRAConfig)
+    baselines: tuple[str, ...] = ("feddra",)
+    image_cut: str | None = None  # token cut of the image encoder (None: DEFAULT_CUTS, else its last map)
+    image_trainable: str = "all"  # stage 2: all (paper) | after:STAGE (CPU deviation) | frozen
+    text_trainable: str = "all"  # stage 2: all (paper) | after:STAGE | frozen
+    text_cut: str | None = None  # text token states after this stage (None: its last layer, layer.5 for MiniLM)
+    bn: str = "frozen"  # image BatchNorm in stage 2: frozen statistics (the paper's ViT/BERT have none) | train
+    shape: ModuleShape = field(default_factory=ModuleShape)
+    seeds: tuple[int, ...] = (0,)
+    eval_every: int = 1
+    augment: bool = True  # stage 2: the image encoder's training augmentation
+    stage1_inputs: str = "auto"  # stale caches: auto | reencode | live (feddra_driver)
+    probe: ProbeOptions | None = None  # the few-shot probe on an out-of-distribution manifest
+    device: str = "auto"
+    num_workers: int = 2
+    weights_dir: str | None = None
+    resume: bool = False
+    overwrite: bool = False
+    progress: bool = True
+
+
+def _sha(obj: Any) -> str:
+    return hashlib.sha256(canonical_json(obj).encode()).hexdigest()
+
+
+def _image_cut(staged: Any, name: str, cut: str | None) -> str:
+    if cut is not None:
+        return cut
+    if name in DEFAULT_CUTS:
+        return DEFAULT_CUTS[name]
+    maps = [c for c in staged.cut_points() if len(staged.stage_output_shape(c)) in (2, 3)]
+    if not maps:
+        raise UserError(f"--image-encoder {name}: no cut gives token states; it cannot feed FedDRA's alignment module")
+    return maps[-1]
+
+
+@dataclass
+class _Setup:
+    manifest: Any
+    image_bb: Any
+    text_bb: Any
+    cut: str
+    text_cut: str
+    clients: list[PairClient]
+    device: torch.device
+    needs_text: bool
+    weights_dir: str | None
+
+
+def _setup(manifest: Any, store: str | None, image_encoder: str, text_encoder: str,
+           opts: FedDRAOptions, cfgs: Sequence[FedDRAConfig]) -> _Setup:
+    """Every input check before any training or any file is written."""
+    from embedcache.backbones import create_backbone
+    from embedcache.manifest import load_manifest
+    from embedcache.sources import open_source
+
+    m = load_manifest(manifest) if isinstance(manifest, (str, Path)) else manifest
+    check_paired(m)
+    device = resolve_device(opts.device)
+    bb = create_backbone(image_encoder, weights_dir=opts.weights_dir, device="cpu")
+    try:
+        staged = bb.trainable()
+    except UserError as exc:
+        raise UserError(f"--image-encoder {image_encoder}: FedDRA needs a trainable encoder with token states "
+                        f"({exc})") from None
+    cut = _image_cut(staged, image_encoder, opts.image_cut)
+    text_bb = vl.open_text_encoder(text_encoder, opts.weights_dir)
+    tcut = vl.text_cut(text_bb, opts.text_cut)
+    stage2 = any(2 in p for cfg in cfgs for p in cfg.plan())
+    needs_text = stage2 and opts.text_trainable != "frozen"
+    if needs_text:
+        vl.text_trainable(text_bb)  # UserError naming the encoder when it cannot train
+    if stage2 and opts.image_trainable == "frozen" and opts.text_trainable == "frozen":
+        raise UserError("stage 2 with both encoders frozen trains nothing new; use --schedule sequential "
+                        "--stage1-rounds R (stage 1 only) or let an encoder train")
+    DualEncoder(staged, cut, vl.FrozenText(text_bb, tcut), text_bb.token_dim, image_trainable=opts.image_trainable,
+                text_trainable="frozen", bn=opts.bn, text_cut=tcut)  # cut and trainable specs checked here
+    clients = pair_clients(m, open_source(m.source), bb.transform, text_bb, opts.num_workers, device)
+    if store is not None:
+        img_name = f"{image_encoder}@{cut}"
+        check_store(store, m, create_backbone(img_name, weights_dir=opts.weights_dir), img_name, cut=cut,
+                    map_shape=staged.stage_output_shape(cut))
+        txt_name = f"{text_encoder}@{tcut}"
+        check_store(store, m, create_backbone(txt_name, weights_dir=opts.weights_dir), txt_name, cut=tcut)
+        cache_from_store(clients, m, store, img_name, txt_name)
+    return _Setup(m, bb, text_bb, cut, tcut, clients, device, needs_text, opts.weights_dir)
+
+
+def _prepare_out(out: Path, opts: FedDRAOptions) -> None:
+    what = rundir.describe_run(out)
+    if what is not None and not (opts.overwrite or opts.resume):
+        raise UserError(f"{out} holds {what}; use --resume to continue it, --overwrite to replace it, or another --out")
+    if opts.overwrite and not opts.resume:
+        rundir.clear_run(out)
+    (out / "results.json").unlink(missing_ok=True)
+
+
+def feddra_run(manifest: str | Path | Any, store: str | None, image_encoder: str, text_encoder: str,
+               out: str | Path, opts: FedDRAOptions = FedDRAOptions()) -> dict[str, Any]:
+    """Python API of `fedheads feddra`: returns results.json (combined when several baselines)."""
+    if not opts.baselines or len(set(opts.baselines)) != len(opts.baselines):
+        raise UserError(f"--baseline {','.join(opts.baselines)}: name each method once")
+    cfgs = {b: apply_baseline(opts.fd, b) for b in opts.baselines}
+    su = _setup(manifest, store, image_encoder, text_encoder, opts, list(cfgs.values()))
+    out = Path(out)
+    multi = len(cfgs) > 1
+    subs = {b: out / b if multi else out for b in cfgs}
+    for d in ([out] if multi else []) + list(subs.values()):
+        _prepare_out(d, opts)
+    results = {b: _one_method(b, cfg, su, store, image_encoder, text_encoder, subs[b], opts)
+               for b, cfg in cfgs.items()}
+    if not multi:
+        return results[opts.baselines[0]]
+    combined = {"algorithms": results, "image_encoder": image_encoder, "text_encoder": text_encoder,
+                "store": None if store is None else str(store), "manifest_hash": su.manifest.content_hash}
+    feddra_report.write_comparison(list(results.values()), out)
+    report.write_results_json(combined, out / "results.json")
+    return combined
+
+
+def _build(su: _Setup, opts: FedDRAOptions, seed: int, device: torch.device) -> DualEncoder:
+    text = vl.text_trainable(su.text_bb) if su.needs_text else vl.FrozenText(su.text_bb, su.text_cut)
+    net = DualEncoder(su.image_bb.trainable(), su.cut, text, su.text_bb.token_dim, shape=opts.shape, text_cut=su.text_cut,
+                      image_trainable=opts.image_trainable,
+                      text_trainable=opts.text_trainable if su.needs_text else "frozen", bn=opts.bn, seed=seed)
+    net.to(device)
+    if device.type == "cuda":
+        net.image.to(memory_format=torch.channels_last)
+    return net
+
+
+def _one_method(name: str, cfg: FedDRAConfig, su: _Setup, store: str | None, image_encoder: str,
+                text_encoder: str, out: Path, opts: FedDRAOptions) -> dict[str, Any]:
+    run_cfg = {"manifest_hash": su.manifest.content_hash, "image_encoder": image_encoder,
+               "image_weights_sha256": su.image_bb.weights_sha256, "text_encoder": text_encoder,
+               "text_weights_sha256": su.text_bb.weights_sha256, "image_cut": su.cut, "text_cut": su.text_cut, "baseline": name,
+               "feddra": _jsonable(cfg), "image_trainable": opts.image_trainable,
+               "text_trainable": opts.text_trainable, "bn": opts.bn, "shape": _jsonable(opts.shape),
+               "augment": opts.augment, "stage1_inputs": opts.stage1_inputs, "store_cache": store is not None}
+    alg = FedDRA(cfg)
+    runs: list[FDRun] = []
+    per_seed, probes, exported = [], [], []
+    t_all, c_all = time.perf_counter(), time.process_time()
+    for seed in opts.seeds:
+        net = _build(su, opts, seed, su.device)
+        glob = copy.deepcopy(net)
+        ck = feddra_checkpoint(out / "state" / f"seed{seed}.ckpt.pt", _sha({**run_cfg, "seed": seed}))
+        run = run_feddra(alg, net, glob, su.clients, seed=seed, device=su.device, checkpoint=ck, resume=opts.resume,
+                         eval_every=opts.eval_every, augment=opts.augment, stage1_inputs=opts.stage1_inputs,
+                         progress=opts.progress)
+        runs.append(run)
+        glob.load_state({**run.state.model.params, **run.state.model.buffers})
+        exported.append(_export(glob, su, out, seed, image_encoder, text_encoder))
+        probes.append(run_probe(opts.probe, glob, su, out, seed, exported[-1]) if opts.probe else None)
+        per_seed.append(feddra_report.seed_result(run, net, su.clients, seed))
+    result = report.summarise_runs(per_seed, algorithm=name, backbones=[image_encoder, text_encoder],
+                                   rounds=cfg.rounds, extra=feddra_report.extra(runs, per_seed, cfg, su, opts,
+                                                                                probes, exported))
+    result["timing"].update(wall_seconds=time.perf_counter() - t_all, cpu_seconds=time.process_time() - c_all,
+                            machine=machine(su.device))
+    config = {"algorithm": name, "store": None if store is None else str(store), "options": _jsonable(opts),
+              "run": run_cfg}
+    _write(out / "config.json", json.dumps(config, indent=2, sort_keys=True) + "\n")
+    _write(out / "metrics.csv", _metrics_csv(runs, opts.seeds, su.clients))
+    feddra_report.write_run(result, out)
+    report.write_results_json(result, out / "results.json")  # last: marks the directory complete
+    return result
+
+
+def _export(glob: DualEncoder, su: _Setup, out: Path, seed: int, image_encoder: str, text_encoder: str) -> dict:
+    """The trained encoders as `ckpt:` files (contract 3f), loadable by `embedcache extract`."""
+    note = (f"fedheads feddra, seed {seed}, {len(su.clients)} clients, manifest {su.manifest.content_hash[:12]}, "
+            f"image cut {su.cut}, text cut {su.text_cut}")
+    paths = {"image": out / "encoders" / f"image-seed{seed}.pt", "text": out / "encoders" / f"text-seed{seed}.pt"}
+    shas = {"image": vl.export_encoder(paths["image"], getattr(su.image_bb, "base_name", image_encoder), glob.image,
+                                       note)}
+    if su.needs_text:
+        shas["text"] = vl.export_encoder(paths["text"], text_encoder, glob.text, note)
+    return {k: {"path": str(paths[k]), "sha256": v} for k, v in shas.items()}
+
+
+def _metrics_csv(runs: Sequence[FDRun], seeds: Sequence[int], clients: Sequence[PairClient]) -> str:
+    from fedheads.live.feddra_eval import METRICS
+
+    buf = io.StringIO()
+    w = csv.writer(buf, lineterminator="\n")
+    w.writerow(["round", "seed", "client", *METRICS, "lambda", "v", "scale"])
+    for seed, run in zip(seeds, runs):
+        for rec in run.rounds:
+            for c in clients:
+                ret = rec.retrieval[c.index] if rec.retrieval else {}
+                vals = ["" if ret.get(k) is None or ret[k] != ret[k] else round(100 * ret[k], 4) for k in METRICS]
+                extra = [rec.lam[c.index] if rec.lam else "", rec.v[c.index] if rec.v else "",
+                         rec.scale[c.index] if rec.scale else ""]
+                w.writerow([rec.round, seed, c.name, *vals, *extra])
+    return buf.getvalue()
+
+
+def summary_line(res: dict[str, Any]) -> str:
+    """One line for the CLI."""
+    wc = res.get("worst_client", {}).get("t2i_r1", {})
+    return (f"{res['algorithm']}: text->image R@1 {res['accuracy_cell']} (worst client "
+            f"{wc.get('mean', float('nan')):.2f}), final lambda {np.round(res['lambda']['final_mean'], 3).tolist()}")
+
+
