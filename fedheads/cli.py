@@ -112,9 +112,9 @@ def compare(store, backbones, algorithms, out, overwrite, **kw) -> None:
 @click.option("--out", required=True, type=click.Path(dir_okay=False), help=".csv or .parquet")
 def predict(run_dir, store, split, client, seed, top_k, chunk_rows, device, out) -> None:
     """Classify stored features by nearest prototype (faiss), personalised per client."""
-    from fedheads.predict import predict_run
+    from fedheads.api import predict as run_predict
 
-    n = predict_run(run_dir, store, split=split, client=client, seed=seed, k=top_k,
+    n = run_predict(run_dir, store, split=split, client=client, seed=seed, top_k=top_k,
                     chunk_rows=chunk_rows, device=device, out=out)
     click.echo(f"{n} predictions -> {out}")
 
@@ -156,17 +156,15 @@ def finetune(manifest_path, store, backbone, heads, head_rounds, rounds, server,
              no_pretrained, no_augment, seeds, eval_every, device, num_workers, weights_dir, resume,
              overwrite, quiet, out) -> None:
     """Fine-tune a backbone federatedly from a stage-1 head computed on the store (FedNCM+FT, LP+FT, FT)."""
-    from fedheads.live.finetune import FTConfig
-    from fedheads.live.runner import FinetuneOptions, finetune_run
+    from fedheads.api import finetune as run_finetune
 
-    ft = FTConfig(server=server, server_lr=server_lr, prox_mu=prox_mu, lr=lr, momentum=momentum,
-                  weight_decay=weight_decay, batch_size=batch_size, local_epochs=local_epochs)
-    opts = FinetuneOptions(heads=tuple(_csv(heads, "--head")), head_rounds=head_rounds, rounds=rounds, ft=ft,
-                           trainable=trainable, bn=bn, live_prefix=live_prefix, pretrained=not no_pretrained,
-                           augment=not no_augment, seeds=_seeds(seeds), fraction=fraction, eval_every=eval_every,
-                           device=device, num_workers=num_workers, weights_dir=weights_dir, resume=resume,
-                           overwrite=overwrite, progress=not quiet)
-    res = finetune_run(manifest_path, store, backbone, out, opts)
+    res = run_finetune(manifest_path, store, backbone, out, heads=_csv(heads, "--head"), head_rounds=head_rounds,
+                       rounds=rounds, server=server, server_lr=server_lr, prox_mu=prox_mu, lr=lr,
+                       momentum=momentum, weight_decay=weight_decay, local_epochs=local_epochs,
+                       batch_size=batch_size, fraction=fraction, trainable=trainable, bn=bn,
+                       live_prefix=live_prefix, pretrained=not no_pretrained, augment=not no_augment,
+                       seeds=_seeds(seeds), eval_every=eval_every, device=device, num_workers=num_workers,
+                       weights_dir=weights_dir, resume=resume, overwrite=overwrite, progress=not quiet)
     for r in res.get("algorithms", {"": res}).values():
         click.echo(f"{r['algorithm']}: accuracy {r['accuracy_cell']} after {r['rounds']} rounds "
                    f"(round 0: {r['figure1'][0]['accuracy']:.2f})")
