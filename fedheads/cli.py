@@ -1,4 +1,4 @@
-"""`fedheads` command line: train / compare / predict / algorithms.
+"""`fedheads` command line: train / compare / predict / finetune / algorithms.
 
 Every command reads the feature store through `embedcache.reader` (numpy + zarr) and never
 imports timm, torchvision or dask. Bad input prints one `error: ...` line and exits 2."""
@@ -172,17 +172,32 @@ def finetune(manifest_path, store, backbone, heads, head_rounds, rounds, server,
 
 
 @main.command(name="algorithms")
+@click.argument("name", required=False)
+@click.option("--show", is_flag=True, help="Every algorithm's settings (with NAME: that one's; NAME alone does too).")
 @click.option("--json", "as_json", is_flag=True)
-def algorithms_cmd(as_json: bool) -> None:
-    """List the registered algorithms."""
-    from fedheads.algorithms import list_algorithms
+def algorithms_cmd(name: str | None, show: bool, as_json: bool) -> None:
+    """List the registered algorithms; with NAME (or --show), every setting --set takes:
+    type, default, one-line doc and the paper passage the default comes from."""
+    from fedheads.algorithms import create_algorithm, list_algorithms
+    from fedheads.settings import settings_json, settings_table
 
     infos = list_algorithms()
+    if name is not None or show:
+        names = [name] if name is not None else [i.name for i in infos]
+        if name is not None:
+            create_algorithm(name)  # an unknown name: one line with the known ones
+        if as_json:
+            out = [settings_json(n) for n in names]
+            click.echo(json.dumps(out[0] if name is not None else out, indent=2, default=str))
+        else:
+            click.echo("\n\n".join(settings_table(n) for n in names))
+        return
     if as_json:
         click.echo(json.dumps([{"name": i.name, "description": i.description} for i in infos], indent=2))
         return
     for i in infos:
         click.echo(f"{i.name:16s} {i.description}")
+    click.echo("settings of one: fedheads algorithms NAME", err=True)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -99,10 +99,16 @@ def build_algorithm(name: str, opts: TrainOptions, strict: bool = True) -> tuple
     Returns (algorithm, the kwargs used, options that do not apply). With `strict` an option
     that does not apply is an error (`train`); `compare` drops and records it. A field scoped
     to this algorithm (`--set lp.lr=0.1`) must always apply."""
+    from fedheads.settings import unknown_key_error, valid_keys
+
     scoped, plain = settings_for(name, opts.settings)
     try:
         create_algorithm(name, **scoped)
     except TypeError as e:
+        if _not_a_field(e):
+            bad = next((k for k in scoped if k not in valid_keys(name)), None)
+            if bad is not None:
+                raise unknown_key_error(bad, [name], f"--set {name}.{bad}") from None
         raise UserError(f"--set for {name}: {e}") from None
     used, ignored = dict(scoped), []
     for k, v in {**plain, **opts.generic()}.items():
@@ -115,8 +121,9 @@ def build_algorithm(name: str, opts: TrainOptions, strict: bool = True) -> tuple
             if not _not_a_field(e):  # a field of this algorithm, given a value of the wrong type
                 raise UserError(f"{k}={v!r}: not a valid value for {name} ({e})") from None
             if strict:
-                flag = f"--{k.replace('_', '-')}" if k in opts.generic() else f"--set {k}"
-                raise UserError(f"{flag}: does not apply to algorithm {name}") from None
+                if k not in opts.generic():
+                    raise unknown_key_error(k, [name]) from None
+                raise UserError(f"--{k.replace('_', '-')}: does not apply to algorithm {name}") from None
             ignored.append(k)
     return create_algorithm(name, **used), used, ignored
 
@@ -347,6 +354,17 @@ def _write_run_dir(out: Path, result: dict[str, Any], config: dict[str, Any], ro
     report.write_results_json(result, out / "results.json")
 
 
+def check_compare_settings(algorithms: Sequence[str], opts: TrainOptions) -> None:
+    """Unknown names and bad values fail before any training; so does a --set key that no
+    compared algorithm has (a typo would otherwise be dropped from every one of them)."""
+    ignored_by = [set(build_algorithm(name, opts, strict=False)[2]) for name in algorithms]
+    for key, _ in opts.settings:
+        if "." not in key and all(key in ig for ig in ignored_by):
+            from fedheads.settings import unknown_key_error
+
+            raise unknown_key_error(key, list(algorithms))
+
+
 def compare_data(data: FedData, backbones: Sequence[str], algorithms: Sequence[str], opts: TrainOptions, *,
                  dims: Sequence[int] | None = None, store: str | None = None,
                  t_start: tuple[float, float] | None = None, load: tuple[float, float] | None = None,
@@ -356,8 +374,7 @@ def compare_data(data: FedData, backbones: Sequence[str], algorithms: Sequence[s
     recorded (`ignored_options`), as `compare` does."""
     if t_start is None:
         t_start = clock(torch.device("cpu"))
-    for name in algorithms:
-        build_algorithm(name, opts, strict=False)  # unknown names / bad values fail before any training
+    check_compare_settings(algorithms, opts)
     require_test_samples(data)
     runs = {name: train_data(data, backbones, name, opts, dims=dims, store=store, strict=False)
             for name in algorithms}
@@ -375,8 +392,7 @@ def compare_runs(store: str | None, backbones: Sequence[str], algorithms: Sequen
     be None when `data` is given."""
     out = Path(out)
     rundir.refuse_existing(out, algorithms, overwrite=overwrite)
-    for name in algorithms:
-        build_algorithm(name, opts, strict=False)  # unknown names / bad values fail before any training
+    check_compare_settings(algorithms, opts)
     t_start, load = clock(torch.device("cpu")), None  # nothing queued on a device yet
     dims = None
     if data is None:
