@@ -1,4 +1,4 @@
-"""`fedheads` command line: train / compare / predict / finetune / algorithms.
+"""`fedheads` command line: train / compare / predict / finetune / algorithms / summarize.
 
 Every command reads the feature store through `embedcache.reader` (numpy + zarr) and never
 imports timm, torchvision or dask. Bad input prints one `error: ...` line and exits 2."""
@@ -198,6 +198,23 @@ def algorithms_cmd(name: str | None, show: bool, as_json: bool) -> None:
     for i in infos:
         click.echo(f"{i.name:16s} {i.description}")
     click.echo("settings of one: fedheads algorithms NAME", err=True)
+
+
+@main.command()
+@click.argument("runs", nargs=-1, required=True, type=click.Path())
+@click.option("--out", type=click.Path(dir_okay=False), default=None, help="table.md or table.csv (default: Markdown on stdout).")
+def summarize(runs: tuple[str, ...], out: str | None) -> None:
+    """One table across RUN_DIRs (train, compare, finetune): accuracy, fairness, upload, time."""
+    from fedheads.summarize import summarize as gather, to_markdown, write_table
+
+    if out is not None and not out.lower().endswith((".md", ".csv")):
+        raise UserError(f"--out {out}: must end in .md or .csv")
+    rows = gather(runs)
+    if out is None:
+        click.echo(to_markdown(rows), nl=False)
+        return
+    write_table(rows, out)
+    click.echo(f"{len(rows)} rows -> {out}", err=True)
 
 
 if __name__ == "__main__":  # pragma: no cover
