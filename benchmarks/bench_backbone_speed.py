@@ -31,7 +31,7 @@ from embedcache.backbones import create_backbone
 REPO = Path(__file__).resolve().parents[1]
 
 
-def _rate(fn, batch: int, repeats: int) -> dict:
+def _rate(fn, batch: int, repeats: int, unit: str = "img_per_s") -> dict:
     fn()  # warm-up: lazy init, first-call kernels
     secs = []
     for _ in range(repeats):
@@ -39,7 +39,7 @@ def _rate(fn, batch: int, repeats: int) -> dict:
         fn()
         secs.append(time.perf_counter() - t0)
     rates = sorted(batch / s for s in secs)
-    return {"img_per_s": round(statistics.median(rates), 2), "min": round(rates[0], 2), "max": round(rates[-1], 2),
+    return {unit: round(statistics.median(rates), 2), "min": round(rates[0], 2), "max": round(rates[-1], 2),
             "repeats": repeats, "batch": batch}
 
 

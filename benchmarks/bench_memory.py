@@ -9,8 +9,10 @@ Builds a federation of 200 clients with log-normal sizes (the quantiles of sigma
 The subprocess first imports everything the command imports (torch, zarr, fedheads, matplotlib),
 records its RSS as the baseline and resets the kernel's peak-RSS counter (/proc/self/clear_refs),
 runs the command in-process and reads VmHWM: peak above baseline / feature bytes is reported.
-`padded_multiple` is what dense [M, Nmax, D] train + test tensors take by themselves (the layout
-the engines use); everything above it is copies. `--baseline-rev REV` measures the code of a
+`padded_multiple` is what dense [M, Nmax, D] train + test tensors take by themselves (the padded
+layout, what `load` reads); `fedncm` and `lp` run `fedheads train`'s default layout (`auto`, which
+holds this skewed federation in size buckets, fedheads/layout.py; bench_scale.py compares the two
+layouts). Everything above the layout's own tensors is copies. `--baseline-rev REV` measures the code of a
 git revision the same way (extracted with `git archive`), for a before/after comparison.
 
 Usage: python benchmarks/bench_memory.py [--baseline-rev REV] [--quick]
@@ -37,8 +39,9 @@ from machine_info import machine, write_json  # sibling module (benchmarks/ is o
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 
-# runs inside the measured subprocess: argv[1] = JSON {"mode", "store", "out", "threads"}
-CHILD = r"""
+# the measured subprocess's start (shared with bench_scale.py): argv[1] = JSON arguments `a`
+# (with "threads"); imports everything a run needs, then `base` = RSS and the peak-RSS counter reset
+CHILD_PRELUDE = r"""
 import json, sys
 a = json.loads(sys.argv[1])
 import numpy, torch, zarr
@@ -58,6 +61,10 @@ try:
     reset = True
 except OSError:
     reset = False
+"""
+
+# runs inside the measured subprocess: argv[1] = JSON {"mode", "store", "out", "threads"}
+CHILD = CHILD_PRELUDE + r"""
 if a["mode"] == "load":
     d = fedheads.data.load_fed_data(a["store"], ["synthetic"], device="cpu")
     del d

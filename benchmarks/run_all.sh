@@ -6,7 +6,7 @@ cd "$(dirname "$0")/.."
 export EMBEDCACHE_ASSETS="${EMBEDCACHE_ASSETS:-$(cd .. && pwd)/shared}"
 export EMBEDCACHE_WEIGHTS="${EMBEDCACHE_WEIGHTS:-$EMBEDCACHE_ASSETS/weights}"
 PY=${PY:-.venv/bin/python}
-for b in engine memory fedncm predict extract store_read backbone_speed finetune; do
+for b in engine memory fedncm predict extract store_read backbone_speed finetune text_encoder; do
   echo "== bench_$b $(date -u +%H:%M:%S)"
   case $b in
     extract) args="--per-domain 0" ;;   # all 2,533 Office-Caltech-10 images
@@ -18,4 +18,6 @@ for b in engine memory fedncm predict extract store_read backbone_speed finetune
 done
 echo "== bench_cached_vs_live $(date -u +%H:%M:%S)"
 "$PY" benchmarks/bench_cached_vs_live.py --rounds 100 --live-rounds 5
+echo "== bench_flower $(date -u +%H:%M:%S)"   # needs the [flower] extra (part of [dev])
+"$PY" benchmarks/bench_flower.py
 echo "== done $(date -u +%H:%M:%S)"

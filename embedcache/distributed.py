@@ -20,6 +20,7 @@ from tqdm import tqdm
 from embedcache import store as st
 from embedcache.errors import UserError
 from embedcache.extract import ChunkJob, decode_sample, default_factory, embed_chunk, import_plugins
+from embedcache.extract_text import embed_text_chunk
 
 _BACKBONES: dict[tuple[str, str | None, str], Any] = {}  # per worker process
 
@@ -40,6 +41,11 @@ def _backbone(job: ChunkJob) -> Any:
 def run_chunk_job(job: ChunkJob) -> int:
     """Decode, embed and write one chunk on a worker. Returns the number of rows written."""
     bb = _backbone(job)
+    if job.texts:  # a text backbone: nothing to decode
+        feats, mask = embed_text_chunk(bb, job.texts, job.spec, job.batch_size)
+        st.write_chunk(st.open_shard(job.store, job.spec.backbone, job.spec.client, job.spec.split),
+                       job.chunk, feats, None, mask)
+        return len(job.texts)
     a, _ = job.spec.rows(job.chunk)
     ids = job.spec.sample_ids[a:a + len(job.locators)]
     with ThreadPoolExecutor(max(1, job.num_workers)) as pool:

@@ -11,6 +11,10 @@ Before anything else, every image is re-fingerprinted against the manifest (cach
 included; embedcache.sources.drift): features of an image that changed are never served.
 
 Features of the K backbones are later concatenated by the reader (FedPCL Eq. 1-2).
+
+Text backbones (modality "text", contract 3d) read each sample's `text` from the manifest instead
+of decoding its image: the same chunks and fixed batches, tokenized in this thread (microseconds per
+text), embedded, and for token backbones (`minilm-l6-v2:32@layer.5`) written with their mask.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ from tqdm import tqdm
 from embedcache import store as st
 from embedcache.devices import resolve_device
 from embedcache.errors import UserError
+from embedcache.extract_text import embed_text_chunk, is_text, text_notes
 
 _VIEW_SEED_LOCK = threading.Lock()  # global RNGs: one seeded augmentation at a time
 
@@ -76,6 +81,11 @@ class ChunkJob:
     plugins: tuple[str, ...] = ()  # modules to import before creating the backbone
     num_workers: int = 1  # decode threads on the worker
     factory: Callable[[str, str | None, str], Any] | None = None  # picklable; None: create_backbone
+    texts: tuple[str, ...] = ()  # the chunk's texts, for a text backbone (then `locators` is empty)
+
+    @property
+    def n_rows(self) -> int:
+        return len(self.texts) if self.texts else len(self.locators)
 
 
 @dataclass
@@ -166,7 +176,13 @@ def embed_chunk(backbone: Any, items: Sequence[tuple[torch.Tensor, list[torch.Te
 
 
 def build_specs(manifest: Any, backbone: Any, cfg: ExtractConfig) -> list[tuple[st.ShardSpec, tuple[str, ...]]]:
-    """One ShardSpec per (client, split) of the manifest, with the rows' locators."""
+    """One ShardSpec per (client, split) of the manifest, with the rows' locators (image
+    backbones) or texts (text backbones: a sample without a text is a one-line error)."""
+    text = is_text(backbone)
+    token_shape = getattr(backbone, "token_shape", None) if text else None
+    if text and cfg.views > 1:
+        raise UserError(f"{backbone.name}: a text backbone has no augmented views; drop --views {cfg.views} "
+                        "or extract it separately")
     n_classes = len(manifest.classes)
     manifest_hash = manifest.content_hash  # a property that hashes the whole manifest: once
     out = []
@@ -176,6 +192,9 @@ def build_specs(manifest: Any, backbone: Any, cfg: ExtractConfig) -> list[tuple[
             for s in samples:
                 if not 0 <= int(s.label) < n_classes:
                     raise UserError(f"{s.id}: label {s.label} outside the class list (0..{n_classes - 1})")
+                if text and s.text is None:
+                    raise UserError(f"{s.id}: no text; {backbone.name} is a text backbone and needs a paired "
+                                    "manifest (every sample with a text)")
             spec = st.ShardSpec(
                 backbone=backbone.name, weights_sha256=backbone.weights_sha256,
                 preprocess=dict(backbone.preprocess), feature_dim=int(backbone.feature_dim),
@@ -183,8 +202,10 @@ def build_specs(manifest: Any, backbone: Any, cfg: ExtractConfig) -> list[tuple[
                 manifest_hash=manifest_hash,
                 sample_list_hash=manifest.sample_list_hash(client.name, split),
                 sample_ids=tuple(s.id for s in samples), labels=tuple(int(s.label) for s in samples),
-                views=cfg.views, dtype=cfg.dtype, chunk_rows=cfg.chunk_rows, batch_size=cfg.batch_size)
-            out.append((spec, tuple(s.locator for s in samples)))
+                views=cfg.views, dtype=cfg.dtype, chunk_rows=cfg.chunk_rows, batch_size=cfg.batch_size,
+                modality="text" if text else "image",
+                token_shape=None if token_shape is None else (int(token_shape[0]), int(token_shape[1])))
+            out.append((spec, tuple(str(s.text) if text else s.locator for s in samples)))
     return out
 
 
@@ -231,6 +252,8 @@ def run_local(jobs: Sequence[ChunkJob], backbone: Any, cfg: ExtractConfig, bar: 
     """Single process: decode in threads, embed here, write in a writer thread."""
     if not jobs:
         return
+    if is_text(backbone):
+        return _run_local_text(jobs, backbone, bar)
     ahead = max(2 * cfg.batch_size, 4 * cfg.num_workers)
 
     def thunks() -> Iterator[Callable[[], Any]]:
@@ -254,6 +277,23 @@ def run_local(jobs: Sequence[ChunkJob], backbone: Any, cfg: ExtractConfig, bar: 
                     shards[path] = st.open_shard(job.store, job.spec.backbone, job.spec.client, job.spec.split)
                 writer.put((shards[path], job.chunk, feats, views))
                 bar.update(len(items))
+    finally:
+        writer.close()
+
+
+def _run_local_text(jobs: Sequence[ChunkJob], backbone: Any, bar: tqdm) -> None:
+    """Text: nothing to decode; tokenize and embed here, write in the writer thread."""
+    writer = _Writer()
+    writer.start()
+    shards: dict[str, Any] = {}
+    try:
+        for job in jobs:
+            feats, mask = embed_text_chunk(backbone, job.texts, job.spec, job.batch_size)
+            path = st.shard_path(job.store, job.spec.backbone, job.spec.client, job.spec.split)
+            if path not in shards:
+                shards[path] = st.open_shard(job.store, job.spec.backbone, job.spec.client, job.spec.split)
+            writer.put((shards[path], job.chunk, feats, None, mask))
+            bar.update(len(job.texts))
     finally:
         writer.close()
 
@@ -346,6 +386,7 @@ def _extract_all(manifest: Any, cfg: ExtractConfig, src: Any, backbone_factory: 
     for name in cfg.backbones:
         bb = make(name, cfg.weights_dir, device)
         specs = build_specs(manifest, bb, cfg)
+        text = is_text(bb)
         jobs: list[ChunkJob] = []
         todo: list[st.ShardSpec] = []
         resumed: list[str] = []
@@ -362,7 +403,8 @@ def _extract_all(manifest: Any, cfg: ExtractConfig, src: Any, backbone_factory: 
                 resumed.append(f"{spec.client}/{spec.split} ({batch_size})")
             for chunk in st.missing_chunks(shard):
                 a, b = spec.rows(chunk)
-                jobs.append(ChunkJob(store=str(cfg.store), spec=spec, chunk=chunk, locators=locators[a:b],
+                jobs.append(ChunkJob(store=str(cfg.store), spec=spec, chunk=chunk,
+                                     locators=() if text else locators[a:b], texts=locators[a:b] if text else (),
                                      source=src, weights_dir=cfg.weights_dir, device=device,
                                      batch_size=batch_size, plugins=cfg.plugins,
                                      num_workers=cfg.num_workers, factory=backbone_factory))
@@ -370,8 +412,11 @@ def _extract_all(manifest: Any, cfg: ExtractConfig, src: Any, backbone_factory: 
             report.note(f"{name}: {len(resumed)} shard(s) resumed with the batch size they were started with, "
                         f"not --batch-size {cfg.batch_size} (e.g. {resumed[0]}), so that features do not "
                         f"depend on the interruption")
-        rows = sum(len(j.locators) for j in jobs)
-        with tqdm(total=rows, desc=name, unit="img", disable=not cfg.progress or rows == 0) as bar:
+        if text:
+            for msg in text_notes(bb, [t for j in jobs for t in j.texts]):
+                report.note(msg)
+        rows = sum(j.n_rows for j in jobs)
+        with tqdm(total=rows, desc=name, unit="text" if text else "img", disable=not cfg.progress or rows == 0) as bar:
             if cfg.scheduler and jobs:
                 from embedcache.distributed import run_dask
 

@@ -9,6 +9,10 @@ Nothing is handed out that was not written and checked (`embedcache.shard_check`
 a deleted chunk file as fill values, so without the check a lost file would train on zeros.
 Consolidated metadata is used only when it matches the shard groups on disk; otherwise the
 hierarchy is read and a `StoreWarning` says so, once.
+
+Token states (FedDRA's stage 1): a text token shard holds rows T-major plus a `mask` [N, T]; an
+image cut map holds rows C-major ([C, H, W] flattened: H*W tokens of C channels).
+`ClientSplit.tokens()` gives both as [N, T, D]; `ClientSplit.mask` is the text mask.
 """
 
 from __future__ import annotations
@@ -60,6 +64,9 @@ class ShardInfo:
     path: str  # group path inside the store
     manifest_hash: str = ""  # manifest the shard was extracted (or imported) under
     stale: str = ""  # why the shard is not current (DROPPED or OLDER); "" when current
+    modality: str = "image"  # attr `modality` ("image" for shards written before it existed)
+    token_shape: tuple[int, int] | None = None  # (T, D) of a text token shard: rows T-major, with a mask
+    map_shape: tuple[int, ...] | None = None  # (C, H, W) of an image cut map (preprocess.map_shape)
 
     @property
     def current(self) -> bool:
@@ -95,6 +102,20 @@ class ClientSplit:
     labels: np.ndarray  # [N] int64
     sample_ids: np.ndarray  # [N] str
     views: np.ndarray | None = None  # [V, N, sum D_k] float32 augmented views, when asked for
+    mask: np.ndarray | None = None  # [N, T] bool, True = a real token (text token shards only)
+    token_shape: tuple[int, int] | None = None  # (T, D) when the features are ONE backbone's token states
+    channels_first: bool = False  # rows are C-major [D, T] (image cut maps), else T-major [T, D]
+
+    def tokens(self) -> np.ndarray:
+        """The features as [N, T, D] token states (a view for text, a copy for image maps)."""
+        if self.token_shape is None:
+            raise UserError(f"{self.client}: these features are not the token states of one backbone "
+                            "(load one B@CUT backbone alone)")
+        t, d = self.token_shape
+        n = self.features.shape[0]
+        if self.channels_first:
+            return np.ascontiguousarray(self.features.reshape(n, d, t).transpose(0, 2, 1))
+        return self.features.reshape(n, t, d)
 
 
 def root_metadata(path: str | Path) -> dict:
@@ -186,12 +207,15 @@ def _walk(root: zarr.Group, attrs: dict) -> list[ShardInfo]:
                     if split not in _SPLITS or "cache_key" not in a:
                         continue  # a shard being created: not yet a shard
                     mh = str(a.get("manifest_hash", ""))
+                    tshape, mshape = a.get("token_shape"), (a.get("preprocess") or {}).get("map_shape")
                     shards.append(ShardInfo(
                         backbone=a["backbone"], key=bkey, client=client, split=split,
                         domain=a.get("domain", ""), n=int(a["n"]), dim=int(a["dim"]), dtype=a["dtype"],
                         views=int(a.get("views", 1)), complete=bool(a.get("complete", False)),
                         cache_key=a["cache_key"], path=f"{bkey}/{client}/{split}", manifest_hash=mh,
-                        stale=stale_reason(attrs, client, mh)))
+                        stale=stale_reason(attrs, client, mh), modality=str(a.get("modality", "image")),
+                        token_shape=None if tshape is None else (int(tshape[0]), int(tshape[1])),
+                        map_shape=None if mshape is None else tuple(int(v) for v in mshape)))
     return shards
 
 
@@ -257,6 +281,19 @@ def _servable_shard(info: StoreInfo, name: str, client: str, split: str) -> Shar
     return sh
 
 
+def _token_layout(shards: Sequence[ShardInfo]) -> tuple[tuple[int, int] | None, bool]:
+    """(token_shape, channels_first) of one backbone's features; (None, False) otherwise."""
+    if len(shards) != 1:
+        return None, False
+    sh = shards[0]
+    if sh.token_shape is not None:
+        return sh.token_shape, False
+    if sh.map_shape is not None and len(sh.map_shape) == 3:
+        c, h, w = sh.map_shape
+        return (h * w, c), True
+    return None, False
+
+
 def _same_rows(client: str, split: str, first: str, other: str, ids: tuple, labels: tuple) -> None:
     if not (np.array_equal(ids[0], ids[1]) and np.array_equal(labels[0], labels[1])):
         raise UserError(f"{client}/{split}: sample ids or labels differ between backbones "
@@ -275,6 +312,9 @@ def load_split(
     Raises UserError when a backbone or shard is missing, a shard is incomplete or stale, two
     backbones disagree on the sample ids/labels of a client, a feature is NaN/inf, or a chunk
     does not match its recorded digests (missing or changed since it was written).
+
+    A text token shard comes with its `mask` (checked with the features) and is loaded alone: a
+    mask cannot follow concatenated columns. `ClientSplit.tokens()` gives [N, T, D].
     """
     info = store if isinstance(store, StoreInfo) else open_store(store)
     names = _names(info, backbones, split)
@@ -284,20 +324,26 @@ def load_split(
     out: dict[str, ClientSplit] = {}
     for client in wanted:
         shards = [_servable_shard(info, n, client, split) for n in names]
+        if len(shards) > 1 and any(sh.token_shape is not None for sh in shards):
+            masked = next(sh for sh in shards if sh.token_shape is not None)
+            raise UserError(f"{masked.backbone}: token states with a mask are loaded alone, not concatenated "
+                            f"with {', '.join(n for n in names if n != masked.backbone)}")
         parts = []
         for sh in shards:
             reader = ShardReader(root, sh, views, info.path)
             parts.append((sh, *reader.read(0, reader.n_chunks)))
         first = parts[0]
-        for sh, _, labels, ids, _ in parts[1:]:
+        for sh, _, labels, ids, _, _ in parts[1:]:
             _same_rows(client, split, first[0].backbone, sh.backbone, (first[3], ids), (first[2], labels))
         if views and len({p[4].shape[0] for p in parts}) > 1:
             raise UserError(f"{client}/{split}: backbones hold different numbers of views "
                             f"({', '.join(f'{p[0].backbone}={p[4].shape[0]}' for p in parts)})")
         feats = np.concatenate([p[1] for p in parts], axis=1)
         vws = np.concatenate([p[4] for p in parts], axis=2) if views else None
+        token_shape, channels_first = _token_layout(shards)
         out[client] = ClientSplit(client=client, domain=first[0].domain, features=feats,
-                                  labels=first[2], sample_ids=first[3], views=vws)
+                                  labels=first[2], sample_ids=first[3], views=vws, mask=first[5],
+                                  token_shape=token_shape, channels_first=channels_first)
     return out
 
 
@@ -316,6 +362,10 @@ def iter_split_chunks(
         raise UserError(f"chunk_rows {chunk_rows}: must be >= 1")
     info = store if isinstance(store, StoreInfo) else open_store(store)
     shards = [_servable_shard(info, name, client, split) for name in _names(info, backbones, split)]
+    masked = [sh.backbone for sh in shards if sh.token_shape is not None]
+    if masked:
+        raise UserError(f"{masked[0]}: a token shard with a mask is not streamed; use load_split, which "
+                        "returns the mask")
     if len({sh.n for sh in shards}) > 1:
         raise UserError(f"{client}/{split}: backbones hold different numbers of samples")
     root = open_group(info.path, info.consolidated)

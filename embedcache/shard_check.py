@@ -12,7 +12,7 @@ import json
 import os
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 import zarr
@@ -23,12 +23,15 @@ if TYPE_CHECKING:
     from embedcache.reader import ShardInfo
 
 
-def chunk_digest(key: str, features: np.ndarray, views: np.ndarray | None) -> bytes:
-    """sha256 of (cache key, chunk features bytes, chunk views bytes), C order, stored dtype."""
+def chunk_digest(key: str, features: np.ndarray, views: np.ndarray | None, mask: np.ndarray | None = None) -> bytes:
+    """sha256 of (cache key, chunk features bytes, chunk views bytes, chunk mask bytes), C order,
+    stored dtype, one byte per mask entry; a shard without views/mask hashes exactly as before."""
     h = hashlib.sha256(key.encode())
     h.update(memoryview(np.ascontiguousarray(features)).cast("B"))
     if views is not None:
         h.update(memoryview(np.ascontiguousarray(views)).cast("B"))
+    if mask is not None:
+        h.update(memoryview(np.ascontiguousarray(mask, dtype=np.bool_).view(np.uint8)).cast("B"))
     return h.digest()
 
 
@@ -38,6 +41,16 @@ def rows_digest(key: str, labels: np.ndarray, sample_ids: Sequence[str]) -> byte
     h.update(memoryview(np.ascontiguousarray(labels, dtype=np.int64)).cast("B"))
     h.update(json.dumps([str(s) for s in sample_ids], ensure_ascii=False, separators=(",", ":")).encode())
     return h.digest()
+
+
+class Rows(NamedTuple):
+    """Checked rows of a shard."""
+
+    features: np.ndarray  # [n, D] float32
+    labels: np.ndarray  # [n] int64
+    ids: np.ndarray  # [n] str
+    views: np.ndarray | None  # [V, n, D] float32 when asked for
+    mask: np.ndarray | None  # [n, T] bool when the shard has a mask (text token shards)
 
 
 def _str_ids(arr: object) -> np.ndarray:
@@ -61,6 +74,7 @@ class ShardReader:
             raise UserError(f"{info.path}: cannot read ({type(exc).__name__}: {exc}); "
                             f"run `embedcache verify {store}`") from None
         self.key, self.views = a["cache_key"], views
+        self.has_mask = a.get("token_shape") is not None  # the mask is part of every chunk digest
         # A views shard read without its views is checked with features_sha256; older shards
         # lack it, so their views are read (and dropped) to check chunk_sha256.
         self.read_views = info.views > 1 and (views or "features_sha256" not in a)
@@ -75,8 +89,8 @@ class ShardReader:
                          f"`embedcache verify {self.store}` lists the damage, `embedcache rm` removes the shard "
                          "to extract (or import) it again")
 
-    def read(self, c0: int, c1: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]:
-        """Rows of stored chunks [c0, c1): (features f32, labels i64, ids str, views f32 | None)."""
+    def read(self, c0: int, c1: int) -> Rows:
+        """Rows of stored chunks [c0, c1), each chunk checked against its digests."""
         cr, info = self.chunk_rows, self.info
         a, b = c0 * cr, min(c1 * cr, info.n)
         try:
@@ -84,17 +98,20 @@ class ShardReader:
             labels = np.asarray(self.g["labels"][a:b], dtype=np.int64)
             ids = _str_ids(self.g["sample_ids"][a:b])
             rv = self.g["views"][:, a:b] if self.read_views else None
+            mask = np.asarray(self.g["mask"][a:b], dtype=np.bool_) if self.has_mask else None
         except Exception as exc:  # a damaged chunk file fails to decode
             raise UserError(f"{info.path}: cannot read rows {a}..{b - 1} ({type(exc).__name__}: {exc}); "
                             f"run `embedcache verify {self.store}`") from None
-        if raw.shape != (b - a, info.dim) or labels.shape != (b - a,) or ids.shape != (b - a,):
+        if raw.shape != (b - a, info.dim) or labels.shape != (b - a,) or ids.shape != (b - a,) or (
+                mask is not None and mask.shape[0] != b - a):
             raise UserError(f"{info.path}: arrays do not match n={info.n}, dim={info.dim}")
         if not np.isfinite(raw).all() or (self.views and not np.isfinite(rv).all()):
             raise UserError(f"{info.path}: features contain NaN/inf (rows {a}..{b - 1})")
 
         def intact(c: int) -> bool:
             s, e = c * cr - a, min((c + 1) * cr, info.n) - a
-            if chunk_digest(self.key, raw[s:e], None if rv is None else rv[:, s:e]).hex() != self.digests[c]:
+            if chunk_digest(self.key, raw[s:e], None if rv is None else rv[:, s:e],
+                            None if mask is None else mask[s:e]).hex() != self.digests[c]:
                 return False
             return self.rows_digests is None or rows_digest(self.key, labels[s:e], ids[s:e].tolist()).hex() == self.rows_digests[c]
 
@@ -108,7 +125,7 @@ class ShardReader:
         if not all(ok):
             raise self._damaged(chunks[ok.index(False)])
         vws = np.asarray(rv, dtype=np.float32) if self.views else None
-        return np.asarray(raw, dtype=np.float32), labels, ids, vws
+        return Rows(np.asarray(raw, dtype=np.float32), labels, ids, vws, mask)
 
 
 class RowStream:
@@ -123,7 +140,7 @@ class RowStream:
         have = self.start + (0 if self.buf is None else len(self.buf[1]))
         if have < b:
             c1 = -(-b // self.reader.chunk_rows)
-            f, y, s, _ = self.reader.read(self.next_chunk, c1)
+            f, y, s, _, _ = self.reader.read(self.next_chunk, c1)
             self.next_chunk = c1
             self.buf = (f, y, s) if self.buf is None else tuple(np.concatenate([o, x]) for o, x in zip(self.buf, (f, y, s)))
         i, j = a - self.start, b - self.start

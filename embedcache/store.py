@@ -93,6 +93,8 @@ class ShardSpec:
     dtype: str = "float32"  # storage dtype of features/views (see DTYPES)
     chunk_rows: int = DEFAULT_CHUNK_ROWS  # rows per zarr chunk and per extraction task
     batch_size: int = 64  # rows per forward pass; recorded so a resumed run batches the same way
+    modality: str = "image"  # the backbone's: "image" | "text"
+    token_shape: tuple[int, int] | None = None  # (T, D_tok) of text token states: rows T-major + a `mask` [N, T]
 
     @property
     def n(self) -> int:
@@ -199,6 +201,8 @@ def _shard_attrs(spec: ShardSpec) -> dict:
         "dim": spec.feature_dim,
         "domain": spec.domain,
         "batch_size": spec.batch_size,
+        "modality": spec.modality,
+        **({"token_shape": list(spec.token_shape)} if spec.token_shape is not None else {}),
     }
 
 
@@ -206,6 +210,7 @@ def _matches(shard: zarr.Group, spec: ShardSpec) -> bool:
     try:
         feats = shard["features"]
         done = shard["done"]
+        mask_ok = spec.token_shape is None or shard["mask"].shape == (spec.n, spec.token_shape[0])
     except KeyError:
         return False
     return (
@@ -213,6 +218,7 @@ def _matches(shard: zarr.Group, spec: ShardSpec) -> bool:
         and feats.shape == (spec.n, spec.feature_dim)
         and feats.chunks[0] == spec.chunk_rows
         and done.shape == (spec.n_chunks, _DIGEST)
+        and mask_ok
     )
 
 
@@ -238,6 +244,9 @@ def prepare_shard(store: str | Path, spec: ShardSpec) -> bool:
         raise UserError(f"dtype {spec.dtype}: must be one of {', '.join(DTYPES)}")
     if spec.split not in SPLITS:
         raise UserError(f"split {spec.split}: must be train or test")
+    if spec.token_shape is not None and (spec.views > 1 or spec.token_shape[0] * spec.token_shape[1] != spec.feature_dim):
+        raise UserError(f"{spec.backbone}: token shards hold no views and T*D must equal the feature dim "
+                        f"(token_shape {list(spec.token_shape)}, dim {spec.feature_dim}, views {spec.views})")
     store = Path(store)
     bk = backbone_key(spec.backbone)
     check_backbone_name(store, spec.backbone)
@@ -279,6 +288,9 @@ def _create(cgroup: zarr.Group, spec: ShardSpec) -> None:
     if spec.views > 1:
         shard.create_array("views", shape=(spec.views, n, d), chunks=(spec.views, cr, d),
                            dtype=spec.dtype, fill_value=0)
+    if spec.token_shape is not None:
+        t = spec.token_shape[0]
+        shard.create_array("mask", shape=(n, t), chunks=(cr, t), dtype="bool", fill_value=False)
     labels = shard.create_array("labels", shape=(n,), chunks=(max(cr, 1),), dtype="int64", fill_value=0)
     ids = shard.create_array("sample_ids", shape=(n,), chunks=(max(cr, 1),), dtype=str)
     shard.create_array("done", shape=(spec.n_chunks, _DIGEST), chunks=(1, _DIGEST), dtype="uint8", fill_value=0)
@@ -307,9 +319,11 @@ def missing_chunks(shard: zarr.Group) -> list[int]:
 
 
 def write_chunk(
-    shard: zarr.Group, chunk: int, features: np.ndarray, views: np.ndarray | None = None
+    shard: zarr.Group, chunk: int, features: np.ndarray, views: np.ndarray | None = None,
+    mask: np.ndarray | None = None,
 ) -> None:
-    """Write the features (and views) of one chunk, then its digest. Idempotent."""
+    """Write the features (and views, or the token mask of a token shard) of one chunk, then its
+    digest. Idempotent."""
     attrs = shard.attrs
     start = chunk * shard["features"].chunks[0]
     stop = start + features.shape[0]
@@ -333,7 +347,16 @@ def write_chunk(
         if not np.isfinite(vws).all():
             raise UserError(f"chunk {chunk} of {attrs['backbone']}: views contain NaN/inf")
         shard["views"][:, start:stop] = vws
-    digest = chunk_digest(attrs["cache_key"], feats, vws)
+    msk = None
+    if attrs.get("token_shape") is not None:
+        t = int(attrs["token_shape"][0])
+        if mask is None or mask.shape != (stop - start, t):
+            raise UserError(f"chunk {chunk}: mask shape {None if mask is None else mask.shape} != ({stop - start}, {t})")
+        msk = np.asarray(mask, dtype=np.bool_)
+        shard["mask"][start:stop] = msk
+    elif mask is not None:
+        raise UserError(f"chunk {chunk} of {attrs['backbone']}: a mask was given to a shard without token_shape")
+    digest = chunk_digest(attrs["cache_key"], feats, vws, msk)
     shard["done"][chunk] = np.frombuffer(digest, dtype=np.uint8)
 
 
@@ -353,9 +376,10 @@ def stored_digests(shard: zarr.Group, chunk: int) -> StoredDigests:
     start, stop = chunk * cr, min((chunk + 1) * cr, shard.attrs["n"])
     feats = shard["features"][start:stop]
     vws = shard["views"][:, start:stop] if "views" in shard else None
+    msk = shard["mask"][start:stop] if shard.attrs.get("token_shape") is not None else None
     ids = np.asarray(shard["sample_ids"][start:stop]).tolist()
-    features = chunk_digest(key, feats, None).hex()
-    return StoredDigests(features if vws is None else chunk_digest(key, feats, vws).hex(), features,
+    features = chunk_digest(key, feats, None, msk).hex()
+    return StoredDigests(features if vws is None else chunk_digest(key, feats, vws, msk).hex(), features,
                          rows_digest(key, shard["labels"][start:stop], ids).hex())
 
 
@@ -399,13 +423,15 @@ def finalize_shard(store: str | Path, spec: ShardSpec) -> None:
         shard.attrs["complete"] = True
 
 
-def write_shard(store: str | Path, spec: ShardSpec, features: np.ndarray, views: np.ndarray | None = None) -> None:
+def write_shard(store: str | Path, spec: ShardSpec, features: np.ndarray, views: np.ndarray | None = None,
+                mask: np.ndarray | None = None) -> None:
     """Write a whole shard from in-memory arrays (used by `import`), chunk by chunk."""
     if prepare_shard(store, spec):
         return  # the same features are already there, complete
     shard = open_shard(store, spec.backbone, spec.client, spec.split)
     for chunk in range(spec.n_chunks):
         a, b = spec.rows(chunk)
-        write_chunk(shard, chunk, features[a:b], None if views is None else views[:, a:b])
+        write_chunk(shard, chunk, features[a:b], None if views is None else views[:, a:b],
+                    None if mask is None else mask[a:b])
     finalize_shard(store, spec)
 

@@ -89,8 +89,10 @@ def verify_shard(name: str, shard: zarr.Group, n_classes: int) -> list[str]:
         return [f"{name}: not complete"]
     n, d, v = int(a["n"]), int(a["dim"]), int(a["views"])
     probs = []
+    token_shape = a.get("token_shape")
     for arr, shape in (("features", (n, d)), ("labels", (n,)), ("sample_ids", (n,)), ("done", None)) + (
-            (("views", (v, n, d)),) if v > 1 else ()):
+            (("views", (v, n, d)),) if v > 1 else ()) + (
+            (("mask", (n, int(token_shape[0]))),) if token_shape is not None else ()):
         if arr not in shard:
             probs.append(f"{name}: array {arr} missing")
         elif shape is not None and shard[arr].shape != shape:
@@ -243,12 +245,14 @@ def export_h5(store: str | Path, out: str | Path) -> int:
                 for k, v in root[s.path].attrs.items():
                     g.attrs[k] = _h5_attr(v)
                 reader = ShardReader(root, s, s.views > 1, info.path)  # exports only checked rows
-                feats, labels, ids, views = reader.read(0, reader.n_chunks)
+                feats, labels, ids, views, mask = reader.read(0, reader.n_chunks)
                 g.create_dataset("features", data=feats.astype(s.dtype))
                 g.create_dataset("labels", data=labels)
                 g.create_dataset("sample_ids", data=np.array(ids.tolist(), dtype=object), dtype=h5py.string_dtype())
                 if views is not None:
                     g.create_dataset("views", data=views.astype(s.dtype))
+                if mask is not None:
+                    g.create_dataset("mask", data=mask)
         os.replace(tmp, out)
     finally:
         tmp.unlink(missing_ok=True)

@@ -102,7 +102,7 @@ def _federation(data: Any, num_classes: int | None, device: str, binarize: bool)
 
 
 def _options(rounds: int, seeds: Sequence[int] | int, local_epochs: int | None, batch_size: int | None,
-             lr: float | None, fraction: float, engine: str, device: str, eval_every: int, binarize: bool,
+             lr: float | None, fraction: float, engine: str, layout: str, device: str, eval_every: int, binarize: bool,
              settings: Mapping[str, Any] | None, progress: bool) -> Any:
     from embedcache.errors import UserError
     from fedheads.runner import TrainOptions
@@ -113,7 +113,7 @@ def _options(rounds: int, seeds: Sequence[int] | int, local_epochs: int | None, 
     if not seeds:
         raise UserError("seeds: at least one is needed")
     fields = tuple((str(k).replace("-", "_"), v) for k, v in (settings or {}).items())
-    return TrainOptions(rounds=rounds, seeds=seeds, fraction=fraction, engine=engine, device=device,
+    return TrainOptions(rounds=rounds, seeds=seeds, fraction=fraction, engine=engine, layout=layout, device=device,
                         eval_every=eval_every, binarize=binarize, local_epochs=local_epochs,
                         batch_size=batch_size, lr=lr, settings=fields, progress=progress)
 
@@ -137,21 +137,22 @@ def _prepare(data: Data, backbones: Sequence[str] | str | None, num_classes: int
 def train(data: Data, algorithm: str, *, backbones: Sequence[str] | str | None = None,
           num_classes: int | None = None, rounds: int = 50, seeds: Sequence[int] | int = (0, 1, 2),
           local_epochs: int | None = None, batch_size: int | None = None, lr: float | None = None,
-          fraction: float = 1.0, engine: str = "vectorized", device: str = "auto", eval_every: int = 1,
-          binarize: bool = False, settings: Mapping[str, Any] | None = None, progress: bool = False,
+          fraction: float = 1.0, engine: str = "vectorized", layout: str = "auto", device: str = "auto",
+          eval_every: int = 1, binarize: bool = False, settings: Mapping[str, Any] | None = None, progress: bool = False,
           out: str | Path | None = None, overwrite: bool = False) -> Result:
     """Train `algorithm` once per seed, as `fedheads train`.
 
     data: a feature store path (with `backbones`, concatenated in order) or per-client numpy
         arrays {client: (x_train, y_train, x_test, y_test)}; labels 0..C-1 (`num_classes`
         defaults to the largest label + 1).
+    layout: how clients are stacked ("padded" | "bucketed" | "auto": bucketed when padding would cost).
     settings: algorithm config fields, e.g. {"variant": "code"} (see `fedheads algorithms NAME`);
         local_epochs / batch_size / lr: the generic ones (None: the paper's default).
     out: write the run directory there (refused if it holds a run, unless `overwrite`);
         None: nothing is written and `Result.states` holds each seed's final states."""
     from fedheads import runner
 
-    opts = _options(rounds, seeds, local_epochs, batch_size, lr, fraction, engine, device, eval_every,
+    opts = _options(rounds, seeds, local_epochs, batch_size, lr, fraction, engine, layout, device, eval_every,
                     binarize, settings, progress)
     store, bbs, fed = _prepare(data, backbones, num_classes, opts, load=out is None)
     if out is not None:
@@ -163,8 +164,8 @@ def train(data: Data, algorithm: str, *, backbones: Sequence[str] | str | None =
 def compare(data: Data, algorithms: Sequence[str] | str, *, backbones: Sequence[str] | str | None = None,
             num_classes: int | None = None, rounds: int = 50, seeds: Sequence[int] | int = (0, 1, 2),
             local_epochs: int | None = None, batch_size: int | None = None, lr: float | None = None,
-            fraction: float = 1.0, engine: str = "vectorized", device: str = "auto", eval_every: int = 1,
-            binarize: bool = False, settings: Mapping[str, Any] | None = None, progress: bool = False,
+            fraction: float = 1.0, engine: str = "vectorized", layout: str = "auto", device: str = "auto",
+            eval_every: int = 1, binarize: bool = False, settings: Mapping[str, Any] | None = None, progress: bool = False,
             out: str | Path | None = None, overwrite: bool = False) -> Result:
     """Train several algorithms on the same features, as `fedheads compare` (arguments as in
     :func:`train`; a setting that does not apply to an algorithm is dropped for it and recorded
@@ -174,7 +175,7 @@ def compare(data: Data, algorithms: Sequence[str] | str, *, backbones: Sequence[
     from fedheads import runner
 
     names = [a.strip() for a in algorithms.split(",") if a.strip()] if isinstance(algorithms, str) else list(algorithms)
-    opts = _options(rounds, seeds, local_epochs, batch_size, lr, fraction, engine, device, eval_every,
+    opts = _options(rounds, seeds, local_epochs, batch_size, lr, fraction, engine, layout, device, eval_every,
                     binarize, settings, progress)
     store, bbs, fed = _prepare(data, backbones, num_classes, opts, load=out is None)
     if out is not None:
@@ -187,7 +188,7 @@ def compare(data: Data, algorithms: Sequence[str] | str, *, backbones: Sequence[
 def _load(store: str, backbones: list[str], opts: Any) -> FedData:
     from fedheads.data import load_fed_data, resolve_device
 
-    return load_fed_data(store, backbones, resolve_device(opts.device), binarize=opts.binarize)
+    return load_fed_data(store, backbones, resolve_device(opts.device), binarize=opts.binarize, layout=opts.layout)
 
 
 def _dims(store: str | None, backbones: list[str]) -> list[int] | None:

@@ -1,4 +1,5 @@
-"""`fedheads` command line: train / compare / predict / finetune / algorithms / summarize.
+"""`fedheads` command line: train / compare / predict / finetune / algorithms / summarize, and over
+Flower simulate / serve / join (fedheads.flower, imported only by those three).
 
 Every command reads the feature store through `embedcache.reader` (numpy + zarr) and never
 imports timm, torchvision or dask. Bad input prints one `error: ...` line and exits 2."""
@@ -46,6 +47,8 @@ def _train_options(f):
         click.option("--lr", type=float, default=None, help="Client learning rate (default: paper's)."),
         click.option("--fraction", default=1.0, show_default=True, help="Client participation per round."),
         click.option("--engine", type=click.Choice(["vectorized", "loop"]), default="vectorized", show_default=True),
+        click.option("--layout", type=click.Choice(["auto", "padded", "bucketed"]), default="auto", show_default=True,
+                     help="Features padded to the largest client, or in size buckets (auto: when padding would cost)."),
         click.option("--device", default="auto", show_default=True, help="auto | cpu | cuda"),
         click.option("--eval-every", default=1, show_default=True, help="Evaluate every k rounds (0: last only)."),
         click.option("--binarize", is_flag=True, help="FedPCL authors' 0/1 binarised backbone features."),
@@ -62,14 +65,14 @@ def _train_options(f):
     return f
 
 
-def _options(rounds, seeds, local_epochs, batch_size, lr, fraction, engine, device, eval_every,
+def _options(rounds, seeds, local_epochs, batch_size, lr, fraction, engine, layout, device, eval_every,
              binarize, settings, quiet):
     from fedheads.runner import TrainOptions, parse_settings
 
     if rounds < 1:
         raise UserError(f"--rounds {rounds}: must be >= 1")
     return TrainOptions(rounds=rounds, seeds=_seeds(seeds), fraction=fraction, engine=engine,
-                        device=device, eval_every=eval_every, binarize=binarize,
+                        layout=layout, device=device, eval_every=eval_every, binarize=binarize,
                         local_epochs=local_epochs, batch_size=batch_size, lr=lr,
                         settings=parse_settings(settings), progress=not quiet)
 
@@ -169,6 +172,110 @@ def finetune(manifest_path, store, backbone, heads, head_rounds, rounds, server,
         click.echo(f"{r['algorithm']}: accuracy {r['accuracy_cell']} after {r['rounds']} rounds "
                    f"(round 0: {r['figure1'][0]['accuracy']:.2f})")
     click.echo(f"report: {Path(out) / 'summary.md'}", err=True)
+
+
+def _flower_options(f):
+    """Options of a federated run over Flower (`serve`, `simulate`): fedheads.flower.server.FlowerRunConfig."""
+    opts = [
+        click.option("--algorithm", required=True, help="See `fedheads algorithms`."),
+        click.option("--backbones", required=True, help="Comma-separated; every node concatenates them in this order."),
+        click.option("--rounds", default=1, show_default=True, help="Communication rounds."),
+        click.option("--seed", default=0, show_default=True, help="Run seed (participants, initialisations, batches)."),
+        click.option("--fraction", default=1.0, show_default=True, help="Client participation per round."),
+        click.option("--eval-every", default=1, show_default=True, help="Evaluate every k rounds (0: last only)."),
+        click.option("--local-epochs", type=int, default=0, help="Local epochs E (default: paper's)."),
+        click.option("--batch-size", type=int, default=0, help="Local batch size (default: paper's)."),
+        click.option("--lr", type=float, default=0.0, help="Client learning rate (default: paper's)."),
+        click.option("--binarize", is_flag=True, help="FedPCL authors' 0/1 binarised backbone features."),
+        click.option("--set", "settings", multiple=True, metavar="KEY=VALUE", help="Algorithm config field (repeatable)."),
+        click.option("--secagg", is_flag=True, help="SecAgg+ for the sum-shaped server steps (fedncm, fedproto, fedpcl)."),
+        click.option("--secagg-shares", default=1.0, show_default=True, help="SecAgg+ shares, fraction of the participants."),
+        click.option("--secagg-threshold", default=0.67, show_default=True, help="SecAgg+ reconstruction threshold, fraction of the shares."),
+        click.option("--on-dropout", type=click.Choice(["refuse", "continue"]), default="refuse", show_default=True,
+                     help="A node failing a round: stop the run, or complete the round from the others (recorded)."),
+        click.option("--timeout", default=600.0, show_default=True, help="Seconds a round's messages may take."),
+        click.option("--out", required=True, type=click.Path(file_okay=False), help="Run directory (results.json ...)."),
+        click.option("--overwrite", is_flag=True, help="Replace the run already in --out."),
+    ]
+    for o in reversed(opts):
+        f = o(f)
+    return f
+
+
+def _flower_config(settings, out, **kw):
+    from fedheads.flower.server import FlowerRunConfig
+    from fedheads.runner import parse_settings
+
+    return FlowerRunConfig(settings=json.dumps([list(p) for p in parse_settings(settings)]),
+                           out=str(Path(out).resolve()), **kw)
+
+
+def _flower_summary(res: dict, out: str) -> None:
+    fl = res.get("flower", {})
+    click.echo(f"{res['algorithm']} over Flower ({res['engine']}): accuracy {res['accuracy_cell']}, "
+               f"{len(fl.get('nodes', {}))} nodes, {fl.get('sent_bytes', 0) + fl.get('received_bytes', 0)} bytes "
+               f"-> {out}/results.json")
+
+
+@main.command()
+@click.option("--store", required=True, type=click.Path(), help="Feature store; one virtual node per client.")
+@click.option("--clients", default="", help="Comma-separated subset/order of the store's clients (default: all).")
+@_flower_options
+def simulate(store, clients, **kw) -> None:
+    """Run an algorithm over Flower's simulation runtime in this process (same results as `train`)."""
+    from fedheads.flower.sim import simulate_store
+
+    cfg = _flower_config(clients=clients, **kw)
+    simulate_store(cfg, store, [c for c in clients.split(",") if c] or None)
+    _flower_summary(json.loads((Path(cfg.out) / "results.json").read_text()), cfg.out)
+
+
+@main.command()
+@click.option("--nodes", required=True, type=int, help="Wait for this many SuperNodes (fedheads join), then run.")
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address the SuperLink binds (loopback for a local trial).")
+@click.option("--port", default=0, help="SuperLink port (default: a free one, printed).")
+@click.option("--wait", default=600.0, show_default=True, help="Seconds to wait for the nodes.")
+@click.option("--ssl-certfile", default=None, help="TLS certificate (a real deployment; else --insecure is used).")
+@click.option("--ssl-keyfile", default=None, help="TLS private key.")
+@click.option("--ssl-ca-certfile", default=None, help="TLS CA certificate (give it to the nodes as --root-certificates).")
+@_flower_options
+def serve(nodes, host, port, wait, ssl_certfile, ssl_keyfile, ssl_ca_certfile, **kw) -> None:
+    """Start a Flower SuperLink, run an algorithm over the nodes that join, write --out."""
+    from fedheads.flower.deploy import serve as run_serve
+
+    cfg = _flower_config(nodes=nodes, wait=wait, **kw)
+    tls = None
+    if any((ssl_certfile, ssl_keyfile, ssl_ca_certfile)):
+        if not all((ssl_certfile, ssl_keyfile, ssl_ca_certfile)):
+            raise UserError("--ssl-certfile/--ssl-keyfile/--ssl-ca-certfile: give all three (or none: insecure)")
+        tls = {"certfile": ssl_certfile, "keyfile": ssl_keyfile, "ca": ssl_ca_certfile}
+    res = run_serve(cfg.to_run_config(), Path(cfg.out), host=host, port=port, tls=tls,
+                    timeout=wait + cfg.timeout * (cfg.rounds + 2), echo=lambda m: click.echo(m, err=True))
+    _flower_summary(res, cfg.out)
+
+
+@main.command()
+@click.option("--superlink", required=True, help="HOST:PORT of the SuperLink (`fedheads serve` prints it).")
+@click.option("--store", required=True, type=click.Path(), help="This node's own feature store.")
+@click.option("--client", default="", help="Which client of the store / manifest this node is (default: the only one).")
+@click.option("--manifest", default="", type=click.Path(), help="This node's images: extracted into --store on first use.")
+@click.option("--device", default="cpu", show_default=True, help="Where the head runs (and extraction).")
+@click.option("--weights-dir", default="", help="Backbone weights for the extraction.")
+@click.option("--port", default=0, help="Local port of the node's ClientApp API (default: a free one).")
+@click.option("--root-certificates", default=None, help="CA certificate of a TLS SuperLink (default: insecure).")
+def join(superlink, store, client, manifest, device, weights_dir, port, root_certificates) -> None:
+    """Run a Flower SuperNode for this node's own data until the SuperLink goes away."""
+    import os
+
+    from fedheads.flower.deploy import join_command
+
+    node = {"store": str(Path(store).resolve()), "client": client, "device": device,
+            "manifest": str(Path(manifest).resolve()) if manifest else "", "weights-dir": weights_dir}
+    cmd, env = join_command(superlink, node, Path(store).resolve().parent / f".{Path(store).name}.flower", port,
+                            insecure=root_certificates is None, root_certificates=root_certificates)
+    Path(node["store"]).parent.mkdir(parents=True, exist_ok=True)
+    click.echo(f"joining {superlink} as {client or Path(store).name} (SuperNode, this PID)", err=True)
+    os.execve(cmd[0], cmd, env)  # the SuperNode takes this process over: signals reach it directly
 
 
 @main.command(name="algorithms")

@@ -1,20 +1,27 @@
 """Client data for the engines: every client's cached features stacked and padded into dense
 tensors [M, Nmax, D] on one device, so an algorithm step touches all clients in one kernel call.
 
+Two layouts (fedheads/layout.py): `FedData` pads every client to the largest ("padded");
+`BucketedFedData` holds size buckets, each an ordinary FedData padded to its own largest client
+("bucketed"), so skewed client sizes cost at most `waste` in padding. `Federation` is either;
+the engines run both (core/engine.py) and an algorithm only ever sees a FedData.
+
 `load_fed_data` reads the feature store (contract 4 in docs/contracts.md; features of several
-backbones are concatenated, FedPCL Eq. 1-2) chunk by chunk straight into the padded tensors: the
-padding is the only memory beyond the features themselves (benchmarks/bench_memory.py)."""
+backbones are concatenated, FedPCL Eq. 1-2) chunk by chunk straight into the padded tensors (or
+into each client's bucket): the padding is the only memory beyond the features themselves
+(benchmarks/bench_memory.py, benchmarks/bench_scale.py)."""
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence, Union
 
 import numpy as np
 import torch
 
 from embedcache.errors import UserError
+from fedheads.layout import BucketedFedData, LayoutConfig, as_layout, layout_info, plan_buckets, to_layout  # noqa: F401 (re-exported)
 
 
 def resolve_device(device: str | torch.device = "auto") -> torch.device:
@@ -69,6 +76,12 @@ class FedData:
     def spec(self) -> DataSpec:
         return DataSpec(self.dim, self.num_classes, self.num_clients, self.n_train, self.device)
 
+    layout = "padded"
+
+    def groups(self) -> tuple[tuple[tuple[int, ...], "FedData"], ...]:
+        """(client positions, FedData) per vectorised call: here all clients in one."""
+        return ((tuple(range(self.num_clients)), self),)
+
     def class_counts(self) -> torch.Tensor:
         """[M, C] training samples per class (a client lacking a class is normal)."""
         oh = torch.nn.functional.one_hot(self.y_train, self.num_classes) * self.m_train.unsqueeze(-1)
@@ -107,9 +120,11 @@ class FedData:
     def from_arrays(clients: Sequence[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]],
                     num_classes: int, client_names: Sequence[str] | None = None,
                     domains: Sequence[str] | None = None, device: str | torch.device = "cpu",
-                    binarize: bool = False, train_views: Sequence[np.ndarray] | None = None) -> "FedData":
+                    binarize: bool = False, train_views: Sequence[np.ndarray] | None = None,
+                    layout: "str | LayoutConfig" = "padded") -> "Federation":
         """Stack per-client (x_train, y_train, x_test, y_test) numpy arrays (and optionally each
-        client's augmented train views [V, N, D], same V for all clients).
+        client's augmented train views [V, N, D], same V for all clients). The default layout
+        gives a FedData; `layout` "bucketed" / "auto" may give a BucketedFedData (layout.py).
 
         `binarize` reproduces the FedPCL code's L2-normalisation over a size-1 axis, which maps
         every feature to 0/1 (= x > 0 for non-negative pooled features; sign(x) in general)."""
@@ -138,12 +153,7 @@ class FedData:
                 raise UserError(f"{name}: no training samples")
             ntr.append(len(ytr))
             nte.append(len(yte))
-        a, b = max(ntr), max(max(nte), 1)
-        tr, te = _Stacker(M, a, D, dev), _Stacker(M, b, D, dev)
-        for i, (xtr, ytr, xte, yte) in enumerate(clients):
-            tr.put(i, 0, np.asarray(xtr), np.asarray(ytr))
-            te.put(i, 0, np.asarray(xte), np.asarray(yte))
-        vtr = None
+        vs = None
         if train_views is not None:
             vs = [np.asarray(v) for v in train_views]
             if len(vs) != M or len({v.shape[0] for v in vs}) != 1:
@@ -151,10 +161,16 @@ class FedData:
             for name, v, n in zip(names, vs, ntr):
                 if v.shape[1:] != (n, D) or not np.isfinite(v).all():
                     raise UserError(f"{name}/train views: expected finite [V, {n}, {D}], got {v.shape}")
-            vtr = torch.zeros((M, vs[0].shape[0], a, D), dtype=torch.float32, device=dev)
-            for i, v in enumerate(vs):
-                vtr[i, :, : v.shape[1]] = torch.as_tensor(v).to(dev)
-        return _assemble(tr, te, ntr, nte, num_classes, names, doms, binarize, vtr)
+        build = _Builder(ntr, nte, D, dev, as_layout(layout), views=None if vs is None else vs[0].shape[0])
+        for i, (xtr, ytr, xte, yte) in enumerate(clients):
+            build.put("train", i, 0, np.asarray(xtr), np.asarray(ytr))
+            build.put("test", i, 0, np.asarray(xte), np.asarray(yte))
+            if vs is not None:
+                build.put_views(i, vs[i])
+        return build.finish(ntr, nte, num_classes, names, doms, binarize)  # type: ignore[return-value]
+
+
+Federation = Union[FedData, BucketedFedData]  # the two layouts (fedheads/layout.py)
 
 
 def _check_labels(y: np.ndarray, num_classes: int, where: str) -> None:
@@ -206,31 +222,68 @@ class _Stacker:
         return self.x, self.y.to(self.x.device)
 
 
-def _assemble(tr: _Stacker, te: _Stacker, ntr: Sequence[int], nte: Sequence[int], num_classes: int,
-              names: tuple[str, ...], doms: tuple[str, ...], binarize: bool,
-              vtr: torch.Tensor | None = None) -> FedData:
-    (xtr, ytr), (xte, yte) = tr.finish(), te.finish()
-    dev = xtr.device
-    if binarize:  # in place: these tensors are ours
-        xtr.sign_(), xte.sign_()
-        if vtr is not None:
-            vtr.sign_()
-    mk = lambda ns, n: torch.arange(n, device=dev).view(1, n) < torch.tensor(ns, device=dev).view(-1, 1)  # noqa: E731
-    return FedData(
-        x_train=xtr, y_train=ytr, m_train=mk(ntr, xtr.shape[1]), x_test=xte, y_test=yte, m_test=mk(nte, xte.shape[1]),
-        n_train=tuple(ntr), n_test=tuple(nte), num_classes=int(num_classes), client_names=names, domains=doms,
-        client_index=torch.arange(len(names), device=dev), v_train=vtr,
-    )
+class _Builder:
+    """The layout's tensors for clients of known sizes: per bucket (layout.plan_buckets) one pair
+    of _Stackers, filled client by client, chunk by chunk, then assembled into a Federation."""
+
+    def __init__(self, ntr: Sequence[int], nte: Sequence[int], dim: int, device: torch.device,
+                 layout: LayoutConfig, views: int | None = None) -> None:
+        self.plan = plan_buckets(ntr, nte, 4 * dim, layout)
+        self.where = {i: (b, p) for b, members in enumerate(self.plan) for p, i in enumerate(members)}
+        self.stacks = [{"train": _Stacker(len(ms), max(ntr[i] for i in ms), dim, device),
+                        "test": _Stacker(len(ms), max(max(nte[i] for i in ms), 1), dim, device)} for ms in self.plan]
+        self.views = None if views is None else [
+            torch.zeros((len(ms), views, max(ntr[i] for i in ms), dim), dtype=torch.float32, device=device)
+            for ms in self.plan]
+
+    def capacity(self, split: str, i: int) -> int:
+        """Rows client i's slot holds (its bucket's largest client)."""
+        b, _ = self.where[i]
+        return int(self.stacks[b][split].x.shape[1])
+
+    def put(self, split: str, i: int, row0: int, x: np.ndarray, y: np.ndarray) -> None:
+        b, p = self.where[i]
+        self.stacks[b][split].put(p, row0, x, y)
+
+    def put_views(self, i: int, v: np.ndarray) -> None:
+        b, p = self.where[i]
+        self.views[b][p, :, : v.shape[1]] = torch.as_tensor(v).to(self.views[b].device)  # type: ignore[index]
+
+    def finish(self, ntr: Sequence[int], nte: Sequence[int], num_classes: int, names: tuple[str, ...],
+               doms: tuple[str, ...], binarize: bool) -> "Federation":
+        parts = []
+        for b, ms in enumerate(self.plan):
+            (xtr, ytr), (xte, yte) = self.stacks[b]["train"].finish(), self.stacks[b]["test"].finish()
+            self.stacks[b] = {}  # the bucket's tensors now belong to its FedData only
+            vtr = None if self.views is None else self.views[b]
+            if binarize:  # in place: these tensors are ours
+                xtr.sign_(), xte.sign_()
+                if vtr is not None:
+                    vtr.sign_()
+            dev = xtr.device
+            a, t = [ntr[i] for i in ms], [nte[i] for i in ms]
+            mk = lambda ns, n: torch.arange(n, device=dev).view(1, n) < torch.tensor(ns, device=dev).view(-1, 1)  # noqa: E731
+            parts.append(FedData(
+                x_train=xtr, y_train=ytr, m_train=mk(a, xtr.shape[1]), x_test=xte, y_test=yte,
+                m_test=mk(t, xte.shape[1]), n_train=tuple(a), n_test=tuple(t), num_classes=int(num_classes),
+                client_names=tuple(names[i] for i in ms), domains=tuple(doms[i] for i in ms),
+                client_index=torch.tensor(ms, dtype=torch.int64, device=dev), v_train=vtr))
+        if len(parts) == 1:
+            return parts[0]
+        return BucketedFedData(tuple(parts), tuple(self.plan), tuple(ntr), tuple(nte), int(num_classes), names, doms)
 
 
 def load_fed_data(store: str, backbones: Sequence[str], device: str | torch.device = "auto",
                   binarize: bool = False, views: bool = False,
-                  clients: Sequence[str] | None = None, chunk_rows: int = 4096) -> FedData:
-    """FedData from a feature store (embedcache contract 4), backbones concatenated in order.
+                  clients: Sequence[str] | None = None, chunk_rows: int = 4096,
+                  layout: str | LayoutConfig = "padded") -> Federation:
+    """FedData (or, with `layout` "bucketed" / "auto", possibly a BucketedFedData: layout.py)
+    from a feature store (embedcache contract 4), backbones concatenated in order.
 
     Each split is read with `embedcache.reader.iter_split_chunks` (same checks as `load_split`:
     complete shards, ids/labels equal across backbones, no NaN/inf) in chunks of `chunk_rows`
-    rows, each written straight into the padded device tensors. `views=True` also loads the
+    rows, each written straight into the padded device tensors (of the client's bucket: the
+    sizes in the store's metadata decide the buckets before a feature is read). `views=True` also loads the
     stored augmented views of the train split (extracted with --views V > 1) into `v_train`
     (through `load_split`: per-client copies); FedPCL's code variant contrasts them."""
     from embedcache.reader import iter_split_chunks, load_split, open_store  # reader: numpy + zarr only
@@ -240,7 +293,7 @@ def load_fed_data(store: str, backbones: Sequence[str], device: str | torch.devi
     bbs = list(backbones)
     names = list(clients) if clients is not None else list(info.clients)
     if views:
-        return _load_with_views(store, bbs, device, binarize, names, len(classes), load_split)
+        return _load_with_views(store, bbs, device, binarize, names, len(classes), load_split, layout)
     if not bbs:
         raise UserError("backbones: at least one is needed")
     dev = resolve_device(device)
@@ -258,20 +311,19 @@ def load_fed_data(store: str, backbones: Sequence[str], device: str | torch.devi
     M, D = len(names), sum(dims)
     if M == 0:
         raise UserError("clients: empty federation")
-    stacks = {split: _Stacker(M, max(max(sizes[split]), 1), D, dev) for split in sizes}
-    for split, st in stacks.items():
+    build = _Builder([max(n, 1) for n in sizes["train"]], sizes["test"], D, dev, as_layout(layout))
+    for split in ("train", "test"):
         for i, c in enumerate(names):
-            row = 0
+            row, cap = 0, build.capacity(split, i)
             for x, y, _ in iter_split_chunks(info, bbs, split, c, chunk_rows):
-                if row + len(y) > st.x.shape[1] or x.shape[1] != D:
+                if row + len(y) > cap or x.shape[1] != D:
                     raise UserError(f"{c}/{split}: shard sizes differ from the store's metadata")
                 _check_labels(y, len(classes), f"{c}/{split}")
-                st.put(i, row, x, y)
+                build.put(split, i, row, x, y)
                 row += len(y)
             sizes[split][i] = row
     doms = tuple(info.shard(bbs[0], c, "train").domain for c in names)  # type: ignore[union-attr]
-    return _assemble(stacks["train"], stacks["test"], sizes["train"], sizes["test"], len(classes),
-                     tuple(names), doms, binarize)
+    return build.finish(sizes["train"], sizes["test"], len(classes), tuple(names), doms, binarize)
 
 
 def _backbone_dims(info: Any, bbs: list[str], names: list[str]) -> list[int]:
@@ -286,7 +338,8 @@ def _backbone_dims(info: Any, bbs: list[str], names: list[str]) -> list[int]:
 
 
 def _load_with_views(store: str, bbs: list[str], device: str | torch.device, binarize: bool,
-                     names: list[str], num_classes: int, load_split: Any) -> FedData:
+                     names: list[str], num_classes: int, load_split: Any,
+                     layout: str | LayoutConfig) -> Federation:
     train = load_split(store, bbs, "train", clients=names, views=True)
     test = load_split(store, bbs, "test", clients=names)
     arrs = []
@@ -296,4 +349,4 @@ def _load_with_views(store: str, bbs: list[str], device: str | torch.device, bin
             raise UserError(f"{n}: client has a train split but no test split")
         arrs.append((tr.features, tr.labels, te.features, te.labels))
     return FedData.from_arrays(arrs, num_classes, list(train), [train[n].domain for n in train], device, binarize,
-                               train_views=[train[n].views for n in train])
+                               train_views=[train[n].views for n in train], layout=layout)

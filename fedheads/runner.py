@@ -31,7 +31,7 @@ from fedheads.atomic import atomic_path
 from fedheads.algorithms import create_algorithm
 from fedheads.core.engine import RunResult, clock, run, to_device
 from fedheads.core.tree import tree_leaves, tree_map
-from fedheads.data import DataSpec, FedData, load_fed_data, resolve_device
+from fedheads.data import DataSpec, Federation, layout_info, load_fed_data, resolve_device
 from fedheads.machine import machine
 
 STATE_FORMAT = "fedheads-state/1"
@@ -45,6 +45,7 @@ class TrainOptions:
     seeds: tuple[int, ...] = (0, 1, 2)  # the papers report mean (std) over 3 seeds
     fraction: float = 1.0  # client participation per round
     engine: str = "vectorized"  # "vectorized" (all clients stacked) or "loop" (reference)
+    layout: str = "auto"  # feature layout: "padded" | "bucketed" | "auto" (bucketed when padding would cost; fedheads/layout.py)
     device: str = "auto"  # auto | cpu | cuda
     eval_every: int = 1  # evaluate every k rounds (0 = only after the last)
     binarize: bool = False  # FedPCL authors' binarised backbone features
@@ -233,7 +234,7 @@ def _since(t0: tuple[float, float], device: torch.device) -> tuple[float, float]
     return t[0] - t0[0], t[1] - t0[1]
 
 
-def require_test_samples(data: FedData) -> None:
+def require_test_samples(data: Federation) -> None:
     """Accuracy needs test samples somewhere: stop before training when no client has any."""
     if not any(data.n_test):
         raise UserError(f"no client has test samples (e.g. {data.client_names[0]}: 0); re-partition with "
@@ -251,7 +252,7 @@ class TrainedRun:
     states: dict[int, RunResult] = field(default_factory=dict)  # seed -> final states (cpu)
 
 
-def train_data(data: FedData, backbones: Sequence[str], algorithm: str, opts: TrainOptions, *,
+def train_data(data: Federation, backbones: Sequence[str], algorithm: str, opts: TrainOptions, *,
                dims: Sequence[int] | None = None, store: str | None = None, strict: bool = True,
                t_start: tuple[float, float] | None = None,
                load: tuple[float, float] | None = None) -> TrainedRun:
@@ -281,6 +282,7 @@ def train_data(data: FedData, backbones: Sequence[str], algorithm: str, opts: Tr
     extra = {"training_rounds": opts.rounds - int(getattr(alg, "collect_rounds", 0)),
              "clients": list(data.client_names), "domains": list(data.domains),
              "num_classes": data.num_classes, "feature_dim": data.dim, "engine": opts.engine,
+             "layout": layout_info(data),
              "fraction": opts.fraction,
              "other_rules": {k: {"mean": float(torch.tensor(v).mean()), "values": v}
                              for k, v in extra_rules.items()}}
@@ -302,10 +304,11 @@ def train_data(data: FedData, backbones: Sequence[str], algorithm: str, opts: Tr
 
 
 def train_run(store: str | None, backbones: Sequence[str], algorithm: str, opts: TrainOptions,
-              out: str | Path, strict: bool = True, data: FedData | None = None,
+              out: str | Path, strict: bool = True, data: Federation | None = None,
               overwrite: bool = False) -> dict[str, Any]:
     """Train `algorithm` once per seed, write the run directory, return results.json's dict.
-    An --out holding a run is refused unless `overwrite` (fedheads.rundir). `store` may be None
+    An --out holding a run is refused unless `overwrite` (fedheads.rundir). Features are loaded
+    in `opts.layout`; a `data` given runs in the layout it has (results.json "layout" says which). `store` may be None
     when `data` is given (features from numpy arrays: no store fingerprint in config.json)."""
     out = Path(out)
     rundir.refuse_existing(out, overwrite=overwrite)
@@ -314,7 +317,8 @@ def train_run(store: str | None, backbones: Sequence[str], algorithm: str, opts:
     if data is None:
         if store is None:
             raise UserError("train: needs a store or the features as data")
-        data = load_fed_data(store, backbones, resolve_device(opts.device), binarize=opts.binarize)
+        data = load_fed_data(store, backbones, resolve_device(opts.device), binarize=opts.binarize,
+                             layout=opts.layout)
         load = _since(t_start, data.device)
     require_test_samples(data)
     if overwrite:  # results.json marks a complete run: no old file may sit beside the new ones
@@ -365,7 +369,7 @@ def check_compare_settings(algorithms: Sequence[str], opts: TrainOptions) -> Non
             raise unknown_key_error(key, list(algorithms))
 
 
-def compare_data(data: FedData, backbones: Sequence[str], algorithms: Sequence[str], opts: TrainOptions, *,
+def compare_data(data: Federation, backbones: Sequence[str], algorithms: Sequence[str], opts: TrainOptions, *,
                  dims: Sequence[int] | None = None, store: str | None = None,
                  t_start: tuple[float, float] | None = None, load: tuple[float, float] | None = None,
                  ) -> tuple[dict[str, TrainedRun], dict[str, Any]]:
@@ -386,7 +390,7 @@ def compare_data(data: FedData, backbones: Sequence[str], algorithms: Sequence[s
 
 
 def compare_runs(store: str | None, backbones: Sequence[str], algorithms: Sequence[str], opts: TrainOptions,
-                 out: str | Path, overwrite: bool = False, data: FedData | None = None) -> dict[str, Any]:
+                 out: str | Path, overwrite: bool = False, data: Federation | None = None) -> dict[str, Any]:
     """Train every algorithm on the same cached features (loaded once) and write the comparison.
     An --out (or an <algorithm>/ in it) holding a run is refused unless `overwrite`. `store` may
     be None when `data` is given."""
@@ -398,7 +402,8 @@ def compare_runs(store: str | None, backbones: Sequence[str], algorithms: Sequen
     if data is None:
         if store is None:
             raise UserError("compare: needs a store or the features as data")
-        data = load_fed_data(store, backbones, resolve_device(opts.device), binarize=opts.binarize)
+        data = load_fed_data(store, backbones, resolve_device(opts.device), binarize=opts.binarize,
+                             layout=opts.layout)
         load = _since(t_start, data.device)
     if store is not None:
         from embedcache.reader import open_store

@@ -15,6 +15,7 @@ from conftest import shared_dir
 from embedcache.backbones import Backbone, create_backbone, list_backbones, registered_names
 from embedcache.backbones import digitnet
 from embedcache.backbones.base import TorchBackbone
+from text_doubles import check_text_backbone
 
 NAMES = registered_names() + [f"timm:{TIMM_MODEL}", f"tv:{TV_MODEL}"]
 
@@ -56,6 +57,9 @@ def test_backbone_contract(name, built):
     assert bb.name == name
     assert re.fullmatch(r"[0-9a-f]{64}", bb.weights_sha256)
     json.loads(json.dumps(bb.preprocess))  # JSON-able as is
+    if getattr(bb, "modality", "image") == "text":  # contract 3d: texts in, the same output rules
+        return check_text_backbone(bb)
+    assert getattr(bb, "modality", "image") == "image"
     size = tuple(bb.preprocess["input_size"])
 
     views = [bb.transform(im) for im in _images()]

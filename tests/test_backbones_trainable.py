@@ -12,6 +12,7 @@ from embedcache.backbones import list_backbones
 from embedcache.backbones.staged import StagedNet, staged_from_module
 from embedcache.errors import UserError
 from test_backbones import NAMES, built, env  # noqa: F401  (module-scoped fixtures)
+from text_doubles import check_text_staged
 
 ALL = NAMES + [f"timm:{m}" for m in TIMM_EXTRA]
 LAYOUTS = {  # the cut points users type (contract 3a table)
@@ -56,6 +57,8 @@ def test_staged_forward_equals_embed_bitwise(pair):
     bb, net = pair
     if net is None:
         return
+    if getattr(bb, "modality", "image") == "text":  # forward needs the mask (contract 3d); deep copy and gradients checked there too
+        return check_text_staged(bb)
     name = bb.name
     assert isinstance(net, StagedNet) and net.name == name and net.feature_dim == bb.feature_dim
     assert net.cut_points() == net.stage_names[:-1] and net.stage_names[-1] in ("pool", "all")
@@ -87,7 +90,7 @@ def test_staged_forward_equals_embed_bitwise(pair):
 
 def test_staged_is_a_trainable_deep_copy(pair):
     bb, net = pair
-    if net is None:
+    if net is None or getattr(bb, "modality", "image") == "text":  # text: check_text_staged above
         return
     frozen = {p.data_ptr() for p in bb.module.parameters()} | {b.data_ptr() for b in bb.module.buffers()}
     tensors = list(net.state_dict().values())

@@ -1,4 +1,4 @@
-"""`ckpt:<path>` backbones (docs/contracts.md 3d): a fine-tuned network's weights on its base
+"""`ckpt:<path>` backbones (docs/contracts.md 3f): a fine-tuned network's weights on its base
 backbone, keyed by the file's sha256; `fedheads finetune` exports each seed's fine-tuned backbone
 so that `embedcache extract` caches its features; bad files give one line."""
 

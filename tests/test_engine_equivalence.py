@@ -1,5 +1,6 @@
 """The vectorised engine and the per-client loop run the same definition: same accuracies and
-states on a tiny federation, for every algorithm (full and partial participation)."""
+states on a tiny federation, for every algorithm (full and partial participation), with the
+features padded to the largest client or held in size buckets (fedheads/layout.py)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,10 @@ from fedheads.algorithms.perfedavg import PerFedAvg, PerFedAvgConfig
 from fedheads.algorithms.pfedme import PFedMe, PFedMeConfig
 from fedheads.algorithms.solo import Solo, SoloConfig
 from fedheads.core import OptimizerConfig, run, select_participants
+from fedheads.algorithms.fedncm import FedNCM
 from fedheads.core.tree import tree_leaves
+from fedheads.data import BucketedFedData, to_layout
+from fedheads.layout import LayoutConfig
 from fed_tiny import tiny_fed
 
 
@@ -49,12 +53,35 @@ ALGOS = {
 }
 
 
+# buckets of at most 2 clients of similar size: with tiny_fed(M=6)'s sizes they interleave the
+# client order, so messages and states must be put back in order across buckets
+BUCKETS = LayoutConfig("bucketed", waste=1.0, bucket_clients=2)
+
+
+def bucketed_fed() -> BucketedFedData:
+    data = to_layout(tiny_fed(M=6), BUCKETS)
+    assert isinstance(data, BucketedFedData) and len(data.buckets) == 3
+    assert [i for ms in data.members for i in ms] != list(range(6))  # not in client order
+    return data
+
+
 @pytest.mark.parametrize("fraction", [1.0, 0.5])
 @pytest.mark.parametrize("name", sorted(ALGOS))
 def test_vectorized_equals_loop(name: str, fraction: float) -> None:
-    data = tiny_fed()
-    a = run(ALGOS[name](), data, rounds=3, seed=3, fraction=fraction, engine="vectorized", progress=False)
-    b = run(ALGOS[name](), data, rounds=3, seed=3, fraction=fraction, engine="loop", progress=False)
+    _assert_engines_agree(ALGOS[name], tiny_fed(), tiny_fed(), fraction)
+
+
+@pytest.mark.parametrize("fraction", [1.0, 0.5])
+@pytest.mark.parametrize("name", sorted({**ALGOS, "fedncm": FedNCM}))
+def test_bucketed_equals_loop(name: str, fraction: float) -> None:
+    """Each bucket is one vectorised call; the loop runs the padded data one client at a time."""
+    _assert_engines_agree({**ALGOS, "fedncm": FedNCM}[name], bucketed_fed(), tiny_fed(M=6), fraction,
+                          trains=name != "fedncm")
+
+
+def _assert_engines_agree(make, data, loop_data, fraction: float, trains: bool = True) -> None:
+    a = run(make(), data, rounds=3, seed=3, fraction=fraction, engine="vectorized", progress=False)
+    b = run(make(), loop_data, rounds=3, seed=3, fraction=fraction, engine="loop", progress=False)
     for ra, rb in zip(a.history, b.history):
         assert ra.participants == rb.participants
         assert ra.comm == rb.comm
@@ -64,7 +91,27 @@ def test_vectorized_equals_loop(name: str, fraction: float) -> None:
         for ta, tb in zip(tree_leaves(sa), tree_leaves(sb)):
             # float32 reductions differ between M=1 and stacked bmm; Adam amplifies ~1e-7 to ~1e-5
             torch.testing.assert_close(ta, tb, atol=5e-5, rtol=1e-3)
-    assert a.trainable_params_per_client == b.trainable_params_per_client > 0
+    assert a.trainable_params_per_client == b.trainable_params_per_client
+    assert (a.trainable_params_per_client > 0) == trains
+
+
+def test_bucketed_fedncm_is_exact() -> None:
+    """FedNCM's float64 sums reach the server in client order from every bucket: the means equal
+    the padded layout's bit for bit."""
+    a = run(FedNCM(), bucketed_fed(), rounds=1, progress=False)
+    b = run(FedNCM(), tiny_fed(M=6), rounds=1, progress=False)
+    assert torch.equal(a.server_state.means, b.server_state.means)
+    for k in a.history[0].accuracy:
+        assert torch.equal(a.history[0].accuracy[k], b.history[0].accuracy[k])
+
+
+def test_loop_on_buckets_equals_loop_on_padded() -> None:
+    """The loop takes one client at a time out of its bucket: the same rows, the same run."""
+    make = ALGOS["fedpcl"]
+    a = run(make(), bucketed_fed(), rounds=2, seed=1, fraction=0.5, engine="loop", progress=False)
+    b = run(make(), tiny_fed(M=6), rounds=2, seed=1, fraction=0.5, engine="loop", progress=False)
+    for ta, tb in zip(tree_leaves((a.client_state, a.server_state)), tree_leaves((b.client_state, b.server_state))):
+        assert torch.equal(ta, tb)
 
 
 def test_training_changes_state_and_learns() -> None:

@@ -249,7 +249,7 @@ def test_fedheads_never_imports_backbone_or_cluster_libraries(store, tmp_path):
         f"r = CliRunner().invoke(main, ['train', '--store', {str(store)!r}, '--backbones', 'synth', "
         f"'--algorithm', 'fedpcl', '--rounds', '1', '--seeds', '0', '--quiet', '--out', {str(tmp_path / 'r')!r}])\n"
         "assert r.exit_code == 0, r.output\n"
-        "print(sorted(m for m in ('timm', 'torchvision', 'dask', 'distributed') if m in sys.modules))\n"
+        "print(sorted(m for m in ('timm', 'torchvision', 'dask', 'distributed', 'flwr') if m in sys.modules))\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout

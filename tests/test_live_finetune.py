@@ -62,6 +62,19 @@ def test_fedncm_ft_round0_equals_fedncm_on_the_store(setup, tmp_path):
     assert res["algorithm"] == "fedncm+ft"
     assert res["stages"][0]["method"] == "fedncm" and res["figure1"][0]["round"] == 0
     assert (tmp_path / "ft" / "figure1.png").is_file() and (tmp_path / "ft" / "results.json").is_file()
+    # FedNCM App. A for this run's own sizes, counted here from the network, not through fedheads.comm:
+    # Eq. 4: 2 (LL_out LL_in + P) K R x 32 bit; Eq. 5: 3 R E N_s F; FedNCM's head: one Eq. 3 round.
+    from embedcache.backbones import create_backbone
+
+    bb = create_backbone("tiny-staged")
+    P, D = sum(p.numel() for p in bb.trainable().parameters()), bb.feature_dim
+    C, K, R = len(m.classes), len(m.clients), 2
+    n_train = sum(len(c.train) for c in m.clients)
+    pu = res["paper_units"]
+    assert (pu["LL_in"], pu["LL_out"], pu["clients_K"], pu["P_trained_base_params"]) == (D, C, K, P)
+    assert pu["ft_comm_bytes"] == pytest.approx(2 * (C * D + P) * K * R * 4)
+    assert pu["ft_compute_F"] == 3 * R * 1 * n_train
+    assert pu["head_comm_bytes"] == pytest.approx(2 * C * D * K * 4) and pu["head_compute_F"] == n_train
 
 
 def test_cache_first_equals_live_frozen_prefix(setup, tmp_path):

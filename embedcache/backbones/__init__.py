@@ -2,8 +2,9 @@
 
 ``create_backbone(name)`` builds one of: ``resnet{20,32,44,56}-cifar10``,
 ``resnet18-{quickdraw,aircraft,birds}``, ``mobilenet-v1-embed-tflite``, ``mobilenet-v2-tflite``,
-``digitnet-builtin``, ``efficientnet-lite0[:<px>]``, ``timm:<model>``, ``tv:<model>``, and any of
-them cut after a stage as ``<name>@<cut>``. See each source module for the architecture,
+``digitnet-builtin``, ``efficientnet-lite0[:<px>]``, the text encoder ``minilm-l6-v2[:<T>]``
+(``modality = "text"``), ``timm:<model>``, ``tv:<model>``, and any of them cut after a stage as
+``<name>@<cut>``. See each source module for the architecture,
 checkpoint layout and preprocessing it assumes; ``Backbone.trainable()`` gives a StagedNet.
 """
 

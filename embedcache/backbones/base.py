@@ -30,6 +30,7 @@ class Backbone(ABC):
     feature_dim: int
     weights_sha256: str
     preprocess: dict
+    modality: str = "image"  # "text": embed() takes token batches (embedcache.backbones.text)
 
     @abstractmethod
     def transform(self, img: Image.Image, *, train: bool = False) -> torch.Tensor:
@@ -163,6 +164,14 @@ def _as_float(t: torch.Tensor) -> torch.Tensor:
     return t.to(torch.float32)
 
 
+def cuda_autocast(device: torch.device):
+    """Autocast on CUDA (bfloat16 where supported, else float16); a no-op context elsewhere."""
+    if device.type != "cuda":
+        return contextlib.nullcontext()
+    dtype = torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    return torch.autocast(device_type="cuda", dtype=dtype)
+
+
 class TorchBackbone(Backbone):
     """A frozen ``nn.Module`` whose forward returns pooled features ``[B, D]``.
 
@@ -212,10 +221,7 @@ class TorchBackbone(Backbone):
         return self
 
     def _autocast(self):
-        if self._device.type != "cuda":
-            return contextlib.nullcontext()
-        dtype = torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-        return torch.autocast(device_type="cuda", dtype=dtype)
+        return cuda_autocast(self._device)
 
     def embed(self, batch: torch.Tensor) -> torch.Tensor:
         check_batch(batch, self.input_size, who=self.name)

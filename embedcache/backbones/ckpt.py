@@ -1,4 +1,4 @@
-"""`ckpt:<path>`: a fine-tuned network as a backbone (docs/contracts.md section 3d).
+"""`ckpt:<path>`: a fine-tuned network as a backbone (docs/contracts.md section 3f).
 
 Fine-tuning (`fedheads finetune`, FedDRA's stage 2) changes a backbone's weights; caching the
 features of the result is then one `embedcache extract --backbones ckpt:RUN_DIR/...pt`. The file
@@ -103,7 +103,7 @@ class CkptBackbone(CpuChannelsLastBackbone):
 
 
 def create_ckpt(name: str, weights_dir: str | os.PathLike | None, device: str) -> CkptBackbone:
-    """`ckpt:<path>` (contract 3d): the file's base backbone with the file's weights."""
+    """`ckpt:<path>` (contract 3f): the file's base backbone with the file's weights."""
     from embedcache.backbones.registry import create_backbone
 
     path = name[len(PREFIX):]

@@ -3,7 +3,7 @@
 Fixed names (``resnet20-cifar10``, ``resnet18-quickdraw``, ``digitnet-builtin``...) are
 registered by the source modules; three open families are resolved by prefix:
 ``timm:<model>`` (any timm model), ``tv:<model>`` (any torchvision classification model) and
-``ckpt:<path>`` (a fine-tuned checkpoint of any of them, written by fedheads; contract 3d).
+``ckpt:<path>`` (a fine-tuned checkpoint of any of them, written by fedheads; contract 3f).
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ class BackboneInfo:
     feature_dim: int | None = None  # pooled dimension when known without building the model
     trainable: bool | None = None  # Backbone.trainable() works (None: depends on the model)
     cut_points: tuple[str, ...] = ()  # names usable as <name>@<cut> / --cut (contract 3a)
+    modality: str = "image"  # "image" | "text" (what embed() takes, contract 3d)
 
 
 @dataclass(frozen=True)
@@ -45,6 +46,7 @@ class _Entry:
     source: str
     feature_dim: int | None
     cut_points: tuple[str, ...] | None
+    modality: str
 
 
 _REGISTRY: dict[str, _Entry] = {}
@@ -53,21 +55,23 @@ _FAMILIES = ("timm:", "tv:", "ckpt:")
 
 def register_backbone(name: str, factory: Factory, *, description: str, probe: Probe | None = None,
                       source: str = "", feature_dim: int | None = None,
-                      cut_points: tuple[str, ...] | None = None) -> None:
+                      cut_points: tuple[str, ...] | None = None, modality: str = "image") -> None:
     """Register ``factory`` under ``name``; re-registering a name replaces it (last wins).
 
     ``cut_points``: the StagedNet's cut points, listed without building the model (``()`` for a
-    backbone that cannot be fine-tuned, None when unknown)."""
+    backbone that cannot be fine-tuned, None when unknown). ``modality``: "image" or "text"."""
     if not name or name.startswith(_FAMILIES) or "@" in name or any(c.isspace() for c in name):
         raise UserError(f"{name!r}: not a valid backbone name")
+    if modality not in ("image", "text"):
+        raise UserError(f"{name}: modality {modality!r} must be image or text")
     _REGISTRY[name] = _Entry(factory, description, probe, source, feature_dim,
-                             None if cut_points is None else tuple(cut_points))
+                             None if cut_points is None else tuple(cut_points), modality)
 
 
 def _ensure_loaded() -> None:
     # Importing the source modules registers their names; kept lazy so that importing the
     # registry alone stays cheap.
-    from embedcache.backbones import cifar_resnet, digitnet, efficientnet_lite, sur_resnet, tflite  # noqa: F401
+    from embedcache.backbones import cifar_resnet, digitnet, efficientnet_lite, minilm, sur_resnet, tflite  # noqa: F401
 
 
 def registered_names() -> list[str]:
@@ -83,7 +87,11 @@ def create_backbone(name: str, *, weights_dir: str | os.PathLike | None = None, 
 
     base, cut = split_cut(name)
     if cut is not None:
-        return CutBackbone(create_backbone(base, weights_dir=weights_dir, device="cpu"), cut, device=device)
+        base_bb = create_backbone(base, weights_dir=weights_dir, device="cpu")
+        own = getattr(base_bb, "cut_backbone", None)  # text backbones cut their own token states
+        if callable(own):
+            return own(cut, device=device)
+        return CutBackbone(base_bb, cut, device=device)
     wd = Path(weights_dir) if weights_dir is not None else None
     if name.startswith("timm:"):
         from embedcache.backbones.timm_tv import create_timm
@@ -101,6 +109,10 @@ def create_backbone(name: str, *, weights_dir: str | os.PathLike | None = None, 
         from embedcache.backbones.efficientnet_lite import create_sized
 
         return create_sized(name, wd, device)
+    if name.startswith("minilm-l6-v2:"):
+        from embedcache.backbones.minilm import create_sized as create_minilm_sized
+
+        return create_minilm_sized(name, wd, device)
     if name not in _REGISTRY:
         raise UserError(f"{name}: unknown backbone; known: {', '.join(sorted(_REGISTRY))}, timm:<model>, tv:<model>, "
                         f"ckpt:<path>")
@@ -119,7 +131,8 @@ def list_backbones(weights_dir: str | os.PathLike | None = None) -> list[Backbon
         e = _REGISTRY[name]
         ok, why = e.probe(wd) if e.probe else (True, "no weights file needed")
         trainable = None if e.cut_points is None else bool(e.cut_points)
-        rows.append(BackboneInfo(name, e.description, ok, why, e.source, e.feature_dim, trainable, e.cut_points or ()))
+        rows.append(BackboneInfo(name, e.description, ok, why, e.source, e.feature_dim, trainable, e.cut_points or (),
+                                 e.modality))
     from embedcache.backbones.timm_tv import family_rows
 
     rows.extend(family_rows(wd))

@@ -15,7 +15,7 @@ import click
                    "../shared/weights > ~/.cache/embedcache/weights).")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON list instead of a table.")
 def backbones(weights_dir: str | None, as_json: bool) -> None:
-    """List registered backbones: name, dim, source, available, cut points, reason."""
+    """List registered backbones: name, dim, modality, source, available, cut points, reason."""
     from embedcache.backbones import default_backbones_with_reason, list_backbones, resolve_weights_dir
 
     rows = list_backbones(weights_dir)
@@ -24,14 +24,14 @@ def backbones(weights_dir: str | None, as_json: bool) -> None:
         click.echo(json.dumps({"weights_dir": str(resolve_weights_dir(weights_dir)), "default": default,
                                "default_reason": why, "backbones": [asdict(r) for r in rows]}, indent=2))
         return
-    table = [("name", "dim", "source", "available", "cut points (B@CUT, --cut)", "reason")]
+    table = [("name", "dim", "modality", "source", "available", "cut points (B@CUT, --cut)", "reason")]
     for r in rows:
-        table.append((r.name, "" if r.feature_dim is None else str(r.feature_dim), r.source,
+        table.append((r.name, "" if r.feature_dim is None else str(r.feature_dim), r.modality, r.source,
                       "yes" if r.available else "no", _cuts(r), r.reason))
-    widths = [max(len(row[i]) for row in table) for i in range(5)]
+    widths = [max(len(row[i]) for row in table) for i in range(6)]
     click.echo(f"weights dir: {resolve_weights_dir(weights_dir)}")
     for row in table:
-        click.echo("  ".join(cell.ljust(w) for cell, w in zip(row[:5], widths)) + "  " + row[5])
+        click.echo("  ".join(cell.ljust(w) for cell, w in zip(row[:6], widths)) + "  " + row[6])
     click.echo(f"default: {', '.join(default)} ({why})")
 
 

@@ -13,7 +13,8 @@ from embedcache.errors import UserError
 @click.option("--manifest", "manifest_path", required=True, help="Manifest file (.json/.yaml) from `embedcache partition`.")
 @click.option("--backbones", required=True,
               help="Comma-separated backbone names, e.g. resnet20-cifar10,timm:resnet18; `default` is the "
-                   "choice `embedcache backbones` prints.")
+                   "choice `embedcache backbones` prints. Text backbones (minilm-l6-v2; token states: "
+                   "minilm-l6-v2:32@layer.5, stored with a mask) read each sample's text from the manifest.")
 @click.option("--store", required=True, help="Store directory (created if absent).")
 @click.option("--device", default="auto", show_default=True, help="auto | cpu | cuda | cuda:N")
 @click.option("--batch-size", default=64, show_default=True, type=int, help="Rows per forward pass.")
@@ -47,7 +48,7 @@ def extract(manifest_path: str, backbones: str, store: str, device: str, batch_s
               scheduler=scheduler, views=views, dtype=dtype, weights_dir=weights_dir, chunk_rows=chunk_rows,
               plugins=plugins, progress=not quiet, cut=cut)
     click.echo(f"extract: {rep.shards} shards ({rep.cache_hits} cache hits), {rep.chunks_computed} chunks, "
-               f"{rep.rows_computed} images in {rep.seconds:.1f}s -> {store}", err=True)
+               f"{rep.rows_computed} rows in {rep.seconds:.1f}s -> {store}", err=True)
 
 
 def _expand_default(names: tuple[str, ...], weights_dir: str | None) -> tuple[str, ...]:

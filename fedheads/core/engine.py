@@ -3,6 +3,11 @@ participating clients stacked in one call ("vectorized") or one client at a time
 ("loop", the debugging reference). Both see identical participants, batches and noise, so
 they give the same states and accuracies up to float rounding (tests/test_engine_equivalence.py).
 
+The vectorised engine runs one call per group of the data's layout (fedheads/layout.py): the
+padded FedData is one group; a BucketedFedData runs each size bucket as one stacked call on its
+own FedData, writes the bucket's new client states into the federation's stacked state, and
+hands the server the messages of all buckets in participant order, as one stacked call would.
+
 Per round: select participants (seeded, same in both engines) -> client_update -> server_aggregate
 -> (every `eval_every` rounds) per-client test accuracy with `predict` (of the state the optional
 `adapt_for_eval` hook gives, core/protocol.py). Communication actually
@@ -22,8 +27,8 @@ from embedcache.errors import UserError
 from fedheads.core import ops, rng
 from fedheads.core.ops import masked_accuracy
 from fedheads.core.protocol import Algorithm, RoundCtx
-from fedheads.core.tree import payload_size, tree_cat, tree_index, tree_map, tree_scatter, tree_scatter_
-from fedheads.data import FedData
+from fedheads.core.tree import payload_size, tree_cat, tree_index, tree_leaves, tree_map, tree_scatter, tree_scatter_
+from fedheads.data import FedData, Federation
 
 ENGINES = ("vectorized", "loop")
 
@@ -101,7 +106,17 @@ def select_participants(num_clients: int, fraction: float, seed: int, round_: in
 EVAL_GROUP_BYTES = 32 << 20  # padded test features per `predict` call of the vectorised engine
 
 
-def eval_client_state(algorithm: Algorithm, client_state: Any, server_state: Any, data: FedData,
+def _ids(ids: tuple[int, ...] | list[int], device: torch.device) -> torch.Tensor:
+    return torch.tensor(list(ids), dtype=torch.int64, device=device)
+
+
+def _in_order(tree: Any, order: list[int], device: torch.device) -> Any:
+    """Rows of a tree stacked in client order `order` put into ascending client order."""
+    perm = sorted(range(len(order)), key=order.__getitem__)
+    return tree if perm == list(range(len(order))) else tree_index(tree, _ids(perm, device))
+
+
+def eval_client_state(algorithm: Algorithm, client_state: Any, server_state: Any, data: Federation,
                       engine: str = "vectorized") -> Any:
     """The client state that is evaluated: `algorithm.adapt_for_eval(...)` when the algorithm has
     that optional hook (core/protocol.py), else `client_state` itself."""
@@ -109,23 +124,44 @@ def eval_client_state(algorithm: Algorithm, client_state: Any, server_state: Any
     if adapt is None:
         return client_state
     if engine == "vectorized":
-        return adapt(client_state, server_state, data)
+        groups = data.groups()
+        if len(groups) == 1:
+            return adapt(client_state, server_state, data)
+        parts, order = [], []
+        for ms, bucket in groups:
+            parts.append(adapt(tree_index(client_state, _ids(ms, data.device)), server_state, bucket))
+            order += ms
+        return _in_order(tree_cat(parts), order, data.device)
     parts = [adapt(tree_index(client_state, torch.tensor([i], device=data.device)), server_state, data.select([i]))
              for i in range(data.num_clients)]
     return tree_cat(parts)
 
 
-def evaluate(algorithm: Algorithm, client_state: Any, server_state: Any, data: FedData,
+def evaluate(algorithm: Algorithm, client_state: Any, server_state: Any, data: Federation,
              engine: str = "vectorized", adapt: bool = True) -> dict[str, torch.Tensor]:
     """Per-client test accuracy [M] (cpu float64) for every rule `predict` returns, of the
     state `eval_client_state` gives (`adapt=False`: `client_state` is already that state).
 
     The vectorised engine predicts for groups of clients whose padded test features stay under
     EVAL_GROUP_BYTES (all at once for small federations): predict's temporaries (float64 copies,
-    normalised features, scores) then stay bounded at 1,000s of clients. The loop: one at a time.
+    normalised features, scores) then stay bounded at 1,000s of clients; bucketed data is
+    evaluated bucket by bucket, each in such groups. The loop: one at a time.
     Groups are views of the data and the client state (no copy)."""
     if adapt:
         client_state = eval_client_state(algorithm, client_state, server_state, data, engine)
+    groups = data.groups()
+    if len(groups) == 1:
+        return _evaluate_padded(algorithm, client_state, server_state, groups[0][1], engine)
+    out: dict[str, torch.Tensor] = {}
+    for ms, bucket in groups:
+        acc = _evaluate_padded(algorithm, tree_index(client_state, _ids(ms, data.device)), server_state, bucket, engine)
+        for k, v in acc.items():
+            out.setdefault(k, torch.full((data.num_clients,), float("nan"), dtype=v.dtype))[list(ms)] = v
+    return out
+
+
+def _evaluate_padded(algorithm: Algorithm, client_state: Any, server_state: Any, data: FedData,
+                     engine: str) -> dict[str, torch.Tensor]:
     per_client = data.x_test.shape[1] * data.dim * data.x_test.element_size()
     group = 1 if engine != "vectorized" else max(1, EVAL_GROUP_BYTES // max(per_client, 1))
     if group >= data.num_clients:
@@ -141,14 +177,66 @@ def evaluate(algorithm: Algorithm, client_state: Any, server_state: Any, data: F
     return {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
 
 
-def run(algorithm: Algorithm, data: FedData, rounds: int, seed: int = 0, fraction: float = 1.0,
+def client_updates(algorithm: Algorithm, client_state: Any, broadcast: Any, data: Federation, ctx: RoundCtx,
+                   ) -> tuple[Any, Any]:
+    """The vectorised engine's client step: `client_update` of the participants `ctx.participants`
+    in one stacked call per group of the layout; returns (the federation's client state, the
+    participants' stacked messages in participant order).
+
+    Padded data: one call (the participants selected when not everyone takes part; the state
+    returned out of place). Bucketed data: one call per bucket holding participants, each on
+    its bucket's FedData and its clients' rows of the state; the rows are written back IN PLACE
+    into `client_state` (the caller's own, see `owned`), so no per-round copy of a federation's
+    worth of state is made."""
+    part, M, dev = ctx.participants, data.num_clients, data.device
+    groups = data.groups()
+    if len(groups) == 1:
+        pidx = part.to(dev)
+        everyone = len(part) == M
+        sub = data if everyone else data.select(part)
+        cs_sub = client_state if everyone else tree_index(client_state, pidx)
+        cs_sub, msg = algorithm.client_update(cs_sub, broadcast, sub, ctx)
+        return (cs_sub if everyone else tree_scatter(client_state, pidx, cs_sub)), msg
+    taking = set(part.tolist())
+    msgs, order = [], []
+    for ms, bucket in groups:
+        loc = [p for p, i in enumerate(ms) if i in taking]
+        if not loc:
+            continue
+        ids = [ms[p] for p in loc]
+        gidx = _ids(ids, dev)
+        sub = bucket if len(loc) == len(ms) else bucket.select(loc)
+        cs_b, msg_b = algorithm.client_update(tree_index(client_state, gidx), broadcast, sub, ctx)
+        tree_scatter_(client_state, gidx, cs_b)
+        msgs.append(msg_b)
+        order += ids
+    return client_state, _in_order(tree_cat(msgs), order, dev)
+
+
+def owned(client_state: Any, *others: Any) -> Any:
+    """`client_state` safe to update in place: a leaf that shares memory with another leaf (of
+    itself or of `others`, e.g. the server state) or is not a plain contiguous tensor (an
+    expanded view) is replaced by a copy; the others are kept (no copy of the whole state)."""
+    seen: dict[int, int] = {}
+    for t in tree_leaves((client_state, *others)):
+        ptr = t.untyped_storage().data_ptr()
+        seen[ptr] = seen.get(ptr, 0) + 1
+
+    def own(t: torch.Tensor) -> torch.Tensor:
+        shared = seen[t.untyped_storage().data_ptr()] > 1 and t.numel() > 0
+        return t.clone() if shared or not t.is_contiguous() else t
+
+    return tree_map(own, client_state)
+
+
+def run(algorithm: Algorithm, data: Federation, rounds: int, seed: int = 0, fraction: float = 1.0,
         engine: str = "vectorized", eval_every: int = 1, progress: bool = True) -> RunResult:
     """Train `algorithm` for `rounds` communication rounds; see the module docstring."""
     with ops.buffer_pool():  # local training's scratch buffers are reused across rounds
         return _run(algorithm, data, rounds, seed, fraction, engine, eval_every, progress)
 
 
-def _run(algorithm: Algorithm, data: FedData, rounds: int, seed: int, fraction: float,
+def _run(algorithm: Algorithm, data: Federation, rounds: int, seed: int, fraction: float,
          engine: str, eval_every: int, progress: bool) -> RunResult:
     if engine not in ENGINES:
         raise UserError(f"engine {engine!r}: must be one of {', '.join(ENGINES)}")
@@ -160,6 +248,8 @@ def _run(algorithm: Algorithm, data: FedData, rounds: int, seed: int, fraction: 
     t_run = clock(data.device)
     init = algorithm.init(data.spec(), seed)
     cstate, sstate, bc = init.client_state, init.server_state, init.broadcast
+    if engine == "vectorized" and len(data.groups()) > 1:
+        cstate = owned(cstate, sstate, bc)  # client_updates writes the buckets' rows in place
     res = RunResult(algorithm=algorithm.name, engine=engine)
     res.trainable_params_per_client = algorithm.trainable_params(cstate)
     bar = tqdm(range(rounds), desc=f"{algorithm.name}[{engine}]", disable=not progress, leave=False)
@@ -167,12 +257,8 @@ def _run(algorithm: Algorithm, data: FedData, rounds: int, seed: int, fraction: 
         t0 = clock(data.device)
         part = select_participants(M, fraction, seed, r)
         ctx = RoundCtx(round=r, seed=seed, participants=part, num_clients=M)
-        pidx = part.to(data.device)
         if engine == "vectorized":
-            sub = data if len(part) == M else data.select(part)
-            cs_sub = cstate if len(part) == M else tree_index(cstate, pidx)
-            cs_sub, msg = algorithm.client_update(cs_sub, bc, sub, ctx)
-            cstate = cs_sub if len(part) == M else tree_scatter(cstate, pidx, cs_sub)
+            cstate, msg = client_updates(algorithm, cstate, bc, data, ctx)
         else:
             msgs = []
             # one private copy per round, then in-place row writes (no O(M) copy per client)
@@ -219,17 +305,19 @@ class ParamCounts:
     download_bytes_per_client: int  # bytes received per round
 
 
-def count_parameters(algorithm: Algorithm, data: FedData, seed: int = 0) -> ParamCounts:
+def count_parameters(algorithm: Algorithm, data: Federation, seed: int = 0) -> ParamCounts:
     """Init the algorithm on `data`, run its collection rounds and one more round with every
     client, and measure what is trained, and what one client sends and receives in that round
     (with all of `data`'s clients: FedPCL's download grows with the number of clients)."""
     init = algorithm.init(data.spec(), seed)
     cs, ss, bc = init.client_state, init.server_state, init.broadcast
+    if len(data.groups()) > 1:
+        cs = owned(cs, ss, bc)
     everyone = torch.arange(data.num_clients)
     for r in range(int(getattr(algorithm, "collect_rounds", 0)) + 1):
         received = bc
         ctx = RoundCtx(round=r, seed=seed, participants=everyone, num_clients=data.num_clients)
-        cs, msg = algorithm.client_update(cs, bc, data, ctx)
+        cs, msg = client_updates(algorithm, cs, bc, data, ctx)
         ss, bc = algorithm.server_aggregate(ss, msg, ctx)
     up_v, up_b = payload_size(msg, per_client=True)
     down_v, down_b = payload_size(received, per_client=False)

@@ -32,17 +32,19 @@ def buffer_pool() -> Iterator[dict]:
 
 
 def scratch(name: str, like: torch.Tensor) -> torch.Tensor:
-    """An UNINITIALISED contiguous buffer shaped like `like`: the pool's (the same tensor for the
-    same name/shape/dtype/device: the caller must be done with the previous one) inside
-    `buffer_pool`, else a fresh one."""
+    """An UNINITIALISED contiguous buffer shaped like `like`: the pool's (the same memory for the
+    same name/trailing shape/dtype/device: the caller must be done with the previous one) inside
+    `buffer_pool`, else a fresh one. The pool keeps one buffer per name and trailing shape, as
+    many clients long as the largest call asked for, and hands out its first rows: the size
+    buckets of one run (fedheads/layout.py) share it instead of each keeping its own."""
     pool = getattr(_ws, "pool", None)
-    key = (name, tuple(like.shape), like.dtype, like.device)
-    buf = None if pool is None else pool.get(key)
-    if buf is None:
-        buf = torch.empty(like.shape, dtype=like.dtype, device=like.device)
-        if pool is not None:
-            pool[key] = buf
-    return buf
+    if pool is None or like.dim() == 0:
+        return torch.empty(like.shape, dtype=like.dtype, device=like.device)
+    key = (name, tuple(like.shape[1:]), like.dtype, like.device)
+    buf = pool.get(key)
+    if buf is None or buf.shape[0] < like.shape[0]:
+        buf = pool[key] = torch.empty(like.shape, dtype=like.dtype, device=like.device)
+    return buf[: like.shape[0]]
 
 
 @contextlib.contextmanager

@@ -8,7 +8,7 @@
     RUN_DIR/state/seed<S>.ckpt.pt   checkpoint after every round (weights_only loadable); the
                                last one holds the final global model
     RUN_DIR/state/seed<S>.backbone.pt  the final fine-tuned backbone (no head) as a `ckpt:` file
-                               (docs/contracts.md 3d): `embedcache extract --backbones
+                               (docs/contracts.md 3f): `embedcache extract --backbones
                                ckpt:RUN_DIR/state/seed0.backbone.pt` caches its features
 
 Several `--head` values write one such directory per method under RUN_DIR plus a combined

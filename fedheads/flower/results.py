@@ -1,0 +1,64 @@
+"""The run directory of a Flower run: the `fedheads train` contract (docs/contracts.md 6) plus a
+`flower` block, written by the ServerApp (results.json last). Client states never leave the
+nodes, so `state/` holds the server state only (`seed<S>.server.pt`)."""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from fedheads import report
+from fedheads.core.tree import tree_leaves
+
+SERVER_STATE_FORMAT = "fedheads-flower-server-state/1"
+
+
+def save_server_state(path: Path, server_state: Any) -> None:
+    from fedheads.runner import _atomic_bytes
+
+    buf = io.BytesIO()
+    torch.save({"format": SERVER_STATE_FORMAT, "server": [t.detach().cpu() for t in tree_leaves(server_state)]}, buf)
+    _atomic_bytes(path, buf.getvalue())
+
+
+def write_run(cfg: Any, out: dict[str, Any]) -> dict[str, Any]:
+    """Write cfg.out/{config.json, metrics.csv, summary.md, plots, state/, results.json}."""
+    from fedheads import rundir
+    from fedheads.machine import machine
+    from fedheads.runner import _config_dict, _metrics_rows, _write_run_dir, environment
+
+    run_dir = Path(cfg.out)
+    res, names, desc = out["result"], out["names"], out["desc"]
+    n_test = [int(d["n_test"]) for d in desc]
+    per_seed = [report.seed_result_from_run(res, cfg.seed, names, n_test=n_test)]
+    dims = [int(v["dim"]) for v in json.loads(str(desc[0]["backbones"])).values()]
+    flog = out["log"]
+    extra = {"training_rounds": cfg.rounds - out["collect_rounds"], "clients": names,
+             "domains": [str(d["domain"]) for d in desc], "num_classes": int(desc[0]["num_classes"]),
+             "feature_dim": int(desc[0]["dim"]), "engine": res.engine, "fraction": cfg.fraction,
+             "flower": {"secagg": cfg.secagg, "nodes": flog.nodes, "rounds": flog.rounds,
+                        "on_dropout": cfg.on_dropout,
+                        "sent_bytes": sum(r["sent_bytes"] for r in flog.rounds),
+                        "received_bytes": sum(r["received_bytes"] for r in flog.rounds)}}
+    final = res.history[-1].accuracy or {}
+    extra["other_rules"] = {k: {"mean": float(100 * v[~v.isnan()].mean()), "values": [float(100 * v[~v.isnan()].mean())]}
+                            for k, v in final.items() if k != "main"}
+    if "global_model" in extra["other_rules"]:
+        extra["global_model_accuracy"] = extra["other_rules"]["global_model"]
+    extra["timing"] = report.timing_block(per_seed, res.wall_seconds, res.cpu_seconds, machine(torch.device("cpu")), None)
+    result = report.summarise_runs(per_seed, algorithm=cfg.algorithm, backbones=cfg.backbone_list(), rounds=cfg.rounds,
+                                   feature_dims=dims, num_classes=int(desc[0]["num_classes"]), fraction=cfg.fraction,
+                                   extra=extra)
+    if cfg.overwrite:
+        rundir.clear_run(run_dir)
+    save_server_state(run_dir / "state" / f"seed{cfg.seed}.server.pt", out["server_state"])
+    config = {"flower": dataclasses.asdict(cfg), "algorithm": cfg.algorithm, "backbones": cfg.backbone_list(),
+              "algorithm_kwargs": out["kwargs"], "algorithm_config": _config_dict(out["algorithm_config"]),
+              "environment": environment()}
+    _write_run_dir(run_dir, result, config, _metrics_rows(res, cfg.seed, names))
+    return result

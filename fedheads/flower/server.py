@@ -1,0 +1,197 @@
+"""The ServerApp (`fedheads.flower.server:app`): the engine's round loop over the network.
+
+Per round: the seeded participants (`select_participants`, as the engines) each get the
+broadcast and run `client_update` on their own node (M=1); the server stacks the replies in
+participant order and calls the algorithm's own `server_aggregate` (under SecAgg+ the secure
+totals go through `secure.SecureForm.aggregate`, which calls it too). Every `eval_every` rounds
+and after the last, every node evaluates its test split with the current server state.
+
+A node that fails a round (dies, errors, misses the timeout) is reported by name. `on_dropout`:
+"refuse" (default) stops the run with one line naming the node and the round and writes no
+results.json: an aggregate missing a client would silently differ from the federation asked
+for. "continue" completes the round from the nodes that replied (ctx.participants = them) and
+records the dropped nodes per round in results.json (`flower.rounds[].dropped`)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from embedcache.errors import UserError
+from fedheads.flower import require_flower
+
+require_flower()
+
+from flwr.app import ConfigRecord, Context, Message, RecordDict  # noqa: E402
+from flwr.serverapp import Grid, ServerApp  # noqa: E402
+
+from fedheads.flower import codec  # noqa: E402
+from fedheads.flower.grid import AuditGrid  # noqa: E402
+
+log = logging.getLogger("fedheads.flower")
+app = ServerApp()
+DROPOUT_POLICIES = ("refuse", "continue")
+
+
+@dataclass(frozen=True)
+class FlowerRunConfig:
+    """One federated run over Flower (Flower run config keys: the field names with '-')."""
+
+    algorithm: str = "fedncm"  # a registered algorithm (`fedheads algorithms`)
+    backbones: str = ""  # comma-separated, concatenated in this order on every node
+    rounds: int = 1  # communication rounds
+    seed: int = 0  # run seed (participants, client initialisations, batches)
+    fraction: float = 1.0  # client participation per round
+    eval_every: int = 1  # evaluate every k rounds (0: only after the last)
+    settings: str = "[]"  # JSON [[key, value], ...]: --set fields of the algorithm
+    local_epochs: int = 0  # 0 = the algorithm's default
+    batch_size: int = 0  # 0 = the algorithm's default
+    lr: float = 0.0  # 0 = the algorithm's default
+    binarize: bool = False  # FedPCL authors' binarised features
+    secagg: bool = False  # SecAgg+ for the sum-shaped server steps (fedncm, fedproto, fedpcl)
+    secagg_shares: float = 1.0  # SecAgg+ num_shares, fraction of the round's participants
+    secagg_threshold: float = 0.67  # SecAgg+ reconstruction threshold, fraction of the shares
+    nodes: int = 1  # wait for this many nodes before starting
+    wait: float = 300.0  # seconds to wait for them
+    timeout: float = 600.0  # seconds a round's messages may take (extraction on first use included)
+    on_dropout: str = "refuse"  # "refuse" | "continue" (module docstring)
+    clients: str = ""  # comma-separated client order (global indices); "" = sorted by name
+    out: str = ""  # run directory written at the end ("" = none)
+    overwrite: bool = False  # replace a run already in `out`
+
+    def __post_init__(self) -> None:
+        if self.on_dropout not in DROPOUT_POLICIES:
+            raise UserError(f"on-dropout {self.on_dropout!r}: must be one of {', '.join(DROPOUT_POLICIES)}")
+        if self.rounds < 1 or self.nodes < 1:
+            raise UserError(f"rounds {self.rounds} / nodes {self.nodes}: must be >= 1")
+        if not self.backbones:
+            raise UserError("backbones: at least one is needed")
+
+    @classmethod
+    def from_run_config(cls, rc: Any) -> "FlowerRunConfig":
+        known = {f.name: f for f in fields(cls)}
+        kw: dict[str, Any] = {}
+        for key, value in dict(rc).items():
+            name = str(key).replace("-", "_")
+            if name in known:
+                kw[name] = type(known[name].default)(value)  # TOML ints where floats are meant
+        return cls(**kw)
+
+    def to_run_config(self) -> dict[str, Any]:
+        return {f.name.replace("_", "-"): getattr(self, f.name) for f in fields(self)}
+
+    def backbone_list(self) -> list[str]:
+        return [b.strip() for b in self.backbones.split(",") if b.strip()]
+
+
+@dataclass
+class FlowerLog:
+    """What the network did, per round (results.json `flower`)."""
+
+    rounds: list[dict[str, Any]] = field(default_factory=list)
+    nodes: dict[str, int] = field(default_factory=dict)  # client -> Flower node id
+
+
+@app.main()
+def main(grid: Grid, context: Context) -> None:
+    run_federation(grid, context, FlowerRunConfig.from_run_config(context.run_config))
+
+
+def _send(grid: Grid, msgs: list[Message], timeout: float) -> dict[int, Message]:
+    replies = grid.send_and_receive(msgs, timeout=timeout)
+    return {int(m.metadata.src_node_id): m for m in replies}
+
+
+def _failed(sent: list[int], replies: dict[int, Message]) -> dict[int, str]:
+    out = {}
+    for n in sent:
+        m = replies.get(n)
+        if m is None:
+            out[n] = "no reply before the timeout (node gone?)"
+        elif m.has_error():
+            out[n] = " ".join(f"error {m.error.code}: {m.error.reason}".split())[:300]  # one line
+    return out
+
+
+def _run_record(run: dict[str, Any]) -> ConfigRecord:
+    return ConfigRecord({"json": json.dumps(run)})
+
+
+def wait_for_nodes(grid: Grid, n: int, wait: float) -> list[int]:
+    t0 = time.monotonic()
+    while True:
+        nodes = sorted(int(i) for i in grid.get_node_ids())
+        if len(nodes) >= n:
+            return nodes
+        if time.monotonic() - t0 > wait:
+            raise UserError(f"flower: {len(nodes)} of {n} nodes connected after {wait:.0f} s")
+        time.sleep(0.2)
+
+
+def describe_nodes(grid: Grid, nodes: list[int], cfg: FlowerRunConfig) -> list[tuple[int, dict[str, Any]]]:
+    """[(node id, description)] in global client order; nodes must agree on classes and features."""
+    run = {"backbones": cfg.backbone_list(), "binarize": cfg.binarize}
+    msgs = [Message(RecordDict({"fh.run": _run_record(run)}), dst_node_id=n, message_type="query.describe")
+            for n in nodes]
+    replies = _send(grid, msgs, cfg.timeout)
+    bad = _failed(nodes, replies)
+    if bad:
+        n, why = next(iter(bad.items()))
+        raise UserError(f"flower: node {n} could not describe its data: {why}")
+    desc = [(n, dict(replies[n].content.config_records["fh.describe"])) for n in nodes]
+    for key in ("dim", "num_classes", "classes"):
+        vals = {str(d[key]) for _, d in desc}
+        if len(vals) > 1:
+            raise UserError(f"flower: nodes disagree on {key} ({', '.join(sorted(vals))[:200]})")
+    _same_backbones(desc)
+    names = [str(d["client"]) for _, d in desc]
+    if len(set(names)) != len(names):
+        raise UserError(f"flower: two nodes are the same client ({', '.join(sorted(names))})")
+    order = [c.strip() for c in cfg.clients.split(",") if c.strip()] or sorted(names)
+    if sorted(order) != sorted(names):
+        raise UserError(f"clients {cfg.clients!r}: the nodes are {', '.join(sorted(names))}")
+    by_name = {str(d["client"]): (n, d) for n, d in desc}
+    return [by_name[c] for c in order]
+
+
+def _same_backbones(desc: list[tuple[int, dict[str, Any]]]) -> None:
+    """Every node extracted with the same weights and preprocessing (features from different
+    weights would be averaged silently). Imported features (`embedcache import`) carry the
+    identity of their file, not of a backbone: only their dimension can be checked."""
+    fps = [(str(d["client"]), json.loads(str(d["backbones"]))) for _, d in desc]
+    for b in fps[0][1]:
+        seen = {(fp[b]["weights_sha256"], json.dumps(fp[b]["preprocess"], sort_keys=True)): c for c, fp in fps}
+        if len(seen) > 1 and not any("imported_from" in (fp[b]["preprocess"] or {}) for _, fp in fps):
+            a, z = list(seen.values())[:2]
+            raise UserError(f"flower: backbone {b}: nodes {a} and {z} extracted with different weights or "
+                            "preprocessing")
+
+
+def run_federation(grid: Grid, context: Context, cfg: FlowerRunConfig) -> dict[str, Any]:
+    """The whole run; returns {"result": RunResult, "server_state", "log": FlowerLog, ...}."""
+    from fedheads import rundir
+    from fedheads.flower.loop import federate
+
+    if cfg.out:
+        rundir.refuse_existing(Path(cfg.out), overwrite=cfg.overwrite)
+    audit = AuditGrid(grid)
+    try:
+        nodes = wait_for_nodes(audit, cfg.nodes, cfg.wait)
+        out = federate(audit, context, cfg, describe_nodes(audit, nodes, cfg))
+    except UserError as e:  # reported where the run would have been, never a partial run directory
+        if cfg.out:
+            Path(cfg.out).mkdir(parents=True, exist_ok=True)
+            (Path(cfg.out) / "failed.json").write_text(json.dumps({"error": str(e)}) + "\n")
+        raise
+    out["audit"] = audit.received
+    if cfg.out:  # what the server received, by record name and key (no values): contract 8
+        Path(cfg.out).mkdir(parents=True, exist_ok=True)
+        (Path(cfg.out) / "received.jsonl").write_text("".join(json.dumps(a) + "\n" for a in audit.received))
+        from fedheads.flower.results import write_run
+
+        write_run(cfg, out)
+    return out

@@ -1,0 +1,175 @@
+"""Real processes on loopback: `fedheads serve` (a Flower SuperLink + the ServerApp) and three
+`fedheads join` (SuperNodes), each node with its own small store or manifest. Everything binds
+127.0.0.1, every wait has a timeout, and every process is stopped by its PID (process group)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from flower_helpers import FLOWER_MISSING  # noqa: E402
+
+pytest.importorskip("flwr", reason=FLOWER_MISSING)
+pytestmark = pytest.mark.slow
+
+from flower_helpers import CLIENTS, write_store  # noqa: E402
+
+from fedheads.flower.deploy import free_port  # noqa: E402
+from fedheads.flower.secure import error_bound  # noqa: E402
+
+RUN_LIMIT = 420  # seconds for one whole deployment (a loaded 2-core machine: every message starts a process)
+
+
+def _cli(*args: str) -> list[str]:
+    return [sys.executable, "-m", "fedheads.cli", *args]
+
+
+def _kill(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        try:
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait(15)
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            proc.wait(15)
+
+
+class Deployment:
+    """serve + nodes, stopped by PID whatever happens."""
+
+    def __init__(self, tmp: Path, serve_args: list[str], nodes: list[list[str]]) -> None:
+        self.tmp, self.port, self.out = tmp, free_port(), tmp / "run"
+        self.procs: list[subprocess.Popen] = []
+        logs = tmp / "logs"
+        logs.mkdir(exist_ok=True)
+        self.serve = self._start(_cli("serve", "--nodes", str(len(nodes)), "--port", str(self.port), "--host", "127.0.0.1",
+                                      "--wait", "240", "--out", str(self.out), *serve_args), logs / "serve.log")
+        self.nodes = [self._start(_cli("join", "--superlink", f"127.0.0.1:{self.port}", *n), logs / f"node{i}.log")
+                      for i, n in enumerate(nodes)]
+
+    def _start(self, cmd: list[str], log: Path) -> subprocess.Popen:
+        p = subprocess.Popen(cmd, stdout=open(log, "wb"), stderr=subprocess.STDOUT, start_new_session=True)
+        self.procs.append(p)
+        return p
+
+    def wait(self) -> tuple[int, str]:
+        try:
+            rc = self.serve.wait(RUN_LIMIT)
+        except subprocess.TimeoutExpired:
+            rc = -1
+        return rc, (self.tmp / "logs" / "serve.log").read_text(errors="replace")
+
+    def close(self) -> None:
+        for p in reversed(self.procs):
+            _kill(p)
+        pid_file = self.out.parent / f".{self.out.name}.flower" / "superlink.pid"
+        if pid_file.exists():  # serve stops it itself; this is the safety net
+            try:
+                os.killpg(int(pid_file.read_text()), signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+
+
+@pytest.fixture
+def node_stores(tmp_path):
+    """Each node's own store (its client only) and the union the engine trains on."""
+    stores = {c: write_store(tmp_path / f"node-{c}", only=c) for c in CLIENTS}
+    return stores, write_store(tmp_path / "union")
+
+
+def test_secagg_fedncm_over_three_nodes_gives_the_class_means_of_train(tmp_path, node_stores):
+    from click.testing import CliRunner
+
+    from fedheads.cli import main
+
+    stores, union = node_stores
+    dep = Deployment(tmp_path, ["--algorithm", "fedncm", "--backbones", "synth", "--rounds", "1", "--secagg",
+                                "--timeout", "180"],
+                     [["--store", str(stores[c])] for c in CLIENTS])
+    try:
+        rc, log = dep.wait()
+    finally:
+        dep.close()
+    assert rc == 0, log[-3000:]
+    ref_dir = tmp_path / "ref"
+    r = CliRunner().invoke(main, ["train", "--store", str(union), "--backbones", "synth", "--algorithm", "fedncm",
+                                  "--rounds", "1", "--seeds", "0", "--quiet", "--out", str(ref_dir)])
+    assert r.exit_code == 0, r.output
+    got = torch.load(dep.out / "state" / "seed0.server.pt", weights_only=True)["server"]
+    ref = torch.load(ref_dir / "state" / "seed0.pt", weights_only=True)["server"]
+    sums, counts, means, present = got
+    assert torch.equal(counts, ref[1]) and torch.equal(present, ref[3])
+    assert (means - ref[2]).abs().max() < error_bound(3, 10) / counts.min()  # sums < 2^10 here
+    res = json.loads((dep.out / "results.json").read_text())
+    assert res["engine"] == "flower-secagg" and len(res["flower"]["nodes"]) == 3
+    received = [json.loads(line) for line in (dep.out / "received.jsonl").read_text().splitlines()]
+    updates = [a for a in received if a["type"] == "train.update"]
+    assert len(updates) == 3 and all(a["arrays"] == {} for a in updates)  # no sum in the clear
+    masked = [a for a in received if "masked_params" in a["configs"].get("secaggplus_configs", [])]
+    assert len(masked) == 3 and all(all(v == [] for v in a["arrays"].values()) for a in masked)
+
+
+def test_plain_fedpcl_nodes_extract_their_own_images_and_equal_the_engine(tmp_path):
+    """Nodes hold manifests of their own images (builtin digits): they extract on first use."""
+    from fedheads.core.engine import run
+    from fedheads.data import load_fed_data
+    from fedheads.runner import TrainOptions, build_algorithm
+
+    manifest = tmp_path / "m.json"
+    subprocess.run([sys.executable, "-m", "embedcache.cli", "partition", "builtin:digits", "--scheme", "feature-shift",
+                    "--train-per-class", "2", "--test-per-class", "2", "--out", str(manifest)], check=True, timeout=120)
+    names = [c["name"] for c in json.loads(manifest.read_text())["clients"]][:3]
+    dep = Deployment(tmp_path, ["--algorithm", "fedpcl", "--backbones", "digitnet-builtin", "--rounds", "2",
+                                "--eval-every", "0", "--timeout", "240"],
+                     [["--store", str(tmp_path / f"node{i}" / "s.zarr"), "--manifest", str(manifest), "--client", c]
+                      for i, c in enumerate(names)])
+    try:
+        rc, log = dep.wait()
+    finally:
+        dep.close()
+    assert rc == 0, log[-3000:]
+    for i in range(3):
+        assert (tmp_path / f"node{i}" / "s.zarr" / "digitnet-builtin" / names[i]).is_dir()
+    union = tmp_path / "union.zarr"
+    subprocess.run([sys.executable, "-m", "embedcache.cli", "extract", "--manifest", str(manifest), "--store", str(union),
+                    "--backbones", "digitnet-builtin", "--device", "cpu", "--quiet"], check=True, timeout=300)
+    alg, _, _ = build_algorithm("fedpcl", TrainOptions(), strict=True)
+    ref = run(alg, load_fed_data(str(union), ["digitnet-builtin"], "cpu", clients=names), 2, seed=0, engine="loop",
+              progress=False)
+    got = json.loads((dep.out / "results.json").read_text())
+    want = {n: 100.0 * float(a) for n, a in zip(names, ref.final_accuracy().tolist())}
+    assert {n: got["per_client"][n]["mean"] for n in names} == pytest.approx(want, abs=1e-9)
+    server = torch.load(dep.out / "state" / "seed0.server.pt", weights_only=True)["server"]
+    assert torch.equal(server[3], ref.server_state.global_protos)  # bit for bit
+
+
+def test_a_node_that_dies_mid_run_is_reported_and_the_run_refused(tmp_path, node_stores):
+    stores, _ = node_stores
+    dep = Deployment(tmp_path, ["--algorithm", "fedncm", "--backbones", "synth", "--rounds", "3", "--eval-every", "0",
+                                "--timeout", "40"],
+                     [["--store", str(stores[c])] for c in CLIENTS])
+    try:
+        progress = dep.out / "progress.jsonl"
+        t0 = time.monotonic()
+        while not (progress.exists() and progress.read_text().strip()) and time.monotonic() - t0 < RUN_LIMIT:
+            assert dep.serve.poll() is None, (tmp_path / "logs" / "serve.log").read_text()[-2000:]
+            time.sleep(0.5)
+        os.killpg(dep.nodes[2].pid, signal.SIGKILL)  # c2 dies after round 1
+        rc, log = dep.wait()
+    finally:
+        dep.close()
+    assert rc == 2, log[-3000:]
+    line = log.strip().splitlines()[-1]
+    assert line.startswith("error: round ") and "node c2" in line and "refused" in line, line
+    assert not (dep.out / "results.json").exists() and (dep.out / "failed.json").exists()
