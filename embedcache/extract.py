@@ -433,3 +433,10 @@ def _extract_all(manifest: Any, cfg: ExtractConfig, src: Any, backbone_factory: 
         report.per_backbone[name] = {"shards": len(specs), "cache_hits": hits, "chunks": len(jobs), "rows": rows}
         del bb
 
+
+
+# `embedcache.extract(...)` is the API function (embedcache.api.extract); this module stays importable
+from embedcache import api as _api  # noqa: E402
+from embedcache.callable_module import make_callable  # noqa: E402
+
+make_callable(__name__, _api.extract)

@@ -1,5 +1,5 @@
-"""`fedheads` command line: train / compare / predict / finetune / feddra / algorithms, and over Flower
-simulate / serve / join (fedheads.flower, imported only by those three).
+"""`fedheads` command line: train / compare / predict / finetune / feddra / algorithms / summarize, and
+over Flower simulate / serve / join (fedheads.flower, imported only by those three).
 
 Every command reads the feature store through `embedcache.reader` (numpy + zarr) and never
 imports timm, torchvision or dask. Bad input prints one `error: ...` line and exits 2."""
@@ -115,9 +115,9 @@ def compare(store, backbones, algorithms, out, overwrite, **kw) -> None:
 @click.option("--out", required=True, type=click.Path(dir_okay=False), help=".csv or .parquet")
 def predict(run_dir, store, split, client, seed, top_k, chunk_rows, device, out) -> None:
     """Classify stored features by nearest prototype (faiss), personalised per client."""
-    from fedheads.predict import predict_run
+    from fedheads.api import predict as run_predict
 
-    n = predict_run(run_dir, store, split=split, client=client, seed=seed, k=top_k,
+    n = run_predict(run_dir, store, split=split, client=client, seed=seed, top_k=top_k,
                     chunk_rows=chunk_rows, device=device, out=out)
     click.echo(f"{n} predictions -> {out}")
 
@@ -159,17 +159,15 @@ def finetune(manifest_path, store, backbone, heads, head_rounds, rounds, server,
              no_pretrained, no_augment, seeds, eval_every, device, num_workers, weights_dir, resume,
              overwrite, quiet, out) -> None:
     """Fine-tune a backbone federatedly from a stage-1 head computed on the store (FedNCM+FT, LP+FT, FT)."""
-    from fedheads.live.finetune import FTConfig
-    from fedheads.live.runner import FinetuneOptions, finetune_run
+    from fedheads.api import finetune as run_finetune
 
-    ft = FTConfig(server=server, server_lr=server_lr, prox_mu=prox_mu, lr=lr, momentum=momentum,
-                  weight_decay=weight_decay, batch_size=batch_size, local_epochs=local_epochs)
-    opts = FinetuneOptions(heads=tuple(_csv(heads, "--head")), head_rounds=head_rounds, rounds=rounds, ft=ft,
-                           trainable=trainable, bn=bn, live_prefix=live_prefix, pretrained=not no_pretrained,
-                           augment=not no_augment, seeds=_seeds(seeds), fraction=fraction, eval_every=eval_every,
-                           device=device, num_workers=num_workers, weights_dir=weights_dir, resume=resume,
-                           overwrite=overwrite, progress=not quiet)
-    res = finetune_run(manifest_path, store, backbone, out, opts)
+    res = run_finetune(manifest_path, store, backbone, out, heads=_csv(heads, "--head"), head_rounds=head_rounds,
+                       rounds=rounds, server=server, server_lr=server_lr, prox_mu=prox_mu, lr=lr,
+                       momentum=momentum, weight_decay=weight_decay, local_epochs=local_epochs,
+                       batch_size=batch_size, fraction=fraction, trainable=trainable, bn=bn,
+                       live_prefix=live_prefix, pretrained=not no_pretrained, augment=not no_augment,
+                       seeds=_seeds(seeds), eval_every=eval_every, device=device, num_workers=num_workers,
+                       weights_dir=weights_dir, resume=resume, overwrite=overwrite, progress=not quiet)
     for r in res.get("algorithms", {"": res}).values():
         click.echo(f"{r['algorithm']}: accuracy {r['accuracy_cell']} after {r['rounds']} rounds "
                    f"(round 0: {r['figure1'][0]['accuracy']:.2f})")
@@ -367,17 +365,49 @@ def feddra(manifest_path, store, image_encoder, image_cut, text_encoder, text_cu
 
 
 @main.command(name="algorithms")
+@click.argument("name", required=False)
+@click.option("--show", is_flag=True, help="Every algorithm's settings (with NAME: that one's; NAME alone does too).")
 @click.option("--json", "as_json", is_flag=True)
-def algorithms_cmd(as_json: bool) -> None:
-    """List the registered algorithms."""
-    from fedheads.algorithms import list_algorithms
+def algorithms_cmd(name: str | None, show: bool, as_json: bool) -> None:
+    """List the registered algorithms; with NAME (or --show), every setting --set takes:
+    type, default, one-line doc and the paper passage the default comes from."""
+    from fedheads.algorithms import create_algorithm, list_algorithms
+    from fedheads.settings import settings_json, settings_table
 
     infos = list_algorithms()
+    if name is not None or show:
+        names = [name] if name is not None else [i.name for i in infos]
+        if name is not None:
+            create_algorithm(name)  # an unknown name: one line with the known ones
+        if as_json:
+            out = [settings_json(n) for n in names]
+            click.echo(json.dumps(out[0] if name is not None else out, indent=2, default=str))
+        else:
+            click.echo("\n\n".join(settings_table(n) for n in names))
+        return
     if as_json:
         click.echo(json.dumps([{"name": i.name, "description": i.description} for i in infos], indent=2))
         return
     for i in infos:
         click.echo(f"{i.name:16s} {i.description}")
+    click.echo("settings of one: fedheads algorithms NAME", err=True)
+
+
+@main.command()
+@click.argument("runs", nargs=-1, required=True, type=click.Path())
+@click.option("--out", type=click.Path(dir_okay=False), default=None, help="table.md or table.csv (default: Markdown on stdout).")
+def summarize(runs: tuple[str, ...], out: str | None) -> None:
+    """One table across RUN_DIRs (train, compare, finetune): accuracy, fairness, upload, time."""
+    from fedheads.summarize import summarize as gather, to_markdown, write_table
+
+    if out is not None and not out.lower().endswith((".md", ".csv")):
+        raise UserError(f"--out {out}: must end in .md or .csv")
+    rows = gather(runs)
+    if out is None:
+        click.echo(to_markdown(rows), nl=False)
+        return
+    write_table(rows, out)
+    click.echo(f"{len(rows)} rows -> {out}", err=True)
 
 
 if __name__ == "__main__":  # pragma: no cover

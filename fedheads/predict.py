@@ -20,7 +20,8 @@ import numpy as np
 import torch
 
 from embedcache.errors import UserError
-from fedheads import inference
+from embedcache.callable_module import make_callable
+from fedheads import api, inference
 from fedheads.algorithms import create_algorithm
 from fedheads.core.tree import tree_index
 from fedheads.data import DataSpec, resolve_device
@@ -78,10 +79,11 @@ def predict_client(alg: Any, cs: Any, ss: Any, chunks: Any, k: int, device: torc
         yield ids, labels, pred
 
 
-def predict_run(run_dir: str | Path, store: str, split: str = "test", client: str = "all",
-                seed: int | None = None, k: int = 1, chunk_rows: int = 65536, device: str = "cpu",
-                out: str | Path = "predictions.csv") -> int:
-    """Write predictions for `client` (or all) of `split` to `out`; returns the row count."""
+def iter_predictions(run_dir: str | Path, store: str, split: str = "test", client: str = "all",
+                     seed: int | None = None, k: int = 1, chunk_rows: int = 65536, device: str = "cpu",
+                     ) -> Iterator[dict[str, np.ndarray]]:
+    """Prediction tables (fedheads.inference.prediction_rows), one per chunk of `chunk_rows`
+    rows of each wanted client; every check is done before the first table is yielded."""
     from embedcache.reader import open_store
     from fedheads.runner import load_state
 
@@ -126,13 +128,24 @@ def predict_run(run_dir: str | Path, store: str, split: str = "test", client: st
                                                     k, dev, binarize):
                 yield inference.prediction_rows(c, ids, labels, pred)
 
+    return tables()
+
+
+def predict_run(run_dir: str | Path, store: str, split: str = "test", client: str = "all",
+                seed: int | None = None, k: int = 1, chunk_rows: int = 65536, device: str = "cpu",
+                out: str | Path = "predictions.csv") -> int:
+    """Write predictions for `client` (or all) of `split` to `out`; returns the row count."""
     count = 0
 
     def counted() -> Iterator[dict[str, np.ndarray]]:
         nonlocal count
-        for t in tables():
+        for t in iter_predictions(run_dir, store, split, client, seed, k, chunk_rows, device):
             count += len(t["label"])
             yield t
 
     inference.write_predictions(counted(), out)
     return count
+
+
+# `fedheads.predict(...)` is the API function (fedheads.api.predict); this module stays importable
+make_callable(__name__, api.predict)

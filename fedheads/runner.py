@@ -100,10 +100,16 @@ def build_algorithm(name: str, opts: TrainOptions, strict: bool = True) -> tuple
     Returns (algorithm, the kwargs used, options that do not apply). With `strict` an option
     that does not apply is an error (`train`); `compare` drops and records it. A field scoped
     to this algorithm (`--set lp.lr=0.1`) must always apply."""
+    from fedheads.settings import unknown_key_error, valid_keys
+
     scoped, plain = settings_for(name, opts.settings)
     try:
         create_algorithm(name, **scoped)
     except TypeError as e:
+        if _not_a_field(e):
+            bad = next((k for k in scoped if k not in valid_keys(name)), None)
+            if bad is not None:
+                raise unknown_key_error(bad, [name], f"--set {name}.{bad}") from None
         raise UserError(f"--set for {name}: {e}") from None
     used, ignored = dict(scoped), []
     for k, v in {**plain, **opts.generic()}.items():
@@ -116,8 +122,9 @@ def build_algorithm(name: str, opts: TrainOptions, strict: bool = True) -> tuple
             if not _not_a_field(e):  # a field of this algorithm, given a value of the wrong type
                 raise UserError(f"{k}={v!r}: not a valid value for {name} ({e})") from None
             if strict:
-                flag = f"--{k.replace('_', '-')}" if k in opts.generic() else f"--set {k}"
-                raise UserError(f"{flag}: does not apply to algorithm {name}") from None
+                if k not in opts.generic():
+                    raise unknown_key_error(k, [name]) from None
+                raise UserError(f"--{k.replace('_', '-')}: does not apply to algorithm {name}") from None
             ignored.append(k)
     return create_algorithm(name, **used), used, ignored
 
@@ -234,27 +241,31 @@ def require_test_samples(data: Federation) -> None:
                         "fewer --train-per-class or --test-per-class > 0")
 
 
-def train_run(store: str, backbones: Sequence[str], algorithm: str, opts: TrainOptions,
-              out: str | Path, strict: bool = True, data: Federation | None = None,
-              overwrite: bool = False) -> dict[str, Any]:
-    """Train `algorithm` once per seed, write the run directory, return results.json's dict.
-    An --out holding a run is refused unless `overwrite` (fedheads.rundir). Features are loaded
-    in `opts.layout`; a `data` given runs in the layout it has (results.json "layout" says which)."""
-    out = Path(out)
-    rundir.refuse_existing(out, overwrite=overwrite)
-    build_algorithm(algorithm, opts, strict=strict)  # bad options fail before the old run is touched
-    t_start, load = clock(torch.device("cpu")), None  # nothing queued on a device yet
-    if data is None:
-        data = load_fed_data(store, backbones, resolve_device(opts.device), binarize=opts.binarize,
-                             layout=opts.layout)
-        load = _since(t_start, data.device)
-    require_test_samples(data)
-    if overwrite:  # results.json marks a complete run: no old file may sit beside the new ones
-        rundir.clear_run(out)
-    from embedcache.reader import open_store
+@dataclass
+class TrainedRun:
+    """One algorithm trained over every seed, in memory: what `train_run` writes to a run
+    directory (results.json's dict, config.json's dict, metrics.csv's rows, each seed's state)."""
 
-    dims = backbone_dims(open_store(store), backbones)
-    per_seed, rows, alg_cfg, ignored = [], [], None, []
+    result: dict[str, Any]
+    config: dict[str, Any]
+    rows: list[list[Any]]
+    states: dict[int, RunResult] = field(default_factory=dict)  # seed -> final states (cpu)
+
+
+def train_data(data: Federation, backbones: Sequence[str], algorithm: str, opts: TrainOptions, *,
+               dims: Sequence[int] | None = None, store: str | None = None, strict: bool = True,
+               t_start: tuple[float, float] | None = None,
+               load: tuple[float, float] | None = None) -> TrainedRun:
+    """Train `algorithm` once per seed on `data` and build the run's artefacts without writing
+    anything. `dims`: feature dimension per backbone (default: one block of data.dim); `store`:
+    where the features came from (recorded with its fingerprint in the config)."""
+    if t_start is None:
+        t_start = clock(torch.device("cpu"))
+    build_algorithm(algorithm, opts, strict=strict)  # bad options fail before any training
+    require_test_samples(data)
+    dims = [data.dim] if dims is None else list(dims)
+    per_seed, rows, alg_cfg, ignored, used = [], [], None, [], {}
+    states: dict[int, RunResult] = {}
     extra_rules: dict[str, list[float]] = {}
     for seed in opts.seeds:
         alg, used, ignored = build_algorithm(algorithm, opts, strict=strict)
@@ -266,9 +277,8 @@ def train_run(store: str, backbones: Sequence[str], algorithm: str, opts: TrainO
             if rule != "main":
                 extra_rules.setdefault(rule, []).append(100.0 * float(acc[~acc.isnan()].mean()))
         rows += _metrics_rows(res, seed, data.client_names)
-        save_state(out / "state" / f"seed{seed}.pt", RunResult(res.algorithm, res.engine,
-                   client_state=to_device(res.client_state, "cpu"),
-                   server_state=to_device(res.server_state, "cpu")))
+        states[seed] = RunResult(res.algorithm, res.engine, client_state=to_device(res.client_state, "cpu"),
+                                 server_state=to_device(res.server_state, "cpu"))
     extra = {"training_rounds": opts.rounds - int(getattr(alg, "collect_rounds", 0)),
              "clients": list(data.client_names), "domains": list(data.domains),
              "num_classes": data.num_classes, "feature_dim": data.dim, "engine": opts.engine,
@@ -282,12 +292,54 @@ def train_run(store: str, backbones: Sequence[str], algorithm: str, opts: TrainO
     result = report.summarise_runs(per_seed, algorithm=algorithm, backbones=list(backbones),
                                    rounds=opts.rounds, feature_dims=dims, num_classes=data.num_classes,
                                    fraction=opts.fraction, extra=extra)
-    config = {"store": str(store), "backbones": list(backbones), "algorithm": algorithm,
-              "store_fingerprint": store_fingerprint(open_store(store), backbones),
-              "options": _config_dict(opts), "algorithm_kwargs": used if per_seed else {},
-              "algorithm_config": alg_cfg, "ignored_options": ignored, "environment": environment()}
-    _write_run_dir(out, result, config, rows)
-    return result
+    config: dict[str, Any] = {"store": None if store is None else str(store), "backbones": list(backbones),
+                              "algorithm": algorithm}
+    if store is not None:
+        from embedcache.reader import open_store
+
+        config["store_fingerprint"] = store_fingerprint(open_store(store), backbones)
+    config.update({"options": _config_dict(opts), "algorithm_kwargs": used if per_seed else {},
+                   "algorithm_config": alg_cfg, "ignored_options": ignored, "environment": environment()})
+    return TrainedRun(result, config, rows, states)
+
+
+def train_run(store: str | None, backbones: Sequence[str], algorithm: str, opts: TrainOptions,
+              out: str | Path, strict: bool = True, data: Federation | None = None,
+              overwrite: bool = False) -> dict[str, Any]:
+    """Train `algorithm` once per seed, write the run directory, return results.json's dict.
+    An --out holding a run is refused unless `overwrite` (fedheads.rundir). Features are loaded
+    in `opts.layout`; a `data` given runs in the layout it has (results.json "layout" says which). `store` may be None
+    when `data` is given (features from numpy arrays: no store fingerprint in config.json)."""
+    out = Path(out)
+    rundir.refuse_existing(out, overwrite=overwrite)
+    build_algorithm(algorithm, opts, strict=strict)  # bad options fail before the old run is touched
+    t_start, load = clock(torch.device("cpu")), None  # nothing queued on a device yet
+    if data is None:
+        if store is None:
+            raise UserError("train: needs a store or the features as data")
+        data = load_fed_data(store, backbones, resolve_device(opts.device), binarize=opts.binarize,
+                             layout=opts.layout)
+        load = _since(t_start, data.device)
+    require_test_samples(data)
+    if overwrite:  # results.json marks a complete run: no old file may sit beside the new ones
+        rundir.clear_run(out)
+    dims = None
+    if store is not None:
+        from embedcache.reader import open_store
+
+        dims = backbone_dims(open_store(store), backbones)
+    trained = train_data(data, backbones, algorithm, opts, dims=dims, store=store, strict=strict,
+                         t_start=t_start, load=load)
+    write_trained(out, trained)
+    return trained.result
+
+
+def write_trained(out: str | Path, trained: TrainedRun) -> None:
+    """A run directory (docs/contracts.md, 6) from a run trained in memory."""
+    out = Path(out)
+    for seed, states in trained.states.items():
+        save_state(out / "state" / f"seed{seed}.pt", states)
+    _write_run_dir(out, trained.result, trained.config, trained.rows)
 
 
 def _write_run_dir(out: Path, result: dict[str, Any], config: dict[str, Any], rows: list[list[Any]]) -> None:
@@ -306,33 +358,79 @@ def _write_run_dir(out: Path, result: dict[str, Any], config: dict[str, Any], ro
     report.write_results_json(result, out / "results.json")
 
 
-def compare_runs(store: str, backbones: Sequence[str], algorithms: Sequence[str], opts: TrainOptions,
-                 out: str | Path, overwrite: bool = False) -> dict[str, Any]:
+def check_compare_settings(algorithms: Sequence[str], opts: TrainOptions) -> None:
+    """Unknown names and bad values fail before any training; so does a --set key that no
+    compared algorithm has (a typo would otherwise be dropped from every one of them)."""
+    ignored_by = [set(build_algorithm(name, opts, strict=False)[2]) for name in algorithms]
+    for key, _ in opts.settings:
+        if "." not in key and all(key in ig for ig in ignored_by):
+            from fedheads.settings import unknown_key_error
+
+            raise unknown_key_error(key, list(algorithms))
+
+
+def compare_data(data: Federation, backbones: Sequence[str], algorithms: Sequence[str], opts: TrainOptions, *,
+                 dims: Sequence[int] | None = None, store: str | None = None,
+                 t_start: tuple[float, float] | None = None, load: tuple[float, float] | None = None,
+                 ) -> tuple[dict[str, TrainedRun], dict[str, Any]]:
+    """Every algorithm trained on the same features, in memory: ({name: TrainedRun}, the
+    comparison's results.json dict). Options that do not apply to an algorithm are dropped and
+    recorded (`ignored_options`), as `compare` does."""
+    if t_start is None:
+        t_start = clock(torch.device("cpu"))
+    check_compare_settings(algorithms, opts)
+    require_test_samples(data)
+    runs = {name: train_data(data, backbones, name, opts, dims=dims, store=store, strict=False)
+            for name in algorithms}
+    combined = {"algorithms": {n: r.result for n, r in runs.items()}, "backbones": list(backbones),
+                "store": None if store is None else str(store), "options": _config_dict(opts),
+                "environment": environment(),
+                "timing": report.timing_block([], *_since(t_start, data.device), machine(data.device), load)}
+    return runs, combined
+
+
+def compare_runs(store: str | None, backbones: Sequence[str], algorithms: Sequence[str], opts: TrainOptions,
+                 out: str | Path, overwrite: bool = False, data: Federation | None = None) -> dict[str, Any]:
     """Train every algorithm on the same cached features (loaded once) and write the comparison.
-    An --out (or an <algorithm>/ in it) holding a run is refused unless `overwrite`."""
+    An --out (or an <algorithm>/ in it) holding a run is refused unless `overwrite`. `store` may
+    be None when `data` is given."""
     out = Path(out)
     rundir.refuse_existing(out, algorithms, overwrite=overwrite)
-    for name in algorithms:
-        build_algorithm(name, opts, strict=False)  # unknown names / bad values fail before any training
-    t_start = clock(torch.device("cpu"))  # nothing queued on a device yet
-    data = load_fed_data(store, backbones, resolve_device(opts.device), binarize=opts.binarize,
-                         layout=opts.layout)
-    load = _since(t_start, data.device)
+    check_compare_settings(algorithms, opts)
+    t_start, load = clock(torch.device("cpu")), None  # nothing queued on a device yet
+    dims = None
+    if data is None:
+        if store is None:
+            raise UserError("compare: needs a store or the features as data")
+        data = load_fed_data(store, backbones, resolve_device(opts.device), binarize=opts.binarize,
+                             layout=opts.layout)
+        load = _since(t_start, data.device)
+    if store is not None:
+        from embedcache.reader import open_store
+
+        dims = backbone_dims(open_store(store), backbones)
     require_test_samples(data)
     if overwrite:
         rundir.clear_run(out, algorithms)
-    results: dict[str, Any] = {}
-    for name in algorithms:
-        results[name] = train_run(store, backbones, name, opts, out / name, strict=False, data=data,
-                                  overwrite=overwrite)
-    title = f"{', '.join(backbones)} on {Path(store).name}: {opts.rounds} rounds, seeds {list(opts.seeds)}"
-    table = report.comparison_markdown(list(results.values()), title=title)
-    report.plot_history(list(results.values()), out / "accuracy_per_round.png")
-    report.plot_per_client(list(results.values()), out / "per_client.png")
+    runs, combined = compare_data(data, backbones, algorithms, opts, dims=dims, store=store,
+                                  t_start=t_start, load=load)
+    write_comparison(out, runs, combined, opts)
+    return combined
+
+
+def write_comparison(out: str | Path, runs: dict[str, TrainedRun], combined: dict[str, Any],
+                     opts: TrainOptions) -> None:
+    """A comparison directory (docs/contracts.md, 6): one run directory per algorithm, the table
+    and plots, results.json last."""
+    out = Path(out)
+    for name, trained in runs.items():
+        write_trained(out / name, trained)
+    results = list(combined["algorithms"].values())
+    where = f" on {Path(combined['store']).name}" if combined.get("store") else ""
+    title = f"{', '.join(combined['backbones'])}{where}: {opts.rounds} rounds, seeds {list(opts.seeds)}"
+    table = report.comparison_markdown(results, title=title)
+    report.plot_history(results, out / "accuracy_per_round.png")
+    report.plot_per_client(results, out / "per_client.png")
     report.write_markdown(f"# Comparison\n\n{table}\n\n![accuracy per round](accuracy_per_round.png)\n"
                           "![per-client accuracy](per_client.png)\n", out / "summary.md")
-    combined = {"algorithms": results, "backbones": list(backbones), "store": str(store),
-                "options": _config_dict(opts), "environment": environment(),
-                "timing": report.timing_block([], *_since(t_start, data.device), machine(data.device), load)}
     report.write_results_json(combined, out / "results.json")
-    return combined

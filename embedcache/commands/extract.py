@@ -39,31 +39,23 @@ def extract(manifest_path: str, backbones: str, store: str, device: str, batch_s
     Complete shards with the same cache key are reused without touching an image; an
     interrupted run resumes from its missing chunks.
     """
-    from embedcache.extract import ExtractConfig, extract as run
+    from embedcache.api import extract as run
 
     if not Path(manifest_path).is_file():
         raise UserError(f"{manifest_path}: manifest file not found")
     names = _expand_default(tuple(b.strip() for b in backbones.split(",") if b.strip()), weights_dir)
-    cfg = ExtractConfig(backbones=names, store=store, device=device, batch_size=batch_size,
-                        num_workers=num_workers, scheduler=scheduler, views=views, dtype=dtype,
-                        weights_dir=weights_dir, chunk_rows=chunk_rows, plugins=plugins, progress=not quiet,
-                        cut=cut)
-    rep = run(manifest_path, cfg)
+    rep = run(manifest_path, names, store, device=device, batch_size=batch_size, num_workers=num_workers,
+              scheduler=scheduler, views=views, dtype=dtype, weights_dir=weights_dir, chunk_rows=chunk_rows,
+              plugins=plugins, progress=not quiet, cut=cut)
     click.echo(f"extract: {rep.shards} shards ({rep.cache_hits} cache hits), {rep.chunks_computed} chunks, "
                f"{rep.rows_computed} rows in {rep.seconds:.1f}s -> {store}", err=True)
 
 
 def _expand_default(names: tuple[str, ...], weights_dir: str | None) -> tuple[str, ...]:
     """`default` -> the backbones `embedcache backbones` calls default here (said once on stderr)."""
-    if "default" not in names:
-        return names
-    from embedcache.backbones import default_backbones_with_reason
+    from embedcache.api import expand_default
 
-    default, why = default_backbones_with_reason(weights_dir)
-    click.echo(f"backbones: default = {', '.join(default)} ({why})", err=True)
-    out: list[str] = []
-    for n in names:
-        for m in (default if n == "default" else [n]):
-            if m not in out:
-                out.append(m)
-    return tuple(out)
+    out, said = expand_default(names, weights_dir)
+    if said:
+        click.echo(f"backbones: {said}", err=True)
+    return out

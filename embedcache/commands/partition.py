@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import click
 
@@ -38,29 +37,15 @@ def partition(source, scheme, preset, train_per_class, test_per_class, clients, 
     """Partition SOURCE (imagefolder:PATH | jda-digits:FILE.mat | builtin:digits | captioned:<one of
     these>) into clients. Sources with texts (captioned:, an image folder with captions.tsv) write
     each sample's text into the manifest."""
+    from embedcache.api import partition as run_partition
     from embedcache.errors import UserError
-    from embedcache.manifest import SUFFIXES, save_manifest
-    from embedcache.partition import PAIRED_PRESETS, PRESETS, Recipe
-    from embedcache.partition import partition as run_partition
-    from embedcache.sources import open_source
 
-    if Path(out).suffix.lower() not in SUFFIXES:  # before any work
-        raise UserError(f"--out {out}: must end in .json, .yaml or .yml")
-    base: dict = dict(PRESETS[preset]) if preset else {}
-    if scheme is None and "scheme" not in base:
-        raise UserError(f"--scheme: required (or --preset {' / '.join(PRESETS)})")
-    if preset and scheme is not None and scheme != base["scheme"]:
-        raise UserError(f"--scheme {scheme}: --preset {preset} is {base['scheme']}; drop one of them")
     if domain and domains:
         raise UserError("--domain and --domains: give one of them (--domain D is --domains D)")
-    given = {"scheme": scheme, "train_per_class": train_per_class, "test_per_class": test_per_class,
-             "clients": clients, "alpha": alpha, "train_fraction": train_fraction, "min_samples": min_samples}
-    base.update({k: v for k, v in given.items() if v is not None})
-    doms = tuple(d.strip() for d in (domains or domain or "").split(",") if d.strip())
-    preset_doms = tuple(base.pop("domains", ()))
-    recipe = Recipe(domains=doms or preset_doms, fingerprint=fingerprint, **base)
-    manifest = run_partition(open_source(source), recipe, seed, require_texts=preset in PAIRED_PRESETS)
-    save_manifest(manifest, out)
+    manifest = run_partition(source, scheme, preset=preset, train_per_class=train_per_class,
+                             test_per_class=test_per_class, clients=clients, alpha=alpha,
+                             domains=domains or domain or (), train_fraction=train_fraction,
+                             min_samples=min_samples, fingerprint=fingerprint, seed=seed, out=out)
     _warn(manifest)
     n_tr = sum(len(c.train) for c in manifest.clients)
     n_te = sum(len(c.test) for c in manifest.clients)

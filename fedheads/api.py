@@ -1,0 +1,264 @@
+"""The Python API of `fedheads`, one function per command (the CLI takes the same arguments):
+
+    fedheads.train(data, "fedpcl", ...)        -> Result   (`fedheads train`)
+    fedheads.compare(data, ["lp", "mlp"], ...) -> Result   (`fedheads compare`)
+    fedheads.predict(run_dir, store, ...)      -> table    (`fedheads predict`)
+    fedheads.finetune(manifest, store, backbone, out, ...) -> Result   (`fedheads finetune`)
+    fedheads.list_algorithms(), fedheads.register_algorithm(name, factory, description=...)
+
+`data` is a feature store (a path, with `backbones=`) or the features themselves: a mapping
+{client: (x_train, y_train, x_test, y_test)} of numpy arrays (or a list of such tuples, or a
+`FedData`). Nothing is written unless `out=` is given; then the run directory is exactly the
+CLI's (docs/contracts.md, 6). A `Result` has the fields of results.json as attributes.
+
+Imports stay lazy: `import fedheads` loads neither the engines nor faiss, and never timm,
+torchvision or dask (`finetune` imports the live stage when called)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Union
+
+if TYPE_CHECKING:
+    import numpy as np
+
+    from fedheads.data import FedData
+
+ClientArrays = Sequence[Any]  # (x_train [N, D], y_train [N], x_test [T, D], y_test [T])
+Data = Union[str, Path, "FedData", Mapping[str, ClientArrays], Sequence[ClientArrays]]
+
+
+class Result(Mapping[str, Any]):
+    """A results.json as an object: `res.accuracy["mean"]`, `res["per_client"]`, `res.to_json()`.
+
+    The fields are those of docs/contracts.md, section 6 (a comparison: `res.algorithms` maps
+    each algorithm to its own Result). `run_dir` is where it was written (None: in memory);
+    `states` maps each seed to its final client and server states (in-memory training only)."""
+
+    def __init__(self, fields: Mapping[str, Any], run_dir: str | Path | None = None,
+                 states: Mapping[int, Any] | None = None) -> None:
+        self._fields = dict(fields)
+        self.run_dir = None if run_dir is None else Path(run_dir)
+        self.states = dict(states or {})
+
+    def __getitem__(self, key: str) -> Any:
+        value = self._fields[key]
+        if key == "algorithms" and isinstance(value, Mapping):
+            return {k: v if isinstance(v, Result) else Result(v) for k, v in value.items()}
+        return value
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_"):
+            raise AttributeError(name)
+        try:
+            return self[name]
+        except KeyError:
+            raise AttributeError(f"Result has no field {name!r} (fields: {', '.join(self._fields)})") from None
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._fields)
+
+    def __len__(self) -> int:
+        return len(self._fields)
+
+    def __repr__(self) -> str:
+        what = self._fields.get("algorithm") or ",".join(self._fields.get("algorithms", {}))
+        cell = self._fields.get("accuracy_cell")
+        return f"Result({what}{': ' + cell if cell else ''}{', ' + str(self.run_dir) if self.run_dir else ''})"
+
+    def to_dict(self) -> dict[str, Any]:
+        """results.json's dict (a copy)."""
+        return json.loads(self.to_json())
+
+    def to_json(self) -> str:
+        """results.json's text."""
+        return json.dumps(self._fields, indent=2, sort_keys=True,
+                          default=lambda o: o._fields if isinstance(o, Result) else str(o))
+
+
+def _federation(data: Any, num_classes: int | None, device: str, binarize: bool) -> FedData:
+    """FedData from numpy arrays per client (or a FedData as it is)."""
+    import numpy as np
+
+    from embedcache.errors import UserError
+    from fedheads.data import FedData
+
+    if isinstance(data, FedData):
+        return data
+    if isinstance(data, Mapping):
+        names, clients = [str(k) for k in data], list(data.values())
+    else:
+        names, clients = None, list(data)
+    for i, c in enumerate(clients):
+        if not isinstance(c, (tuple, list)) or len(c) != 4:
+            who = names[i] if names else f"client #{i}"
+            raise UserError(f"{who}: expected (x_train, y_train, x_test, y_test), got {type(c).__name__}")
+    if num_classes is None:  # labels are 0..C-1
+        tops = [int(np.max(y)) for c in clients for y in (c[1], c[3]) if len(y)]
+        num_classes = max(tops) + 1 if tops else 0
+    return FedData.from_arrays([tuple(c) for c in clients], num_classes, names, device=device, binarize=binarize)
+
+
+def _options(rounds: int, seeds: Sequence[int] | int, local_epochs: int | None, batch_size: int | None,
+             lr: float | None, fraction: float, engine: str, layout: str, device: str, eval_every: int, binarize: bool,
+             settings: Mapping[str, Any] | None, progress: bool) -> Any:
+    from embedcache.errors import UserError
+    from fedheads.runner import TrainOptions
+
+    if rounds < 1:
+        raise UserError(f"rounds {rounds}: must be >= 1")
+    seeds = (seeds,) if isinstance(seeds, int) else tuple(int(s) for s in seeds)
+    if not seeds:
+        raise UserError("seeds: at least one is needed")
+    fields = tuple((str(k).replace("-", "_"), v) for k, v in (settings or {}).items())
+    return TrainOptions(rounds=rounds, seeds=seeds, fraction=fraction, engine=engine, layout=layout, device=device,
+                        eval_every=eval_every, binarize=binarize, local_epochs=local_epochs,
+                        batch_size=batch_size, lr=lr, settings=fields, progress=progress)
+
+
+def _prepare(data: Data, backbones: Sequence[str] | str | None, num_classes: int | None, opts: Any,
+             load: bool) -> tuple[str | None, list[str], FedData | None]:
+    """(store, backbones, in-memory data): a store's features are read here when `load` (in
+    memory), else by the runner that writes the run directory."""
+    from embedcache.errors import UserError
+
+    if isinstance(backbones, str):
+        backbones = [b.strip() for b in backbones.split(",") if b.strip()]
+    if isinstance(data, (str, Path)):
+        if not backbones:
+            raise UserError(f"backbones: needed to read features from the store {data}")
+        return str(data), list(backbones), _load(str(data), list(backbones), opts) if load else None
+    fed = _federation(data, num_classes, opts.device, opts.binarize)
+    return None, list(backbones or ["features"]), fed
+
+
+def train(data: Data, algorithm: str, *, backbones: Sequence[str] | str | None = None,
+          num_classes: int | None = None, rounds: int = 50, seeds: Sequence[int] | int = (0, 1, 2),
+          local_epochs: int | None = None, batch_size: int | None = None, lr: float | None = None,
+          fraction: float = 1.0, engine: str = "vectorized", layout: str = "auto", device: str = "auto",
+          eval_every: int = 1, binarize: bool = False, settings: Mapping[str, Any] | None = None, progress: bool = False,
+          out: str | Path | None = None, overwrite: bool = False) -> Result:
+    """Train `algorithm` once per seed, as `fedheads train`.
+
+    data: a feature store path (with `backbones`, concatenated in order) or per-client numpy
+        arrays {client: (x_train, y_train, x_test, y_test)}; labels 0..C-1 (`num_classes`
+        defaults to the largest label + 1).
+    layout: how clients are stacked ("padded" | "bucketed" | "auto": bucketed when padding would cost).
+    settings: algorithm config fields, e.g. {"variant": "code"} (see `fedheads algorithms NAME`);
+        local_epochs / batch_size / lr: the generic ones (None: the paper's default).
+    out: write the run directory there (refused if it holds a run, unless `overwrite`);
+        None: nothing is written and `Result.states` holds each seed's final states."""
+    from fedheads import runner
+
+    opts = _options(rounds, seeds, local_epochs, batch_size, lr, fraction, engine, layout, device, eval_every,
+                    binarize, settings, progress)
+    store, bbs, fed = _prepare(data, backbones, num_classes, opts, load=out is None)
+    if out is not None:
+        return Result(runner.train_run(store, bbs, algorithm, opts, out, data=fed, overwrite=overwrite), out)
+    trained = runner.train_data(fed, bbs, algorithm, opts, dims=_dims(store, bbs), store=store)  # type: ignore[arg-type]
+    return Result(trained.result, states=trained.states)
+
+
+def compare(data: Data, algorithms: Sequence[str] | str, *, backbones: Sequence[str] | str | None = None,
+            num_classes: int | None = None, rounds: int = 50, seeds: Sequence[int] | int = (0, 1, 2),
+            local_epochs: int | None = None, batch_size: int | None = None, lr: float | None = None,
+            fraction: float = 1.0, engine: str = "vectorized", layout: str = "auto", device: str = "auto",
+            eval_every: int = 1, binarize: bool = False, settings: Mapping[str, Any] | None = None, progress: bool = False,
+            out: str | Path | None = None, overwrite: bool = False) -> Result:
+    """Train several algorithms on the same features, as `fedheads compare` (arguments as in
+    :func:`train`; a setting that does not apply to an algorithm is dropped for it and recorded
+    in its `ignored_options`; `{"lp.lr": 0.1}` scopes one to one algorithm). The Result has
+    `algorithms` (name -> Result), `backbones`, `options`, `timing`; `out` also writes the
+    table and plots."""
+    from fedheads import runner
+
+    names = [a.strip() for a in algorithms.split(",") if a.strip()] if isinstance(algorithms, str) else list(algorithms)
+    opts = _options(rounds, seeds, local_epochs, batch_size, lr, fraction, engine, layout, device, eval_every,
+                    binarize, settings, progress)
+    store, bbs, fed = _prepare(data, backbones, num_classes, opts, load=out is None)
+    if out is not None:
+        return Result(runner.compare_runs(store, bbs, names, opts, out, overwrite=overwrite, data=fed), out)
+    runs, combined = runner.compare_data(fed, bbs, names, opts, dims=_dims(store, bbs), store=store)  # type: ignore[arg-type]
+    combined["algorithms"] = {n: Result(r.result, states=r.states) for n, r in runs.items()}
+    return Result(combined)
+
+
+def _load(store: str, backbones: list[str], opts: Any) -> FedData:
+    from fedheads.data import load_fed_data, resolve_device
+
+    return load_fed_data(store, backbones, resolve_device(opts.device), binarize=opts.binarize, layout=opts.layout)
+
+
+def _dims(store: str | None, backbones: list[str]) -> list[int] | None:
+    if store is None:
+        return None
+    from embedcache.reader import open_store
+    from fedheads.runner import backbone_dims
+
+    return backbone_dims(open_store(store), backbones)
+
+
+def predict(run: str | Path, store: str | Path, *, split: str = "test", client: str = "all",
+            seed: int | None = None, top_k: int = 1, chunk_rows: int = 65536, device: str = "cpu",
+            out: str | Path | None = None) -> dict[str, np.ndarray] | int:
+    """Classify a store's features with a trained run, as `fedheads predict`: each client by its
+    own nearest prototype (faiss), or by its head for algorithms without prototypes.
+
+    Returns the table {column: array} (client, sample_id, label, prediction, score, and
+    top{j}_label / top{j}_score when top_k > 1); with `out` (.csv / .parquet) the table is
+    streamed there in chunks instead (bounded memory) and the row count is returned."""
+    import numpy as np
+
+    from fedheads.predict import iter_predictions, predict_run
+
+    if out is not None:
+        return predict_run(run, str(store), split=split, client=client, seed=seed, k=top_k,
+                           chunk_rows=chunk_rows, device=device, out=out)
+    tables = list(iter_predictions(run, str(store), split=split, client=client, seed=seed, k=top_k,
+                                   chunk_rows=chunk_rows, device=device))
+    if not tables:
+        return {}
+    return {c: np.concatenate([t[c] for t in tables]) for c in tables[0]}
+
+
+def finetune(manifest: Any, store: str | Path, backbone: str, out: str | Path, *,
+             heads: Sequence[str] | str = ("fedncm",), head_rounds: int = 5, rounds: int = 10,
+             server: str = "fedavg", server_lr: float | None = None, prox_mu: float = 0.01, lr: float = 0.1,
+             momentum: float = 0.0, weight_decay: float = 0.0, local_epochs: int = 1, batch_size: int = 32,
+             fraction: float = 1.0, trainable: str = "all", bn: str = "train", live_prefix: bool = False,
+             pretrained: bool = True, augment: bool = True, seeds: Sequence[int] | int = (0,),
+             eval_every: int = 1, device: str = "auto", num_workers: int = 2, weights_dir: str | None = None,
+             resume: bool = False, overwrite: bool = False, progress: bool = False) -> Result:
+    """Fine-tune `backbone` federatedly from a stage-1 head computed on the store, as `fedheads
+    finetune` (FedNCM+FT with heads="fedncm", LP+FT with "lp", FT with "random"; several heads:
+    a comparison). `manifest`: the manifest the store was extracted from (path or Manifest).
+    Always writes `out` (a checkpoint after every round, so `resume=True` can continue)."""
+    from fedheads.live.finetune import FTConfig
+    from fedheads.live.runner import FinetuneOptions, finetune_run
+
+    ft = FTConfig(server=server, server_lr=server_lr, prox_mu=prox_mu, lr=lr, momentum=momentum,
+                  weight_decay=weight_decay, batch_size=batch_size, local_epochs=local_epochs)
+    names = tuple(h.strip() for h in heads.split(",")) if isinstance(heads, str) else tuple(heads)
+    opts = FinetuneOptions(heads=names, head_rounds=head_rounds, rounds=rounds, ft=ft, trainable=trainable,
+                           bn=bn, live_prefix=live_prefix, pretrained=pretrained, augment=augment,
+                           seeds=(seeds,) if isinstance(seeds, int) else tuple(seeds), fraction=fraction,
+                           eval_every=eval_every, device=device, num_workers=num_workers,
+                           weights_dir=weights_dir, resume=resume, overwrite=overwrite, progress=progress)
+    return Result(finetune_run(manifest, str(store), backbone, out, opts), out)
+
+
+def list_algorithms() -> list[Any]:
+    """The registered algorithms (name, description, factory), as `fedheads algorithms`."""
+    from fedheads.algorithms import list_algorithms as registry
+
+    return registry()
+
+
+def register_algorithm(name: str, factory: Any, *, description: str) -> None:
+    """Make `factory(**config_fields) -> Algorithm` trainable as `name` by every engine, the
+    CLI included (from a module it imports). See README, "Your own algorithm"."""
+    from fedheads.algorithms import register_algorithm as register
+
+    register(name, factory, description=description)
