@@ -122,6 +122,25 @@ def predict(run_dir, store, split, client, seed, top_k, chunk_rows, device, out)
     click.echo(f"{n} predictions -> {out}")
 
 
+def _live_run_options(f):
+    """The run options every live command (finetune, feddra) shares: seeds, evaluation, device, loader,
+    weights, resume / overwrite, progress and the run directory."""
+    opts = [
+        click.option("--seeds", default="0", show_default=True, help="Comma-separated seeds."),
+        click.option("--eval-every", default=1, show_default=True, help="Evaluate every k rounds (0: round 0 and last)."),
+        click.option("--device", default="auto", show_default=True, help="auto | cpu | cuda | cuda:N"),
+        click.option("--num-workers", default=2, show_default=True, help="DataLoader workers for live images."),
+        click.option("--weights-dir", default=None, help="Where backbone weights are looked up first."),
+        click.option("--resume", is_flag=True, help="Continue from the last per-round checkpoint in --out."),
+        click.option("--overwrite", is_flag=True, help="Replace a finished run in --out."),
+        click.option("--quiet", is_flag=True, help="No progress bars."),
+        click.option("--out", required=True, type=click.Path(file_okay=False), help="Run directory."),
+    ]
+    for o in reversed(opts):
+        f = o(f)
+    return f
+
+
 @main.command()
 @click.option("--manifest", "manifest_path", required=True, type=click.Path(), help="The manifest the store was extracted from.")
 @click.option("--store", required=True, type=click.Path(), help="Feature store with the backbone's features (and B@CUT maps).")
@@ -145,15 +164,7 @@ def predict(run_dir, store, split, client, seed, top_k, chunk_rows, device, out)
 @click.option("--live-prefix", is_flag=True, help="after:BLOCK/head: run the frozen prefix live instead of reading the cache.")
 @click.option("--no-pretrained", is_flag=True, help="The paper's Random baseline (with --head random --trainable all).")
 @click.option("--no-augment", is_flag=True, help="Live images without training augmentation.")
-@click.option("--seeds", default="0", show_default=True, help="Comma-separated seeds.")
-@click.option("--eval-every", default=1, show_default=True, help="Evaluate every k rounds (0: round 0 and last).")
-@click.option("--device", default="auto", show_default=True, help="auto | cpu | cuda | cuda:N")
-@click.option("--num-workers", default=2, show_default=True, help="DataLoader workers for live images.")
-@click.option("--weights-dir", default=None, help="Where backbone weights are looked up first.")
-@click.option("--resume", is_flag=True, help="Continue from the last per-round checkpoint in --out.")
-@click.option("--overwrite", is_flag=True, help="Replace a finished run in --out.")
-@click.option("--quiet", is_flag=True, help="No progress bars.")
-@click.option("--out", required=True, type=click.Path(file_okay=False), help="Run directory.")
+@_live_run_options
 def finetune(manifest_path, store, backbone, heads, head_rounds, rounds, server, server_lr, prox_mu, lr,
              momentum, weight_decay, local_epochs, batch_size, fraction, trainable, bn, live_prefix,
              no_pretrained, no_augment, seeds, eval_every, device, num_workers, weights_dir, resume,
@@ -320,15 +331,7 @@ def join(superlink, store, client, manifest, device, weights_dir, port, root_cer
 @click.option("--probe-manifest", default=None, type=click.Path(), help="Out-of-distribution manifest for the few-shot probe.")
 @click.option("--probe-shots", default="1,5", show_default=True, help="Labelled images per class, comma-separated.")
 @click.option("--probe-draws", default=5, show_default=True)
-@click.option("--seeds", default="0", show_default=True, help="Comma-separated seeds.")
-@click.option("--eval-every", default=1, show_default=True, help="Evaluate every k rounds (0: round 0 and last).")
-@click.option("--device", default="auto", show_default=True, help="auto | cpu | cuda | cuda:N")
-@click.option("--num-workers", default=2, show_default=True, help="DataLoader workers for live images.")
-@click.option("--weights-dir", default=None, help="Where backbone weights are looked up first.")
-@click.option("--resume", is_flag=True, help="Continue from the last per-round checkpoint in --out.")
-@click.option("--overwrite", is_flag=True, help="Replace a finished run in --out.")
-@click.option("--quiet", is_flag=True, help="No progress bars.")
-@click.option("--out", required=True, type=click.Path(file_okay=False), help="Run directory.")
+@_live_run_options
 def feddra(manifest_path, store, image_encoder, image_cut, text_encoder, text_cut, baselines, schedule, stage1_rounds,
            no_two_stage, rounds, steps, batch_size, rho, divergence, radius_convention, gamma, mu, tau, lr, encoder_lr,
            weight_decay, step_scaling, dro_loss, dro_model, dro_batches, prox_mu, image_trainable, text_trainable, bn,

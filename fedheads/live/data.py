@@ -183,9 +183,10 @@ class LiveClient:
             yield x, self.y_test[a:b].to(device, non_blocking=True)
 
 
-def image_clients(manifest: Any, source: Any, transform: Callable[..., torch.Tensor], num_workers: int = 0,
-                  augment: bool = True, device: torch.device | None = None) -> list[LiveClient]:
-    """One LiveClient per manifest client, reading its images live through one shared loader."""
+def shared_loader(manifest: Any, source: Any, transform: Callable[..., torch.Tensor], num_workers: int = 0,
+                  device: torch.device | None = None) -> tuple["ImageLoader", list[tuple[np.ndarray, np.ndarray]]]:
+    """ONE loader over every client's train then test images (one worker pool for the whole run),
+    and each client's (train rows, test rows) in it, in manifest order."""
     locators: list[str] = []
     spans = []
     for c in manifest.clients:
@@ -196,6 +197,13 @@ def image_clients(manifest: Any, source: Any, transform: Callable[..., torch.Ten
         spans.append((tr, te))
     loader = ImageLoader(_Images(source, locators, transform), num_workers,
                          pin_memory=device is not None and device.type == "cuda")
+    return loader, spans
+
+
+def image_clients(manifest: Any, source: Any, transform: Callable[..., torch.Tensor], num_workers: int = 0,
+                  augment: bool = True, device: torch.device | None = None) -> list[LiveClient]:
+    """One LiveClient per manifest client, reading its images live through one shared loader."""
+    loader, spans = shared_loader(manifest, source, transform, num_workers, device)
     return [LiveClient(c.name, i, c.domain, torch.tensor([s.label for s in c.train], dtype=torch.int64),
                        torch.tensor([s.label for s in c.test], dtype=torch.int64), images=loader,
                        train_rows=tr, test_rows=te, augment=augment)

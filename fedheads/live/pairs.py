@@ -29,7 +29,7 @@ import torch
 from embedcache.errors import UserError
 from fedheads.core import rng
 from fedheads.live import vl
-from fedheads.live.data import ImageLoader, _Images, sample_seeds
+from fedheads.live.data import ImageLoader, sample_seeds, shared_loader
 
 EVAL_BATCH = 64
 _TRAIN, _DRO, _EVAL = 0x5731, 0xD20, 0xE7A1
@@ -187,16 +187,7 @@ def pair_clients(manifest: Any, source: Any, transform: Callable[..., torch.Tens
                  num_workers: int = 0, device: torch.device | None = None) -> list[PairClient]:
     """One PairClient per manifest client; texts tokenised once, images through ONE shared loader."""
     check_paired(manifest)
-    locators: list[str] = []
-    spans = []
-    for c in manifest.clients:
-        tr = np.arange(len(locators), len(locators) + len(c.train))
-        locators += [s.locator for s in c.train]
-        te = np.arange(len(locators), len(locators) + len(c.test))
-        locators += [s.locator for s in c.test]
-        spans.append((tr, te))
-    loader = ImageLoader(_Images(source, locators, transform), num_workers,
-                         pin_memory=device is not None and device.type == "cuda")
+    loader, spans = shared_loader(manifest, source, transform, num_workers, device)
     out = []
     for i, (c, (tr, te)) in enumerate(zip(manifest.clients, spans)):
         if not c.train:
