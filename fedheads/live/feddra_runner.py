@@ -55,6 +55,17 @@ BASELINES: dict[str, dict[str, Any]] = {
     "no-dro": {"rho": 0.0},
 }
 FEDPROX_MU = 0.01
+# `fedheads feddra --preset`: defaults for the options a user does not give (CLI parameter names).
+# "paper" keeps the paper's E = 50 steps x 25 rounds and trains both encoders in stage 2 (hours on
+# a CPU). "quick" is a run of a few minutes on 2 CPU cores that still learns (measured on the
+# offline Office-Caltech-10 setting with resnet20-cifar10@layer3 and minilm-l6-v2:32, see
+# benchmarks/bench_feddra.py): 4 rounds of E = 5 steps at B = 32, both stages every round, the
+# text encoder frozen in stage 2 (its 22.7M parameters dominate a live CPU step; its token states
+# then always come from the store) and the image encoder trained whole.
+PRESETS: dict[str, dict[str, Any]] = {
+    "paper": {},
+    "quick": {"rounds": 4, "steps": 5, "batch_size": 32, "text_trainable": "frozen"},
+}
 DEFAULT_CUTS = {"efficientnet-lite0": "blocks.6"}  # FedDRA notes section 4: 49 x 320 tokens at 224 px
 
 
