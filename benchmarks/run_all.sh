@@ -20,4 +20,6 @@ echo "== bench_cached_vs_live $(date -u +%H:%M:%S)"
 "$PY" benchmarks/bench_cached_vs_live.py --rounds 100 --live-rounds 5
 echo "== bench_flower $(date -u +%H:%M:%S)"   # needs the [flower] extra (part of [dev])
 "$PY" benchmarks/bench_flower.py
+echo "== bench_feddra $(date -u +%H:%M:%S)"   # FedDRA: stage-1 cache vs live, methods at --preset quick, 3 seeds
+"$PY" benchmarks/bench_feddra.py
 echo "== done $(date -u +%H:%M:%S)"

@@ -300,6 +300,9 @@ def join(superlink, store, client, manifest, device, weights_dir, port, root_cer
 @click.option("--text-cut", default=None, help="Text token states after this stage (default: its last layer, layer.5).")
 @click.option("--baseline", "baselines", default="feddra", show_default=True,
               help="Comma-separated presets: feddra, fedavg, fedprox, no-two-stage, no-constraint, no-dro.")
+@click.option("--preset", type=click.Choice(["paper", "quick"]), default="paper", show_default=True,
+              help="Defaults of the options not given: paper (25 rounds x 50 steps, both encoders train) or quick "
+                   "(4 rounds x 5 steps at batch 32, text encoder frozen: minutes on 2 CPU cores).")
 @click.option("--schedule", type=click.Choice(["interleaved", "sequential"]), default="interleaved", show_default=True,
               help="Alg. 1 as printed, or R1 rounds of stage 1 then stage 2.")
 @click.option("--stage1-rounds", type=int, default=None, help="Sequential: rounds of stage 1 (default half of --rounds).")
@@ -332,7 +335,9 @@ def join(superlink, store, client, manifest, device, weights_dir, port, root_cer
 @click.option("--probe-shots", default="1,5", show_default=True, help="Labelled images per class, comma-separated.")
 @click.option("--probe-draws", default=5, show_default=True)
 @_live_run_options
-def feddra(manifest_path, store, image_encoder, image_cut, text_encoder, text_cut, baselines, schedule, stage1_rounds,
+@click.pass_context
+def feddra(ctx, manifest_path, store, image_encoder, image_cut, text_encoder, text_cut, baselines, preset, schedule,
+           stage1_rounds,
            no_two_stage, rounds, steps, batch_size, rho, divergence, radius_convention, gamma, mu, tau, lr, encoder_lr,
            weight_decay, step_scaling, dro_loss, dro_model, dro_batches, prox_mu, image_trainable, text_trainable, bn,
            stage1_inputs, no_augment, probe_manifest, probe_shots, probe_draws, seeds, eval_every, device, num_workers,
@@ -341,8 +346,12 @@ def feddra(manifest_path, store, image_encoder, image_cut, text_encoder, text_cu
     from fedheads.live.dro import DROConfig
     from fedheads.live.feddra import FedDRAConfig
     from fedheads.live.feddra_probe import ProbeOptions
-    from fedheads.live.feddra_runner import FedDRAOptions, feddra_run, summary_line
+    from fedheads.live.feddra_runner import PRESETS, FedDRAOptions, feddra_run, summary_line
 
+    given = {k: v for k, v in ctx.params.items()
+             if ctx.get_parameter_source(k) is not click.core.ParameterSource.DEFAULT}
+    p = {**ctx.params, **PRESETS[preset], **given}  # what the user typed wins over the preset
+    rounds, steps, batch_size, text_trainable = p["rounds"], p["steps"], p["batch_size"], p["text_trainable"]
     fd = FedDRAConfig(mu=mu, tau=tau, rounds=rounds, schedule=schedule, stage1_rounds=stage1_rounds,
                       two_stage=not no_two_stage, steps=steps, batch_size=batch_size, lr=lr, encoder_lr=encoder_lr,
                       weight_decay=weight_decay, step_scaling=step_scaling, prox_mu=prox_mu,

@@ -261,3 +261,36 @@ def test_info_nce_and_constraint_by_hand():
     assert float(l_c(zx, zx * 2, ax, ax, dataclasses.replace(cfg, constraint_on="raw"))) == pytest.approx(34 + 109)
     assert float(l_c(zx, zx * 2, ax, ax, dataclasses.replace(cfg, constraint_on="raw", constraint="as-printed"))) == \
         pytest.approx(34 + 109 ** 0.5)
+
+
+def test_stage1_from_cache_never_runs_an_encoder_or_reads_an_image(paired, monkeypatch):
+    """The stage-1 path from the store: no encoder forward, no image read, and the anchor z* of
+    L_C once per training row and round (not once per step); the same weights as the live run."""
+    from fedheads.live.data import ImageLoader
+
+    m, store = paired
+    # E * B = 20 > n_i = 18: every row of a client is in several steps, the anchor is computed once
+    cfg = FedDRAConfig(rounds=2, schedule="sequential", stage1_rounds=2, steps=5, batch_size=4, mu=5.0,
+                       dro=DROConfig(rho=1.0), optimizer="sgd", lr=0.5)
+    live = _run(cfg, *_world(m), stage1_inputs="live")
+    clients, make = _world(m, store)
+    calls = {"image": 0, "text": 0, "read": 0, "anchor": 0}
+
+    def counting(name, fn):
+        def wrapped(*a, **kw):
+            calls[name] += 1
+            return fn(*a, **kw)
+        return wrapped
+    monkeypatch.setattr(DualEncoder, "image_tokens", counting("image", DualEncoder.image_tokens))
+    monkeypatch.setattr(DualEncoder, "text_tokens", counting("text", DualEncoder.text_tokens))
+    monkeypatch.setattr(ImageLoader, "read", counting("read", ImageLoader.read))
+    net = make()
+    glob = copy.deepcopy(net)
+    glob.align = counting("anchor", glob.align)
+    cached = run_feddra(FedDRA(cfg), net, glob, clients, seed=0, device=CPU, progress=False)
+    assert calls["image"] == calls["text"] == calls["read"] == 0
+    per_pass = sum(-(-c.n_train // 64) for c in clients)  # one batch of <= 64 rows per client
+    evals = (cfg.rounds + 1) * sum(-(-c.test.n // 64) for c in clients)
+    assert calls["anchor"] == cfg.rounds * per_pass + evals  # not rounds * N * E = 30 anchor passes
+    _close(_state(cached), _state(live), rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(cached.state.lam.numpy(), live.state.lam.numpy(), rtol=1e-5)

@@ -185,3 +185,24 @@ def test_cli_feddra(paired, tmp_path):
                         "--image-encoder", "digitnet-builtin", "--text-encoder", "no-such-encoder",
                         "--out", str(tmp_path / "x")], capture_output=True, text=True, env=env, timeout=120)
     assert p.returncode == 2 and p.stderr.strip().count("\n") == 0 and "no-such-encoder" in p.stderr
+
+
+def test_cli_preset_fills_only_what_the_user_did_not_give(paired, tmp_path, monkeypatch):
+    from click.testing import CliRunner
+
+    import fedheads.live.feddra_runner as runner
+    from fedheads.cli import main
+
+    root, _, store = paired
+    seen = []
+    monkeypatch.setattr(runner, "feddra_run", lambda *a: seen.append(a[-1]) or {"algorithms": {}})
+    base = ["feddra", "--manifest", str(root / "m.json"), "--image-encoder", "tiny-staged", "--text-encoder",
+            "tinytext", "--out", str(tmp_path / "p")]
+    for extra in ([], ["--preset", "quick"], ["--preset", "quick", "--rounds", "7", "--text-trainable", "all"]):
+        r = CliRunner().invoke(main, base + extra)
+        assert r.exit_code == 0, r.output
+    paper, quick, mixed = seen
+    assert (paper.fd.rounds, paper.fd.steps, paper.fd.batch_size, paper.text_trainable) == (25, 50, 64, "all")
+    assert (quick.fd.rounds, quick.fd.steps, quick.fd.batch_size, quick.text_trainable) == (4, 5, 32, "frozen")
+    assert (mixed.fd.rounds, mixed.fd.steps, mixed.text_trainable) == (7, 5, "all")
+    assert quick.fd.mu == paper.fd.mu and quick.fd.dro == paper.fd.dro  # the method itself is unchanged

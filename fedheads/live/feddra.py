@@ -196,10 +196,13 @@ class FedDRA:
         zx, zy = self.embed(net, b, stage)
         loss = l_mi(zx, zy, self.cfg)
         if self.cfg.mu > 0:
-            if anchor is None:
+            if anchor is None and b.anchor is None:
                 raise UserError("FedDRA: mu > 0 needs the frozen global model (anchor)")
-            with torch.no_grad():
-                ax, ay = self.embed(anchor, b, stage)
+            if b.anchor is not None:  # precomputed on the same cached inputs (feddra_driver.anchor_outputs)
+                ax, ay = b.anchor
+            else:
+                with torch.no_grad():
+                    ax, ay = self.embed(anchor, b, stage)
             loss = loss + self.cfg.mu * l_c(zx, zy, ax, ay, self.cfg)
         return loss
 

@@ -15,6 +15,9 @@ shards were made by the pre-trained encoders, version 0; after a stage 2 changes
 version = that round), else (`stage1_inputs`) "reencode" the client's training split once with
 the global encoders (costs n_i encoder passes), "live" (encode each batch: E*B passes), or "auto"
 (re-encode when E*B >= n_i). A modality whose encoder is frozen in stage 2 always reads the cache.
+Stage 1 from the cache runs no encoder and reads no image; its cost is the alignment modules'
+own passes, and the anchor z* of L_C (fixed for the round on fixed inputs) is computed once per
+training row (anchor_outputs) instead of once per step when E*B > n_i.
 """
 
 from __future__ import annotations
@@ -135,6 +138,22 @@ def evaluate(alg: FedDRA, glob: DualEncoder, clients: Sequence[PairClient], inpu
     return out
 
 
+@torch.no_grad()
+def anchor_outputs(alg: FedDRA, glob: DualEncoder, c: PairClient, img: TokenCache, txt: TokenCache,
+                   device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """z* of L_C (Sec. 4.1) for every training row of `c`: the frozen global model on the cached
+    token states. In stage 1 the anchor and its inputs stay fixed for the whole round, so this is
+    n_i module passes once instead of one per step (E*B): the anchor was a third of a step's work."""
+    glob.eval()
+    rows = [np.arange(a, min(a + EVAL_BATCH, c.n_train)) for a in range(0, c.n_train, EVAL_BATCH)]
+    zx, zy = [], []
+    for b in c.batches("train", rows, device, img=img, txt=txt):
+        a, t = alg.embed(glob, b, 1)
+        zx.append(a.float())
+        zy.append(t.float())
+    return torch.cat(zx), torch.cat(zy)
+
+
 def _encoders_version(plan: list[tuple[int, ...]], done: int, trains_encoders: bool) -> int:
     """The round whose stage 2 last changed the encoders (0: pre-trained)."""
     if not trains_encoders:
@@ -195,6 +214,7 @@ def run_feddra(alg: FedDRA, net: DualEncoder, glob: DualEncoder, clients: Sequen
             value_here = st == stages[-1] and cfg.dro_model == "local"
             for c in clients:
                 rows = step_rows(c.n_train, c.index, cfg.batch_size, cfg.steps, seed, r - 1, st)
+                anc = None
                 if st == 1:
                     img_c, txt_c = inputs.pick(c, "train")
                     if (img_c is None or txt_c is None) and (inputs.mode == "reencode" or (
@@ -204,11 +224,14 @@ def run_feddra(alg: FedDRA, net: DualEncoder, glob: DualEncoder, clients: Sequen
                         rec.compute_F += n_enc
                         img_c, txt_c = inputs.pick(c, "train")
                     rec.compute_F += 0 if (img_c is not None and txt_c is not None) else len(rows) * len(rows[0])
+                    if (cfg.mu > 0 and img_c is not None and txt_c is not None
+                            and cfg.steps * len(rows[0]) > c.n_train):
+                        anc = anchor_outputs(alg, glob, c, img_c, txt_c, device)
                 else:
                     img_c, txt_c = inputs.stage2(c)
                     rec.compute_F += (3 + (1 if cfg.mu > 0 else 0)) * len(rows) * len(rows[0])
                 aug = (seed, 2 * (r - 1) + st) if st == 2 and augment else None
-                batches = c.batches("train", rows, device, img=img_c, txt=txt_c, augment=aug)
+                batches = c.batches("train", rows, device, img=img_c, txt=txt_c, augment=aug, anchor=anc)
                 vb = None
                 if value_here:
                     vrows = dro_rows(c.n_train, c.index, B_v, cfg.dro_batches, seed)

@@ -55,6 +55,20 @@ BASELINES: dict[str, dict[str, Any]] = {
     "no-dro": {"rho": 0.0},
 }
 FEDPROX_MU = 0.01
+# `fedheads feddra --preset`: defaults for the options a user does not give (CLI parameter names).
+# "paper" keeps the paper's E = 50 steps x 25 rounds and trains both encoders in stage 2 (hours on
+# a CPU). "quick" is a short run on 2 CPU cores that still learns (measured on the
+# offline Office-Caltech-10 setting with resnet20-cifar10@layer3 and minilm-l6-v2:32, see
+# benchmarks/bench_feddra.py): 4 rounds of E = 5 steps at B = 32, both stages every round, the
+# text encoder frozen in stage 2 (its 22.7M parameters dominate a live CPU step; its token states
+# then always come from the store) and the image encoder trained whole. Measured once, seed 0, on 2
+# cores shared with other jobs (load average 6-8): text->image R@1 10.1 % over clients (worst 6.3 %),
+# R@5 40.4 % (worst 31.6 %) against chance 1.56 % / 7.8 % (batches of 64), from 1.2 % at round 0;
+# 11.3 minutes wall under that load (round 1, the only one reading the cache: 1.5 minutes).
+PRESETS: dict[str, dict[str, Any]] = {
+    "paper": {},
+    "quick": {"rounds": 4, "steps": 5, "batch_size": 32, "text_trainable": "frozen"},
+}
 DEFAULT_CUTS = {"efficientnet-lite0": "blocks.6"}  # FedDRA notes section 4: 49 x 320 tokens at 224 px
 
 

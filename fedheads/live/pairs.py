@@ -125,6 +125,7 @@ class PairBatch:
     img_mask: torch.Tensor | None = None
     txt_tok: torch.Tensor | None = None
     txt_mask: torch.Tensor | None = None
+    anchor: tuple[torch.Tensor, torch.Tensor] | None = None  # (z*x, z*y) of the frozen global model, precomputed
 
 
 @dataclass
@@ -145,10 +146,12 @@ class PairClient:
 
     def batches(self, split: str, rows: Sequence[np.ndarray], device: torch.device, *,
                 img: TokenCache | None = None, txt: TokenCache | None = None,
-                augment: tuple[int, int] | None = None) -> Iterator[PairBatch]:
+                augment: tuple[int, int] | None = None,
+                anchor: tuple[torch.Tensor, torch.Tensor] | None = None) -> Iterator[PairBatch]:
         """Batches of `rows`: image token states from `img` (else live images) and text token
         states from `txt` (else ids/mask for a live pass). `augment` = (seed, round): training
-        views, else the evaluation transform."""
+        views, else the evaluation transform. `anchor`: the global model's (z*x, z*y) of every
+        row of the split (stage 1 from the cache: the same for all E steps of a round)."""
         sp = self.split(split)
         live_imgs: Iterator[torch.Tensor | None]
         if img is not None:
@@ -170,6 +173,9 @@ class PairClient:
                 b.txt_mask = None if txt.txt_mask is None else txt.txt_mask.index_select(0, idx).to(device)
             else:
                 b.ids, b.mask = sp.ids.index_select(0, idx).to(device), sp.mask.index_select(0, idx).to(device)
+            if anchor is not None:
+                b.anchor = (anchor[0].index_select(0, idx.to(anchor[0].device)),
+                            anchor[1].index_select(0, idx.to(anchor[1].device)))
             yield b
 
 

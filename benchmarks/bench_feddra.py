@@ -1,0 +1,177 @@
+"""FedDRA on the offline setting (FedDRA notes section 3: Office-Caltech-10 amazon + caltech10 with
+derived captions, 5 label-shift clients, data_manifests/office10-feddra-5clients-seed0.json),
+resnet20-cifar10 image tokens after layer3 (64 tokens x 64 ch) and minilm-l6-v2:32 text tokens
+after layer.5 (32 x 384); writes benchmarks/results/feddra.json.
+
+  speed    seconds per local step (one FedDRA.client_update of E steps, divided by E), client 0:
+           stage 1 from the store's token states vs the SAME step with live frozen encoder passes
+           (images decoded and transformed, ResNet-20 to layer3 and MiniLM to layer.5, for the
+           trained model and for the anchor of L_C, as the live path runs them); the two are timed
+           alternately in one process and the ratio is of their medians (issue 7 target >= 20x on
+           this CPU); stage 2 as the quick preset runs it (image encoder trained, text frozen)
+           and as the paper does (both encoders trained).
+  methods  FedDRA vs FedAvg vs the three Table 3 ablations (no-two-stage, no-constraint, no-dro)
+           at `fedheads feddra --preset quick`, seeds 0,1,2: text->image R@1/R@5 mean over
+           clients and worst client (percent, {mean, std} over seeds), chance and the class-only
+           retriever, final lambda, wall minutes.
+
+Usage: python benchmarks/bench_feddra.py [--part speed,methods] [--repeats 7] [--seeds 0,1,2]
+           [--store STORE] [--work DIR] [--quick]
+--quick: 3 repeats, seed 0, methods 1 round x 2 steps: checks the script, not figures. Without --store the token
+states are extracted into --work first (seconds recorded). Run on an otherwise idle machine.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import click
+import torch
+
+from assets import REPO, data_dir, weights_dir  # sibling module (benchmarks/ is on sys.path)
+from machine_info import machine_facts, write_json
+
+OUT = Path(__file__).resolve().parent / "results" / "feddra.json"
+MANIFEST = REPO / "data_manifests" / "office10-feddra-5clients-seed0.json"
+IMAGE, CUT, TEXT, TCUT = "resnet20-cifar10", "layer3", "minilm-l6-v2:32", "layer.5"
+METHODS = ("feddra", "fedavg", "no-two-stage", "no-constraint", "no-dro")
+
+
+def _stats(xs: list[float]) -> dict:
+    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "n": len(xs), "all": xs}
+
+
+def _store(work: Path, store: str | None) -> tuple[str, dict]:
+    if store:
+        return store, {}
+    from embedcache.extract import ExtractConfig, extract
+    from embedcache.manifest import load_manifest
+
+    out, secs = work / "store.zarr", {}
+    for name in (f"{IMAGE}@{CUT}", f"{TEXT}@{TCUT}"):
+        t = time.perf_counter()
+        extract(load_manifest(MANIFEST), ExtractConfig(backbones=(name,), store=str(out),
+                                                       weights_dir=str(weights_dir()), progress=False))
+        secs[name] = time.perf_counter() - t
+    return str(out), secs
+
+
+def _opts(**kw):
+    from fedheads.live.feddra import FedDRAConfig
+    from fedheads.live.feddra_runner import PRESETS, FedDRAOptions
+
+    q = PRESETS["quick"]
+    fd = FedDRAConfig(rounds=q["rounds"], steps=q["steps"], batch_size=q["batch_size"])
+    base = dict(fd=fd, image_cut=CUT, text_cut=TCUT, text_trainable=q["text_trainable"], device="cpu",
+                weights_dir=str(weights_dir()), progress=False)
+    base.update(kw)
+    return FedDRAOptions(**base)
+
+
+def _step_seconds(su, opts, stage: int, cached: bool, steps: int) -> float:
+    """One client_update of `steps` steps on client 0, seconds per step."""
+    from fedheads.live.feddra import FedDRA
+    from fedheads.live.feddra_runner import _build
+    from fedheads.live.pairs import step_rows
+
+    alg = FedDRA(opts.fd)
+    net = _build(su, opts, 0, su.device)
+    glob = copy.deepcopy(net).eval()
+    ss = alg.init(net, len(su.clients))
+    c = su.clients[0]
+    rows = step_rows(c.n_train, c.index, opts.fd.batch_size, steps, 0, 0, stage)
+    cache = c.train.base if cached else None
+    txt = c.train.base if (cached or stage == 2) and not net.text_stages else None
+    t = time.perf_counter()  # batches are made lazily: reading the cache or the images is part of a step
+    batches = c.batches("train", rows, su.device, img=cache, txt=txt, augment=(0, stage) if stage == 2 else None)
+    alg.client_update(stage, ss.model, batches, 1.0, c.index, net, glob)
+    return (time.perf_counter() - t) / steps
+
+
+def part_speed(store: str, repeats: int, steps: int) -> dict:
+    from fedheads.live.feddra_runner import _setup, apply_baseline
+
+    opts = _opts()
+    su = _setup(str(MANIFEST), store, IMAGE, TEXT, opts, [apply_baseline(opts.fd, "feddra")])
+    paper = _opts(text_trainable="all")
+    su_paper = _setup(str(MANIFEST), store, IMAGE, TEXT, paper, [apply_baseline(paper.fd, "feddra")])
+    runs: dict[str, list[float]] = {"stage1_cache": [], "stage1_live": [], "stage2_quick": [], "stage2_paper": []}
+    _step_seconds(su, opts, 1, True, 2)  # warm-up (allocator, kernels, page cache)
+    _step_seconds(su, opts, 1, False, 2)
+    for _ in range(repeats):  # alternate, so a change of machine load hits both sides alike
+        runs["stage1_cache"].append(_step_seconds(su, opts, 1, True, steps))
+        runs["stage1_live"].append(_step_seconds(su, opts, 1, False, steps))
+    for _ in range(max(1, repeats // 2)):
+        runs["stage2_quick"].append(_step_seconds(su, opts, 2, False, max(2, steps // 2)))
+        runs["stage2_paper"].append(_step_seconds(su_paper, paper, 2, False, 2))
+    out = {k: _stats(v) for k, v in runs.items()}
+    out["stage1_live_over_cache"] = out["stage1_live"]["median"] / out["stage1_cache"]["median"]
+    out["setting"] = {"batch_size": opts.fd.batch_size, "steps_per_timing": steps, "client": su.clients[0].name,
+                      "image_tokens": f"{IMAGE}@{CUT}", "text_tokens": f"{TEXT}@{TCUT}", "mu": opts.fd.mu}
+    return out
+
+
+def part_methods(store: str, seeds: tuple[int, ...], quick: bool, work: Path) -> dict:
+    from fedheads.live.feddra_runner import feddra_run
+
+    opts = _opts(baselines=METHODS, seeds=seeds, overwrite=True)
+    if quick:  # one round of 2 steps: checks the part runs end to end, says nothing about the methods
+        opts = dataclasses.replace(opts, fd=dataclasses.replace(opts.fd, rounds=1, steps=2))
+    t = time.perf_counter()
+    res = feddra_run(str(MANIFEST), store, IMAGE, TEXT, work / "methods", opts)
+    out = {"wall_minutes": (time.perf_counter() - t) / 60, "seeds": list(seeds), "rounds": opts.fd.rounds,
+           "steps": opts.fd.steps, "batch_size": opts.fd.batch_size, "methods": {}}
+    for name, r in res["algorithms"].items():
+        ret = r["retrieval"]
+        out["methods"][name] = {
+            m: {"mean": ret[m]["mean"], "worst": ret[m]["worst"]} for m in ("t2i_r1", "t2i_r5", "i2t_r1", "chance_r1", "class_r1")}
+        out["methods"][name]["wall_minutes"] = r["timing"]["wall_seconds"] / 60
+        out["methods"][name]["final_lambda"] = r["lambda"]["final_mean"]
+    return out
+
+
+@click.command()
+@click.option("--part", default="speed,methods", show_default=True)
+@click.option("--repeats", default=7, show_default=True)
+@click.option("--steps", default=5, show_default=True, help="Local steps per timed client_update.")
+@click.option("--seeds", default="0,1,2", show_default=True)
+@click.option("--store", default=None, help="A store holding the two token backbones for the manifest.")
+@click.option("--work", default=None, type=click.Path())
+@click.option("--quick", is_flag=True, help="3 repeats, seed 0, methods 1 round x 2 steps: a check that it runs, not figures.")
+def main(part, repeats, steps, seeds, store, work, quick) -> None:
+    os.chdir(REPO)  # the manifest's source is ../shared/data/office_caltech10, relative to the checkout
+    if not data_dir("office_caltech10").is_dir() or not (REPO.parent / "shared" / "data").is_dir():
+        raise SystemExit("needs Office-Caltech-10 at ../shared/data/office_caltech10 beside the checkout")
+    seed_t = (0,) if quick else tuple(int(s) for s in seeds.split(","))
+    repeats = 3 if quick else repeats
+    wd = Path(work) if work else Path(tempfile.mkdtemp(prefix="bench_feddra_"))
+    wd.mkdir(parents=True, exist_ok=True)
+    st, extract_s = _store(wd, store)
+    res = {"benchmark": "feddra", "quick": quick, "manifest": MANIFEST.name, "machine": machine_facts(),
+           "load_average_before": os.getloadavg(), "extract_seconds": extract_s}
+    parts = part.split(",")
+    if "speed" in parts:
+        res["speed"] = part_speed(st, repeats, steps)
+        s = res["speed"]
+        print(f"stage 1 s/step: cache {s['stage1_cache']['median']:.3f}, live {s['stage1_live']['median']:.3f} "
+              f"(x{s['stage1_live_over_cache']:.1f}); stage 2 s/step: quick {s['stage2_quick']['median']:.3f}, "
+              f"paper {s['stage2_paper']['median']:.3f}")
+    if "methods" in parts:
+        res["methods"] = part_methods(st, seed_t, quick, wd)
+        for name, m in res["methods"]["methods"].items():
+            cell = {k: f"{m[k]['mean']['mean']:.2f} worst {m[k]['worst']['mean']:.2f}" for k in ("t2i_r1", "t2i_r5")}
+            print(f"{name:14s} t2i R@1 mean {cell['t2i_r1']}  R@5 mean {cell['t2i_r5']}  "
+                  f"(chance R@1 {m['chance_r1']['mean']['mean']:.2f}, class-only {m['class_r1']['mean']['mean']:.2f})")
+    res["load_average_after"] = os.getloadavg()
+    write_json(res, OUT)
+    print(f"wrote {OUT}")
+
+
+if __name__ == "__main__":
+    main()
