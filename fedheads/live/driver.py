@@ -218,3 +218,20 @@ def _client_seed(seed: int, round_: int, client: int) -> int:
 def _nanmean(v: Sequence[float]) -> float:
     vals = [x for x in v if x == x]
     return sum(vals) / len(vals) if vals else math.nan
+
+
+def seed_timing(seed: int, run: Any) -> dict[str, Any]:
+    """One seed's entry of the timing block (docs/contracts.md, 6a) of a run whose rounds record
+    train/eval wall and CPU seconds (fine-tuning's FTRun, FedDRA's FDRun)."""
+    ft = run.rounds[1:]
+    tot = {k: sum(getattr(r, k) for r in run.rounds) for k in
+           ("train_seconds", "train_cpu_seconds", "eval_seconds", "eval_cpu_seconds")}
+    return {"seed": seed, "wall_seconds": tot["train_seconds"] + tot["eval_seconds"],
+            "cpu_seconds": tot["train_cpu_seconds"] + tot["eval_cpu_seconds"],
+            "train_wall_seconds": tot["train_seconds"], "train_cpu_seconds": tot["train_cpu_seconds"],
+            "eval_wall_seconds": tot["eval_seconds"], "eval_cpu_seconds": tot["eval_cpu_seconds"],
+            "rounds": {"train_wall_seconds": [r.train_seconds for r in ft],
+                       "train_cpu_seconds": [r.train_cpu_seconds for r in ft],
+                       "eval_wall_seconds": [r.eval_seconds for r in ft],
+                       "eval_cpu_seconds": [r.eval_cpu_seconds for r in ft]},
+            "resumed_from_round": run.resumed_from}

@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 
 from fedheads import report
+from fedheads.live.driver import seed_timing
 from fedheads.live.feddra_eval import METRICS, across_clients
 
 HEADLINE = ("t2i_r1", "t2i_r5", "i2t_r1", "i2t_r5", "cap_t2i_r1", "cap_t2i_r5")
@@ -46,21 +47,6 @@ def seed_result(run: Any, net: Any, clients: Sequence[Any], seed: int) -> dict[s
             "communication": {"upload_params_per_client_per_round": up_v / msgs, "upload_bytes_total": up,
                               "download_bytes_total": down},
             "trainable_params_per_client": int(sum(state[k].numel() for k in net.parameter_keys(2)))}
-
-
-def _seed_timing(seed: int, run: Any) -> dict[str, Any]:
-    tr = run.rounds[1:]
-    tot = {k: sum(getattr(r, k) for r in run.rounds) for k in
-           ("train_seconds", "train_cpu_seconds", "eval_seconds", "eval_cpu_seconds")}
-    return {"seed": seed, "wall_seconds": tot["train_seconds"] + tot["eval_seconds"],
-            "cpu_seconds": tot["train_cpu_seconds"] + tot["eval_cpu_seconds"],
-            "train_wall_seconds": tot["train_seconds"], "train_cpu_seconds": tot["train_cpu_seconds"],
-            "eval_wall_seconds": tot["eval_seconds"], "eval_cpu_seconds": tot["eval_cpu_seconds"],
-            "rounds": {"train_wall_seconds": [r.train_seconds for r in tr],
-                       "train_cpu_seconds": [r.train_cpu_seconds for r in tr],
-                       "eval_wall_seconds": [r.eval_seconds for r in tr],
-                       "eval_cpu_seconds": [r.eval_cpu_seconds for r in tr]},
-            "resumed_from_round": run.resumed_from}
 
 
 def _probe_summary(probes: Sequence[Any]) -> dict[str, Any] | None:
@@ -131,7 +117,7 @@ def extra(runs: Sequence[Any], per_seed: Sequence[Mapping[str, Any]], cfg: Any, 
                             "(+1F anchor when mu > 0); stage 1 from the cache: 0F (alignment modules not "
                             "counted); live stage 1, re-encoding and live v batches: 1F per pair"},
         "probe": _probe_summary(probes), "encoders": list(exported),
-        "timing": {"per_seed": [_seed_timing(s["seed"], run) for s, run in zip(per_seed, runs)],
+        "timing": {"per_seed": [seed_timing(s["seed"], run) for s, run in zip(per_seed, runs)],
                    "load_wall_seconds": None, "load_cpu_seconds": None},
     }
 

@@ -40,7 +40,7 @@ from fedheads.data import resolve_device
 from fedheads.live import plots
 from fedheads.machine import machine
 from fedheads.live.data import cached_clients, image_clients
-from fedheads.live.driver import Checkpoint, FTRun, run_finetune
+from fedheads.live.driver import Checkpoint, FTRun, run_finetune, seed_timing
 from fedheads.live.finetune import FineTune, FTConfig, split_state
 from fedheads.live.heads import HEADS, HeadResult, check_store, head_from_store
 from fedheads.live.model import LiveNet, Trainable, count_values, reinitialise
@@ -252,22 +252,6 @@ def _seed_result(run: FTRun, hr: HeadResult, net: LiveNet, clients: list, seed: 
             "trainable_params_per_client": count_values(net.trained_state(), net.parameter_keys())}
 
 
-def _seed_timing(seed: int, run: FTRun) -> dict[str, Any]:
-    """One seed's entry of the timing block (docs/contracts.md, 6a)."""
-    ft = run.rounds[1:]
-    tot = {k: sum(getattr(r, k) for r in run.rounds) for k in
-           ("train_seconds", "train_cpu_seconds", "eval_seconds", "eval_cpu_seconds")}
-    return {"seed": seed, "wall_seconds": tot["train_seconds"] + tot["eval_seconds"],
-            "cpu_seconds": tot["train_cpu_seconds"] + tot["eval_cpu_seconds"],
-            "train_wall_seconds": tot["train_seconds"], "train_cpu_seconds": tot["train_cpu_seconds"],
-            "eval_wall_seconds": tot["eval_seconds"], "eval_cpu_seconds": tot["eval_cpu_seconds"],
-            "rounds": {"train_wall_seconds": [r.train_seconds for r in ft],
-                       "train_cpu_seconds": [r.train_cpu_seconds for r in ft],
-                       "eval_wall_seconds": [r.eval_seconds for r in ft],
-                       "eval_cpu_seconds": [r.eval_cpu_seconds for r in ft]},
-            "resumed_from_round": run.resumed_from}
-
-
 def _nanmean(v: Sequence[float] | None) -> float:
     vals = [x for x in (v or []) if x == x]
     return sum(vals) / len(vals) if vals else math.nan
@@ -342,6 +326,6 @@ def _extra(heads: list[HeadResult], runs: list[FTRun], per_seed: list[dict], net
                      f"({trainable.spec}); F is one forward pass of the whole model"),
         },
         "figure1": curve,
-        "timing": {"per_seed": [_seed_timing(s["seed"], run) for s, run in zip(per_seed, runs)],
+        "timing": {"per_seed": [seed_timing(s["seed"], run) for s, run in zip(per_seed, runs)],
                    "load_wall_seconds": None, "load_cpu_seconds": None},
     }
