@@ -148,6 +148,9 @@ def _setup(manifest: Any, store: str | None, image_encoder: str, text_encoder: s
     m = load_manifest(manifest) if isinstance(manifest, (str, Path)) else manifest
     check_paired(m)
     device = resolve_device(opts.device)
+    # the text encoder first: opening it is cheap, while an image encoder may first have to be built
+    # (digitnet-builtin pre-trains on a fresh machine), so a mistyped text name fails at once
+    text_bb = vl.open_text_encoder(text_encoder, opts.weights_dir)
     bb = create_backbone(image_encoder, weights_dir=opts.weights_dir, device="cpu")
     try:
         staged = bb.trainable()
@@ -155,7 +158,6 @@ def _setup(manifest: Any, store: str | None, image_encoder: str, text_encoder: s
         raise UserError(f"--image-encoder {image_encoder}: FedDRA needs a trainable encoder with token states "
                         f"({exc})") from None
     cut = _image_cut(staged, image_encoder, opts.image_cut)
-    text_bb = vl.open_text_encoder(text_encoder, opts.weights_dir)
     tcut = vl.text_cut(text_bb, opts.text_cut)
     stage2 = any(2 in p for cfg in cfgs for p in cfg.plan())
     needs_text = stage2 and opts.text_trainable != "frozen"
