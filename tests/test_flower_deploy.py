@@ -45,6 +45,15 @@ def _kill(proc: subprocess.Popen) -> None:
             proc.wait(15)
 
 
+def _die_with_parent() -> None:
+    """Linux: SIGTERM this child when the test process dies, even by SIGKILL (a killed or timed-out
+    pytest run skips every teardown; the nodes must not outlive it). Kept across `join`'s execve."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG = 1
+
+
 class Deployment:
     """serve + nodes, stopped by PID whatever happens."""
 
@@ -59,7 +68,8 @@ class Deployment:
                       for i, n in enumerate(nodes)]
 
     def _start(self, cmd: list[str], log: Path) -> subprocess.Popen:
-        p = subprocess.Popen(cmd, stdout=open(log, "wb"), stderr=subprocess.STDOUT, start_new_session=True)
+        p = subprocess.Popen(cmd, stdout=open(log, "wb"), stderr=subprocess.STDOUT, start_new_session=True,
+                             preexec_fn=_die_with_parent)
         self.procs.append(p)
         return p
 
