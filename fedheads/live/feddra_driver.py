@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import itertools
 import math
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -35,6 +34,7 @@ from tqdm.auto import tqdm
 
 from embedcache.errors import UserError
 from fedheads.core import rng
+from fedheads.core.engine import clock
 from fedheads.core.tree import payload_size
 from fedheads.live.data import seeded
 from fedheads.live.driver import Checkpoint
@@ -74,12 +74,6 @@ class FDRun:
     rounds: list[FDRound] = field(default_factory=list)
     state: FDServerState | None = None
     resumed_from: int | None = None
-
-
-def _clock(device: torch.device) -> tuple[float, float]:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter(), time.process_time()
 
 
 def _seed(seed: int, round_: int, client: int, stage: int) -> int:
@@ -181,10 +175,10 @@ def run_feddra(alg: FedDRA, net: DualEncoder, glob: DualEncoder, clients: Sequen
         ss, out.rounds = checkpoint.load(ss)
         out.resumed_from = out.rounds[-1].round
     else:
-        t = _clock(device)
+        t = clock(device)
         glob.load_state({**ss.model.params, **ss.model.buffers})
         rec = FDRound(0, lam=ss.lam.tolist(), retrieval=evaluate(alg, glob, clients, inputs, device, seed))
-        t2 = _clock(device)
+        t2 = clock(device)
         rec.eval_seconds, rec.eval_cpu_seconds = t2[0] - t[0], t2[1] - t[1]
         out.rounds.append(rec)
         if checkpoint is not None:
@@ -201,7 +195,7 @@ def run_feddra(alg: FedDRA, net: DualEncoder, glob: DualEncoder, clients: Sequen
         stages = plan[r - 1]
         scales = alg.scales(ss)
         rec = FDRound(r, list(stages), scale=scales.tolist())
-        t = _clock(device)
+        t = clock(device)
         v = torch.full((N,), math.nan, dtype=torch.float64)
         for st in stages:
             glob.load_state({**ss.model.params, **ss.model.buffers})  # frozen global copy (Alg. 2/3 line 3)
@@ -261,12 +255,12 @@ def run_feddra(alg: FedDRA, net: DualEncoder, glob: DualEncoder, clients: Sequen
                 v[c.index] = alg.client_value(glob, glob, vb, stages[-1])
         ss = alg.update_lambda(ss, v)  # Alg. 1 line 18
         rec.v, rec.lam = v.tolist(), ss.lam.tolist()
-        t2 = _clock(device)
+        t2 = clock(device)
         rec.train_seconds, rec.train_cpu_seconds = t2[0] - t[0], t2[1] - t[1]
         if r == cfg.rounds or (eval_every and r % eval_every == 0):
             glob.load_state({**ss.model.params, **ss.model.buffers})
             rec.retrieval = evaluate(alg, glob, clients, inputs, device, seed)
-            t3 = _clock(device)
+            t3 = clock(device)
             rec.eval_seconds, rec.eval_cpu_seconds = t3[0] - t2[0], t3[1] - t2[1]
             bar.set_postfix(r1=f"{100 * np.nanmean([x['t2i_r1'] for x in rec.retrieval]):.1f}")
         out.rounds.append(rec)
