@@ -234,6 +234,15 @@ def _since(t0: tuple[float, float], device: torch.device) -> tuple[float, float]
     return t[0] - t0[0], t[1] - t0[1]
 
 
+def _load_from_store(store: str | None, backbones: Sequence[str], opts: TrainOptions, t_start: tuple[float, float],
+                     what: str) -> tuple[Federation, tuple[float, float]]:
+    """The run's features from the store in `opts.layout`, and the (wall, CPU) seconds since t_start."""
+    if store is None:
+        raise UserError(f"{what}: needs a store or the features as data")
+    data = load_fed_data(store, backbones, resolve_device(opts.device), binarize=opts.binarize, layout=opts.layout)
+    return data, _since(t_start, data.device)
+
+
 def require_test_samples(data: Federation) -> None:
     """Accuracy needs test samples somewhere: stop before training when no client has any."""
     if not any(data.n_test):
@@ -315,11 +324,7 @@ def train_run(store: str | None, backbones: Sequence[str], algorithm: str, opts:
     build_algorithm(algorithm, opts, strict=strict)  # bad options fail before the old run is touched
     t_start, load = clock(torch.device("cpu")), None  # nothing queued on a device yet
     if data is None:
-        if store is None:
-            raise UserError("train: needs a store or the features as data")
-        data = load_fed_data(store, backbones, resolve_device(opts.device), binarize=opts.binarize,
-                             layout=opts.layout)
-        load = _since(t_start, data.device)
+        data, load = _load_from_store(store, backbones, opts, t_start, "train")
     require_test_samples(data)
     if overwrite:  # results.json marks a complete run: no old file may sit beside the new ones
         rundir.clear_run(out)
@@ -400,11 +405,7 @@ def compare_runs(store: str | None, backbones: Sequence[str], algorithms: Sequen
     t_start, load = clock(torch.device("cpu")), None  # nothing queued on a device yet
     dims = None
     if data is None:
-        if store is None:
-            raise UserError("compare: needs a store or the features as data")
-        data = load_fed_data(store, backbones, resolve_device(opts.device), binarize=opts.binarize,
-                             layout=opts.layout)
-        load = _since(t_start, data.device)
+        data, load = _load_from_store(store, backbones, opts, t_start, "compare")
     if store is not None:
         from embedcache.reader import open_store
 
