@@ -103,7 +103,7 @@ def _federation(data: Any, num_classes: int | None, device: str, binarize: bool)
 
 def _options(rounds: int, seeds: Sequence[int] | int, local_epochs: int | None, batch_size: int | None,
              lr: float | None, fraction: float, engine: str, layout: str, device: str, eval_every: int, binarize: bool,
-             settings: Mapping[str, Any] | None, progress: bool) -> Any:
+             settings: Mapping[str, Any] | None, progress: bool, tensorboard: bool = False) -> Any:
     from embedcache.errors import UserError
     from fedheads.runner import TrainOptions
 
@@ -115,7 +115,15 @@ def _options(rounds: int, seeds: Sequence[int] | int, local_epochs: int | None, 
     fields = tuple((str(k).replace("-", "_"), v) for k, v in (settings or {}).items())
     return TrainOptions(rounds=rounds, seeds=seeds, fraction=fraction, engine=engine, layout=layout, device=device,
                         eval_every=eval_every, binarize=binarize, local_epochs=local_epochs,
-                        batch_size=batch_size, lr=lr, settings=fields, progress=progress)
+                        batch_size=batch_size, lr=lr, settings=fields, progress=progress, tensorboard=tensorboard)
+
+
+def _tensorboard(on: bool, out: Any) -> bool:
+    if on and out is None:
+        from embedcache.errors import UserError
+
+        raise UserError("tensorboard: the event files go into the run directory; give out=")
+    return on
 
 
 def _prepare(data: Data, backbones: Sequence[str] | str | None, num_classes: int | None, opts: Any,
@@ -139,7 +147,8 @@ def train(data: Data, algorithm: str, *, backbones: Sequence[str] | str | None =
           local_epochs: int | None = None, batch_size: int | None = None, lr: float | None = None,
           fraction: float = 1.0, engine: str = "vectorized", layout: str = "auto", device: str = "auto",
           eval_every: int = 1, binarize: bool = False, settings: Mapping[str, Any] | None = None, progress: bool = False,
-          out: str | Path | None = None, overwrite: bool = False) -> Result:
+          out: str | Path | None = None, overwrite: bool = False, resume: bool = False,
+          tensorboard: bool = False) -> Result:
     """Train `algorithm` once per seed, as `fedheads train`.
 
     data: a feature store path (with `backbones`, concatenated in order) or per-client numpy
@@ -148,15 +157,18 @@ def train(data: Data, algorithm: str, *, backbones: Sequence[str] | str | None =
     layout: how clients are stacked ("padded" | "bucketed" | "auto": bucketed when padding would cost).
     settings: algorithm config fields, e.g. {"variant": "code"} (see `fedheads algorithms NAME`);
         local_epochs / batch_size / lr: the generic ones (None: the paper's default).
-    out: write the run directory there (refused if it holds a run, unless `overwrite`);
+    out: write the run directory there (refused if it holds a run, unless `overwrite`), with a
+        checkpoint after every round that `resume=True` continues from (and, with `tensorboard`,
+        per-round TensorBoard scalars: extra [tensorboard]);
         None: nothing is written and `Result.states` holds each seed's final states."""
     from fedheads import runner
 
     opts = _options(rounds, seeds, local_epochs, batch_size, lr, fraction, engine, layout, device, eval_every,
-                    binarize, settings, progress)
+                    binarize, settings, progress, _tensorboard(tensorboard, out))
     store, bbs, fed = _prepare(data, backbones, num_classes, opts, load=out is None)
     if out is not None:
-        return Result(runner.train_run(store, bbs, algorithm, opts, out, data=fed, overwrite=overwrite), out)
+        return Result(runner.train_run(store, bbs, algorithm, opts, out, data=fed, overwrite=overwrite,
+                                       resume=resume), out)
     trained = runner.train_data(fed, bbs, algorithm, opts, dims=_dims(store, bbs), store=store)  # type: ignore[arg-type]
     return Result(trained.result, states=trained.states)
 
@@ -166,7 +178,8 @@ def compare(data: Data, algorithms: Sequence[str] | str, *, backbones: Sequence[
             local_epochs: int | None = None, batch_size: int | None = None, lr: float | None = None,
             fraction: float = 1.0, engine: str = "vectorized", layout: str = "auto", device: str = "auto",
             eval_every: int = 1, binarize: bool = False, settings: Mapping[str, Any] | None = None, progress: bool = False,
-            out: str | Path | None = None, overwrite: bool = False) -> Result:
+            out: str | Path | None = None, overwrite: bool = False, resume: bool = False,
+          tensorboard: bool = False) -> Result:
     """Train several algorithms on the same features, as `fedheads compare` (arguments as in
     :func:`train`; a setting that does not apply to an algorithm is dropped for it and recorded
     in its `ignored_options`; `{"lp.lr": 0.1}` scopes one to one algorithm). The Result has
@@ -176,10 +189,11 @@ def compare(data: Data, algorithms: Sequence[str] | str, *, backbones: Sequence[
 
     names = [a.strip() for a in algorithms.split(",") if a.strip()] if isinstance(algorithms, str) else list(algorithms)
     opts = _options(rounds, seeds, local_epochs, batch_size, lr, fraction, engine, layout, device, eval_every,
-                    binarize, settings, progress)
+                    binarize, settings, progress, _tensorboard(tensorboard, out))
     store, bbs, fed = _prepare(data, backbones, num_classes, opts, load=out is None)
     if out is not None:
-        return Result(runner.compare_runs(store, bbs, names, opts, out, overwrite=overwrite, data=fed), out)
+        return Result(runner.compare_runs(store, bbs, names, opts, out, overwrite=overwrite, data=fed,
+                                          resume=resume), out)
     runs, combined = runner.compare_data(fed, bbs, names, opts, dims=_dims(store, bbs), store=store)  # type: ignore[arg-type]
     combined["algorithms"] = {n: Result(r.result, states=r.states) for n, r in runs.items()}
     return Result(combined)

@@ -14,6 +14,7 @@ import click
 from embedcache.cli_base import UserErrorGroup
 from embedcache.errors import UserError
 from fedheads import __version__
+from fedheads.runconfig import config_options, with_config
 
 
 @click.group(cls=UserErrorGroup)
@@ -54,11 +55,15 @@ def _train_options(f):
         click.option("--binarize", is_flag=True, help="FedPCL authors' 0/1 binarised backbone features."),
         click.option("--set", "settings", multiple=True, metavar="KEY=VALUE",
                      help="Algorithm config field, e.g. --set variant=code, or --set lp.lr=0.1 for one algorithm (repeatable)."),
+        click.option("--tensorboard", is_flag=True,
+                     help="Per-round scalars per seed in OUT/tensorboard/ (extra [tensorboard]; `tensorboard --logdir OUT`)."),
         click.option("--quiet", is_flag=True, help="No progress bars."),
         # a file given as --out gets the runner's one-line error, not click's usage block
         click.option("--out", required=True, type=click.Path(), help="Output directory."),
         click.option("--overwrite", is_flag=True,
                      help="Replace the run already in --out (its files only; default: refuse)."),
+        click.option("--resume", is_flag=True,
+                     help="Continue the interrupted run in --out from its per-round checkpoints (same settings)."),
     ]
     for o in reversed(opts):
         f = o(f)
@@ -66,7 +71,8 @@ def _train_options(f):
 
 
 def _options(rounds, seeds, local_epochs, batch_size, lr, fraction, engine, layout, device, eval_every,
-             binarize, settings, quiet):
+             binarize, settings, quiet, tensorboard):
+    from fedheads.runconfig import merged_settings
     from fedheads.runner import TrainOptions, parse_settings
 
     if rounds < 1:
@@ -74,31 +80,45 @@ def _options(rounds, seeds, local_epochs, batch_size, lr, fraction, engine, layo
     return TrainOptions(rounds=rounds, seeds=_seeds(seeds), fraction=fraction, engine=engine,
                         layout=layout, device=device, eval_every=eval_every, binarize=binarize,
                         local_epochs=local_epochs, batch_size=batch_size, lr=lr,
-                        settings=parse_settings(settings), progress=not quiet)
+                        settings=merged_settings(click.get_current_context(), parse_settings(settings)),
+                        progress=not quiet, tensorboard=tensorboard)
 
 
-@main.command()
+_MERGE = "\n\nOptions also come from --config FILE (YAML); merge order: built-in defaults < config file " \
+         "< command-line flags (incl. --set). --dump-config prints the effective configuration."
+
+
+@main.command(help=f"Train one algorithm over several seeds; write RUN_DIR/results.json and friends.{_MERGE}")
 @click.option("--algorithm", required=True, help="See `fedheads algorithms`.")
 @_train_options
-def train(store, backbones, algorithm, out, overwrite, **kw) -> None:
-    """Train one algorithm over several seeds; write RUN_DIR/results.json and friends."""
+@config_options
+def train(store, backbones, algorithm, out, overwrite, resume, dump_config, **kw) -> None:
+    from fedheads.runconfig import dump, effective_config
     from fedheads.runner import train_run
 
-    res = train_run(store, _csv(backbones, "--backbones"), algorithm, _options(**kw), out,
-                    overwrite=overwrite)
+    opts, bbs = _options(**kw), _csv(backbones, "--backbones")
+    if dump_config:
+        click.echo(dump("train", effective_config("train", store, bbs, [algorithm], opts, out)), nl=False)
+        return
+    res = train_run(store, bbs, algorithm, opts, out, overwrite=overwrite, resume=resume)
     click.echo(f"{algorithm}: accuracy {res['accuracy_cell']} over seeds {res['seeds']} -> {out}/results.json")
 
 
-@main.command()
+@main.command(help=f"Train several algorithms on the same features; write a paper-style table and plots.{_MERGE}")
 @click.option("--algorithms", required=True, help="Comma-separated, e.g. fedpcl,fedncm,lp,mlp,fedavg,fedproto.")
 @_train_options
-def compare(store, backbones, algorithms, out, overwrite, **kw) -> None:
-    """Train several algorithms on the same features; write a paper-style table and plots."""
+@config_options
+def compare(store, backbones, algorithms, out, overwrite, resume, dump_config, **kw) -> None:
     from fedheads import report
-    from fedheads.runner import compare_runs
+    from fedheads.runconfig import dump, effective_config
+    from fedheads.runner import check_compare_settings, compare_runs
 
-    res = compare_runs(store, _csv(backbones, "--backbones"), _csv(algorithms, "--algorithms"),
-                       _options(**kw), out, overwrite=overwrite)
+    opts, bbs, names = _options(**kw), _csv(backbones, "--backbones"), _csv(algorithms, "--algorithms")
+    if dump_config:
+        check_compare_settings(names, opts)
+        click.echo(dump("compare", effective_config("compare", store, bbs, names, opts, out, strict=False)), nl=False)
+        return
+    res = compare_runs(store, bbs, names, opts, out, overwrite=overwrite, resume=resume)
     click.echo(report.comparison_markdown(list(res["algorithms"].values())))
     click.echo(f"report: {Path(out) / 'summary.md'}", err=True)
 
@@ -165,11 +185,15 @@ def _live_run_options(f):
 @click.option("--no-pretrained", is_flag=True, help="The paper's Random baseline (with --head random --trainable all).")
 @click.option("--no-augment", is_flag=True, help="Live images without training augmentation.")
 @_live_run_options
+@with_config
 def finetune(manifest_path, store, backbone, heads, head_rounds, rounds, server, server_lr, prox_mu, lr,
              momentum, weight_decay, local_epochs, batch_size, fraction, trainable, bn, live_prefix,
              no_pretrained, no_augment, seeds, eval_every, device, num_workers, weights_dir, resume,
              overwrite, quiet, out) -> None:
-    """Fine-tune a backbone federatedly from a stage-1 head computed on the store (FedNCM+FT, LP+FT, FT)."""
+    """Fine-tune a backbone federatedly from a stage-1 head computed on the store (FedNCM+FT, LP+FT, FT).
+
+    Options also come from --config FILE (YAML; defaults < file < command-line flags); --dump-config
+    prints the effective configuration."""
     from fedheads.api import finetune as run_finetune
 
     res = run_finetune(manifest_path, store, backbone, out, heads=_csv(heads, "--head"), head_rounds=head_rounds,
@@ -335,14 +359,18 @@ def join(superlink, store, client, manifest, device, weights_dir, port, root_cer
 @click.option("--probe-shots", default="1,5", show_default=True, help="Labelled images per class, comma-separated.")
 @click.option("--probe-draws", default=5, show_default=True)
 @_live_run_options
+@config_options
 @click.pass_context
-def feddra(ctx, manifest_path, store, image_encoder, image_cut, text_encoder, text_cut, baselines, preset, schedule,
+def feddra(ctx, dump_config, manifest_path, store, image_encoder, image_cut, text_encoder, text_cut, baselines, preset, schedule,
            stage1_rounds,
            no_two_stage, rounds, steps, batch_size, rho, divergence, radius_convention, gamma, mu, tau, lr, encoder_lr,
            weight_decay, step_scaling, dro_loss, dro_model, dro_batches, prox_mu, image_trainable, text_trainable, bn,
            stage1_inputs, no_augment, probe_manifest, probe_shots, probe_draws, seeds, eval_every, device, num_workers,
            weights_dir, resume, overwrite, quiet, out) -> None:
-    """FedDRA (federated distributionally robust vision-language alignment) and its baselines."""
+    """FedDRA (federated distributionally robust vision-language alignment) and its baselines.
+
+    Options also come from --config FILE (YAML; defaults < preset < file < command-line flags);
+    --dump-config prints the effective configuration."""
     from fedheads.live.dro import DROConfig
     from fedheads.live.feddra import FedDRAConfig
     from fedheads.live.feddra_probe import ProbeOptions
@@ -351,6 +379,11 @@ def feddra(ctx, manifest_path, store, image_encoder, image_cut, text_encoder, te
     given = {k: v for k, v in ctx.params.items()
              if ctx.get_parameter_source(k) is not click.core.ParameterSource.DEFAULT}
     p = {**ctx.params, **PRESETS[preset], **given}  # what the user typed wins over the preset
+    if dump_config:  # the preset's values resolved, so the file means the same under any preset
+        from fedheads.runconfig import dump, params_config
+
+        click.echo(dump("feddra", params_config(ctx, p)), nl=False)
+        return
     rounds, steps, batch_size, text_trainable = p["rounds"], p["steps"], p["batch_size"], p["text_trainable"]
     fd = FedDRAConfig(mu=mu, tau=tau, rounds=rounds, schedule=schedule, stage1_rounds=stage1_rounds,
                       two_stage=not no_two_stage, steps=steps, batch_size=batch_size, lr=lr, encoder_lr=encoder_lr,

@@ -87,7 +87,8 @@ def run_timing(run: Any) -> dict[str, Any]:
             "eval_wall_seconds": [r.eval_seconds for r in h], "eval_cpu_seconds": [r.eval_cpu_seconds for r in h]}
     return {"wall_seconds": _r(run.wall_seconds), "cpu_seconds": _r(run.cpu_seconds),
             **{k: _r(sum(v)) for k, v in cols.items()},
-            "rounds": {k: [_r(x) for x in v] for k, v in cols.items()}}
+            "rounds": {k: [_r(x) for x in v] for k, v in cols.items()},
+            "resumed_from_round": getattr(run, "resumed_from", None)}
 
 
 def timing_block(per_seed: Sequence[Mapping[str, Any]], wall: float, cpu: float, machine: Mapping[str, Any],

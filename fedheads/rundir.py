@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Iterable
+from typing import Iterable, Sequence
 
 from embedcache.errors import UserError
 
 MARKERS = ("results.json", "config.json", "state")  # any of them: the directory holds a run
-RUN_FILES = ("results.json", "config.json", "metrics.csv", "summary.md", "report.md",
+RUN_FILES = ("results.json", "config.json", "config.yaml", "metrics.csv", "summary.md", "report.md",
              "accuracy_per_round.png", "per_client.png", "figure1.png",
              "retrieval_per_round.png", "retrieval_per_client.png", "lambda.png")  # the last three: fedheads feddra
 
@@ -56,6 +56,9 @@ def refuse_existing(out: Path, subdirs: Iterable[str] = (), overwrite: bool = Fa
     for d in [out, *(out / s for s in subdirs)]:
         what = describe_run(d)
         if what is not None and not overwrite:
+            if not (d / "results.json").exists() and any((d / "state").glob("seed*.ckpt.pt")):
+                raise UserError(f"{d} holds an interrupted run ({what}); use --resume to continue it, "
+                                "--overwrite to replace it, or another --out")
             raise UserError(f"{d} holds {what}; use --overwrite or another --out")
 
 
@@ -73,10 +76,28 @@ def clear_run(out: Path, subdirs: Iterable[str] = ()) -> None:
             p = d / name
             if p.is_file() or p.is_symlink():
                 p.unlink()
-        for sub, pattern in (("state", "seed*.pt"), ("encoders", "*-seed*.pt")):  # encoders/: fedheads feddra
+        for sub, pattern in (("state", "seed*.pt"), ("encoders", "*-seed*.pt"),  # encoders/: fedheads feddra
+                             ("tensorboard", "seed*/events.out.tfevents.*")):  # fedheads train --tensorboard
             folder = d / sub
             if folder.is_dir():
                 for f in folder.glob(pattern):
                     f.unlink()
+                for sd in folder.glob("seed*"):
+                    if sd.is_dir() and not any(sd.iterdir()):
+                        sd.rmdir()
                 if not any(folder.iterdir()):
                     folder.rmdir()
+
+
+def check_resume(out: Path, subdirs: Sequence[str], overwrite: bool, resume: bool) -> None:
+    """--resume continues the run in `out` (any state it holds is checked against the settings
+    later, per seed); without it or --overwrite, a run there is refused (refuse_existing). A run
+    without checkpoints is never resumed over: it would be replaced without a word."""
+    if resume and overwrite:
+        raise UserError("--resume and --overwrite: give one (continue the run in --out, or replace it)")
+    for d in [out, *(out / s for s in subdirs)] if resume else []:
+        what = describe_run(d)
+        ckpts = [*d.glob("state/seed*.ckpt.pt"), *(d.glob("*/state/seed*.ckpt.pt") if d == out and subdirs else [])]
+        if what is not None and not ckpts:  # e.g. a run written before checkpoints existed
+            raise UserError(f"{d} holds {what} without checkpoints: nothing to resume; use --overwrite or another --out")
+    refuse_existing(out, subdirs, overwrite=overwrite or resume)

@@ -27,10 +27,11 @@ import torch
 
 from embedcache.errors import UserError
 from fedheads import __version__, report, rundir
+from fedheads import resume as resume_mod
 from fedheads.atomic import atomic_path
 from fedheads.algorithms import create_algorithm
 from fedheads.core.engine import RunResult, clock, run, to_device
-from fedheads.core.tree import tree_leaves, tree_map
+from fedheads.core.tree import tree_leaves
 from fedheads.data import DataSpec, Federation, layout_info, load_fed_data, resolve_device
 from fedheads.machine import machine
 
@@ -54,6 +55,9 @@ class TrainOptions:
     lr: float | None = None
     settings: tuple[tuple[str, Any], ...] = ()  # config fields (--set k=v, or --set ALG.k=v for one algorithm)
     progress: bool = True
+    tensorboard: bool = False  # per-round scalars in RUN_DIR/tensorboard/seed<S>/ (fedheads.tracking; needs a run dir)
+
+    generic_names = ("local_epochs", "batch_size", "lr")  # options that set the algorithm config field of that name
 
     def generic(self) -> dict[str, Any]:
         g = {"local_epochs": self.local_epochs, "batch_size": self.batch_size, "lr": self.lr}
@@ -162,26 +166,10 @@ def load_state(path: Path, algorithm: Any, spec: DataSpec, seed: int) -> tuple[A
     if not isinstance(saved, dict) or saved.get("format") != STATE_FORMAT:
         raise UserError(f"{path}: not a {STATE_FORMAT} file")
     init = algorithm.init(spec, seed)
+    from fedheads.resume import restore_tree
 
-    def fill(tree: Any, leaves: list[torch.Tensor], what: str) -> Any:
-        it = iter(leaves)
-
-        def take(t: torch.Tensor) -> torch.Tensor:
-            try:
-                v = next(it)
-            except StopIteration:
-                raise UserError(f"{path}: {what} state has too few tensors for {algorithm.name}") from None
-            if v.shape != t.shape:
-                raise UserError(f"{path}: {what} tensor of shape {tuple(v.shape)} where "
-                                f"{algorithm.name} on this store expects {tuple(t.shape)}")
-            return v.to(t.device, t.dtype)
-
-        out = tree_map(take, tree)
-        if next(it, None) is not None:
-            raise UserError(f"{path}: {what} state has extra tensors for {algorithm.name}")
-        return out
-
-    return fill(init.client_state, saved["client"], "client"), fill(init.server_state, saved["server"], "server")
+    return (restore_tree(init.client_state, saved["client"], path, "client", algorithm.name),
+            restore_tree(init.server_state, saved["server"], path, "server", algorithm.name))
 
 
 def _metrics_rows(result: RunResult, seed: int, names: Sequence[str]) -> list[list[Any]]:
@@ -259,15 +247,19 @@ class TrainedRun:
     config: dict[str, Any]
     rows: list[list[Any]]
     states: dict[int, RunResult] = field(default_factory=dict)  # seed -> final states (cpu)
+    opts: TrainOptions | None = None  # what it was trained with (config.yaml)
 
 
 def train_data(data: Federation, backbones: Sequence[str], algorithm: str, opts: TrainOptions, *,
                dims: Sequence[int] | None = None, store: str | None = None, strict: bool = True,
                t_start: tuple[float, float] | None = None,
-               load: tuple[float, float] | None = None) -> TrainedRun:
-    """Train `algorithm` once per seed on `data` and build the run's artefacts without writing
-    anything. `dims`: feature dimension per backbone (default: one block of data.dim); `store`:
-    where the features came from (recorded with its fingerprint in the config)."""
+               load: tuple[float, float] | None = None, state_dir: Path | None = None,
+               resume: bool = False) -> TrainedRun:
+    """Train `algorithm` once per seed on `data` and build the run's artefacts. `dims`: feature
+    dimension per backbone (default: one block of data.dim); `store`: where the features came
+    from (recorded with its fingerprint in the config). With `state_dir`, each seed writes a
+    checkpoint there after every round (fedheads.resume) and, with `resume`, continues from it;
+    without, nothing is written."""
     if t_start is None:
         t_start = clock(torch.device("cpu"))
     build_algorithm(algorithm, opts, strict=strict)  # bad options fail before any training
@@ -276,11 +268,29 @@ def train_data(data: Federation, backbones: Sequence[str], algorithm: str, opts:
     per_seed, rows, alg_cfg, ignored, used = [], [], None, [], {}
     states: dict[int, RunResult] = {}
     extra_rules: dict[str, list[float]] = {}
+    data_id = resume_mod.data_settings(data) if state_dir is not None else None
     for seed in opts.seeds:
         alg, used, ignored = build_algorithm(algorithm, opts, strict=strict)
         alg_cfg = _config_dict(getattr(alg, "cfg", None))
-        res = run(alg, data, opts.rounds, seed=seed, fraction=opts.fraction, engine=opts.engine,
-                  eval_every=opts.eval_every, progress=opts.progress)
+        ck, log = None, None
+        if state_dir is not None and opts.tensorboard:
+            from fedheads.tracking import RoundLogger
+
+            log = RoundLogger(state_dir.parent / "tensorboard", seed, algorithm)
+        if state_dir is not None:
+            # --set / --lr ... are in the algorithm's config: the diff then names the field once
+            settings = {"algorithm": algorithm, "algorithm_config": alg_cfg, "seed": seed,
+                        "options": {k: v for k, v in _config_dict(opts).items()
+                                    if k not in ("progress", "tensorboard", "settings", *opts.generic_names)},
+                        "device": str(data.device), "layout": layout_info(data), "store": store,
+                        "backbones": list(backbones), "data": data_id}
+            ck = resume_mod.HeadCheckpoint(state_dir / f"seed{seed}.ckpt.pt", settings, algorithm, resume, log)
+        try:
+            res = run(alg, data, opts.rounds, seed=seed, fraction=opts.fraction, engine=opts.engine,
+                      eval_every=opts.eval_every, progress=opts.progress, checkpoint=ck)
+        finally:
+            if log is not None:
+                log.close()
         per_seed.append(report.seed_result_from_run(res, seed, data.client_names, n_test=data.n_test))
         for rule, acc in res.history[-1].accuracy.items():  # type: ignore[union-attr]
             if rule != "main":
@@ -309,32 +319,38 @@ def train_data(data: Federation, backbones: Sequence[str], algorithm: str, opts:
         config["store_fingerprint"] = store_fingerprint(open_store(store), backbones)
     config.update({"options": _config_dict(opts), "algorithm_kwargs": used if per_seed else {},
                    "algorithm_config": alg_cfg, "ignored_options": ignored, "environment": environment()})
-    return TrainedRun(result, config, rows, states)
+    return TrainedRun(result, config, rows, states, opts)
 
 
 def train_run(store: str | None, backbones: Sequence[str], algorithm: str, opts: TrainOptions,
               out: str | Path, strict: bool = True, data: Federation | None = None,
-              overwrite: bool = False) -> dict[str, Any]:
+              overwrite: bool = False, resume: bool = False) -> dict[str, Any]:
     """Train `algorithm` once per seed, write the run directory, return results.json's dict.
     An --out holding a run is refused unless `overwrite` (fedheads.rundir). Features are loaded
     in `opts.layout`; a `data` given runs in the layout it has (results.json "layout" says which). `store` may be None
-    when `data` is given (features from numpy arrays: no store fingerprint in config.json)."""
+    when `data` is given (features from numpy arrays: no store fingerprint in config.json).
+    Every round is checkpointed in RUN_DIR/state/; `resume` continues from there (fedheads.resume)."""
     out = Path(out)
-    rundir.refuse_existing(out, overwrite=overwrite)
+    rundir.check_resume(out, (), overwrite, resume)
     build_algorithm(algorithm, opts, strict=strict)  # bad options fail before the old run is touched
+    if opts.tensorboard:
+        from fedheads.tracking import require
+
+        require()
     t_start, load = clock(torch.device("cpu")), None  # nothing queued on a device yet
     if data is None:
         data, load = _load_from_store(store, backbones, opts, t_start, "train")
     require_test_samples(data)
     if overwrite:  # results.json marks a complete run: no old file may sit beside the new ones
         rundir.clear_run(out)
+    (out / "results.json").unlink(missing_ok=True)  # resumed: complete again only when rewritten
     dims = None
     if store is not None:
         from embedcache.reader import open_store
 
         dims = backbone_dims(open_store(store), backbones)
     trained = train_data(data, backbones, algorithm, opts, dims=dims, store=store, strict=strict,
-                         t_start=t_start, load=load)
+                         t_start=t_start, load=load, state_dir=out / "state", resume=resume)
     write_trained(out, trained)
     return trained.result
 
@@ -344,7 +360,21 @@ def write_trained(out: str | Path, trained: TrainedRun) -> None:
     out = Path(out)
     for seed, states in trained.states.items():
         save_state(out / "state" / f"seed{seed}.pt", states)
+    if trained.opts is not None:
+        c = trained.config
+        write_config_yaml(out, "train", c["store"], c["backbones"], [c["algorithm"]], trained.opts,
+                          dropped=tuple(c.get("ignored_options", ())))
     _write_run_dir(out, trained.result, trained.config, trained.rows)
+
+
+def write_config_yaml(out: Path, command: str, store: str | None, backbones: Sequence[str],
+                      algorithms: Sequence[str], opts: TrainOptions, dropped: tuple[str, ...] = ()) -> None:
+    """RUN_DIR/config.yaml: the effective configuration, as `--dump-config` prints it (`fedheads
+    <command> --config RUN_DIR/config.yaml` runs it again)."""
+    from fedheads.runconfig import dump, effective_config
+
+    cfg = effective_config(command, store, list(backbones), list(algorithms), opts, out, strict=False, dropped=dropped)
+    _atomic_bytes(out / "config.yaml", dump(command, cfg).encode())
 
 
 def _write_run_dir(out: Path, result: dict[str, Any], config: dict[str, Any], rows: list[list[Any]]) -> None:
@@ -377,15 +407,17 @@ def check_compare_settings(algorithms: Sequence[str], opts: TrainOptions) -> Non
 def compare_data(data: Federation, backbones: Sequence[str], algorithms: Sequence[str], opts: TrainOptions, *,
                  dims: Sequence[int] | None = None, store: str | None = None,
                  t_start: tuple[float, float] | None = None, load: tuple[float, float] | None = None,
-                 ) -> tuple[dict[str, TrainedRun], dict[str, Any]]:
+                 out: Path | None = None, resume: bool = False) -> tuple[dict[str, TrainedRun], dict[str, Any]]:
     """Every algorithm trained on the same features, in memory: ({name: TrainedRun}, the
     comparison's results.json dict). Options that do not apply to an algorithm are dropped and
-    recorded (`ignored_options`), as `compare` does."""
+    recorded (`ignored_options`), as `compare` does. With `out`, each algorithm checkpoints every
+    round in out/<algorithm>/state/ (and continues from there with `resume`)."""
     if t_start is None:
         t_start = clock(torch.device("cpu"))
     check_compare_settings(algorithms, opts)
     require_test_samples(data)
-    runs = {name: train_data(data, backbones, name, opts, dims=dims, store=store, strict=False)
+    runs = {name: train_data(data, backbones, name, opts, dims=dims, store=store, strict=False,
+                             state_dir=None if out is None else out / name / "state", resume=resume)
             for name in algorithms}
     combined = {"algorithms": {n: r.result for n, r in runs.items()}, "backbones": list(backbones),
                 "store": None if store is None else str(store), "options": _config_dict(opts),
@@ -395,13 +427,18 @@ def compare_data(data: Federation, backbones: Sequence[str], algorithms: Sequenc
 
 
 def compare_runs(store: str | None, backbones: Sequence[str], algorithms: Sequence[str], opts: TrainOptions,
-                 out: str | Path, overwrite: bool = False, data: Federation | None = None) -> dict[str, Any]:
+                 out: str | Path, overwrite: bool = False, data: Federation | None = None,
+                 resume: bool = False) -> dict[str, Any]:
     """Train every algorithm on the same cached features (loaded once) and write the comparison.
     An --out (or an <algorithm>/ in it) holding a run is refused unless `overwrite`. `store` may
-    be None when `data` is given."""
+    be None when `data` is given; `resume` continues an interrupted comparison."""
     out = Path(out)
-    rundir.refuse_existing(out, algorithms, overwrite=overwrite)
+    rundir.check_resume(out, algorithms, overwrite, resume)
     check_compare_settings(algorithms, opts)
+    if opts.tensorboard:
+        from fedheads.tracking import require
+
+        require()
     t_start, load = clock(torch.device("cpu")), None  # nothing queued on a device yet
     dims = None
     if data is None:
@@ -413,8 +450,10 @@ def compare_runs(store: str | None, backbones: Sequence[str], algorithms: Sequen
     require_test_samples(data)
     if overwrite:
         rundir.clear_run(out, algorithms)
+    for d in [out, *(out / a for a in algorithms)]:
+        (d / "results.json").unlink(missing_ok=True)  # resumed: complete again only when rewritten
     runs, combined = compare_data(data, backbones, algorithms, opts, dims=dims, store=store,
-                                  t_start=t_start, load=load)
+                                  t_start=t_start, load=load, out=out, resume=resume)
     write_comparison(out, runs, combined, opts)
     return combined
 
@@ -426,6 +465,7 @@ def write_comparison(out: str | Path, runs: dict[str, TrainedRun], combined: dic
     out = Path(out)
     for name, trained in runs.items():
         write_trained(out / name, trained)
+    write_config_yaml(out, "compare", combined["store"], combined["backbones"], list(runs), opts)
     results = list(combined["algorithms"].values())
     where = f" on {Path(combined['store']).name}" if combined.get("store") else ""
     title = f"{', '.join(combined['backbones'])}{where}: {opts.rounds} rounds, seeds {list(opts.seeds)}"

@@ -175,3 +175,28 @@ def settings_json(name: str) -> dict[str, Any]:
     return {"name": name, "doc": doc,
             "settings": [{"key": r.key, "type": r.type, "default": r.default if not dataclasses.is_dataclass(r.default)
                           else dataclasses.asdict(r.default), "doc": r.doc, "source": r.source} for r in rows]}
+
+
+def _plain(v: Any) -> Any:
+    if dataclasses.is_dataclass(v) and not isinstance(v, type):
+        return {f.name: _plain(getattr(v, f.name)) for f in dataclasses.fields(v)}
+    if isinstance(v, (list, tuple)):
+        return [_plain(x) for x in v]
+    return v
+
+
+def resolved_settings(name: str, algorithm: Any) -> dict[str, Any]:
+    """{key: value} of every key `--set` takes for `name`, read off the built `algorithm`'s config
+    (defaults included; the optimiser's parts flat), as YAML/JSON-safe values: passing them all
+    back to the factory builds the same config (tests/test_runconfig.py)."""
+    from fedheads.core.optim import _OPT_KEYS
+
+    cfg = getattr(algorithm, "cfg", None)
+    out: dict[str, Any] = {}
+    for s in settings_of(name)[0]:
+        if hasattr(cfg, s.key):
+            v = getattr(cfg, s.key)
+        else:  # a flat key of the nested optimiser field
+            v = getattr(getattr(cfg, OPT_FIELD), _OPT_KEYS[s.key])
+        out[s.key] = _plain(v)
+    return out

@@ -4,16 +4,14 @@ kill -9 then --resume ends with identical weights and lambda, and bad input is o
 from __future__ import annotations
 
 import json
-import os
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
 
+import kill_helpers
 import vl_doubles
 from embedcache.errors import UserError
 from embedcache.manifest import save_manifest
@@ -74,20 +72,10 @@ def test_run_directory_and_results_contract(paired, tmp_path):
 
 
 _KILL_SCRIPT = """
-import sys, time
-sys.path.insert(0, {tests!r})
 import vl_doubles
-from fedheads.live import driver
 from fedheads.live.dro import DROConfig
 from fedheads.live.feddra import FedDRAConfig
 from fedheads.live.feddra_runner import FedDRAOptions, feddra_run
-orig = driver.Checkpoint.save
-def slow_save(self, state, rounds):
-    orig(self, state, rounds)
-    print("ROUND", rounds[-1].round, flush=True)
-    if rounds[-1].round == 2:
-        time.sleep({delay})  # killed here: after round 2's checkpoint, before round 3
-driver.Checkpoint.save = slow_save
 opts = FedDRAOptions(fd=FedDRAConfig(rounds=4, steps=2, batch_size=4, dro=DROConfig(rho=1.0)), image_cut="stem",
                      num_workers=0, progress=False, device="cpu", resume={resume})
 feddra_run({manifest!r}, {store!r}, "tiny-staged", "tinytext", {out!r}, opts)
@@ -97,28 +85,17 @@ print("DONE", flush=True)
 
 def test_kill_minus_9_then_resume_is_identical(paired, tmp_path):
     root, _, store = paired
-    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
 
     def script(out: Path, resume: bool, delay: float) -> str:
-        return _KILL_SCRIPT.format(tests=str(REPO / "tests"), manifest=str(root / "m.json"), store=store,
-                                   out=str(out), resume=resume, delay=delay)
+        # killed in the sleep after round 2's checkpoint, before round 3
+        return kill_helpers.stop_after("fedheads.live.driver:Checkpoint", "a[1][-1].round", 2, delay) + \
+            _KILL_SCRIPT.format(manifest=str(root / "m.json"), store=store, out=str(out), resume=resume)
 
-    subprocess.run([sys.executable, "-c", script(tmp_path / "ref", False, 0.0)], check=True, env=env,
-                   capture_output=True, timeout=600)
-    proc = subprocess.Popen([sys.executable, "-c", script(tmp_path / "killed", False, 60.0)], env=env,
-                            stdout=subprocess.PIPE, text=True, start_new_session=True)
-    try:
-        deadline = time.monotonic() + 300
-        for line in proc.stdout:  # wait until round 2 is checkpointed, then kill -9 mid-sleep
-            if line.startswith("ROUND 2") or time.monotonic() > deadline:
-                break
-        os.killpg(proc.pid, signal.SIGKILL)
-    finally:
-        proc.wait(timeout=30)
+    assert "DONE" in kill_helpers.run_script(script(tmp_path / "ref", False, 0.0)).stdout
+    kill_helpers.kill_at(script(tmp_path / "killed", False, 60.0), "ROUND 2")
     assert not (tmp_path / "killed" / "results.json").exists()
     assert _ckpt(tmp_path / "killed")["round"] == 2
-    done = subprocess.run([sys.executable, "-c", script(tmp_path / "killed", True, 0.0)], env=env,
-                          capture_output=True, text=True, timeout=600)
+    done = kill_helpers.run_script(script(tmp_path / "killed", True, 0.0))
     assert "DONE" in done.stdout, done.stderr[-2000:]
     a, b = _ckpt(tmp_path / "ref"), _ckpt(tmp_path / "killed")
     assert a["round"] == b["round"] == 4
@@ -180,7 +157,7 @@ def test_cli_feddra(paired, tmp_path):
     assert res["config"]["dro"]["rho"] == 0.0 and res["config"]["mu"] == 5.0
     bad = CliRunner().invoke(main, args[:-1] + [str(tmp_path / "cli2"), "--divergence", "tv"])
     assert bad.exit_code == 2
-    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{REPO / 'tests'}"}
+    env = kill_helpers.subprocess_env()
     p = subprocess.run([sys.executable, "-m", "fedheads.cli", "feddra", "--manifest", str(root / "m.json"),
                         "--image-encoder", "digitnet-builtin", "--text-encoder", "no-such-encoder",
                         "--out", str(tmp_path / "x")], capture_output=True, text=True, env=env, timeout=120)

@@ -322,7 +322,7 @@ def test_rerun_into_a_run_directory_is_refused_without_overwrite(store, tmp_path
     seed1 = [a if a != "0" else "1" for a in base]  # --seeds 1
     assert _invoke(seed1 + ["--algorithm", "fedncm", "--overwrite"]).exit_code == 0
     assert json.loads((out / "results.json").read_text())["algorithm"] == "fedncm"
-    assert sorted(p.name for p in (out / "state").iterdir()) == ["seed1.pt"]
+    assert sorted(p.name for p in (out / "state").iterdir()) == ["seed1.ckpt.pt", "seed1.pt"]  # its checkpoint kept
     assert (out / "notes.txt").read_text() == "mine"
 
 

@@ -5,16 +5,14 @@ step, resume after a kill ends identical, and bad input gives one line."""
 from __future__ import annotations
 
 import json
-import os
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
 
+import kill_helpers
 import live_doubles  # noqa: F401  (registers tiny-staged)
 from embedcache.errors import UserError
 from embedcache.extract import ExtractConfig, extract
@@ -131,19 +129,9 @@ def test_resume_continues_to_the_same_weights(setup, tmp_path):
 
 
 _KILL_SCRIPT = """
-import sys, time
-sys.path.insert(0, {tests!r})
 import live_doubles
-from fedheads.live import driver
 from fedheads.live.finetune import FTConfig
 from fedheads.live.runner import FinetuneOptions, finetune_run
-orig = driver.Checkpoint.save
-def slow_save(self, state, rounds):
-    orig(self, state, rounds)
-    print("ROUND", rounds[-1].round, flush=True)
-    if rounds[-1].round == 2:
-        time.sleep({delay})  # killed here: after round 2's checkpoint, before round 3
-driver.Checkpoint.save = slow_save
 opts = FinetuneOptions(rounds=4, ft=FTConfig(lr=0.05, batch_size=4), num_workers=0, progress=False,
                        device="cpu", resume={resume})
 finetune_run({manifest!r}, {store!r}, "tiny-staged", {out!r}, opts)
@@ -153,27 +141,17 @@ print("DONE", flush=True)
 
 def test_kill_minus_9_then_resume_is_identical(setup, tmp_path):
     root, _ = setup
-    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
 
     def script(out: Path, resume: bool, delay: float) -> str:
-        return _KILL_SCRIPT.format(tests=str(REPO / "tests"), manifest=str(root / "manifest.json"),
-                                   store=str(root / "s.zarr"), out=str(out), resume=resume, delay=delay)
+        # killed in the sleep after round 2's checkpoint, before round 3
+        return kill_helpers.stop_after("fedheads.live.driver:Checkpoint", "a[1][-1].round", 2, delay) + \
+            _KILL_SCRIPT.format(manifest=str(root / "manifest.json"), store=str(root / "s.zarr"), out=str(out),
+                                resume=resume)
 
-    subprocess.run([sys.executable, "-c", script(tmp_path / "ref", False, 0.0)], check=True, env=env,
-                   capture_output=True, timeout=300)
-    proc = subprocess.Popen([sys.executable, "-c", script(tmp_path / "killed", False, 30.0)], env=env,
-                            stdout=subprocess.PIPE, text=True, start_new_session=True)
-    try:
-        deadline = time.monotonic() + 120
-        for line in proc.stdout:  # wait until round 2 is checkpointed, then kill -9 mid-sleep
-            if line.startswith("ROUND 2") or time.monotonic() > deadline:
-                break
-        os.killpg(proc.pid, signal.SIGKILL)
-    finally:
-        proc.wait(timeout=30)
+    assert "DONE" in kill_helpers.run_script(script(tmp_path / "ref", False, 0.0), timeout=300).stdout
+    kill_helpers.kill_at(script(tmp_path / "killed", False, 30.0), "ROUND 2", deadline=120)
     assert not (tmp_path / "killed" / "results.json").exists()
-    done = subprocess.run([sys.executable, "-c", script(tmp_path / "killed", True, 0.0)], env=env,
-                          capture_output=True, text=True, timeout=300)
+    done = kill_helpers.run_script(script(tmp_path / "killed", True, 0.0), timeout=300)
     assert "DONE" in done.stdout, done.stderr[-2000:]
     assert live_doubles.digest(_final_state(tmp_path / "ref")) == live_doubles.digest(_final_state(tmp_path / "killed"))
 
@@ -207,7 +185,7 @@ def test_bad_input_is_one_line(setup, tmp_path):
 
 def test_cli_finetune_prints_one_line_errors(setup, tmp_path):
     root, _ = setup
-    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{REPO / 'tests'}"}
+    env = kill_helpers.subprocess_env()
     p = subprocess.run([sys.executable, "-m", "fedheads.cli", "finetune", "--manifest", str(root / "manifest.json"),
                         "--store", str(root / "s.zarr"), "--backbone", "no-such-backbone", "--out", str(tmp_path / "x")],
                        capture_output=True, text=True, env=env, timeout=120)

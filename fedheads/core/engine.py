@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from tqdm.auto import tqdm
@@ -26,7 +26,7 @@ from tqdm.auto import tqdm
 from embedcache.errors import UserError
 from fedheads.core import ops, rng
 from fedheads.core.ops import masked_accuracy
-from fedheads.core.protocol import Algorithm, RoundCtx
+from fedheads.core.protocol import Algorithm, Init, RoundCtx
 from fedheads.core.tree import payload_size, tree_cat, tree_index, tree_leaves, tree_map, tree_scatter, tree_scatter_
 from fedheads.data import FedData, Federation
 
@@ -70,6 +70,7 @@ class RunResult:
     upload_values_per_client: int = 0  # values one participant uploaded in the last round
     wall_seconds: float = 0.0  # whole run: init + every round's training and evaluation
     cpu_seconds: float = 0.0  # process CPU time (all threads) of the same
+    resumed_from: int | None = None  # rounds a checkpoint had done when this run took over (None: from scratch)
 
     def final_accuracy(self, rule: str = "main") -> torch.Tensor:
         """[M] per-client accuracy of the last evaluated round."""
@@ -82,6 +83,32 @@ class RunResult:
         h = self.history
         return CommRecord(sum(r.comm.up_values for r in h), sum(r.comm.up_bytes for r in h),
                           sum(r.comm.down_values for r in h), sum(r.comm.down_bytes for r in h))
+
+
+@dataclass
+class RunState:
+    """Where a run stands after `round` rounds: all it needs to go on. The randomness is
+    counter-based (core/rng.py), so continuing from a RunState ends exactly where an
+    uninterrupted run ends (fedheads.runner writes one per round as a checkpoint)."""
+
+    round: int  # rounds done
+    client_state: Any
+    server_state: Any
+    broadcast: Any  # what round `round`'s participants receive
+    history: list[RoundRecord]
+    upload_values_per_client: int = 0
+
+
+class Checkpointer(Protocol):
+    """What `run` needs to continue a run and to record its progress."""
+
+    def load(self, init: Init) -> RunState | None:
+        """The state to continue from (its trees shaped like `init`'s), or None: start afresh."""
+        ...
+
+    def save(self, state: RunState) -> None:
+        """Called after every round."""
+        ...
 
 
 def clock(device: torch.device) -> tuple[float, float]:
@@ -230,14 +257,17 @@ def owned(client_state: Any, *others: Any) -> Any:
 
 
 def run(algorithm: Algorithm, data: Federation, rounds: int, seed: int = 0, fraction: float = 1.0,
-        engine: str = "vectorized", eval_every: int = 1, progress: bool = True) -> RunResult:
-    """Train `algorithm` for `rounds` communication rounds; see the module docstring."""
+        engine: str = "vectorized", eval_every: int = 1, progress: bool = True,
+        checkpoint: Checkpointer | None = None) -> RunResult:
+    """Train `algorithm` for `rounds` communication rounds; see the module docstring. With a
+    `checkpoint`, the run continues from the state its `load` gives and hands it a RunState
+    after every round."""
     with ops.buffer_pool():  # local training's scratch buffers are reused across rounds
-        return _run(algorithm, data, rounds, seed, fraction, engine, eval_every, progress)
+        return _run(algorithm, data, rounds, seed, fraction, engine, eval_every, progress, checkpoint)
 
 
 def _run(algorithm: Algorithm, data: Federation, rounds: int, seed: int, fraction: float,
-         engine: str, eval_every: int, progress: bool) -> RunResult:
+         engine: str, eval_every: int, progress: bool, checkpoint: Checkpointer | None) -> RunResult:
     if engine not in ENGINES:
         raise UserError(f"engine {engine!r}: must be one of {', '.join(ENGINES)}")
     if rounds < 1:
@@ -248,11 +278,22 @@ def _run(algorithm: Algorithm, data: Federation, rounds: int, seed: int, fractio
     t_run = clock(data.device)
     init = algorithm.init(data.spec(), seed)
     cstate, sstate, bc = init.client_state, init.server_state, init.broadcast
-    if engine == "vectorized" and len(data.groups()) > 1:
-        cstate = owned(cstate, sstate, bc)  # client_updates writes the buckets' rows in place
     res = RunResult(algorithm=algorithm.name, engine=engine)
     res.trainable_params_per_client = algorithm.trainable_params(cstate)
-    bar = tqdm(range(rounds), desc=f"{algorithm.name}[{engine}]", disable=not progress, leave=False)
+    start = checkpoint.load(init) if checkpoint is not None else None
+    if start is not None:
+        if start.round > rounds:
+            raise UserError(f"checkpoint after round {start.round}: the run has only {rounds} rounds")
+        cstate, sstate, bc = start.client_state, start.server_state, start.broadcast
+        res.history, res.upload_values_per_client = list(start.history), start.upload_values_per_client
+        res.resumed_from = start.round
+    if engine == "vectorized" and len(data.groups()) > 1:
+        cstate = owned(cstate, sstate, bc)  # client_updates writes the buckets' rows in place
+    first = 0 if start is None else start.round
+    if first == rounds:  # every round was done: the final evaluated state again (a pure function)
+        evaluated = eval_client_state(algorithm, cstate, sstate, data, engine)
+    bar = tqdm(range(first, rounds), desc=f"{algorithm.name}[{engine}]", disable=not progress, leave=False,
+               initial=first, total=rounds)
     for r in bar:
         t0 = clock(data.device)
         part = select_participants(M, fraction, seed, r)
@@ -285,6 +326,8 @@ def _run(algorithm: Algorithm, data: Federation, rounds: int, seed: int, fractio
         t2 = clock(data.device) if acc is not None else t1
         res.history.append(RoundRecord(r, tuple(part.tolist()), comm, acc, t1[0] - t0[0], t1[1] - t0[1],
                                        t2[0] - t1[0], t2[1] - t1[1]))
+        if checkpoint is not None:
+            checkpoint.save(RunState(r + 1, cstate, sstate, bc, res.history, res.upload_values_per_client))
     # the last round is always evaluated: its evaluated state is what a saved state must predict
     res.client_state, res.server_state = evaluated, sstate
     t_end = clock(data.device)

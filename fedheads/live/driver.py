@@ -16,11 +16,10 @@ the configuration differs.
 
 from __future__ import annotations
 
-import io
 import math
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import KW_ONLY, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -29,29 +28,24 @@ from tqdm.auto import tqdm
 
 from embedcache.errors import UserError
 from fedheads.algorithms.pfl_common import GlobalModel
-from fedheads.atomic import atomic_path
+from fedheads.checkpoint import load_checkpoint, save_checkpoint
 from fedheads.core.engine import select_participants
 from fedheads.core.protocol import RoundCtx
 from fedheads.core.tree import payload_size, tree_leaves, tree_map
 from fedheads.live.data import LiveClient, seeded
-from fedheads.live.finetune import FineTune, FTServerState
+from fedheads.live.finetune import FineTune
 from fedheads.live.model import LiveNet
 
 CKPT_FORMAT = "fedheads-finetune-ckpt/1"
 
 
 @dataclass
-class FTRound:
-    """What happened in one round (round 0: the starting model, nothing trained or sent)."""
+class LiveRound:
+    """What every live stage records per round (round 0: the starting model, nothing trained or
+    sent); FTRound and FedDRA's FDRound add their own fields. Rebuilt from `as_dict()` on resume."""
 
     round: int
-    participants: list[int]
-    up_values: int = 0  # sums over participants
-    up_bytes: int = 0
-    down_values: int = 0
-    down_bytes: int = 0
-    samples: int = 0  # training samples of the participants (N_s of FedNCM App. A, Eq. 5)
-    accuracy: list[float] | None = None  # per client (NaN: no test sample), None if not evaluated
+    _: KW_ONLY
     train_seconds: float = 0.0
     train_cpu_seconds: float = 0.0
     eval_seconds: float = 0.0
@@ -62,10 +56,28 @@ class FTRound:
 
 
 @dataclass
-class FTRun:
-    rounds: list[FTRound] = field(default_factory=list)
-    state: FTServerState | None = None
+class LiveRun:
+    """A live stage's run of one seed: its round records and final server state."""
+
+    rounds: list[Any] = field(default_factory=list)  # LiveRound subclass records, round 0 first
+    state: Any = None  # the final server state
     resumed_from: int | None = None  # round of the checkpoint a resumed run started after
+
+
+@dataclass
+class FTRound(LiveRound):
+    """One fine-tuning round."""
+
+    participants: list[int]
+    up_values: int = 0  # sums over participants
+    up_bytes: int = 0
+    down_values: int = 0
+    down_bytes: int = 0
+    samples: int = 0  # training samples of the participants (N_s of FedNCM App. A, Eq. 5)
+    accuracy: list[float] | None = None  # per client (NaN: no test sample), None if not evaluated
+
+
+FTRun = LiveRun  # fine-tuning's run: rounds are FTRounds, state an FTServerState
 
 
 @torch.no_grad()
@@ -93,41 +105,28 @@ def _sync(device: torch.device) -> None:
 
 
 class Checkpoint:
-    """One file per (run directory, seed), replaced atomically after every round.
+    """One file per (run directory, seed), replaced atomically after every round (fedheads.checkpoint).
 
     The state is a frozen dataclass with a `model` (GlobalModel) field; its other fields (FT: the
     server optimiser state; FedDRA: lambda) are trees of tensors saved as the "opt" leaves.
-    `record` is the round record type (rebuilt from its `as_dict()`)."""
+    `record` is the round record type (rebuilt from its `as_dict()`); `config` the run's settings
+    (a checkpoint written with other settings is refused, naming what differs)."""
 
-    def __init__(self, path: Path, config_hash: str, fmt: str = CKPT_FORMAT, record: type = FTRound) -> None:
-        self.path, self.config_hash, self.fmt, self.record = path, config_hash, fmt, record
+    def __init__(self, path: Path, config: dict[str, Any], fmt: str = CKPT_FORMAT, record: type = FTRound) -> None:
+        self.path, self.config, self.fmt, self.record = path, config, fmt, record
 
     @staticmethod
     def _rest(state: Any) -> tuple:
         return tuple(getattr(state, f.name) for f in fields(state) if f.name != "model")
 
     def save(self, state: Any, rounds: list[Any]) -> None:
-        blob = {"format": self.fmt, "config_hash": self.config_hash, "round": rounds[-1].round,
-                "params": {k: v.detach().cpu() for k, v in state.model.params.items()},
-                "buffers": {k: v.detach().cpu() for k, v in state.model.buffers.items()},
-                "opt": [t.detach().cpu() for t in tree_leaves(self._rest(state))],
-                "history": [r.as_dict() for r in rounds]}
-        buf = io.BytesIO()
-        torch.save(blob, buf)
-        with atomic_path(self.path) as tmp:
-            tmp.write_bytes(buf.getvalue())
+        save_checkpoint(self.path, self.fmt, self.config, rounds[-1].round, {
+            "params": {k: v.detach().cpu() for k, v in state.model.params.items()},
+            "buffers": {k: v.detach().cpu() for k, v in state.model.buffers.items()},
+            "opt": [t.detach().cpu() for t in tree_leaves(self._rest(state))]}, [r.as_dict() for r in rounds])
 
     def load(self, like: Any) -> tuple[Any, list[Any]]:
-        try:
-            blob = torch.load(self.path, map_location="cpu", weights_only=True)
-        except Exception as exc:  # a truncated or foreign file
-            raise UserError(f"{self.path}: not a readable checkpoint ({type(exc).__name__}); remove it "
-                            "or run without --resume") from None
-        if not isinstance(blob, dict) or blob.get("format") != self.fmt:
-            raise UserError(f"{self.path}: not a {self.fmt} checkpoint")
-        if blob["config_hash"] != self.config_hash:
-            raise UserError(f"{self.path}: written by a run with other settings; resume with the same "
-                            "command, or start over with --overwrite")
+        blob = load_checkpoint(self.path, self.fmt, self.config)
         dev = next(iter(like.model.params.values())).device
 
         def fill(src: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -37,8 +37,8 @@ from fedheads.core import rng
 from fedheads.core.engine import clock
 from fedheads.core.tree import payload_size
 from fedheads.live.data import seeded
-from fedheads.live.driver import Checkpoint
-from fedheads.live.feddra import FedDRA, FDServerState
+from fedheads.live.driver import Checkpoint, LiveRound, LiveRun
+from fedheads.live.feddra import FedDRA
 from fedheads.live.feddra_eval import retrieval
 from fedheads.live.feddra_model import DualEncoder, is_module_key
 from fedheads.live.pairs import EVAL_BATCH, PairClient, TokenCache, dro_rows, encode_cache, eval_batches, step_rows
@@ -48,10 +48,9 @@ STAGE1_INPUTS = ("auto", "reencode", "live")
 
 
 @dataclass
-class FDRound:
-    """What happened in one round (round 0: the starting model, nothing trained or sent)."""
+class FDRound(LiveRound):
+    """One FedDRA round (round 0: the starting model, nothing trained or sent)."""
 
-    round: int
     stages: list[int] = field(default_factory=list)
     scale: list[float] = field(default_factory=list)  # s_i used in this round (from lambda^r)
     v: list[float] = field(default_factory=list)  # v_i measured after the round
@@ -60,20 +59,9 @@ class FDRound:
     compute_F: float = 0.0  # encoder forward-pass units of this round (docs/contracts.md section 10)
     reencoded: int = 0  # samples re-encoded for stage 1 (stale caches)
     retrieval: list[dict[str, float]] | None = None  # per client (fractions), None if not evaluated
-    train_seconds: float = 0.0
-    train_cpu_seconds: float = 0.0
-    eval_seconds: float = 0.0
-    eval_cpu_seconds: float = 0.0
-
-    def as_dict(self) -> dict[str, Any]:
-        return dict(self.__dict__)
 
 
-@dataclass
-class FDRun:
-    rounds: list[FDRound] = field(default_factory=list)
-    state: FDServerState | None = None
-    resumed_from: int | None = None
+FDRun = LiveRun  # FedDRA's run: rounds are FDRounds, state an FDServerState
 
 
 def _seed(seed: int, round_: int, client: int, stage: int) -> int:
@@ -272,5 +260,5 @@ def run_feddra(alg: FedDRA, net: DualEncoder, glob: DualEncoder, clients: Sequen
     return out
 
 
-def feddra_checkpoint(path: Any, config_hash: str) -> Checkpoint:
-    return Checkpoint(path, config_hash, fmt=CKPT_FORMAT, record=FDRound)
+def feddra_checkpoint(path: Any, config: dict[str, Any]) -> Checkpoint:
+    return Checkpoint(path, config, fmt=CKPT_FORMAT, record=FDRound)

@@ -20,7 +20,6 @@ from __future__ import annotations
 import copy
 import csv
 import dataclasses
-import hashlib
 import io
 import json
 import time
@@ -33,7 +32,6 @@ import numpy as np
 import torch
 
 from embedcache.errors import UserError
-from embedcache.manifest import canonical_json
 from fedheads import report, rundir
 from fedheads.data import resolve_device
 from fedheads.live import feddra_report, vl
@@ -108,10 +106,6 @@ class FedDRAOptions:
     resume: bool = False
     overwrite: bool = False
     progress: bool = True
-
-
-def _sha(obj: Any) -> str:
-    return hashlib.sha256(canonical_json(obj).encode()).hexdigest()
 
 
 def _image_cut(staged: Any, name: str, cut: str | None) -> str:
@@ -237,7 +231,7 @@ def _one_method(name: str, cfg: FedDRAConfig, su: _Setup, store: str | None, ima
     for seed in opts.seeds:
         net = _build(su, opts, seed, su.device)
         glob = copy.deepcopy(net)
-        ck = feddra_checkpoint(out / "state" / f"seed{seed}.ckpt.pt", _sha({**run_cfg, "seed": seed}))
+        ck = feddra_checkpoint(out / "state" / f"seed{seed}.ckpt.pt", {**run_cfg, "seed": seed})
         run = run_feddra(alg, net, glob, su.clients, seed=seed, device=su.device, checkpoint=ck, resume=opts.resume,
                          eval_every=opts.eval_every, augment=opts.augment, stage1_inputs=opts.stage1_inputs,
                          progress=opts.progress)

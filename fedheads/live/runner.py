@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import copy
 import csv
-import hashlib
 import io
 import json
 import math
@@ -33,7 +32,6 @@ from typing import Any
 import torch
 
 from embedcache.errors import UserError
-from embedcache.manifest import canonical_json
 from fedheads import comm, report, rundir
 from fedheads.atomic import atomic_path
 from fedheads.data import resolve_device
@@ -72,10 +70,6 @@ class FinetuneOptions:
     resume: bool = False  # continue from RUN_DIR/state/seed<S>.ckpt.pt
     overwrite: bool = False  # replace a finished run directory
     progress: bool = True
-
-
-def _sha(obj: Any) -> str:
-    return hashlib.sha256(canonical_json(obj).encode()).hexdigest()
 
 
 def _jsonable(obj: Any) -> Any:
@@ -183,7 +177,7 @@ def _one_method(head: str, m: Any, store: str, bb: Any, backbone: str, trainable
         if device.type == "cuda":
             net.to(memory_format=torch.channels_last)
         alg = FineTune(opts.ft)
-        ck = Checkpoint(out / "state" / f"seed{seed}.ckpt.pt", _sha({**run_cfg, "seed": seed}))
+        ck = Checkpoint(out / "state" / f"seed{seed}.ckpt.pt", {**run_cfg, "seed": seed})
         run = run_finetune(alg, net, split_state(net), clients, rounds=opts.rounds, seed=seed,
                            fraction=opts.fraction, eval_every=opts.eval_every, device=device, checkpoint=ck,
                            resume=opts.resume, progress=opts.progress)
