@@ -235,7 +235,7 @@ def predict(run: str | Path, store: str | Path | None = None, *, images: str | N
             batch_size: int | None = None, num_workers: int = 2, weights_dir: str | None = None,
             plugins: Sequence[str] = (), progress: bool = False,
             out: str | Path | None = None) -> dict[str, np.ndarray] | PredictionSummary:
-    """Classify samples with a trained run directory, as `fedheads predict` (docs/contracts.md, 6b).
+    """Classify samples with a trained run directory, as `fedheads predict` (docs/contracts.md, 6c).
 
     Give one of: `store` (features already extracted), `manifest` (a manifest's `split`, default
     test, each sample by its own client's state) or `images="imagefolder:PATH"` (new images: by the run's

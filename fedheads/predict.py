@@ -1,4 +1,4 @@
-"""Batch prediction from a trained run (docs/contracts.md, 6b): every sample is classified by its
+"""Batch prediction from a trained run (docs/contracts.md, 6c): every sample is classified by its
 own client's state (nearest prototype with faiss, fedheads.inference) or, for images that belong
 to no client, by the run's global model; features are streamed in row chunks, so memory stays
 bounded whatever the number of samples.

@@ -1,6 +1,6 @@
 """`fedheads predict --manifest / --images`: new images extracted through the run's backbones
 (cached, drift-checked), checked against the training features, classified by each sample's own
-client or the global model (docs/contracts.md, 6b)."""
+client or the global model (docs/contracts.md, 6c)."""
 
 from __future__ import annotations
 

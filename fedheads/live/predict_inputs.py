@@ -1,4 +1,4 @@
-"""New images for `fedheads predict` (docs/contracts.md, 6b): `--images imagefolder:PATH` or
+"""New images for `fedheads predict` (docs/contracts.md, 6c): `--images imagefolder:PATH` or
 `--manifest M` are extracted with every backbone of the trained run, by embedcache's own extract
 (drift check, cache keys, resume), into a cache store; fedheads.predict then classifies from it.
 
