@@ -16,6 +16,8 @@ for b in engine memory fedncm predict extract store_read backbone_speed finetune
   esac
   "$PY" "benchmarks/bench_$b.py" $args
 done
+echo "== bench_predict_images $(date -u +%H:%M:%S)"   # fedheads predict --images end to end, cold and warm cache
+"$PY" benchmarks/bench_predict_images.py
 echo "== bench_cached_vs_live $(date -u +%H:%M:%S)"
 "$PY" benchmarks/bench_cached_vs_live.py --rounds 100 --live-rounds 5
 echo "== bench_flower $(date -u +%H:%M:%S)"   # needs the [flower] extra (part of [dev])

@@ -2,7 +2,8 @@
 
     fedheads.train(data, "fedpcl", ...)        -> Result   (`fedheads train`)
     fedheads.compare(data, ["lp", "mlp"], ...) -> Result   (`fedheads compare`)
-    fedheads.predict(run_dir, store, ...)      -> table    (`fedheads predict`)
+    fedheads.predict(run_dir, store | images= | manifest=, ...) -> table  (`fedheads predict`)
+    fedheads.train(...).predict(features)      -> table    (the trained run's own classifier)
     fedheads.finetune(manifest, store, backbone, out, ...) -> Result   (`fedheads finetune`)
     fedheads.list_algorithms(), fedheads.register_algorithm(name, factory, description=...)
 
@@ -25,6 +26,7 @@ if TYPE_CHECKING:
     import numpy as np
 
     from fedheads.data import FedData
+    from fedheads.predict import PredictionSummary
 
 ClientArrays = Sequence[Any]  # (x_train [N, D], y_train [N], x_test [T, D], y_test [T])
 Data = Union[str, Path, "FedData", Mapping[str, ClientArrays], Sequence[ClientArrays]]
@@ -38,10 +40,11 @@ class Result(Mapping[str, Any]):
     `states` maps each seed to its final client and server states (in-memory training only)."""
 
     def __init__(self, fields: Mapping[str, Any], run_dir: str | Path | None = None,
-                 states: Mapping[int, Any] | None = None) -> None:
+                 states: Mapping[int, Any] | None = None, config: Mapping[str, Any] | None = None) -> None:
         self._fields = dict(fields)
         self.run_dir = None if run_dir is None else Path(run_dir)
         self.states = dict(states or {})
+        self.config = None if config is None else dict(config)  # config.json's dict (in-memory runs)
 
     def __getitem__(self, key: str) -> Any:
         value = self._fields[key]
@@ -67,6 +70,32 @@ class Result(Mapping[str, Any]):
         what = self._fields.get("algorithm") or ",".join(self._fields.get("algorithms", {}))
         cell = self._fields.get("accuracy_cell")
         return f"Result({what}{': ' + cell if cell else ''}{', ' + str(self.run_dir) if self.run_dir else ''})"
+
+    def predict(self, features: Any = None, *, client: str | None = None, seed: int | None = None,
+                top_k: int = 1, device: str = "cpu", **kw: Any) -> dict[str, np.ndarray] | PredictionSummary:
+        """Classify with this trained run, as `fedheads predict`: `features` [N, D] (the run's
+        backbones concatenated) through the final states of `seed` (default the first) -> the table
+        (prediction = class index, prediction_name, score, ...; sample_id = row number); by `client`'s
+        state, every client's ("all"), or the global model (None). Or, for a run written to a run
+        directory, any of fedheads.predict's inputs: store=, images=, manifest= (same options)."""
+        from embedcache.errors import UserError
+        from fedheads.predict import open_run, predict_array, trained_from
+
+        if "algorithms" in self._fields:
+            raise UserError("Result.predict: a comparison; predict with one of res.algorithms[NAME]")
+        if features is None:
+            if self.run_dir is None:
+                raise UserError("Result.predict: store=/images=/manifest= need a run directory (train with out=)")
+            return predict(self.run_dir, client=client, seed=seed, top_k=top_k, device=device, **kw)
+        if kw:
+            raise UserError(f"Result.predict: features given; {', '.join(kw)} do not apply")
+        if self.states and self.config is not None:
+            tr = trained_from(self.config, self._fields, self.states, seed, device)
+        elif self.run_dir is not None:
+            tr = open_run(self.run_dir, seed, device)
+        else:
+            raise UserError("Result.predict: this result holds no trained states")
+        return predict_array(tr, features, client=client, top_k=top_k)
 
     def to_dict(self) -> dict[str, Any]:
         """results.json's dict (a copy)."""
@@ -170,7 +199,7 @@ def train(data: Data, algorithm: str, *, backbones: Sequence[str] | str | None =
         return Result(runner.train_run(store, bbs, algorithm, opts, out, data=fed, overwrite=overwrite,
                                        resume=resume), out)
     trained = runner.train_data(fed, bbs, algorithm, opts, dims=_dims(store, bbs), store=store)  # type: ignore[arg-type]
-    return Result(trained.result, states=trained.states)
+    return Result(trained.result, states=trained.states, config=trained.config)
 
 
 def compare(data: Data, algorithms: Sequence[str] | str, *, backbones: Sequence[str] | str | None = None,
@@ -195,7 +224,7 @@ def compare(data: Data, algorithms: Sequence[str] | str, *, backbones: Sequence[
         return Result(runner.compare_runs(store, bbs, names, opts, out, overwrite=overwrite, data=fed,
                                           resume=resume), out)
     runs, combined = runner.compare_data(fed, bbs, names, opts, dims=_dims(store, bbs), store=store)  # type: ignore[arg-type]
-    combined["algorithms"] = {n: Result(r.result, states=r.states) for n, r in runs.items()}
+    combined["algorithms"] = {n: Result(r.result, states=r.states, config=r.config) for n, r in runs.items()}
     return Result(combined)
 
 
@@ -214,27 +243,28 @@ def _dims(store: str | None, backbones: list[str]) -> list[int] | None:
     return backbone_dims(open_store(store), backbones)
 
 
-def predict(run: str | Path, store: str | Path, *, split: str = "test", client: str = "all",
-            seed: int | None = None, top_k: int = 1, chunk_rows: int = 65536, device: str = "cpu",
-            out: str | Path | None = None) -> dict[str, np.ndarray] | int:
-    """Classify a store's features with a trained run, as `fedheads predict`: each client by its
-    own nearest prototype (faiss), or by its head for algorithms without prototypes.
+def predict(run: str | Path, store: str | Path | None = None, *, images: str | None = None,
+            manifest: Any = None, split: str | None = None, client: str | None = None, seed: int | None = None,
+            top_k: int = 1, cache: str | Path | None = None, chunk_rows: int = 65536, device: str = "cpu",
+            batch_size: int | None = None, num_workers: int = 2, weights_dir: str | None = None,
+            plugins: Sequence[str] = (), progress: bool = False,
+            out: str | Path | None = None) -> dict[str, np.ndarray] | PredictionSummary:
+    """Classify samples with a trained run directory, as `fedheads predict` (docs/contracts.md, 6c).
 
-    Returns the table {column: array} (client, sample_id, label, prediction, score, and
-    top{j}_label / top{j}_score when top_k > 1); with `out` (.csv / .parquet) the table is
-    streamed there in chunks instead (bounded memory) and the row count is returned."""
-    import numpy as np
+    Give one of: `store` (features already extracted), `manifest` (a manifest's `split`, default
+    test, each sample by its own client's state) or `images="imagefolder:PATH"` (new images: by the run's
+    global model, or `client`'s personalised state, or every client's with client="all"). New
+    images are extracted with the run's backbones into `cache` (default RUN_DIR/predict-cache),
+    after checking the backbones' weights and preprocessing against the training features.
+    Returns the table {column: array} (client, sample_id, label, label_name, prediction,
+    prediction_name, score; top{j}_label / _name / _score when top_k > 1); with `out` (.csv /
+    .parquet) the rows are streamed there instead and a PredictionSummary (rows, accuracy per
+    client) is returned."""
+    from fedheads.predict import run_predict
 
-    from fedheads.predict import iter_predictions, predict_run
-
-    if out is not None:
-        return predict_run(run, str(store), split=split, client=client, seed=seed, k=top_k,
-                           chunk_rows=chunk_rows, device=device, out=out)
-    tables = list(iter_predictions(run, str(store), split=split, client=client, seed=seed, k=top_k,
-                                   chunk_rows=chunk_rows, device=device))
-    if not tables:
-        return {}
-    return {c: np.concatenate([t[c] for t in tables]) for c in tables[0]}
+    return run_predict(run, store, images=images, manifest=manifest, split=split, client=client, seed=seed,
+                       top_k=top_k, cache=cache, device=device, batch_size=batch_size, num_workers=num_workers,
+                       weights_dir=weights_dir, plugins=plugins, progress=progress, chunk_rows=chunk_rows, out=out)
 
 
 def finetune(manifest: Any, store: str | Path, backbone: str, out: str | Path, *,

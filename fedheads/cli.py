@@ -125,21 +125,32 @@ def compare(store, backbones, algorithms, out, overwrite, resume, dump_config, *
 
 @main.command()
 @click.option("--run", "run_dir", required=True, type=click.Path(file_okay=False), help="A `fedheads train` run directory.")
-@click.option("--store", required=True, type=click.Path(), help="Feature store holding the samples to classify.")
-@click.option("--split", default="test", show_default=True, type=click.Choice(["train", "test"]))
-@click.option("--client", default="all", show_default=True, help="A client name, or all.")
+@click.option("--store", default=None, type=click.Path(), help="Features already extracted (one of --store/--manifest/--images).")
+@click.option("--manifest", default=None, type=click.Path(), help="A manifest: its --split, each sample by its own client.")
+@click.option("--images", default=None, metavar="imagefolder:PATH",
+              help="New images (class folders named like the run's classes give labels): the global model, or --client.")
+@click.option("--cache", default=None, type=click.Path(), help="Feature store for new images (default RUN_DIR/predict-cache).")
+@click.option("--split", default=None, type=click.Choice(["train", "test"]), help="--store/--manifest: [default: test]")
+@click.option("--client", default=None, help="A client name, or all (default: all; --images: the global model).")
 @click.option("--seed", type=int, default=None, help="Which seed's state (default: the run's first).")
-@click.option("--top-k", default=1, show_default=True, help="Also write the k nearest classes.")
+@click.option("--top-k", default=1, show_default=True, help="Also write the k nearest classes (capped at the classes).")
 @click.option("--chunk-rows", default=65536, show_default=True, help="Rows per streamed chunk (bounded memory).")
-@click.option("--device", default="cpu", show_default=True, help="Where the head runs (faiss uses the GPU when it can).")
+@click.option("--device", default="cpu", show_default=True, help="Where extraction and the head run (faiss uses the GPU when it can).")
+@click.option("--batch-size", type=int, default=None, help="Extraction batch (default: the training store's).")
+@click.option("--num-workers", default=2, show_default=True, help="Image decoding threads.")
+@click.option("--weights-dir", default=None, help="Where backbone weights are looked up first.")
+@click.option("--plugin", "plugins", multiple=True, help="Module to import first (registers custom backbones).")
+@click.option("--quiet", is_flag=True, help="No progress bars.")
 @click.option("--out", required=True, type=click.Path(dir_okay=False), help=".csv or .parquet")
-def predict(run_dir, store, split, client, seed, top_k, chunk_rows, device, out) -> None:
-    """Classify stored features by nearest prototype (faiss), personalised per client."""
+def predict(run_dir, out, quiet, **kw) -> None:
+    """Classify samples with a trained run: stored features, a manifest, or new images (extracted
+    with the run's backbones, checked against training's), by nearest prototype (faiss) or head."""
     from fedheads.api import predict as run_predict
 
-    n = run_predict(run_dir, store, split=split, client=client, seed=seed, top_k=top_k,
-                    chunk_rows=chunk_rows, device=device, out=out)
-    click.echo(f"{n} predictions -> {out}")
+    res = run_predict(run_dir, out=out, progress=not quiet, **kw)
+    for line in res.accuracy_lines():
+        click.echo(line)
+    click.echo(f"{res.rows} predictions -> {out}")
 
 
 def _live_run_options(f):

@@ -22,7 +22,7 @@ support *and* a GPU is visible; results are the same either way.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -182,20 +182,30 @@ def predict_features(prototypes: Any, present: Any, rule: str,
 
 
 def prediction_rows(client: str, sample_ids: Any, labels: Any, pred: Predictions,
-                    ) -> dict[str, np.ndarray]:
+                    class_names: Sequence[str] | None = None) -> dict[str, np.ndarray]:
     """Columnar table for :func:`write_predictions`: client, sample_id, label, prediction,
-    score, then top{j}_label / top{j}_score for j = 1..k when k > 1."""
+    score, then top{j}_label / top{j}_score for j = 1..k when k > 1. With `class_names`, each
+    class column is followed by its name (label_name, prediction_name, top{j}_name; "" for -1)."""
     n = pred.labels.shape[0]
     ids, y = np.asarray(sample_ids).astype(str), np.asarray(labels, dtype=np.int64)
     if ids.shape[0] != n or y.shape[0] != n:
         raise UserError(f"{client}: {ids.shape[0]} ids / {y.shape[0]} labels for {n} predictions")
-    cols: dict[str, np.ndarray] = {
-        "client": np.full(n, client, dtype=object), "sample_id": ids, "label": y,
-        "prediction": pred.labels, "score": pred.scores}
+    # index -1 (no label, no class) reads the trailing "" of the lookup table
+    names = None if class_names is None else np.array([*map(str, class_names), ""], dtype=object)
+    cols: dict[str, np.ndarray] = {"client": np.full(n, client, dtype=object), "sample_id": ids}
+
+    def classes(col: str, name_col: str, idx: np.ndarray) -> None:
+        cols[col] = idx
+        if names is not None:
+            cols[name_col] = names[idx]
+
+    classes("label", "label_name", y)
+    classes("prediction", "prediction_name", pred.labels)
+    cols["score"] = pred.scores
     if pred.topk_labels.shape[1] > 1:
-        for j in range(pred.topk_labels.shape[1]):
-            cols[f"top{j + 1}_label"] = pred.topk_labels[:, j]
-            cols[f"top{j + 1}_score"] = pred.topk_scores[:, j]
+        for j in range(1, pred.topk_labels.shape[1] + 1):
+            classes(f"top{j}_label", f"top{j}_name", pred.topk_labels[:, j - 1])
+            cols[f"top{j}_score"] = pred.topk_scores[:, j - 1]
     return cols
 
 

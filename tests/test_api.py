@@ -56,7 +56,7 @@ def test_top_level_names_are_the_api():
     assert embedcache.open_store is embedcache.api.open_store
     # modules of the same name stay importable and are callable as the API function
     import embedcache.extract as ex
-    from fedheads.predict import predict_run  # noqa: F401
+    from fedheads.predict import run_predict  # noqa: F401
 
     assert embedcache.extract is ex and callable(embedcache.extract)
     assert inspect.signature(embedcache.extract) == inspect.signature(embedcache.api.extract)
@@ -137,9 +137,11 @@ def test_store_api_matches_the_cli(tmp_path):
     mem = fedheads.train(store, "fedproto", backbones="synth", rounds=2, seeds=[0])
     assert mem.per_client == cli["per_client"] and mem.clients == cli["clients"]
     table = fedheads.predict(run, store, top_k=2)
-    n = fedheads.predict(run, store, top_k=2, out=tmp_path / "p.csv")
+    done = fedheads.predict(run, store, top_k=2, out=tmp_path / "p.csv")
     rows = (tmp_path / "p.csv").read_text().splitlines()
-    assert n == len(table["label"]) == len(rows) - 1 and rows[0].split(",") == list(table)
+    assert done.rows == len(table["label"]) == len(rows) - 1 and rows[0].split(",") == list(table)
+    assert {c: v["accuracy"] for c, v in done.per_client.items()} == pytest.approx(
+        {c: v["mean"] for c, v in cli["per_client"].items()})
     acc = {c: 100.0 * float(np.mean(table["prediction"][table["client"] == c] == table["label"][table["client"] == c]))
            for c in cli["clients"]}
     assert acc == pytest.approx({c: v["mean"] for c, v in cli["per_client"].items()})

@@ -249,7 +249,11 @@ def test_fedheads_never_imports_backbone_or_cluster_libraries(store, tmp_path):
         f"r = CliRunner().invoke(main, ['train', '--store', {str(store)!r}, '--backbones', 'synth', "
         f"'--algorithm', 'fedpcl', '--rounds', '1', '--seeds', '0', '--quiet', '--out', {str(tmp_path / 'r')!r}])\n"
         "assert r.exit_code == 0, r.output\n"
-        "print(sorted(m for m in ('timm', 'torchvision', 'dask', 'distributed', 'flwr') if m in sys.modules))\n"
+        f"r = CliRunner().invoke(main, ['predict', '--run', {str(tmp_path / 'r')!r}, '--store', {str(store)!r}, "
+        f"'--quiet', '--out', {str(tmp_path / 'p.csv')!r}])\n"
+        "assert r.exit_code == 0, r.output\n"
+        "print(sorted(m for m in ('timm', 'torchvision', 'dask', 'distributed', 'flwr', 'embedcache.sources', "
+        "'embedcache.backbones') if m in sys.modules))\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout
@@ -299,7 +303,7 @@ def test_predict_refuses_features_of_another_store(store, fedpcl_run, tmp_path):
             np.savez(f, features=rng.normal(size=(5, D)).astype(np.float32), labels=np.arange(5) % C)
             import_features(other, f, backbone="synth", client=c, split=split, classes=[f"k{i}" for i in range(C)])
     _one_line_error(["predict", "--run", str(fedpcl_run), "--store", str(other), "--out", str(tmp_path / "p.csv")],
-                    "other weights")
+                    "backbone synth: weights (sha256) differs")
     _one_line_error(["predict", "--run", str(fedpcl_run), "--store", str(store), "--top-k", "0",
                      "--out", str(tmp_path / "p.csv")], "--top-k")
     assert not (tmp_path / "p.csv").exists()

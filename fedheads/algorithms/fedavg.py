@@ -76,6 +76,7 @@ class FedAvg:
     """FedAvg / FedProx with a pluggable server optimiser."""
 
     name = "fedavg"
+    global_rule = "global_model"  # predict's key for the server model alone
 
     def __init__(self, cfg: FedAvgConfig = FedAvgConfig(), server_opt: ServerOptimizer | None = None,
                  name: str | None = None) -> None:

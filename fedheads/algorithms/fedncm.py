@@ -143,6 +143,7 @@ class FedNCM:
     """FedNCM in the core's algorithm protocol (one round, no training)."""
 
     name = "fedncm"
+    global_rule = "main"  # every client classifies by the server's class means
 
     def __init__(self, cfg: FedNCMConfig = FedNCMConfig()) -> None:
         if cfg.rule not in RULES:

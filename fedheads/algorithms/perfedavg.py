@@ -71,6 +71,7 @@ class PerFedAvg:
     """Per-FedAvg, first-order MAML variant."""
 
     name = "perfedavg"
+    global_rule = "global_model"  # predict's key for the server model alone
 
     def __init__(self, cfg: PerFedAvgConfig = PerFedAvgConfig()) -> None:
         self.cfg = cfg

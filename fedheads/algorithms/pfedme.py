@@ -74,6 +74,7 @@ class PFedMe:
     """pFedMe: bi-level personalisation with Moreau envelopes."""
 
     name = "pfedme"
+    global_rule = "global_model"  # predict's key for the server model alone
 
     def __init__(self, cfg: PFedMeConfig = PFedMeConfig()) -> None:
         self.cfg = cfg

@@ -22,6 +22,10 @@ run. Conventions:
   clients (loop engine: one client at a time, M=1), never feed its result back into training,
   and return the last adapted state as the run's final client state, so a saved state predicts
   what was evaluated. It must be a pure function of its arguments (same in both engines).
+- Optional attribute `global_rule: str` (also outside the Protocol class): the key of `predict`
+  whose scores depend on the server state alone (the same for every client), i.e. the run's global
+  model. `fedheads predict --images` classifies images that belong to no client with it; an
+  algorithm without it (personalised heads, local prototypes) needs `--client`.
 """
 
 from __future__ import annotations
