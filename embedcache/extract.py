@@ -340,7 +340,8 @@ def extract(manifest: Any, cfg: ExtractConfig, *, source: Any = None,
     for msg in check_unchanged(manifest, source):
         report.note(msg)
     fresh = not (Path(cfg.store) / "zarr.json").exists()
-    st.init_store(cfg.store, manifest.classes, manifest.content_hash, [c.name for c in manifest.clients])
+    st.init_store(cfg.store, manifest.classes, manifest.content_hash, [c.name for c in manifest.clients],
+                  source=manifest.source)
     try:
         with contextlib.ExitStack() as stack:
             client = _LazyClient(cfg.scheduler, stack)

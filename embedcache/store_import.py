@@ -215,7 +215,8 @@ def import_many(store: str | Path, source: str | Path, *, backbone: str | None =
         for n, (spec, item, (feats, _, _)) in enumerate(zip(specs, src.items, arrays)):
             undos.append(_Undo(store, st.backbone_key(spec.backbone), spec.client, spec.split, spec.key))
             if n == 0:
-                st.init_store(store, cls, manifest_hash, clients=new_clients if root is None else None)
+                st.init_store(store, cls, manifest_hash, clients=new_clients if root is None else None,
+                              source=f"import:{src.name}" if root is None else None)
             st.add_client(store, spec.client)
             views = None if item.views is None else item.views.astype(np.float32)
             st.write_shard(store, spec, feats, views, item.mask)
