@@ -87,6 +87,9 @@ def plot_history(results: Sequence[Mapping[str, Any]], path: str | Path, title_t
         s = np.array([p.get("std", 0.0) for p in h])
         ax.plot(x, y, marker="o" if len(x) < 3 else None, label=r["algorithm"], **style(i))
         ax.fill_between(x, y - s, y + s, color=color(i), alpha=0.2)
+    from matplotlib.ticker import MaxNLocator
+
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # rounds are whole numbers
     ax.set_xlabel("round")
     ax.set_ylabel("test accuracy (%)")
     ax.set_title(title_text or result_title("Accuracy per round", results), fontsize=10)

@@ -178,3 +178,21 @@ def test_the_python_api_mirrors_import_and_export(extracted, tmp_path):
     assert embedcache.export(extracted, tmp_path / "e", format="npz") == 8
     specs = embedcache.import_features(tmp_path / "e", tmp_path / "s", backbone="tiny")
     assert len(specs) == 4 and open_store(tmp_path / "s").backbones == ("tiny",)
+
+
+def test_a_many_client_import_into_a_new_store_that_fails_leaves_no_store(tmp_path, monkeypatch):
+    src = tmp_path / "feats"
+    src.mkdir()
+    for c in ("c0", "c1", "c2"):
+        np.savez(src / f"{c}_train.npz", features=_client_arrays(0, 4)[0], labels=np.arange(4) % 3)
+    real, calls = store_import.st.finalize_shard, []
+
+    def fail_third(*a, **k):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real(*a, **k)
+    monkeypatch.setattr(store_import.st, "finalize_shard", fail_third)
+    with pytest.raises(KeyboardInterrupt):
+        import_many(tmp_path / "fresh", src, backbone="ext")
+    assert not (tmp_path / "fresh").exists()

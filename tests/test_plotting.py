@@ -66,6 +66,7 @@ def test_history_plot_uses_the_palette_and_keeps_the_legend_off_the_data(drawn):
     assert [ln.get_color() for ln in ax.lines] == [plotting.color(i) for i in range(12)]
     _legend_outside(fig, ax)
     assert ax.get_title() == "Accuracy per round: builtin:digits, resnet20-cifar10"
+    assert all(float(t).is_integer() for t in ax.get_xticks())  # no round 1.25
 
 
 @pytest.mark.parametrize("n", [4, 12, 30, 100])
