@@ -54,7 +54,7 @@ def main(out: str, rounds: int, seeds: str, train_per_class: int, test_per_class
     if backbones is None:
         names, reason = default_backbones_with_reason()
         backbones = ",".join(names)
-        click.secho(f"backbone: {backbones} ({reason})", fg="green", err=True)
+        click.secho(f"backbone: {backbones}; {reason}", fg="green", err=True)
     manifest = outdir / "manifest.json"
     store = outdir / "store.zarr"
     _run(["embedcache.cli", "partition", "builtin:digits", "--scheme", "feature-shift",

@@ -33,6 +33,9 @@ def figure1(results: Sequence[Mapping[str, Any]], path: str | Path, title: str =
     for ax, (_, label, _) in zip(axes, _PANELS):
         ax.set_xlabel(label)
         ax.grid(alpha=0.3)
+    from matplotlib.ticker import MaxNLocator
+
+    axes[0].xaxis.set_major_locator(MaxNLocator(integer=True))  # rounds are whole numbers
     axes[2].set_xscale("symlog", linthresh=1.0)
     axes[0].set_ylabel("test accuracy (%), mean over clients")
     plotting.legend_outside(axes[2], source=axes[0])
