@@ -2,7 +2,7 @@
 features as keyed, resumable Zarr shards (one per backbone x client x split).
 
 Python API (one function per command, see embedcache.api): `partition`, `extract`,
-`open_store`, `load_split`."""
+`open_store`, `load_split`, `import_features`, `export`."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ from typing import Any
 
 __version__ = "0.1.0"
 
-from embedcache.api import load_split, open_store  # noqa: E402
+from embedcache.api import export, import_features, load_split, open_store  # noqa: E402
 
-__all__ = ["extract", "load_split", "open_store", "partition", "__version__"]
+__all__ = ["export", "extract", "import_features", "load_split", "open_store", "partition", "__version__"]
 
 
 def __getattr__(name: str) -> Any:

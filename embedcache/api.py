@@ -4,6 +4,8 @@
     embedcache.extract(manifest, backbones, store, ...)     -> ExtractReport  (`embedcache extract`)
     embedcache.open_store(store)                            -> StoreInfo      (`embedcache inspect`)
     embedcache.load_split(store, backbones, split)          -> {client: ClientSplit (numpy)}
+    embedcache.import_features(source, store, ...)          -> [ShardSpec]    (`embedcache import`)
+    embedcache.export(store, out, format="h5")              -> shard count    (`embedcache export`)
 
 `embedcache.partition` and `embedcache.extract` are the modules of those names, callable as the
 functions below (embedcache.callable_module). Nothing heavy is imported until a function runs."""
@@ -127,3 +129,25 @@ def load_split(store: str | Path | StoreInfo, backbones: Sequence[str] | str, sp
     from embedcache.reader import load_split as load
 
     return load(store, backbones, split, clients=clients, views=views)
+
+
+def import_features(source: str | Path, store: str | Path, *, backbone: str | None = None,
+                    client: str | None = None, split: str | None = None, domain: str | None = None,
+                    features_key: str = "features", labels_key: str = "labels", transpose: bool = False,
+                    classes: Sequence[str] | None = None, dtype: str | None = None) -> list:
+    """`embedcache import`: one file of arrays (give client and split), an `embedcache export`
+    (.h5 or npz directory), an HDF5 file with a group per client, or a directory of per-client
+    files, written into `store` all or nothing (docs/contracts.md 4a). Returns the ShardSpecs written."""
+    from embedcache.store_import import import_many
+
+    return import_many(store, source, backbone=backbone, client=client, split=split, domain=domain,
+                       features_key=features_key, labels_key=labels_key, transpose=transpose,
+                       classes=classes, dtype=dtype)
+
+
+def export(store: str | Path, out: str | Path, format: str = "h5") -> int:
+    """`embedcache export`: every shard to one HDF5 file (`format="h5"`) or an npz directory
+    (`"npz"`), rows exactly as stored; returns the number of shards."""
+    from embedcache.store_export import export_store
+
+    return export_store(store, out, format)

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import importlib
 import queue
 import random
 import shutil
@@ -43,6 +42,7 @@ from embedcache import store as st
 from embedcache.devices import resolve_device
 from embedcache.errors import UserError
 from embedcache.extract_text import embed_text_chunk, is_text, text_notes
+from embedcache.plugins import import_plugins  # noqa: F401 (workers import it from here)
 
 _VIEW_SEED_LOCK = threading.Lock()  # global RNGs: one seeded augmentation at a time
 
@@ -104,14 +104,6 @@ class ExtractReport:
     def note(self, msg: str) -> None:
         self.notes.append(msg)
         print(f"note: {msg}", file=sys.stderr, flush=True)
-
-
-def import_plugins(plugins: Sequence[str]) -> None:
-    for mod in plugins:
-        try:
-            importlib.import_module(mod)
-        except ImportError as exc:
-            raise UserError(f"plugin {mod}: cannot import ({exc})") from None
 
 
 def view_seed(sample_id: str, view: int) -> int:
@@ -348,7 +340,8 @@ def extract(manifest: Any, cfg: ExtractConfig, *, source: Any = None,
     for msg in check_unchanged(manifest, source):
         report.note(msg)
     fresh = not (Path(cfg.store) / "zarr.json").exists()
-    st.init_store(cfg.store, manifest.classes, manifest.content_hash, [c.name for c in manifest.clients])
+    st.init_store(cfg.store, manifest.classes, manifest.content_hash, [c.name for c in manifest.clients],
+                  source=manifest.source)
     try:
         with contextlib.ExitStack() as stack:
             client = _LazyClient(cfg.scheduler, stack)

@@ -84,6 +84,7 @@ class StoreInfo:
     clients: tuple[str, ...]  # the store's clients: its latest manifest's (see init_store), else all with shards
     shards: tuple[ShardInfo, ...]  # every shard, current or stale, sorted by (backbone, client, split)
     consolidated: bool = False  # the consolidated metadata was used (it matched the files)
+    source: str = ""  # the latest extraction's manifest source (contract 4), "" in older stores
 
     def shard(self, backbone: str, client: str, split: str) -> ShardInfo | None:
         for s in self.shards:
@@ -247,7 +248,7 @@ def open_store(path: str | Path, *, quiet: bool = False) -> StoreInfo:
         path=str(path), classes=tuple(attrs.get("classes", ())), manifest_hash=str(attrs.get("manifest_hash", "")),
         backbones=tuple(sorted({s.backbone for s in shards})),
         clients=tuple(sorted(attrs["clients"] if attrs.get("clients") is not None else {s.client for s in shards})),
-        shards=tuple(shards), consolidated=use)
+        shards=tuple(shards), consolidated=use, source=str(attrs.get("source", "")))
 
 
 def _names(info: StoreInfo, backbones: Sequence[str] | str, split: str) -> list[str]:

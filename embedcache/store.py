@@ -125,12 +125,13 @@ def _check_root(store: Path, root: zarr.Group, classes: Sequence[str] | None) ->
 
 
 def init_store(store: str | Path, classes: Sequence[str], manifest_hash: str,
-               clients: Sequence[str] | None = None) -> None:
+               clients: Sequence[str] | None = None, source: str | None = None) -> None:
     """Create the store root (or check an existing one): the class list must not change,
     since every label in every shard indexes it. `clients` (an extraction's manifest clients)
     becomes the store's client list, so shards of clients that a later manifest dropped stay on
     disk but are no longer served by the reader (they would leak old samples into training).
-    Under the same manifest, clients added by `import` stay listed."""
+    Under the same manifest, clients added by `import` stay listed. `source` (the manifest's
+    source) names the data in titles; None leaves it as it is."""
     store = Path(store)
     if clients is not None:
         check_client_names(store, clients)  # before dir_lock creates the directory
@@ -147,6 +148,9 @@ def init_store(store: str | Path, classes: Sequence[str], manifest_hash: str,
             if clients is not None and list(listed or []) != list(clients):
                 _drop_consolidated(store, have_lock=True)
                 root.attrs["clients"] = list(clients)
+            if source is not None and root.attrs.get("source") != source:
+                _drop_consolidated(store, have_lock=True)
+                root.attrs["source"] = source
             return
         if any(p.name != "zarr.json" for p in store.iterdir()):
             # Never take over (or wipe) a directory that holds something else.
@@ -155,6 +159,8 @@ def init_store(store: str | Path, classes: Sequence[str], manifest_hash: str,
         root.attrs.update({"format": STORE_FORMAT, "classes": list(classes), "manifest_hash": manifest_hash})
         if clients is not None:
             root.attrs["clients"] = list(clients)
+        if source is not None:
+            root.attrs["source"] = source
 
 
 def add_client(store: str | Path, client: str) -> None:

@@ -1,7 +1,8 @@
-"""`embedcache import`: features computed elsewhere (.npz, .h5, .mat) become a normal complete
-shard (docs/contracts.md, section 4).
+"""`embedcache import`: features computed elsewhere (.npz, .h5, .mat), an `embedcache export`, or
+many clients at once (an HDF5 file with a group per client, a directory of per-client files)
+become normal complete shards (docs/contracts.md, sections 4 and 4a; reading: `import_sources`).
 
-A failed import leaves the store as it was. Everything that can be checked is checked before
+A failed import leaves the store as it was, all or nothing for an import of many shards. Everything that can be checked is checked before
 the store is touched (file, shapes, labels, dtype, classes, names, feature dimension); if the
 write still fails (disk full, Ctrl-C), `_Undo` removes what the import created and restores
 what it replaced, including the root's client list and consolidated metadata.
@@ -19,63 +20,33 @@ import numpy as np
 
 from embedcache import store as st
 from embedcache.errors import UserError
+from embedcache.import_sources import ImportItem, ImportSource, read_source
 from embedcache.manifest import canonical_json
 from embedcache.reader import root_metadata
 from embedcache.store_layout import BACKUP_PREFIX, case_collision, collides, dir_lock
 
 
-def _read_features(path: Path, features_key: str, labels_key: str, transpose: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
-    suffix = path.suffix.lower()
-    ids = None
-    try:
-        if suffix == ".npz":
-            with np.load(path, allow_pickle=False) as z:
-                data = {k: z[k] for k in z.files}
-        elif suffix in (".h5", ".hdf5"):
-            import h5py
-
-            with h5py.File(path, "r") as f:
-                data = {k: f[k][()] for k in f.keys() if isinstance(f[k], h5py.Dataset)}
-        elif suffix == ".mat":
-            from scipy.io import loadmat
-
-            data = {k: v for k, v in loadmat(str(path)).items() if not k.startswith("__")}
-        else:
-            raise UserError(f"{path}: unsupported file type {suffix!r} (use .npz, .h5 or .mat)")
-    except UserError:
-        raise
-    except Exception as exc:
-        raise UserError(f"{path}: cannot read ({exc})") from None
-    for key in (features_key, labels_key):
-        if key not in data:
-            raise UserError(f"{path}: no array {key!r} (has: {', '.join(sorted(data))})")
-    feats = np.asarray(data[features_key])
-    if transpose:
-        feats = feats.T
-    labels = np.asarray(data[labels_key]).reshape(-1)
-    if "sample_ids" in data:
-        raw = np.asarray(data["sample_ids"]).reshape(-1)
-        ids = np.array([x.decode() if isinstance(x, bytes) else str(x) for x in raw.tolist()], dtype=str)
-    return feats, labels, ids
-
-
-def _checked_arrays(path: Path, client: str, split: str, dtype: str, features_key: str, labels_key: str,
-                    transpose: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    feats, labels, ids = _read_features(path, features_key, labels_key, transpose)
+def _checked(item: ImportItem, dtype: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(features float32, labels int64, sample ids) of one item, or a UserError naming it."""
+    feats, labels, ids, origin = item.features, item.labels, item.sample_ids, item.origin
     if feats.ndim != 2 or not np.issubdtype(feats.dtype, np.number):
-        raise UserError(f"{path}: {features_key} must be a numeric [N, D] array, got shape {feats.shape}")
+        raise UserError(f"{origin}: features must be a numeric [N, D] array, got shape {feats.shape}")
     n = feats.shape[0]
     if labels.shape != (n,):
-        raise UserError(f"{path}: {labels_key} has {labels.size} entries for {n} feature rows (use --transpose for [D, N])")
+        raise UserError(f"{origin}: labels has {labels.size} entries for {n} feature rows (use --transpose for [D, N])")
     if not np.issubdtype(labels.dtype, np.number) or not np.all(labels == np.round(labels)):
-        raise UserError(f"{path}: {labels_key} must be integer class indices")
+        raise UserError(f"{origin}: labels must be integer class indices")
     if ids is None:
-        ids = np.array([f"{client}/{split}/{i:06d}" for i in range(n)], dtype=str)
+        ids = np.array([f"{item.client}/{item.split}/{i:06d}" for i in range(n)], dtype=str)
     if ids.shape != (n,) or len(set(ids.tolist())) != n:
-        raise UserError(f"{path}: sample_ids must be {n} unique strings")
+        raise UserError(f"{origin}: sample_ids must be {n} unique strings")
+    if item.views is not None and (item.views.ndim != 3 or item.views.shape[1:] != feats.shape):
+        raise UserError(f"{origin}: views must be [V, {n}, {feats.shape[1]}], got {item.views.shape}")
+    if item.mask is not None and (item.mask.ndim != 2 or item.mask.shape[0] != n or item.mask.dtype != bool):
+        raise UserError(f"{origin}: mask must be a bool [{n}, T] array, got {item.mask.dtype} {item.mask.shape}")
     with np.errstate(over="ignore", invalid="ignore"):
         if not np.isfinite(feats).all() or not np.isfinite(feats.astype(dtype)).all():
-            raise UserError(f"{path}: {features_key} contains NaN/inf{' (as float16)' if dtype == 'float16' else ''}")
+            raise UserError(f"{origin}: features contain NaN/inf{' (as float16)' if dtype == 'float16' else ''}")
     return feats.astype(np.float32), labels.astype(np.int64), ids
 
 
@@ -140,54 +111,133 @@ def _precheck(store: Path, spec: st.ShardSpec, root: dict | None) -> None:
     st.check_feature_dim(store, spec)
 
 
-def import_features(store: str | Path, file: str | Path, *, backbone: str, client: str, split: str,
-                    domain: str | None = None, features_key: str = "features", labels_key: str = "labels",
-                    transpose: bool = False, classes: Sequence[str] | None = None, dtype: str = "float32",
-                    chunk_rows: int = st.DEFAULT_CHUNK_ROWS) -> st.ShardSpec:
-    """Write features computed elsewhere as a normal complete shard (weights_sha256 = file sha256).
-    The shard joins the store's current manifest (its manifest_hash is the root's); a new store
-    takes the file's sha256 as its manifest_hash."""
-    path, store = Path(file), Path(store)
-    if not path.is_file():
-        raise UserError(f"{path}: file not found")
-    if not client or any(not (c.isascii() and (c.isalnum() or c in "_.-")) for c in client):
+def _file_sha(src: ImportSource) -> str:
+    if len(src.files) == 1:
+        return hashlib.sha256(src.files[0].read_bytes()).hexdigest()
+    h = hashlib.sha256()
+    for f in src.files:  # a directory: sha256 over its files' sha256s, in path order
+        h.update(hashlib.sha256(f.read_bytes()).hexdigest().encode())
+    return h.hexdigest()
+
+
+def _classes(src: ImportSource, root: dict | None, classes: Sequence[str] | None, labels: list[np.ndarray]) -> list[str]:
+    given = [("--classes", list(classes))] if classes else []
+    given += [(f"{src.name} (exported classes)", list(src.classes))] if src.classes is not None else []
+    if root is not None:
+        cls = list(root.get("classes", []))
+        for what, c in given:
+            if c != cls:
+                raise UserError(f"{what}: {c} differ from the store's classes {cls}")
+    elif given:
+        cls = given[0][1]
+        for what, c in given[1:]:
+            if c != cls:
+                raise UserError(f"{what}: {c} differ from --classes {cls}")
+    else:
+        top = max((int(y.max()) for y in labels if y.size), default=-1)
+        cls = [str(i) for i in range(top + 1)]
+    for item_labels, origin in ((y, i.origin) for y, i in zip(labels, src.items)):
+        if item_labels.size and (item_labels.min() < 0 or item_labels.max() >= len(cls)):
+            raise UserError(f"{origin}: labels {item_labels.min()}..{item_labels.max()} outside the class list "
+                            f"(0..{len(cls) - 1})")
+    return cls
+
+
+def _check_batch(specs: list[st.ShardSpec], origins: list[str]) -> None:
+    """What two shards of one call could get wrong between them."""
+    seen: dict[tuple[str, str, str], str] = {}
+    dims: dict[str, tuple[int, str]] = {}
+    clients: list[str] = []
+    for spec, origin in zip(specs, origins):
+        key = (st.backbone_key(spec.backbone).casefold(), spec.client.casefold(), spec.split)
+        if key in seen:
+            raise UserError(f"{origin}: the same shard as {seen[key]} ({spec.backbone}/{spec.client}/{spec.split})")
+        seen[key] = origin
+        d, first = dims.setdefault(spec.backbone, (spec.feature_dim, origin))
+        if d != spec.feature_dim:
+            raise UserError(f"{origin}: feature dim {spec.feature_dim} differs from dim {d} of {first}")
+        other = case_collision(spec.client, [c for c in clients if c != spec.client])
+        if other is not None:
+            raise collides("client", spec.client, other)
+        clients.append(spec.client)
+
+
+def import_many(store: str | Path, source: str | Path, *, backbone: str | None = None, client: str | None = None,
+                split: str | None = None, domain: str | None = None, features_key: str = "features",
+                labels_key: str = "labels", transpose: bool = False, classes: Sequence[str] | None = None,
+                dtype: str | None = None, chunk_rows: int = st.DEFAULT_CHUNK_ROWS) -> list[st.ShardSpec]:
+    """Import every shard `source` holds (docs/contracts.md, section 4a): one file of arrays, an
+    `embedcache export` (.h5 or npz directory), an HDF5 file with a group per client, or a directory
+    of per-client files. All or nothing: everything is read and checked before the store is
+    touched, and a failure while writing undoes every shard written. Returns the written shards."""
+    store = Path(store)
+    if client is not None and (not client or any(not (c.isascii() and (c.isalnum() or c in "_.-")) for c in client)):
         raise UserError(f"client {client!r}: must match [A-Za-z0-9_.-]+")
-    if split not in st.SPLITS:
+    if split is not None and split not in st.SPLITS:
         raise UserError(f"split {split}: must be train or test")
-    if dtype not in st.DTYPES:
+    if dtype is not None and dtype not in st.DTYPES:
         raise UserError(f"dtype {dtype}: must be one of {', '.join(st.DTYPES)}")
     if chunk_rows < 1:
         raise UserError(f"chunk_rows {chunk_rows}: must be >= 1")
-    feats, labels, ids = _checked_arrays(path, client, split, dtype, features_key, labels_key, transpose)
-    n, d = feats.shape
-    file_sha = hashlib.sha256(path.read_bytes()).hexdigest()
+    src = read_source(source, client=client, split=split, features_key=features_key, labels_key=labels_key,
+                      transpose=transpose, backbone=backbone)
+    if not src.exported and backbone is None:
+        raise UserError(f"{source}: give --backbone (the name its shards are stored under)")
+    if domain is not None and len({i.client for i in src.items}) > 1:
+        raise UserError(f"--domain: only for one client ({source} holds several)")
+    for item in src.items:
+        if not item.client or any(not (c.isascii() and (c.isalnum() or c in "_.-")) for c in item.client):
+            raise UserError(f"{item.origin}: client {item.client!r} must match [A-Za-z0-9_.-]+")
+    dtypes = [dtype or ("float16" if i.features.dtype == np.float16 else "float32") for i in src.items]
+    arrays = [_checked(i, dt) for i, dt in zip(src.items, dtypes)]
+    file_sha = _file_sha(src)
     root = st.store_root(store)
-    if root is None:
-        cls = list(classes) if classes else [str(i) for i in range(int(labels.max()) + 1 if n else 0)]
-    else:
-        cls = list(root.get("classes", []))
-        if classes and list(classes) != cls:
-            raise UserError(f"--classes: differ from the store's classes {cls}")
-    if n and (labels.min() < 0 or labels.max() >= len(cls)):
-        raise UserError(f"{path}: labels {labels.min()}..{labels.max()} outside the class list (0..{len(cls) - 1})")
-    # The manifest's formula (sha256 of [source, [[id, locator, label], ...]]), the file as source.
-    sample_list_hash = hashlib.sha256(canonical_json(
-        [f"import:{path.name}", [[i, i, int(y)] for i, y in zip(ids.tolist(), labels.tolist())]]).encode()).hexdigest()
-    spec = st.ShardSpec(
-        backbone=backbone, weights_sha256=file_sha, preprocess={"imported_from": path.name}, feature_dim=d,
-        client=client, split=split, domain=domain or client,
-        manifest_hash=file_sha if root is None else str(root.get("manifest_hash", "")),
-        sample_list_hash=sample_list_hash, sample_ids=tuple(ids.tolist()), labels=tuple(labels.tolist()),
-        views=1, dtype=dtype, chunk_rows=chunk_rows)
-    _precheck(store, spec, root)
-    undo = _Undo(store, st.backbone_key(backbone), client, split, spec.key)
+    cls = _classes(src, root, classes, [y for _, y, _ in arrays])
+    manifest_hash = file_sha if root is None else str(root.get("manifest_hash", ""))
+    specs = []
+    for item, (feats, labels, ids), dt in zip(src.items, arrays, dtypes):
+        # The manifest's formula (sha256 of [source, [[id, locator, label], ...]]), the file as source.
+        sample_list_hash = hashlib.sha256(canonical_json(
+            [f"import:{src.name}", [[i, i, int(y)] for i, y in zip(ids.tolist(), labels.tolist())]]).encode()).hexdigest()
+        specs.append(st.ShardSpec(
+            backbone=item.backbone if src.exported else backbone,
+            weights_sha256=file_sha, preprocess={"imported_from": src.name}, feature_dim=feats.shape[1],
+            client=item.client, split=item.split, domain=domain or item.domain or item.client,
+            manifest_hash=manifest_hash, sample_list_hash=sample_list_hash, sample_ids=tuple(ids.tolist()),
+            labels=tuple(labels.tolist()), views=1 if item.views is None else item.views.shape[0], dtype=dt,
+            chunk_rows=chunk_rows, modality=item.modality, token_shape=item.token_shape))
+    _check_batch(specs, [i.origin for i in src.items])
+    for spec in specs:
+        _precheck(store, spec, root)
+    new_clients = list(dict.fromkeys(s.client for s in specs))
+    undos: list[_Undo] = []
     try:
-        st.init_store(store, cls, spec.manifest_hash, clients=[client] if root is None else None)
-        st.add_client(store, client)
-        st.write_shard(store, spec, feats)
+        for n, (spec, item, (feats, _, _)) in enumerate(zip(specs, src.items, arrays)):
+            undos.append(_Undo(store, st.backbone_key(spec.backbone), spec.client, spec.split, spec.key))
+            if n == 0:
+                st.init_store(store, cls, manifest_hash, clients=new_clients if root is None else None,
+                              source=f"import:{src.name}" if root is None else None)
+            st.add_client(store, spec.client)
+            views = None if item.views is None else item.views.astype(np.float32)
+            st.write_shard(store, spec, feats, views, item.mask)
         st.consolidate(store)
     except BaseException:
-        undo.undo()
+        for undo in reversed(undos):
+            undo.undo()
         raise
-    undo.commit()
-    return spec
+    for undo in undos:
+        undo.commit()
+    return specs
+
+
+def import_features(store: str | Path, file: str | Path, *, backbone: str, client: str, split: str,
+                    domain: str | None = None, features_key: str = "features", labels_key: str = "labels",
+                    transpose: bool = False, classes: Sequence[str] | None = None, dtype: str | None = None,
+                    chunk_rows: int = st.DEFAULT_CHUNK_ROWS) -> st.ShardSpec:
+    """Write one file's features (computed elsewhere) as a normal complete shard (weights_sha256 =
+    the file's sha256). The shard joins the store's current manifest (its manifest_hash is the
+    root's); a new store takes the file's sha256 as its manifest_hash."""
+    specs = import_many(store, file, backbone=backbone, client=client, split=split, domain=domain,
+                        features_key=features_key, labels_key=labels_key, transpose=transpose, classes=classes,
+                        dtype=dtype, chunk_rows=chunk_rows)
+    return specs[0]

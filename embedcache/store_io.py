@@ -4,14 +4,11 @@ in `embedcache.store_import`).
 `verify` never trusts the consolidated metadata: it walks the hierarchy, re-reads every chunk
 and checks it against the digests recorded at finalisation, and reports consolidated metadata
 that no longer matches the files; `inspect` marks every shard current or stale (contract 4);
-`gc` removes the stale ones and `rm` chosen ones; `export` writes one HDF5 group per shard,
-atomically.
+`gc` removes the stale ones and `rm` chosen ones (`export` lives in `embedcache.store_export`).
 """
 
 from __future__ import annotations
 
-import json
-import os
 from pathlib import Path
 
 import numpy as np
@@ -19,8 +16,8 @@ import zarr
 
 from embedcache import store as st
 from embedcache.errors import UserError
-from embedcache.reader import ShardInfo, disk_shard_paths, open_group, open_store, root_metadata, subgroups
-from embedcache.shard_check import ShardReader
+from embedcache.reader import ShardInfo, disk_shard_paths, open_store, root_metadata, subgroups
+from embedcache.store_export import export_h5  # noqa: F401 (historical home of export_h5)
 from embedcache.store_import import import_features  # noqa: F401 (historical home of import_features)
 from embedcache.store_layout import (consolidated_mismatch, disk_clients, quiet_open, remove_shards,
                                      sweep_import_leftovers)
@@ -216,44 +213,3 @@ def remove(path: str | Path, shards: list[ShardInfo], *, only_stale: bool = Fals
 def import_leftovers(path: str | Path) -> list[str]:
     """What `gc` would sweep besides stale shards (shards set aside by killed imports)."""
     return sweep_import_leftovers(path, dry_run=True)
-
-
-def _h5_attr(value: object) -> object:
-    if isinstance(value, (dict, list, tuple)):
-        return json.dumps(value, sort_keys=True)
-    return value
-
-
-def export_h5(store: str | Path, out: str | Path) -> int:
-    """One HDF5 group per complete shard (`<backbone key>/<client>/<split>`). Returns the count."""
-    import h5py
-
-    info = open_store(store)
-    bad = [s.path for s in info.shards if not s.complete]
-    if bad:
-        raise UserError(f"{bad[0]}: shard incomplete; run extract (or verify) first")
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
-    try:
-        with h5py.File(tmp, "w") as f:
-            f.attrs.update({"format": "embedcache/1", "classes": json.dumps(list(info.classes)),
-                            "manifest_hash": info.manifest_hash})
-            root = open_group(info.path, info.consolidated)
-            for s in info.shards:
-                g = f.create_group(s.path)
-                for k, v in root[s.path].attrs.items():
-                    g.attrs[k] = _h5_attr(v)
-                reader = ShardReader(root, s, s.views > 1, info.path)  # exports only checked rows
-                feats, labels, ids, views, mask = reader.read(0, reader.n_chunks)
-                g.create_dataset("features", data=feats.astype(s.dtype))
-                g.create_dataset("labels", data=labels)
-                g.create_dataset("sample_ids", data=np.array(ids.tolist(), dtype=object), dtype=h5py.string_dtype())
-                if views is not None:
-                    g.create_dataset("views", data=views.astype(s.dtype))
-                if mask is not None:
-                    g.create_dataset("mask", data=mask)
-        os.replace(tmp, out)
-    finally:
-        tmp.unlink(missing_ok=True)
-    return len(info.shards)

@@ -19,8 +19,16 @@ from fedheads.runconfig import config_options, with_config
 
 @click.group(cls=UserErrorGroup)
 @click.version_option(__version__, prog_name="fedheads")
-def main() -> None:
+@click.option("--plugin", "plugins", multiple=True, metavar="MODULE",
+              help="Import MODULE first, e.g. one that registers your own algorithm (repeatable; "
+                   "also $FEDHEADS_PLUGINS, comma-separated).")
+def main(plugins: tuple[str, ...]) -> None:
     """Train federated heads (FedPCL, FedNCM, LP, MLP, baselines) on cached features."""
+    import os
+
+    from embedcache.plugins import FEDHEADS_ENV, import_plugins, plugin_names
+
+    import_plugins(plugin_names(plugins, os.environ.get(FEDHEADS_ENV)))
 
 
 def _csv(value: str, what: str) -> list[str]:

@@ -1,7 +1,7 @@
 """Run summaries (results.json), Markdown tables laid out like the papers' and PNG plots.
 
 Everything takes and returns plain dicts in the results.json contract, so the CLI only
-calls :func:`summarise_runs` and the writers:
+calls :func:`summarise_runs` and the writers (the PNGs: :mod:`fedheads.plotting`):
 
 ``algorithm, backbones, rounds, seeds, accuracy{mean,std}, per_client{client:{mean,std,n_test}},
 clients_without_test,
@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 
 from embedcache.errors import UserError
-from fedheads import comm, metrics
+from fedheads import comm, metrics, plotting
 from fedheads.atomic import atomic_path
 
 ONE_ROUND_ALGORITHMS = ("fedncm",)  # communicate once whatever `rounds` says (FedNCM Alg. 1)
@@ -300,80 +300,11 @@ def write_markdown(text: str, path: str | Path) -> Path:
     return _atomic_write(Path(path), lambda fh: fh.write(text))
 
 
-def _pyplot():
-    import matplotlib
-
-    matplotlib.use("Agg")  # headless: never needs a display
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
-def _save(fig: Any, path: Path) -> Path:
-    def write(fh: Any) -> None:
-        fig.savefig(fh, format="png", dpi=120, bbox_inches="tight")
-
-    try:
-        return _atomic_write(path, write, binary=True)
-    finally:
-        _pyplot().close(fig)
-
-
-def plot_history(results: Sequence[Mapping[str, Any]], path: str | Path) -> Path:
-    """Accuracy per round, one line per algorithm, shaded +-1 std over seeds."""
-    plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for r in results:
-        h = r.get("history") or []
-        if not h:
-            continue
-        x = np.array([p["round"] for p in h])
-        y = np.array([p["accuracy"] for p in h])
-        s = np.array([p.get("std", 0.0) for p in h])
-        (line,) = ax.plot(x, y, marker="o" if len(x) < 3 else None, label=r["algorithm"])
-        ax.fill_between(x, y - s, y + s, color=line.get_color(), alpha=0.2)
-    ax.set_xlabel("round")
-    ax.set_ylabel("test accuracy (%)")
-    ax.grid(alpha=0.3)
-    ax.legend()
-    return _save(fig, Path(path))
-
-
-def plot_per_client(results: Sequence[Mapping[str, Any]], path: str | Path) -> Path:
-    """Grouped bars: per-client accuracy of each algorithm, with std over seeds."""
-    plt = _pyplot()
-    clients = sorted({c for r in results for c in r["per_client"]})
-    fig, ax = plt.subplots(figsize=(max(6, 0.9 * len(clients) * max(1, len(results))), 4))
-    width = 0.8 / max(1, len(results))
-    x = np.arange(len(clients))
-
-    def value(r: Mapping[str, Any], c: str, key: str, absent: float) -> float:
-        v = r["per_client"].get(c, {}).get(key)
-        return absent if v is None else float(v)
-
-    for j, r in enumerate(results):
-        m = [value(r, c, "mean", np.nan) for c in clients]
-        s = [value(r, c, "std", 0.0) for c in clients]
-        ax.bar(x + (j - (len(results) - 1) / 2) * width, m, width, yerr=s, capsize=2,
-               label=r["algorithm"])
-    empty = [i for i, c in enumerate(clients)
-             if any(r["per_client"].get(c, {}).get("n_test") == 0 for r in results)]
-    for i in empty:  # an empty, labelled slot: the client is there, it has nothing to score
-        ax.text(x[i], 0.04, "n/a\n(0 test)", ha="center", va="bottom", fontsize=9, color="0.35",
-                transform=ax.get_xaxis_transform())
-    ax.set_xlim(-0.5, len(clients) - 0.5)  # keeps a trailing empty slot on the plot
-    ax.set_xticks(x, clients, rotation=30, ha="right")
-    ax.set_ylim(bottom=0)
-    ax.set_ylabel("test accuracy (%)")
-    ax.legend()
-    return _save(fig, Path(path))
-
-
 def write_comparison(results: Sequence[Mapping[str, Any]], out_dir: str | Path,
                      title: str = "Comparison") -> dict[str, Path]:
     """report.md + accuracy_per_round.png + per_client.png in ``out_dir``."""
     out = Path(out_dir)
     return {"markdown": write_markdown(f"# {title}\n\n" + comparison_markdown(results),
                                        out / "report.md"),
-            "history_png": plot_history(results, out / "accuracy_per_round.png"),
-            "per_client_png": plot_per_client(results, out / "per_client.png")}
+            "history_png": plotting.plot_history(results, out / "accuracy_per_round.png"),
+            "per_client_png": plotting.plot_per_client(results, out / "per_client.png")}

@@ -26,7 +26,7 @@ from typing import Any, Iterable, Sequence
 import torch
 
 from embedcache.errors import UserError
-from fedheads import __version__, report, rundir
+from fedheads import __version__, plotting, report, rundir
 from fedheads import resume as resume_mod
 from fedheads.atomic import atomic_path
 from fedheads.algorithms import create_algorithm
@@ -254,6 +254,19 @@ class TrainedRun:
     opts: TrainOptions | None = None  # what it was trained with (config.yaml)
 
 
+def dataset_name(store: str | Path | None) -> str | None:
+    """What the features are of, for titles (results.json `dataset`): the store's manifest source,
+    else the store directory's name; None for features given as arrays."""
+    if store is None:
+        return None
+    from embedcache.reader import open_store
+
+    try:
+        return open_store(store, quiet=True).source or Path(store).name
+    except UserError:
+        return Path(store).name
+
+
 def train_data(data: Federation, backbones: Sequence[str], algorithm: str, opts: TrainOptions, *,
                dims: Sequence[int] | None = None, store: str | None = None, strict: bool = True,
                t_start: tuple[float, float] | None = None,
@@ -302,7 +315,8 @@ def train_data(data: Federation, backbones: Sequence[str], algorithm: str, opts:
         rows += _metrics_rows(res, seed, data.client_names)
         states[seed] = RunResult(res.algorithm, res.engine, client_state=to_device(res.client_state, "cpu"),
                                  server_state=to_device(res.server_state, "cpu"))
-    extra = {"training_rounds": opts.rounds - int(getattr(alg, "collect_rounds", 0)),
+    extra = {"dataset": dataset_name(store),
+             "training_rounds": opts.rounds - int(getattr(alg, "collect_rounds", 0)),
              "clients": list(data.client_names), "domains": list(data.domains),
              "num_classes": data.num_classes, "feature_dim": data.dim, "engine": opts.engine,
              "layout": layout_info(data),
@@ -388,8 +402,8 @@ def _write_run_dir(out: Path, result: dict[str, Any], config: dict[str, Any], ro
     w.writerow(["round", "seed", "client", "rule", "accuracy"])
     w.writerows(rows)
     _atomic_bytes(out / "metrics.csv", buf.getvalue().encode())
-    report.plot_history([result], out / "accuracy_per_round.png")
-    report.plot_per_client([result], out / "per_client.png")
+    plotting.plot_history([result], out / "accuracy_per_round.png")
+    plotting.plot_per_client([result], out / "per_client.png")
     md = report.run_markdown(result) + "\n\n![accuracy per round](accuracy_per_round.png)\n" \
         "![per-client accuracy](per_client.png)\n"
     report.write_markdown(md, out / "summary.md")
@@ -424,6 +438,7 @@ def compare_data(data: Federation, backbones: Sequence[str], algorithms: Sequenc
                              state_dir=None if out is None else out / name / "state", resume=resume)
             for name in algorithms}
     combined = {"algorithms": {n: r.result for n, r in runs.items()}, "backbones": list(backbones),
+                "dataset": dataset_name(store),
                 "store": None if store is None else str(store), "options": _config_dict(opts),
                 "environment": environment(),
                 "timing": report.timing_block([], *_since(t_start, data.device), machine(data.device), load)}
@@ -471,11 +486,11 @@ def write_comparison(out: str | Path, runs: dict[str, TrainedRun], combined: dic
         write_trained(out / name, trained)
     write_config_yaml(out, "compare", combined["store"], combined["backbones"], list(runs), opts)
     results = list(combined["algorithms"].values())
-    where = f" on {Path(combined['store']).name}" if combined.get("store") else ""
+    where = f" on {combined['dataset']}" if combined.get("dataset") else ""
     title = f"{', '.join(combined['backbones'])}{where}: {opts.rounds} rounds, seeds {list(opts.seeds)}"
     table = report.comparison_markdown(results, title=title)
-    report.plot_history(results, out / "accuracy_per_round.png")
-    report.plot_per_client(results, out / "per_client.png")
+    plotting.plot_history(results, out / "accuracy_per_round.png")
+    plotting.plot_per_client(results, out / "per_client.png")
     report.write_markdown(f"# Comparison\n\n{table}\n\n![accuracy per round](accuracy_per_round.png)\n"
                           "![per-client accuracy](per_client.png)\n", out / "summary.md")
     report.write_results_json(combined, out / "results.json")

@@ -10,7 +10,9 @@ from typing import Any
 
 import numpy as np
 
-from fedheads.report import _pyplot, _save  # headless matplotlib and atomic PNG writes
+from fedheads.plotting import color, legend_outside, style
+from fedheads.plotting import pyplot as _pyplot
+from fedheads.plotting import save as _save
 
 
 def lines(series: dict[str, list[tuple[Any, float, float]]], xlabel: str, path: Path, title: str,
@@ -21,14 +23,14 @@ def lines(series: dict[str, list[tuple[Any, float, float]]], xlabel: str, path: 
     xs_all = sorted({x for pts in series.values() for x, _, _ in pts}, key=float)
     numeric_log = all(float(x) > 0 for x in xs_all) and len(xs_all) > 1 and max(map(float, xs_all)) / min(
         map(float, xs_all)) >= 10
-    for name, pts in series.items():
+    for i, (name, pts) in enumerate(series.items()):
         pts = sorted(pts, key=lambda p: float(p[0]))
         x = np.array([float(p[0]) for p in pts])
         y, s = np.array([p[1] for p in pts]), np.array([p[2] for p in pts])
-        (ln,) = ax.plot(x, y, marker="o", label=name)
-        ax.fill_between(x, y - s, y + s, color=ln.get_color(), alpha=0.2)
+        ax.plot(x, y, marker="o", label=name, **style(i))
+        ax.fill_between(x, y - s, y + s, color=color(i), alpha=0.2)
         for px, py in (published or {}).get(name, []):
-            ax.plot([float(px)], [py], marker="o", mfc="none", color=ln.get_color(), ms=9)
+            ax.plot([float(px)], [py], marker="o", mfc="none", color=color(i), ms=9)
     if numeric_log:
         ax.set_xscale("log")
     ax.set_xticks([float(x) for x in xs_all], [str(x) for x in xs_all])
@@ -36,7 +38,7 @@ def lines(series: dict[str, list[tuple[Any, float, float]]], xlabel: str, path: 
     ax.set_ylabel("test accuracy (%)")
     ax.set_title(title, fontsize=10)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    legend_outside(ax)
     return _save(fig, path)
 
 
@@ -44,7 +46,7 @@ def curves(per_method: dict[str, list[dict[str, float]]], path: Path, title: str
     """FedNCM Figure 1: accuracy vs rounds, vs cumulative communication (GB), vs computation (F)."""
     plt = _pyplot()
     fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
-    for name, pts in per_method.items():
+    for i, (name, pts) in enumerate(per_method.items()):
         if not pts:
             continue
         r = np.array([p["round"] for p in pts])
@@ -52,11 +54,11 @@ def curves(per_method: dict[str, list[dict[str, float]]], path: Path, title: str
         comm = np.array([p["comm_bytes"] for p in pts]) / 1e9
         comp = np.array([p["compute_F"] for p in pts])
         marker = "o" if len(pts) < 3 else None
-        axes[0].plot(r, acc, marker=marker, label=name)
+        axes[0].plot(r, acc, marker=marker, label=name, **style(i))
         if np.isfinite(comm).any():
-            axes[1].plot(comm, acc, marker=marker, label=name)
+            axes[1].plot(comm, acc, marker=marker, label=name, **style(i))
         if np.isfinite(comp).any():
-            axes[2].plot(comp, acc, marker=marker, label=name)
+            axes[2].plot(comp, acc, marker=marker, label=name, **style(i))
     for ax, xl in zip(axes, ("round", "communication (GB, App. A Eq. 3-4)", "computation (F, App. A Eq. 5-6)")):
         ax.set_xlabel(xl)
         ax.set_ylabel("test accuracy (%)")
@@ -64,7 +66,7 @@ def curves(per_method: dict[str, list[dict[str, float]]], path: Path, title: str
     for ax in axes[1:]:
         if ax.lines:
             ax.set_xscale("log")
-    axes[0].legend(fontsize=8)
+    legend_outside(axes[2], source=axes[0])
     fig.suptitle(title, fontsize=10)
     return _save(fig, path)
 
@@ -80,11 +82,11 @@ def fairness_bars(groups: dict[str, dict[str, dict[str, tuple[float, float]]]], 
         for j, (mname, vals) in enumerate(by_method.items()):
             m = [vals.get(k, (np.nan, 0.0))[0] for k in metrics]
             s = [vals.get(k, (np.nan, 0.0))[1] for k in metrics]
-            ax.bar(x + (j - (len(by_method) - 1) / 2) * w, m, w, yerr=s, capsize=2, label=mname)
+            ax.bar(x + (j - (len(by_method) - 1) / 2) * w, m, w, yerr=s, capsize=2, label=mname, color=color(j))
         ax.set_xticks(x, headers, rotation=20)
         ax.set_title(gname, fontsize=10)
         ax.grid(alpha=0.3, axis="y")
-        ax.legend(fontsize=8)
+    legend_outside(axes[0][-1], source=axes[0][0])
     fig.suptitle(title, fontsize=10)
     return _save(fig, path)
 

@@ -188,7 +188,8 @@ def _derive(manifest: Manifest, backbones: list[str], store: Path, pool_dir: Pat
     from embedcache.extract import ExtractConfig, build_specs
     from embedcache.reader import load_split, open_store, shard_attributes
 
-    st.init_store(store, manifest.classes, manifest.content_hash, [c.name for c in manifest.clients])
+    st.init_store(store, manifest.classes, manifest.content_hash, [c.name for c in manifest.clients],
+                  source=manifest.source)
     fps = {(c.name, split): [s.fingerprint for s in getattr(c, split)] for c in manifest.clients
            for split in ("train", "test")}
     for b in backbones:

@@ -13,6 +13,7 @@ Every stage is the public CLI, run as a subprocess, so this file is also a worke
 from __future__ import annotations
 
 import json
+import shlex
 import subprocess
 import sys
 import time
@@ -26,7 +27,7 @@ ALGORITHMS = "fedpcl,fedncm,lp,mlp,fedavg,fedproto"  # every one at its defaults
 def _run(args: list[str]) -> None:
     # echo what a user would type: the console scripts, not the modules run here
     shown = [{"embedcache.cli": "embedcache", "fedheads.cli": "fedheads"}.get(args[0], args[0]), *args[1:]]
-    click.secho("$ " + " ".join(shown), fg="cyan", err=True)
+    click.secho("$ " + shlex.join(shown), fg="cyan", err=True)  # quoted: pastes as one command
     proc = subprocess.run([sys.executable, "-m", *args])
     if proc.returncode != 0:
         raise SystemExit(proc.returncode)
@@ -53,25 +54,30 @@ def main(out: str, rounds: int, seeds: str, train_per_class: int, test_per_class
     if backbones is None:
         names, reason = default_backbones_with_reason()
         backbones = ",".join(names)
-        click.secho(f"backbone: {backbones} ({reason})", fg="green", err=True)
+        click.secho(f"backbone: {backbones}; {reason}", fg="green", err=True)
     manifest = outdir / "manifest.json"
     store = outdir / "store.zarr"
     _run(["embedcache.cli", "partition", "builtin:digits", "--scheme", "feature-shift",
-          "--train-per-class", str(train_per_class), "--seed", "0", "--out", str(manifest)]
-         + (["--test-per-class", str(test_per_class)] if test_per_class else []))
+          "--train-per-class", str(train_per_class),
+          *(["--test-per-class", str(test_per_class)] if test_per_class else []),
+          "--seed", "0", "--out", str(manifest)])
     _run(["embedcache.cli", "extract", "--manifest", str(manifest), "--backbones", backbones,
           "--store", str(store)])
     _run(["fedheads.cli", "compare", "--store", str(store), "--backbones", backbones,
           "--algorithms", ALGORITHMS, "--rounds", str(rounds), "--seeds", seeds,
           "--overwrite", "--out", str(outdir / "compare")])  # a re-run replaces its own report
     results = json.loads((outdir / "compare" / "results.json").read_text())
-    click.secho(f"{len(results['algorithms'])} head algorithms in {time.perf_counter() - t0:.0f} s; "
-                f"report: {outdir / 'compare' / 'summary.md'}", fg="green", err=True)
-    if ft_rounds > 0:
-        _finetune(backbones.split(",")[0], manifest, store, outdir, ft_rounds, t0)
+    # `fedheads compare` printed the table and its report path: only the time is new here
+    click.secho(f"{len(results['algorithms'])} head algorithms in {time.perf_counter() - t0:.0f} s", fg="green",
+                err=True)
+    reports = [outdir / "compare" / "summary.md"]
+    if ft_rounds > 0 and _finetune(backbones.split(",")[0], manifest, store, outdir, ft_rounds):
+        reports.append(outdir / "finetune" / "summary.md")
+    click.secho(f"done in {time.perf_counter() - t0:.0f} s; reports: {', '.join(map(str, reports))}", fg="green",
+                err=True)
 
 
-def _finetune(backbone: str, manifest: Path, store: Path, outdir: Path, rounds: int, t0: float) -> None:
+def _finetune(backbone: str, manifest: Path, store: Path, outdir: Path, rounds: int) -> bool:
     """FedNCM+FT vs FT (FedNCM paper, Sec. 4.2), cache-first: the frozen prefix up to the last cut
     but one comes from the store as activation maps, the last stage and the head train."""
     from embedcache.backbones import list_backbones
@@ -79,15 +85,14 @@ def _finetune(backbone: str, manifest: Path, store: Path, outdir: Path, rounds: 
     cuts = next((r.cut_points for r in list_backbones() if r.name == backbone), ()) or ()
     if len(cuts) < 2:
         click.secho(f"fine-tuning skipped: {backbone} has no cut points to train from the cache", err=True)
-        return
+        return False
     cut = cuts[-2]
     _run(["embedcache.cli", "extract", "--manifest", str(manifest), "--backbones", backbone, "--cut", cut,
           "--store", str(store)])
     _run(["fedheads.cli", "finetune", "--manifest", str(manifest), "--store", str(store), "--backbone", backbone,
           "--head", "fedncm,random", "--rounds", str(rounds), "--trainable", f"after:{cut}", "--overwrite",
           "--out", str(outdir / "finetune")])
-    click.secho(f"done in {time.perf_counter() - t0:.0f} s; fine-tuning report: "
-                f"{outdir / 'finetune' / 'summary.md'}", fg="green", err=True)
+    return True
 
 
 if __name__ == "__main__":

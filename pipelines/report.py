@@ -23,6 +23,7 @@ from typing import Any
 
 from embedcache.errors import UserError
 from fedheads import metrics as fm
+from fedheads import plotting
 from fedheads.report import write_markdown, write_results_json
 from pipelines import compare, figures, measures, registry, sweep
 from pipelines.spec import Experiment
@@ -95,12 +96,19 @@ def _comparison_table(comps: Sequence[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def figure_title(exp: Experiment, views: Sequence[dict[str, Any]]) -> str:
+    """"<paper table/figure>: <datasets>, <backbones>" (the backbones the plotted arms ran)."""
+    datasets = ", ".join(sorted({p.data.dataset for p in exp.points}))
+    bbs = sorted({b for v in views for b in v.get("backbones") or ()})
+    return plotting.title(compare.citation(exp), datasets, bbs if len(bbs) <= 3 else f"{len(bbs)} backbones")
+
+
 def _figures(exp: Experiment, views: Sequence[dict[str, Any]], comps: Sequence[dict[str, Any]], edir: Path) -> list[str]:
     """The paper's figure form for this experiment, plus ours vs published; returns the file names."""
     made: list[str] = []
     fig = exp.layout.figure
     ok = [v for v in views if v["values"]]
-    title = compare.citation(exp)
+    title = figure_title(exp, ok)
     if fig.startswith("vs:") and ok:
         axis = fig[3:]
         series: dict[str, list] = {}

@@ -143,7 +143,9 @@ def test_a_client_without_test_samples_is_kept_and_footnoted(tmp_path):
             "with test samples.")
     assert md.count(note) == 1 and R.run_markdown(r).count(note) == 1
     assert "| USPS | n/a (0 test) |" in R.run_markdown(r)
-    png = R.plot_per_client([r], tmp_path / "pc.png")
+    from fedheads import plotting
+
+    png = plotting.plot_per_client([r], tmp_path / "pc.png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     json.dumps(r)
 

@@ -7,7 +7,6 @@ import sys
 
 import click
 
-from embedcache.errors import UserError
 
 
 def _size(n: int) -> str:
@@ -76,39 +75,48 @@ def verify(store: str, repair: bool, manifest_path: str | None) -> None:
 
 
 @click.command(name="import")
-@click.argument("file")
+@click.argument("source")
 @click.option("--store", required=True, help="Store directory (created if absent).")
-@click.option("--backbone", required=True, help="Name recorded as the shard's backbone.")
-@click.option("--client", required=True, help="Client name ([A-Za-z0-9_.-]+).")
-@click.option("--split", type=click.Choice(["train", "test"]), required=True)
-@click.option("--domain", default=None, help="Client domain (default: the client name).")
+@click.option("--backbone", default=None,
+              help="Name the shards are stored under (required but for an export, where it picks one backbone).")
+@click.option("--client", default=None, help="Client name ([A-Za-z0-9_.-]+); for a many-client SOURCE: only this one.")
+@click.option("--split", type=click.Choice(["train", "test"]), default=None,
+              help="Required for one file of arrays; for a many-client SOURCE: only this split.")
+@click.option("--domain", default=None, help="Client domain (default: the export's, else the client name).")
 @click.option("--features-key", default="features", show_default=True, help="Array name for features [N, D].")
 @click.option("--labels-key", default="labels", show_default=True, help="Array name for labels [N].")
 @click.option("--transpose", is_flag=True, help="Features are stored [D, N] (e.g. MATLAB column-major).")
 @click.option("--classes", default=None, help="Comma-separated class names for a new store.")
-@click.option("--dtype", type=click.Choice(["float32", "float16"]), default="float32", show_default=True)
-def import_(file: str, store: str, backbone: str, client: str, split: str, domain: str | None,
-            features_key: str, labels_key: str, transpose: bool, classes: str | None, dtype: str) -> None:
-    """Import FILE (.npz/.h5 with `features`, `labels` [, `sample_ids`], or .mat) as a complete shard."""
-    from embedcache.store_import import import_features
+@click.option("--dtype", type=click.Choice(["float32", "float16"]), default=None,
+              help="Storage dtype (default: the file's: float16 stays float16, anything else float32).")
+def import_(source: str, store: str, backbone: str | None, client: str | None, split: str | None,
+            domain: str | None, features_key: str, labels_key: str, transpose: bool, classes: str | None,
+            dtype: str | None) -> None:
+    """Import SOURCE as complete shards, all or nothing: one file (.npz/.h5/.mat with `features`,
+    `labels` [, `sample_ids`]; give --client and --split), what `embedcache export` wrote (.h5 file
+    or npz directory: every shard, names, domains and classes kept), an HDF5 file with one group per
+    client (<client>/<split>/features ...), or a directory of per-client files
+    (<client>_<split>.npz or <client>/<split>.npz)."""
+    from embedcache.store_import import import_many
 
-    spec = import_features(store, file, backbone=backbone, client=client, split=split, domain=domain,
-                           features_key=features_key, labels_key=labels_key, transpose=transpose,
-                           classes=classes.split(",") if classes else None, dtype=dtype)
-    click.echo(f"import: {spec.n} x {spec.feature_dim} -> {store}/{spec.backbone}/{spec.client}/{spec.split}", err=True)
+    specs = import_many(store, source, backbone=backbone, client=client, split=split, domain=domain,
+                        features_key=features_key, labels_key=labels_key, transpose=transpose,
+                        classes=classes.split(",") if classes else None, dtype=dtype)
+    for spec in specs:
+        click.echo(f"import: {spec.n} x {spec.feature_dim} -> {store}/{spec.backbone}/{spec.client}/{spec.split}",
+                   err=True)
 
 
 @click.command(name="export")
 @click.option("--store", required=True)
-@click.option("--format", "fmt", type=click.Choice(["h5"]), default="h5", show_default=True)
-@click.option("--out", required=True, help="Output file (written atomically).")
+@click.option("--format", "fmt", type=click.Choice(["h5", "npz"]), default="h5", show_default=True,
+              help="h5: one HDF5 file, a group per shard; npz: a directory, one .npz per shard + export.json.")
+@click.option("--out", required=True, help="Output file (h5) or directory (npz), written atomically.")
 def export(store: str, fmt: str, out: str) -> None:
-    """Export every shard of STORE to one HDF5 file (a group per shard)."""
-    from embedcache.store_io import export_h5
+    """Export every shard of STORE (rows exactly as stored, checked); `embedcache import` reads it back."""
+    from embedcache.store_export import export_store
 
-    if fmt != "h5":
-        raise UserError(f"format {fmt}: only h5 is supported")
-    n = export_h5(store, out)
+    n = export_store(store, out, fmt)
     click.echo(f"export: {n} shards -> {out}", err=True)
 
 

@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from fedheads import report
+from fedheads import plotting, report
 from fedheads.live.driver import seed_timing
 from fedheads.live.feddra_eval import METRICS, across_clients
 
@@ -98,7 +98,8 @@ def extra(runs: Sequence[Any], per_seed: Sequence[Mapping[str, Any]], cfg: Any, 
     lam_final = np.mean([r.rounds[-1].lam for r in runs], axis=0).tolist()
     return {
         "method": "feddra", "config": _jsonable(cfg), "plan": [list(p) for p in cfg.plan()],
-        "image_encoder": su.image_bb.name, "text_encoder": su.text_bb.name, "image_cut": su.cut,
+        "dataset": su.manifest.source, "image_encoder": su.image_bb.name, "text_encoder": su.text_bb.name,
+        "image_cut": su.cut,
         "image_trainable": opts.image_trainable, "text_trainable": opts.text_trainable if su.needs_text else "frozen",
         "bn": opts.bn, "clients": names, "domains": [c.domain for c in su.clients], "training_rounds": cfg.rounds,
         "eval_batch": 64, "chance": {"r1": retrieval["chance_r1"]["mean"]["mean"],  # percent
@@ -192,24 +193,32 @@ def run_markdown(r: Mapping[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _title(what: str, results: Sequence[Mapping[str, Any]]) -> str:
+    r = results[0]
+    return plotting.title(what, r.get("dataset"), f"{r['image_encoder']} + {r['text_encoder']}")
+
+
 def plot_rounds(results: Sequence[Mapping[str, Any]], path: Path) -> Path:
-    plt = report._pyplot()
+    plt = plotting.pyplot()
     fig, ax = plt.subplots(figsize=(7, 4))
-    for r in results:
+    for i, r in enumerate(results):
         h = r["retrieval_history"]
         x = [p["round"] for p in h]
-        (line,) = ax.plot(x, [p["t2i_r1"] for p in h], marker="o" if len(x) < 12 else None, label=f"{r['algorithm']} mean")
-        ax.plot(x, [p["t2i_r1_worst"] for p in h], ls="--", color=line.get_color(), label=f"{r['algorithm']} worst client")
+        ax.plot(x, [p["t2i_r1"] for p in h], marker="o" if len(x) < 12 else None, label=f"{r['algorithm']} mean",
+                color=plotting.color(i))
+        ax.plot(x, [p["t2i_r1_worst"] for p in h], ls="--", color=plotting.color(i),
+                label=f"{r['algorithm']} worst client")
     ax.axhline(results[0]["chance"]["r1"], color="0.5", lw=0.8, ls=":", label="chance")
     ax.set_xlabel("round")
     ax.set_ylabel("text->image R@1 (%)")
+    ax.set_title(_title("Retrieval per round", results), fontsize=10)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    return report._save(fig, path)
+    plotting.legend_outside(ax)
+    return plotting.save(fig, path)
 
 
 def plot_clients(results: Sequence[Mapping[str, Any]], path: Path) -> Path:
-    plt = report._pyplot()
+    plt = plotting.pyplot()
     clients = results[0]["clients"]
     fig, axes = plt.subplots(1, 2, figsize=(max(8, 1.6 * len(clients) * len(results)), 4), sharey=False)
     w = 0.8 / len(results)
@@ -219,28 +228,31 @@ def plot_clients(results: Sequence[Mapping[str, Any]], path: Path) -> Path:
             pc = r["retrieval"][m]["per_client"]
             ax.bar(x + (j - (len(results) - 1) / 2) * w, [pc[c]["mean"] for c in clients], w,
                    yerr=[0 if pc[c]["std"] != pc[c]["std"] else pc[c]["std"] for c in clients], capsize=2,
-                   label=r["algorithm"])
-        ax.set_xticks(x, clients, rotation=30, ha="right")
+                   label=r["algorithm"], color=plotting.color(j))
+        step = plotting.client_label_step(len(clients), fig.get_figwidth() / 2 * 0.8, 8)
+        ax.set_xticks(x[::step], clients[::step], rotation=30 if len(clients) <= 12 else 90, fontsize=8)
         ax.set_title(f"text->image R@{m[-1]} (%) per client")
         ax.axhline(results[0]["chance"][f"r{m[-1]}"], color="0.5", lw=0.8, ls=":")
-    axes[0].legend(fontsize=8)
-    return report._save(fig, path)
+    fig.suptitle(_title("Retrieval per client", results), fontsize=10)
+    plotting.legend_outside(axes[1], source=axes[0])
+    return plotting.save(fig, path)
 
 
 def plot_lambda(results: Sequence[Mapping[str, Any]], path: Path) -> Path:
-    plt = report._pyplot()
+    plt = plotting.pyplot()
     fig, axes = plt.subplots(1, len(results), figsize=(5 * len(results), 3.6), squeeze=False)
     for ax, r in zip(axes[0], results):
         per_seed = list(r["lambda"]["per_seed"].values())
         lam = np.mean(np.array(per_seed, dtype=float), axis=0)  # [rounds + 1, N]
         for i, c in enumerate(r["clients"]):
-            ax.plot(np.arange(lam.shape[0]), lam[:, i], label=c)
+            ax.plot(np.arange(lam.shape[0]), lam[:, i], label=c, **plotting.style(i))
         ax.axhline(1 / len(r["clients"]), color="0.5", lw=0.8, ls=":")
         ax.set_title(f"{r['algorithm']}: lambda (mean over seeds)")
         ax.set_xlabel("round")
         ax.grid(alpha=0.3)
-    axes[0][0].legend(fontsize=8)
-    return report._save(fig, path)
+    fig.suptitle(_title("DRO client weights", results), fontsize=10)
+    plotting.legend_outside(axes[0][-1], ncol=1 if len(results[0]["clients"]) <= 20 else 2)
+    return plotting.save(fig, path)
 
 
 def _plots(results: Sequence[Mapping[str, Any]], out: Path) -> None:

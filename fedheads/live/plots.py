@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from fedheads import report
+from fedheads import plotting, report
 
 _PANELS = (("round", "fine-tuning round (0 = after stage 1)", 1.0),
            ("measured_comm_bytes", "communication sent, up + down (GB, measured)", 1e-9),
@@ -18,9 +18,9 @@ _PANELS = (("round", "fine-tuning round (0 = after stage 1)", 1.0),
 
 def figure1(results: Sequence[Mapping[str, Any]], path: str | Path, title: str = "") -> Path:
     """Three panels from each result's `figure1` curve (mean +-1 std over seeds)."""
-    plt = report._pyplot()
+    plt = plotting.pyplot()
     fig, axes = plt.subplots(1, 3, figsize=(15, 4), sharey=True)
-    for r in results:
+    for i, r in enumerate(results):
         curve = r.get("figure1") or []
         if not curve:
             continue
@@ -28,17 +28,19 @@ def figure1(results: Sequence[Mapping[str, Any]], path: str | Path, title: str =
         s = np.array([p.get("std", 0.0) for p in curve])
         for ax, (key, _, scale) in zip(axes, _PANELS):
             x = np.array([p[key] for p in curve], dtype=float) * scale
-            (line,) = ax.plot(x, y, marker="o" if len(x) < 12 else None, label=r["algorithm"])
-            ax.fill_between(x, y - s, y + s, color=line.get_color(), alpha=0.2)
+            ax.plot(x, y, marker="o" if len(x) < 12 else None, label=r["algorithm"], **plotting.style(i))
+            ax.fill_between(x, y - s, y + s, color=plotting.color(i), alpha=0.2)
     for ax, (_, label, _) in zip(axes, _PANELS):
         ax.set_xlabel(label)
         ax.grid(alpha=0.3)
+    from matplotlib.ticker import MaxNLocator
+
+    axes[0].xaxis.set_major_locator(MaxNLocator(integer=True))  # rounds are whole numbers
     axes[2].set_xscale("symlog", linthresh=1.0)
     axes[0].set_ylabel("test accuracy (%), mean over clients")
-    axes[0].legend(loc="lower right")
-    if title:
-        fig.suptitle(title)
-    return report._save(fig, Path(path))
+    plotting.legend_outside(axes[2], source=axes[0])
+    fig.suptitle(title or plotting.result_title("Fine-tuning (FedNCM Figure 1)", results))
+    return plotting.save(fig, path)
 
 
 def stages_markdown(result: Mapping[str, Any]) -> str:

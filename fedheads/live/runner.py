@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from embedcache.errors import UserError
-from fedheads import comm, report, rundir
+from fedheads import comm, plotting, report, rundir
 from fedheads.atomic import atomic_path
 from fedheads.data import resolve_device
 from fedheads.live import plots
@@ -145,7 +145,8 @@ def finetune_run(manifest: str | Path | Any, store: str, backbone: str, out: str
     if not multi:
         return results[METHOD_NAMES[opts.heads[0]]]
     combined = {"algorithms": results, "backbone": backbone, "store": str(store), "manifest_hash": m.content_hash}
-    plots.figure1(list(results.values()), out / "figure1.png", title=f"{backbone} on {Path(store).name}")
+    plots.figure1(list(results.values()), out / "figure1.png",
+                  title=plotting.title("Fine-tuning (FedNCM Figure 1)", m.source, backbone))
     table = report.comparison_markdown(list(results.values()), title=f"{backbone}: fine-tuning, {opts.rounds} rounds")
     _write(out / "summary.md", f"# Fine-tuning comparison\n\n{table}\n\n![Figure 1](figure1.png)\n")
     report.write_results_json(combined, out / "results.json")
@@ -197,6 +198,7 @@ def _one_method(head: str, m: Any, store: str, bb: Any, backbone: str, trainable
                                                                         trainable, opts, head))
     result["timing"].update(wall_seconds=time.perf_counter() - t_all, cpu_seconds=time.process_time() - c_all,
                             machine=machine(device))
+    result["dataset"] = m.source  # plot titles (contract 6)
     config = {"manifest_hash": m.content_hash, "store": str(store), "backbone": backbone,
               "options": _jsonable(opts), "run": run_cfg}
     _write(out / "config.json", json.dumps(config, indent=2, sort_keys=True) + "\n")
@@ -205,9 +207,9 @@ def _one_method(head: str, m: Any, store: str, bb: Any, backbone: str, trainable
     w.writerow(["round", "seed", "client", "accuracy"])
     w.writerows(rows)
     _write(out / "metrics.csv", buf.getvalue())
-    report.plot_history([result], out / "accuracy_per_round.png")
-    report.plot_per_client([result], out / "per_client.png")
-    plots.figure1([result], out / "figure1.png", title=f"{name}, {backbone}")
+    plotting.plot_history([result], out / "accuracy_per_round.png")
+    plotting.plot_per_client([result], out / "per_client.png")
+    plots.figure1([result], out / "figure1.png", title=plotting.title(f"Fine-tuning, {name}", m.source, backbone))
     md = report.run_markdown(result) + "\n\n" + plots.stages_markdown(result) + \
         "\n![accuracy per round](accuracy_per_round.png)\n![Figure 1](figure1.png)\n![per-client accuracy](per_client.png)\n"
     report.write_markdown(md, out / "summary.md")

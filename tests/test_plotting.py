@@ -1,0 +1,117 @@
+"""Every PNG shares fedheads.plotting: 12 distinct method colours, legends outside the data,
+titles with dataset and backbone, and a per-client chart readable from 4 to 100 clients
+(geometry of the drawn figure, never pixels)."""
+
+from __future__ import annotations
+
+import itertools
+import json
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from fedheads import plotting
+from pipelines import figures
+
+
+def _rgb(c: str) -> np.ndarray:
+    from matplotlib.colors import to_rgb
+
+    return np.array(to_rgb(c)) * 255
+
+
+def _result(name: str, clients: list[str], seed: int = 0, dataset: str = "builtin:digits") -> dict:
+    rng = np.random.default_rng(seed)
+    return {"algorithm": name, "backbones": ["resnet20-cifar10"], "dataset": dataset,
+            "per_client": {c: {"mean": float(rng.uniform(20, 90)), "std": 1.0, "n_test": 10} for c in clients},
+            "history": [{"round": r, "accuracy": 10.0 * r + seed, "std": 1.0} for r in range(1, 4)]}
+
+
+@pytest.fixture
+def drawn(monkeypatch):
+    """Figures handed to save(), drawn, instead of written (plotting and pipelines.figures)."""
+    figs = []
+
+    def keep(fig, path):
+        fig.canvas.draw()
+        figs.append(fig)
+        return path
+    monkeypatch.setattr(plotting, "save", keep)
+    monkeypatch.setattr(figures, "_save", keep)
+    yield figs
+    for f in figs:
+        plotting.pyplot().close(f)
+
+
+def _legend_outside(fig, ax) -> None:
+    leg = ax.get_legend()
+    assert leg is not None
+    r = fig.canvas.get_renderer()
+    assert leg.get_window_extent(r).x0 >= ax.get_window_extent(r).x1  # right of the data, not on it
+
+
+def test_twelve_methods_get_twelve_distinct_colours():
+    cols = [plotting.color(i) for i in range(12)]
+    closest = min(np.linalg.norm(_rgb(a) - _rgb(b)) for a, b in itertools.combinations(cols, 2))
+    assert closest >= 60  # tab10's own closest pair (grey/brown) is 67 apart
+    assert plotting.style(12) == {"color": cols[0], "linestyle": "--"}  # the 13th: colours again, dashed
+
+
+def test_history_plot_uses_the_palette_and_keeps_the_legend_off_the_data(drawn):
+    clients = ["c0", "c1"]
+    plotting.plot_history([_result(f"m{i}", clients, i) for i in range(12)], "unused.png")
+    fig = drawn[0]
+    ax = fig.axes[0]
+    assert [ln.get_color() for ln in ax.lines] == [plotting.color(i) for i in range(12)]
+    _legend_outside(fig, ax)
+    assert ax.get_title() == "Accuracy per round: builtin:digits, resnet20-cifar10"
+    assert all(float(t).is_integer() for t in ax.get_xticks())  # no round 1.25
+
+
+@pytest.mark.parametrize("n", [4, 12, 30, 100])
+def test_per_client_chart_is_readable_from_4_to_100_clients(drawn, n):
+    clients = [f"client-{i:03d}-longname" for i in range(n)]
+    plotting.plot_per_client([_result(f"m{i}", clients, i) for i in range(6)], "unused.png")
+    fig = drawn[0]
+    ax = fig.axes[0]
+    r = fig.canvas.get_renderer()
+    shown = [t for t in ax.get_xticklabels() if t.get_text()]
+    boxes = sorted((t.get_window_extent(r) for t in shown), key=lambda b: b.x0)
+    assert all(a.x1 <= b.x0 + 0.5 for a, b in zip(boxes, boxes[1:])), f"{n} clients: tick labels overlap"
+    assert len(set(ax.get_xticks()) | set(ax.get_xticks(minor=True))) == n  # every client keeps its tick
+    assert fig.get_figwidth() <= 22
+    if n <= 12:
+        assert len(shown) == n  # few clients: every name is shown
+    else:
+        assert len(shown) >= min(n, 20)  # many: thinned, but still a usable number of names
+    _legend_outside(fig, ax)
+    assert "builtin:digits" in ax.get_title() and "resnet20-cifar10" in ax.get_title()
+
+
+def test_pipeline_figures_share_palette_and_outside_legends(drawn):
+    series = {f"m{i}": [(0.1, 50.0 + i, 1.0), (1.0, 60.0 + i, 1.0)] for i in range(12)}
+    figures.lines(series, "alpha", "unused.png", "FedPCL Figure 2: digit5, resnet20-cifar10")
+    fig = drawn[-1]
+    ax = fig.axes[0]
+    assert [ln.get_color() for ln in ax.lines[:12:]] == [plotting.color(i) for i in range(12)]
+    _legend_outside(fig, ax)
+    pts = [{"round": r, "accuracy": 50.0 + r, "comm_bytes": 1e6 * (r + 1), "compute_F": 10.0 * (r + 1)} for r in range(4)]
+    figures.curves({"a": pts, "b": pts}, "unused.png", "t")
+    fig = drawn[-1]
+    _legend_outside(fig, fig.axes[2])  # one legend, right of the last panel
+
+
+def test_train_and_compare_record_the_dataset_for_titles(tmp_path):
+    from fedheads.cli import main
+    from tests.test_fedheads_cli import _write_store
+
+    store = _write_store(tmp_path)
+    res = CliRunner().invoke(main, ["compare", "--store", str(store), "--backbones", "synth", "--algorithms",
+                                    "fedncm,lp", "--rounds", "1", "--seeds", "0", "--quiet", "--out",
+                                    str(tmp_path / "cmp")])
+    assert res.exit_code == 0, res.output
+    combined = json.loads((tmp_path / "cmp" / "results.json").read_text())
+    # a store started by an import names its first file: a title says what the features are of
+    assert combined["dataset"] == "import:st.zarr-c0-train.npz"
+    assert combined["algorithms"]["lp"]["dataset"] == combined["dataset"]
