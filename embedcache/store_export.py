@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from embedcache.errors import UserError
-from embedcache.reader import open_group, open_store
+from embedcache.reader import open_store
 from embedcache.shard_check import ShardReader
 
 EXPORT_FORMAT = "embedcache-export/1"
@@ -36,7 +36,7 @@ def _shards(store: str | Path) -> tuple[Any, Iterator[tuple[str, dict[str, Any],
         raise UserError(f"{bad[0]}: shard incomplete; run extract (or verify) first")
 
     def gen() -> Iterator[tuple[str, dict[str, Any], dict[str, np.ndarray]]]:
-        root = open_group(info.path, info.consolidated)
+        root = info.root()
         for s in info.shards:
             reader = ShardReader(root, s, s.views > 1, info.path)  # exports only checked rows
             feats, labels, ids, views, mask = reader.read(0, reader.n_chunks)

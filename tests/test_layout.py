@@ -121,6 +121,32 @@ def test_bucketed_store_load_equals_padded(tmp_path):
     assert isinstance(auto, FedData)
 
 
+def test_store_load_opens_the_store_once_whatever_the_clients(tmp_path, monkeypatch):
+    """Opening the root group parses the consolidated metadata (which grows with the shards):
+    once per client made a 1,000-client load quadratic (minutes); now once per StoreInfo."""
+    import pickle
+
+    import embedcache.reader as reader
+    from embedcache.store_io import import_features
+
+    store = tmp_path / "s.zarr"
+    rs = np.random.default_rng(2)
+    for k, n in enumerate(SKEWED):
+        for split, m in (("train", n), ("test", 2)):
+            f = tmp_path / f"c{k}-{split}.npz"
+            np.savez(f, features=rs.normal(size=(m, 3)).astype("f4"), labels=rs.integers(0, 2, m))
+            import_features(store, f, backbone="bb", client=f"c{k}", split=split, domain="d", classes=["a", "b"])
+    opened = []
+    real = reader.open_group
+    monkeypatch.setattr(reader, "open_group", lambda *a: opened.append(a) or real(*a))
+    data = load_fed_data(str(store), ["bb"], device="cpu", chunk_rows=3)
+    assert data.num_clients == len(SKEWED) and len(opened) <= 2, len(opened)  # was 2 per client
+    info = reader.open_store(str(store))
+    assert info.shard("bb", "c3", "test").n == 2 and info.shard("bb", "c3", "nope") is None
+    back = pickle.loads(pickle.dumps(info))  # dask ships StoreInfos: the caches stay behind
+    assert back == info and "_root" not in back.__dict__ and back.shard("bb", "c1", "train").n == SKEWED[1]
+
+
 def test_count_parameters_is_the_same_in_both_layouts():
     dense = FedData.from_arrays(_clients(SKEWED), 3)
     b = to_layout(dense, LayoutConfig("bucketed"))
