@@ -16,7 +16,7 @@ after layer.5 (32 x 384); writes benchmarks/results/feddra.json.
            retriever, final lambda, wall minutes.
 
 Usage: python benchmarks/bench_feddra.py [--part speed,methods] [--repeats 7] [--seeds 0,1,2]
-           [--store STORE] [--work DIR] [--quick]
+           [--methods feddra,fedavg,...] [--store STORE] [--work DIR] [--quick] [--out FILE]
 --quick: 3 repeats, seed 0, methods 1 round x 2 steps: checks the script, not figures. Without --store the token
 states are extracted into --work first (seconds recorded). Run on an otherwise idle machine.
 """
@@ -117,10 +117,11 @@ def part_speed(store: str, repeats: int, steps: int) -> dict:
     return out
 
 
-def part_methods(store: str, seeds: tuple[int, ...], quick: bool, work: Path) -> dict:
+def part_methods(store: str, seeds: tuple[int, ...], quick: bool, work: Path,
+                 methods: tuple[str, ...] = METHODS) -> dict:
     from fedheads.live.feddra_runner import feddra_run
 
-    opts = _opts(baselines=METHODS, seeds=seeds, overwrite=True)
+    opts = _opts(baselines=methods, seeds=seeds, overwrite=True)
     if quick:  # one round of 2 steps: checks the part runs end to end, says nothing about the methods
         opts = dataclasses.replace(opts, fd=dataclasses.replace(opts.fd, rounds=1, steps=2))
     t = time.perf_counter()
@@ -143,8 +144,10 @@ def part_methods(store: str, seeds: tuple[int, ...], quick: bool, work: Path) ->
 @click.option("--seeds", default="0,1,2", show_default=True)
 @click.option("--store", default=None, help="A store holding the two token backbones for the manifest.")
 @click.option("--work", default=None, type=click.Path())
+@click.option("--methods", default=",".join(METHODS), show_default=True, help="Presets compared by the methods part.")
 @click.option("--quick", is_flag=True, help="3 repeats, seed 0, methods 1 round x 2 steps: a check that it runs, not figures.")
-def main(part, repeats, steps, seeds, store, work, quick) -> None:
+@click.option("--out", "out_path", default=str(OUT), show_default=True)
+def main(part, repeats, steps, seeds, store, work, methods, quick, out_path) -> None:
     os.chdir(REPO)  # the manifest's source is ../shared/data/office_caltech10, relative to the checkout
     if not data_dir("office_caltech10").is_dir() or not (REPO.parent / "shared" / "data").is_dir():
         raise SystemExit("needs Office-Caltech-10 at ../shared/data/office_caltech10 beside the checkout")
@@ -163,14 +166,14 @@ def main(part, repeats, steps, seeds, store, work, quick) -> None:
               f"(x{s['stage1_live_over_cache']:.1f}); stage 2 s/step: quick {s['stage2_quick']['median']:.3f}, "
               f"paper {s['stage2_paper']['median']:.3f}")
     if "methods" in parts:
-        res["methods"] = part_methods(st, seed_t, quick, wd)
+        res["methods"] = part_methods(st, seed_t, quick, wd, tuple(methods.split(",")))
         for name, m in res["methods"]["methods"].items():
             cell = {k: f"{m[k]['mean']['mean']:.2f} worst {m[k]['worst']['mean']:.2f}" for k in ("t2i_r1", "t2i_r5")}
             print(f"{name:14s} t2i R@1 mean {cell['t2i_r1']}  R@5 mean {cell['t2i_r5']}  "
                   f"(chance R@1 {m['chance_r1']['mean']['mean']:.2f}, class-only {m['class_r1']['mean']['mean']:.2f})")
     res["load_average_after"] = os.getloadavg()
-    write_json(res, OUT)
-    print(f"wrote {OUT}")
+    write_json(res, out_path)
+    print(f"wrote {out_path}")
 
 
 if __name__ == "__main__":
