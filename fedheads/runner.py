@@ -152,9 +152,8 @@ def save_state(path: Path, result: RunResult) -> None:
     """Tensor leaves of the final states, in tree order (loadable with weights_only=True)."""
     cs = [t.detach().cpu() for t in tree_leaves(result.client_state)]
     ss = [t.detach().cpu() for t in tree_leaves(result.server_state)]
-    buf = io.BytesIO()
-    torch.save({"format": STATE_FORMAT, "client": cs, "server": ss}, buf)
-    _atomic_bytes(path, buf.getvalue())
+    with atomic_path(path) as tmp:  # streamed: an in-memory copy held the state twice more at peak
+        torch.save({"format": STATE_FORMAT, "client": cs, "server": ss}, tmp)
 
 
 def load_state(path: Path, algorithm: Any, spec: DataSpec, seed: int) -> tuple[Any, Any]:

@@ -5,7 +5,6 @@ nodes, so `state/` holds the server state only (`seed<S>.server.pt`)."""
 from __future__ import annotations
 
 import dataclasses
-import io
 import json
 from pathlib import Path
 from typing import Any
@@ -19,11 +18,10 @@ SERVER_STATE_FORMAT = "fedheads-flower-server-state/1"
 
 
 def save_server_state(path: Path, server_state: Any) -> None:
-    from fedheads.runner import _atomic_bytes
+    from fedheads.atomic import atomic_path
 
-    buf = io.BytesIO()
-    torch.save({"format": SERVER_STATE_FORMAT, "server": [t.detach().cpu() for t in tree_leaves(server_state)]}, buf)
-    _atomic_bytes(path, buf.getvalue())
+    with atomic_path(path) as tmp:  # streamed to the file, no in-memory copy
+        torch.save({"format": SERVER_STATE_FORMAT, "server": [t.detach().cpu() for t in tree_leaves(server_state)]}, tmp)
 
 
 def write_run(cfg: Any, out: dict[str, Any]) -> dict[str, Any]:
