@@ -131,6 +131,8 @@ def main() -> None:
     ap.add_argument("--cases", default=",".join(CASES), help=f"comma-separated subset of {', '.join(CASES)}")
     ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/flower[_quick].json)")
     a = ap.parse_args()
+    # SIGTERM (e.g. `timeout`) as SystemExit: the loopback cases' `finally` then stops their SuperLink/SuperNodes
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     kinds = [k.strip() for k in a.cases.split(",") if k.strip()]
     if "engine" not in kinds or not set(kinds) <= set(CASES):
         ap.error(f"--cases {a.cases!r}: a subset of {', '.join(CASES)} that includes engine (the reference)")
