@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from embedcache.errors import UserError
-from fedheads.atomic import atomic_path
+from fedheads.atomic import atomic_torch_save
 
 
 def config_hash(config: Any) -> str:
@@ -48,8 +48,7 @@ def save_checkpoint(path: Path, fmt: str, config: dict[str, Any], round_: int, p
     blob = {"format": fmt, "config_hash": config_hash(config), "config": json.dumps(config, sort_keys=True,
                                                                                      default=str),
             "round": int(round_), "history": history, **payload}
-    with atomic_path(path) as tmp:  # streamed to the file: an in-memory copy doubled the state at peak
-        torch.save(blob, tmp)
+    atomic_torch_save(path, blob)
 
 
 def load_checkpoint(path: Path, fmt: str, config: dict[str, Any]) -> dict[str, Any]:

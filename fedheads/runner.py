@@ -28,7 +28,7 @@ import torch
 from embedcache.errors import UserError
 from fedheads import __version__, plotting, report, rundir
 from fedheads import resume as resume_mod
-from fedheads.atomic import atomic_path
+from fedheads.atomic import atomic_path, atomic_torch_save
 from fedheads.algorithms import create_algorithm
 from fedheads.core.engine import RunResult, clock, run, to_device
 from fedheads.core.tree import tree_leaves
@@ -152,8 +152,7 @@ def save_state(path: Path, result: RunResult) -> None:
     """Tensor leaves of the final states, in tree order (loadable with weights_only=True)."""
     cs = [t.detach().cpu() for t in tree_leaves(result.client_state)]
     ss = [t.detach().cpu() for t in tree_leaves(result.server_state)]
-    with atomic_path(path) as tmp:  # streamed: an in-memory copy held the state twice more at peak
-        torch.save({"format": STATE_FORMAT, "client": cs, "server": ss}, tmp)
+    atomic_torch_save(path, {"format": STATE_FORMAT, "client": cs, "server": ss})
 
 
 def load_state(path: Path, algorithm: Any, spec: DataSpec, seed: int) -> tuple[Any, Any]:
