@@ -192,6 +192,8 @@ def _live_run_options(f):
 @click.option("--server-lr", type=float, default=None, help="Server lr (default 1.0; FedAdam 1e-3).")
 @click.option("--prox-mu", type=float, default=0.01, show_default=True, help="FedProx mu.")
 @click.option("--lr", type=float, default=0.1, show_default=True, help="Client SGD lr (top of the FedNCM App. B grid).")
+@click.option("--warmup-rounds", default=0, show_default=True,
+              help="Client lr rises linearly over the first K FT rounds (FedNCM paper Sec. 4.2's proposed warm-up).")
 @click.option("--momentum", type=float, default=0.0, show_default=True, help="Client SGD momentum.")
 @click.option("--weight-decay", type=float, default=0.0, show_default=True, help="Client SGD weight decay.")
 @click.option("--local-epochs", default=1, show_default=True)
@@ -206,7 +208,7 @@ def _live_run_options(f):
 @_live_run_options
 @with_config
 def finetune(manifest_path, store, backbone, heads, head_rounds, rounds, server, server_lr, prox_mu, lr,
-             momentum, weight_decay, local_epochs, batch_size, fraction, trainable, bn, live_prefix,
+             warmup_rounds, momentum, weight_decay, local_epochs, batch_size, fraction, trainable, bn, live_prefix,
              no_pretrained, no_augment, seeds, eval_every, device, num_workers, weights_dir, resume,
              overwrite, quiet, out) -> None:
     """Fine-tune a backbone federatedly from a stage-1 head computed on the store (FedNCM+FT, LP+FT, FT).
@@ -221,7 +223,8 @@ def finetune(manifest_path, store, backbone, heads, head_rounds, rounds, server,
                        batch_size=batch_size, fraction=fraction, trainable=trainable, bn=bn,
                        live_prefix=live_prefix, pretrained=not no_pretrained, augment=not no_augment,
                        seeds=_seeds(seeds), eval_every=eval_every, device=device, num_workers=num_workers,
-                       weights_dir=weights_dir, resume=resume, overwrite=overwrite, progress=not quiet)
+                       weights_dir=weights_dir, resume=resume, overwrite=overwrite, progress=not quiet,
+                       warmup_rounds=warmup_rounds)
     for r in res.get("algorithms", {"": res}).values():
         click.echo(f"{r['algorithm']}: accuracy {r['accuracy_cell']} after {r['rounds']} rounds "
                    f"(round 0: {r['figure1'][0]['accuracy']:.2f})")

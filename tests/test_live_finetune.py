@@ -87,6 +87,24 @@ def test_cache_first_equals_live_frozen_prefix(setup, tmp_path):
         torch.testing.assert_close(a[k], b[k], rtol=1e-5, atol=1e-6)
 
 
+def test_lr_warmup_scales_the_first_rounds_client_lr(setup, tmp_path):
+    """--warmup-rounds K (FedNCM paper Sec. 4.2's proposed warm-up): FT round r < K runs at
+    lr (r+1)/(K+1); with plain SGD, one warm-up round at lr 0.1 is one round at lr 0.05."""
+    cfg = FTConfig(lr=0.3, warmup_rounds=2)
+    assert [cfg.client_lr(r) for r in range(4)] == pytest.approx([0.1, 0.2, 0.3, 0.3])
+    assert FTConfig(lr=0.3).client_lr(0) == 0.3
+    with pytest.raises(UserError, match="warmup_rounds"):
+        FTConfig(warmup_rounds=-1)
+    root, _ = setup
+    args = (root / "manifest.json", str(root / "s.zarr"), "tiny-staged")
+    ft = dict(batch_size=4)
+    finetune_run(*args, tmp_path / "warm", _opts(rounds=1, ft=FTConfig(lr=0.1, warmup_rounds=1, **ft)))
+    finetune_run(*args, tmp_path / "half", _opts(rounds=1, ft=FTConfig(lr=0.05, **ft)))
+    finetune_run(*args, tmp_path / "full", _opts(rounds=1, ft=FTConfig(lr=0.1, **ft)))
+    warm, half, full = (_final_state(tmp_path / d) for d in ("warm", "half", "full"))
+    assert live_doubles.digest(warm) == live_doubles.digest(half) != live_doubles.digest(full)
+
+
 def test_sums_then_finalize_equal_the_stacked_server_step():
     from fedheads.algorithms.pfl_common import DeltaMessage, GlobalModel
     from fedheads.core.protocol import RoundCtx
