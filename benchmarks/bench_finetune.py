@@ -92,13 +92,38 @@ def _run(man: Path, store: Path, backbone: str, out: Path, **kw) -> dict:
     return finetune_run(man, str(store), backbone, out, opts)
 
 
+def _train_flops(backbone: str, cuts: list[str]) -> dict:
+    """Forward FLOPs per sample of the trained part (torch's FlopCounterMode) for `all` and each
+    `after:CUT`, and their ratio: the compute-bound ceiling of the cache-first speed-up (a training
+    step is ~3 forward passes of the trained part either way, FedNCM paper App. A; data loading and
+    augmentation then add to the live side). Backward is not counted directly because
+    FlopCounterMode over-counts the backward of grouped (depthwise) convolutions."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from embedcache.backbones import create_backbone
+
+    net = create_backbone(backbone, weights_dir=str(weights_dir()), device="cpu").trainable().eval()
+    x = torch.randn(2, *net.input_size)
+
+    @torch.no_grad()
+    def forward(start: str | None) -> float:
+        inp = x if start is None else net(x, stop=start)
+        with FlopCounterMode(display=False) as fc:
+            net(inp, start=start)
+        return fc.get_total_flops() / x.shape[0]
+
+    out = {"all": forward(None), **{f"after:{c}": forward(c) for c in cuts}}
+    return {"per_sample_forward_flops": out,
+            "compute_bound_speedup": {k: out["all"] / v for k, v in out.items() if k != "all"}}
+
+
 def part_speed(man: Path, m: object, work: Path, rounds: int, quick: bool) -> dict:
     res = {}
     for bb in (["resnet20-cifar10"] if quick else ["resnet20-cifar10", "resnet56-cifar10"]):
         store = work / f"{bb}.zarr"
         cuts = ["layer1", "layer2"]
         ex = _extract(m, store, [bb] + [f"{bb}@{c}" for c in cuts])
-        case: dict = {"extract_seconds": ex, "cached_bytes": {n: _du(store / n) for n in [bb] + [f"{bb}@{c}" for c in cuts]}}
+        case: dict = {"flops": _train_flops(bb, cuts), "extract_seconds": ex, "cached_bytes": {n: _du(store / n) for n in [bb] + [f"{bb}@{c}" for c in cuts]}}
         for mode in ["all", *(f"after:{c}" for c in cuts), "head"]:
             d = work / "runs" / bb / mode.replace(":", "_")
             r = _run(man, store, bb, d, heads=("fedncm",), rounds=rounds, eval_every=0, seeds=(0,), trainable=mode)
@@ -157,7 +182,7 @@ def main(part: str, rounds: int, speed_rounds: int, seeds: str, work: str | None
             bb = "efficientnet-lite0:160"
             store = tmp / "lite0.zarr"
             ex = _extract(m, store, [bb, f"{bb}@blocks.4"])
-            results["lite0"] = {"extract_seconds": ex, **_curves(man, store, bb, tmp, rounds, seed_t, "after:blocks.4")}
+            results["lite0"] = {"flops": _train_flops(bb, ["blocks.4"]), "extract_seconds": ex, **_curves(man, store, bb, tmp, rounds, seed_t, "after:blocks.4")}
     finally:
         results["load_average_at_end"] = os.getloadavg()
         if not work:
