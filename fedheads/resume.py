@@ -84,14 +84,21 @@ def _record(d: dict[str, Any]) -> RoundRecord:
     return RoundRecord(**{**d, "participants": tuple(d["participants"]), "comm": CommRecord(**d["comm"])})
 
 
+def _sum64(t: torch.Tensor, chunk: int = 1 << 20) -> torch.Tensor:
+    """float64 sum of `t` (on the host) in chunks of `chunk` elements: `t.sum(dtype=float64)`
+    makes a float64 copy of its whole input first, which at 1,000 clients put ~0.04x the feature
+    bytes on FedNCM's peak memory (benchmarks/bench_scale.py)."""
+    parts = [c.sum(dtype=torch.float64) for c in t.reshape(-1).split(chunk)]
+    return (torch.stack(parts).sum() if parts else torch.zeros((), dtype=torch.float64, device=t.device)).cpu()
+
+
 def data_settings(data: Any) -> dict[str, Any]:
     """What identifies the features a run trained on: clients, sizes, classes, dimension and a
     float64 checksum of every feature and label (one pass over the data, no copy)."""
     xs, ys = torch.zeros((), dtype=torch.float64), torch.zeros((), dtype=torch.float64)
     for _, g in data.groups():
-        xs = xs + g.x_train.sum(dtype=torch.float64).cpu() + g.x_test.sum(dtype=torch.float64).cpu()
-        ys = ys + (g.y_train * g.m_train).sum(dtype=torch.float64).cpu() + \
-            (g.y_test * g.m_test).sum(dtype=torch.float64).cpu()
+        xs = xs + _sum64(g.x_train) + _sum64(g.x_test)
+        ys = ys + _sum64(g.y_train * g.m_train) + _sum64(g.y_test * g.m_test)
     return {"clients": list(data.client_names), "n_train": [int(n) for n in data.n_train],
             "n_test": [int(n) for n in data.n_test], "num_classes": int(data.num_classes), "dim": int(data.dim),
             "checksum": [float(xs), float(ys)]}

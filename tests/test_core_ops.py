@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from fedheads.core import ops, rng
@@ -217,6 +218,13 @@ def test_proto_contrast_matches_straightforward_formula_and_gradients() -> None:
         gw = torch.randn_like(want)
         torch.testing.assert_close(torch.autograd.grad((got * gw).sum(), [z, protos]),
                                    torch.autograd.grad((want * gw).sum(), [z, protos]))
+        # the backward reuses its saved logit buffer in place: a second backward through the same
+        # graph must fail loudly, never read the overwritten buffer
+        got, _ = ops.proto_contrast(z, protos, avail, y, 0.3)
+        loss = (got * gw).sum()
+        torch.autograd.grad(loss, [z, protos], retain_graph=True)
+        with pytest.raises(RuntimeError, match="inplace"):
+            torch.autograd.grad(loss, [z, protos])
 
 
 def test_fused_inplace_optimizer_matches_functional_with_diverged_step_counts() -> None:

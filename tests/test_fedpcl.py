@@ -208,3 +208,25 @@ def test_code_variant_trains_on_stored_views() -> None:
     torch.testing.assert_close(a.client_state.params["proj.weight"], c.client_state.params["proj.weight"], atol=5e-5, rtol=1e-3)
     with pytest.raises(UserError, match="views"):
         run(FedPCL(FedPCLConfig(hidden=8, variant="code", code_views=3)), with_views, rounds=2, seed=0, progress=False)
+
+
+@pytest.mark.parametrize("variant", ["paper", "code"])
+def test_clients_in_groups_under_the_logit_cap_give_the_same_run(monkeypatch, variant) -> None:
+    """client_update trains clients in groups whose Eq. 9 logits stay under CALL_LOGIT_BYTES;
+    with a cap that forces groups of 2 (and a last group of 1) the run is the one-call run."""
+    import fedheads.algorithms.fedpcl as fp
+
+    data = tiny_fed(M=5, seed=2)
+    cfg = FedPCLConfig(hidden=8, batch_size=4, variant=variant, noise="laplace")
+    whole = run(FedPCL(cfg), data, rounds=3, seed=0, progress=False)
+    calls = []
+    real = FedPCL._client_update
+    monkeypatch.setattr(FedPCL, "_client_update", lambda self, *a: calls.append(a[2].num_clients) or real(self, *a))
+    views = 2 if variant == "code" else 1
+    monkeypatch.setattr(fp, "CALL_LOGIT_BYTES", 2 * 4 * views * 5 * data.num_classes * 4)
+    grouped = run(FedPCL(cfg), data, rounds=3, seed=0, progress=False)
+    assert calls == [5, 2, 2, 1, 2, 2, 1]  # round 0 collects in one call
+    torch.testing.assert_close(grouped.final_accuracy(), whole.final_accuracy())
+    for k, v in whole.client_state.params.items():
+        torch.testing.assert_close(grouped.client_state.params[k], v, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(grouped.client_state.protos, whole.client_state.protos, rtol=1e-5, atol=1e-6)

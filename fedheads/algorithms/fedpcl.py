@@ -61,9 +61,14 @@ from fedheads.core.heads import HeadSpec, Params
 from fedheads.core.optim import OptimizerConfig, OptState, config_from_kwargs, opt_initial
 from fedheads.core.protocol import Init, RoundCtx
 from fedheads.core.train import local_train
+from fedheads.core.tree import tree_cat, tree_map
 from fedheads.data import DataSpec, FedData
 
 _NEG = -1e9  # finite "minus infinity" keeps logsumexp gradients NaN-free for masked entries
+# One client_update call trains at most as many clients as keep its [clients, B, sets, C] logits
+# of Eq. 9 under this many bytes: those logits grow with the federation (one set per client), and
+# at 1,000 clients a 64-client bucket's took 82 MB per step (benchmarks/bench_scale.py).
+CALL_LOGIT_BYTES = 32 << 20
 
 
 @dataclass(frozen=True)
@@ -277,6 +282,21 @@ class FedPCL:
 
     def client_update(self, cs: FedPCLClientState, bc: FedPCLBroadcast, data: FedData,
                       ctx: RoundCtx) -> tuple[FedPCLClientState, FedPCLMessage]:
+        """Clients in groups whose Eq. 9 logits stay under CALL_LOGIT_BYTES (every client's update
+        depends only on its own rows and the broadcast, so the grouping changes no result)."""
+        S, C = bc.local_sets.shape[:2]
+        views = self.cfg.code_views if self.cfg.variant == "code" else 1
+        per_client = self.cfg.batch_size * views * S * C * bc.local_sets.element_size()
+        k = max(1, CALL_LOGIT_BYTES // max(per_client, 1))
+        M = data.num_clients
+        if bc.collect_only or M <= k:
+            return self._client_update(cs, bc, data, ctx)
+        parts = [self._client_update(tree_map(lambda t: t[a:a + k], cs), bc,  # noqa: B023 (used at once)
+                                     data.client_range(a, min(a + k, M)), ctx) for a in range(0, M, k)]
+        return tree_cat([p[0] for p in parts]), tree_cat([p[1] for p in parts])
+
+    def _client_update(self, cs: FedPCLClientState, bc: FedPCLBroadcast, data: FedData,
+                       ctx: RoundCtx) -> tuple[FedPCLClientState, FedPCLMessage]:
         assert self.spec is not None, "init() first"
         cfg = self.cfg
         p, b, opt = cs.params, cs.buffers, cs.opt

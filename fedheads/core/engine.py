@@ -29,6 +29,7 @@ from fedheads.core.ops import masked_accuracy
 from fedheads.core.protocol import Algorithm, Init, RoundCtx
 from fedheads.core.tree import payload_size, tree_cat, tree_index, tree_leaves, tree_map, tree_scatter, tree_scatter_
 from fedheads.data import FedData, Federation
+from fedheads.heap import release_free_heap
 
 ENGINES = ("vectorized", "loop")
 
@@ -184,6 +185,7 @@ def evaluate(algorithm: Algorithm, client_state: Any, server_state: Any, data: F
         acc = _evaluate_padded(algorithm, tree_index(client_state, _ids(ms, data.device)), server_state, bucket, engine)
         for k, v in acc.items():
             out.setdefault(k, torch.full((data.num_clients,), float("nan"), dtype=v.dtype))[list(ms)] = v
+        release_free_heap()
     return out
 
 
@@ -237,6 +239,8 @@ def client_updates(algorithm: Algorithm, client_state: Any, broadcast: Any, data
         tree_scatter_(client_state, gidx, cs_b)
         msgs.append(msg_b)
         order += ids
+        del cs_b, sub
+        release_free_heap()  # this bucket's freed temporaries would stay resident (fedheads/heap.py)
     return client_state, _in_order(tree_cat(msgs), order, dev)
 
 

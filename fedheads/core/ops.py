@@ -212,7 +212,10 @@ class _ProtoContrast(torch.autograd.Function):
         e, den, ok, yi, pt, z = ctx.saved_tensors
         M, B, S, C = e.shape
         gok = torch.where(ok, g, torch.zeros_like(g)).unsqueeze(-1)  # d terms: softmax over A(y) minus one-hot(y)
-        w = e * (gok / den.clamp_min(torch.finfo(e.dtype).tiny))
+        # in place: e is this backward's own (a second backward through the same graph fails
+        # autograd's saved-tensor version check instead of reading the overwritten buffer), so the
+        # step holds one [M,B,S,C] buffer, not two
+        w = e.mul_(gok / den.clamp_min(torch.finfo(e.dtype).tiny))
         w.scatter_(-1, yi, -gok)  # the positive's softmax weight is 0: its slot takes -g
         w = w.view(M, B, S * C)
         gz = torch.matmul(w, pt) if ctx.needs_input_grad[0] else None
