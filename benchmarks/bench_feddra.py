@@ -16,7 +16,7 @@ after layer.5 (32 x 384); writes benchmarks/results/feddra.json.
            retriever, final lambda, wall minutes.
 
 Usage: python benchmarks/bench_feddra.py [--part speed,methods] [--repeats 7] [--seeds 0,1,2]
-           [--methods feddra,fedavg,...] [--store STORE] [--work DIR] [--quick] [--out FILE]
+           [--methods feddra,fedavg,...] [--mu MU] [--store STORE] [--work DIR] [--quick] [--out FILE]
 --quick: 3 repeats, seed 0, methods 1 round x 2 steps: checks the script, not figures. Without --store the token
 states are extracted into --work first (seconds recorded). Run on an otherwise idle machine.
 """
@@ -118,15 +118,17 @@ def part_speed(store: str, repeats: int, steps: int) -> dict:
 
 
 def part_methods(store: str, seeds: tuple[int, ...], quick: bool, work: Path,
-                 methods: tuple[str, ...] = METHODS) -> dict:
+                 methods: tuple[str, ...] = METHODS, mu: float | None = None) -> dict:
     from fedheads.live.feddra_runner import feddra_run
 
     opts = _opts(baselines=methods, seeds=seeds, overwrite=True)
+    if mu is not None:  # the weight of L_C (Eq. 1) for every method that has the constraint
+        opts = dataclasses.replace(opts, fd=dataclasses.replace(opts.fd, mu=mu))
     if quick:  # one round of 2 steps: checks the part runs end to end, says nothing about the methods
         opts = dataclasses.replace(opts, fd=dataclasses.replace(opts.fd, rounds=1, steps=2))
     t = time.perf_counter()
     res = feddra_run(str(MANIFEST), store, IMAGE, TEXT, work / "methods", opts)
-    out = {"wall_minutes": (time.perf_counter() - t) / 60, "seeds": list(seeds), "rounds": opts.fd.rounds,
+    out = {"wall_minutes": (time.perf_counter() - t) / 60, "seeds": list(seeds), "rounds": opts.fd.rounds, "mu": opts.fd.mu,
            "steps": opts.fd.steps, "batch_size": opts.fd.batch_size, "methods": {}}
     for name, r in res["algorithms"].items():
         ret = r["retrieval"]
@@ -145,9 +147,10 @@ def part_methods(store: str, seeds: tuple[int, ...], quick: bool, work: Path,
 @click.option("--store", default=None, help="A store holding the two token backbones for the manifest.")
 @click.option("--work", default=None, type=click.Path())
 @click.option("--methods", default=",".join(METHODS), show_default=True, help="Presets compared by the methods part.")
+@click.option("--mu", type=float, default=None, help="Weight of L_C for the methods part (default: the quick preset's).")
 @click.option("--quick", is_flag=True, help="3 repeats, seed 0, methods 1 round x 2 steps: a check that it runs, not figures.")
 @click.option("--out", "out_path", default=str(OUT), show_default=True)
-def main(part, repeats, steps, seeds, store, work, methods, quick, out_path) -> None:
+def main(part, repeats, steps, seeds, store, work, methods, mu, quick, out_path) -> None:
     os.chdir(REPO)  # the manifest's source is ../shared/data/office_caltech10, relative to the checkout
     if not data_dir("office_caltech10").is_dir() or not (REPO.parent / "shared" / "data").is_dir():
         raise SystemExit("needs Office-Caltech-10 at ../shared/data/office_caltech10 beside the checkout")
@@ -166,7 +169,7 @@ def main(part, repeats, steps, seeds, store, work, methods, quick, out_path) -> 
               f"(x{s['stage1_live_over_cache']:.1f}); stage 2 s/step: quick {s['stage2_quick']['median']:.3f}, "
               f"paper {s['stage2_paper']['median']:.3f}")
     if "methods" in parts:
-        res["methods"] = part_methods(st, seed_t, quick, wd, tuple(methods.split(",")))
+        res["methods"] = part_methods(st, seed_t, quick, wd, tuple(methods.split(",")), mu)
         for name, m in res["methods"]["methods"].items():
             cell = {k: f"{m[k]['mean']['mean']:.2f} worst {m[k]['worst']['mean']:.2f}" for k in ("t2i_r1", "t2i_r5")}
             print(f"{name:14s} t2i R@1 mean {cell['t2i_r1']}  R@5 mean {cell['t2i_r5']}  "
