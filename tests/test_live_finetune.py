@@ -93,7 +93,7 @@ def test_lr_warmup_scales_the_first_rounds_client_lr(setup, tmp_path):
     cfg = FTConfig(lr=0.3, warmup_rounds=2)
     assert [cfg.client_lr(r) for r in range(4)] == pytest.approx([0.1, 0.2, 0.3, 0.3])
     assert FTConfig(lr=0.3).client_lr(0) == 0.3
-    with pytest.raises(UserError, match="warmup_rounds"):
+    with pytest.raises(UserError, match="--warmup-rounds -1: must be >= 0"):
         FTConfig(warmup_rounds=-1)
     root, _ = setup
     args = (root / "manifest.json", str(root / "s.zarr"), "tiny-staged")

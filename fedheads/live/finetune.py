@@ -92,8 +92,11 @@ class FTConfig:
         if self.lr <= 0 or self.batch_size < 1 or self.local_epochs < 1:
             raise UserError(f"--lr {self.lr} / --batch-size {self.batch_size} / --local-epochs "
                             f"{self.local_epochs}: must be positive")
-        if self.momentum < 0 or self.weight_decay < 0 or self.prox_mu < 0 or self.warmup_rounds < 0:
-            raise UserError("momentum, weight_decay, prox_mu and warmup_rounds must be >= 0")
+        negative = [f"--{k.replace('_', '-')} {v}" for k, v in (("momentum", self.momentum),
+                    ("weight_decay", self.weight_decay), ("prox_mu", self.prox_mu),
+                    ("warmup_rounds", self.warmup_rounds)) if v < 0]
+        if negative:
+            raise UserError(f"{', '.join(negative)}: must be >= 0")
         if self.amp not in AMP:
             raise UserError(f"amp {self.amp!r}: use one of {', '.join(AMP)}")
 
