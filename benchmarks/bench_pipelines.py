@@ -44,7 +44,8 @@ def run_one(name: str, scale: str, scheduler: str, out: Path, force: bool) -> di
     t = time.perf_counter()
     p = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
     wall = time.perf_counter() - t
-    res: dict = {"command": " ".join(cmd[1:]), "rc": p.returncode, "process_seconds": round(wall, 2)}
+    shown = " ".join(cmd[1:]).replace(str(out), "OUT_DIR")  # no path of this machine in the JSON
+    res: dict = {"command": shown, "rc": p.returncode, "process_seconds": round(wall, 2)}
     if p.returncode != 0:
         res["error"] = p.stderr.strip().splitlines()[-1:] if p.stderr.strip() else []
     plan = out / name / "plan.json"
