@@ -7,7 +7,9 @@ scheduler (e.g. `serial` against `local:2`). Writes benchmarks/results/pipelines
 experiment, so a run cut short keeps what it measured.
 
 Usage: python benchmarks/bench_pipelines.py [--experiments 'fedpcl-*'] [--scale ci]
-           [--scheduler local:2] [--compare serial] [--out-dir DIR] [--out FILE]
+           [--scheduler local:2] [--compare serial] [--out-dir DIR [--warm-only]] [--out FILE]
+(paper scale from the ci run's warm cache: --scale paper --out-dir DIR --warm-only
+ --out benchmarks/results/pipelines_paper.json)
 Run on an otherwise idle machine.
 """
 
@@ -66,20 +68,23 @@ def main() -> None:
     ap.add_argument("--scheduler", default="local:2")
     ap.add_argument("--compare", default="", help="a second scheduler for the warm pass (e.g. serial)")
     ap.add_argument("--out-dir", default=None, help="pipeline output and cache (default: a temp dir)")
+    ap.add_argument("--warm-only", action="store_true",
+                    help="skip the cold pass: --out-dir's cache already holds the features (e.g. from a ci run)")
     ap.add_argument("--out", default=str(HERE / "results" / "pipelines.json"))
     a = ap.parse_args()
     out = Path(a.out_dir or tempfile.mkdtemp(prefix="bench_pipelines_"))
     res = {"benchmark": "pipelines", "scale": a.scale, "scheduler": a.scheduler, "machine": machine("cpu"),
            "load_average_before": os.getloadavg(), "experiments": {}}
     for name in names(a.experiments):
-        r = {"cold": run_one(name, a.scale, a.scheduler, out, force=False)}
+        r = {} if a.warm_only else {"cold": run_one(name, a.scale, a.scheduler, out, force=False)}
         r["warm"] = run_one(name, a.scale, a.scheduler, out, force=True)
         if a.compare:
             r[f"warm_{a.compare}"] = run_one(name, a.scale, a.compare, out, force=True)
         res["experiments"][name] = r
         res["load_average_after"] = os.getloadavg()
         w = r["warm"].get("timing", {})
-        print(f"{name}: cold {r['cold']['process_seconds']:.0f} s, warm sweep {w.get('sweep_seconds', float('nan')):.0f} s "
+        cold = f"cold {r['cold']['process_seconds']:.0f} s, " if "cold" in r else ""
+        print(f"{name}: {cold}warm sweep {w.get('sweep_seconds', float('nan')):.0f} s "
               f"({w.get('cells', '?')} cells)", flush=True)
         write_json(res, a.out)
     print(f"wrote {a.out}")

@@ -294,3 +294,39 @@ def test_stage1_from_cache_never_runs_an_encoder_or_reads_an_image(paired, monke
     assert calls["anchor"] == cfg.rounds * per_pass + evals  # not rounds * N * E = 30 anchor passes
     _close(_state(cached), _state(live), rtol=1e-4, atol=1e-6)
     np.testing.assert_allclose(cached.state.lam.numpy(), live.state.lam.numpy(), rtol=1e-5)
+
+
+def test_live_stage1_encodes_a_batch_once_for_model_and_anchor(paired, monkeypatch):
+    """Live stage 1 with L_C: the frozen encoders run once per batch and the anchor reads those
+    token states (its encoders hold the same weights); bit-identical to encoding twice. An anchor
+    whose encoders differ is never given the model's tokens."""
+    m, _ = paired
+    cfg = FedDRAConfig(rounds=2, schedule="sequential", stage1_rounds=2, steps=3, batch_size=4, mu=5.0,
+                       dro=DROConfig(rho=1.0), optimizer="sgd", lr=0.5)
+    calls = {"image": 0}
+
+    def counting(fn):
+        def wrapped(*a, **kw):
+            calls["image"] += 1
+            return fn(*a, **kw)
+        return wrapped
+    monkeypatch.setattr(DualEncoder, "image_tokens", counting(DualEncoder.image_tokens))
+    clients, make = _world(m)
+    shared = _run(cfg, clients, make, stage1_inputs="live")
+    n_shared = calls["image"]
+    monkeypatch.setattr(FedDRA, "share_frozen_pass", False)
+    calls["image"] = 0
+    twice = _run(cfg, clients, make, stage1_inputs="live")
+    steps = cfg.rounds * len(clients) * cfg.steps
+    assert calls["image"] - n_shared == steps  # the second pass per step is gone, nothing else changed
+    for k, v in _state(twice).items():
+        assert torch.equal(v, _state(shared)[k]), k
+    assert torch.equal(twice.state.lam, shared.state.lam)
+
+    monkeypatch.setattr(FedDRA, "share_frozen_pass", True)
+    alg, net = FedDRA(cfg), make()
+    other = make()
+    with torch.no_grad():
+        next(other.image.parameters()).add_(0.1)
+    assert alg.shares_encoders(net, copy.deepcopy(net), 1)
+    assert not alg.shares_encoders(net, other, 1) and not alg.shares_encoders(net, copy.deepcopy(net), 2)

@@ -168,6 +168,7 @@ class FedDRA:
     one at a time on ONE workspace network and adds each message to the server's sums."""
 
     name = "feddra"
+    share_frozen_pass = True  # stage 1 live: one frozen encoder pass for model and anchor (exact; off: two)
 
     def __init__(self, cfg: FedDRAConfig = FedDRAConfig()) -> None:
         self.cfg = cfg
@@ -191,8 +192,21 @@ class FedDRA:
         txt_mask = b.txt_mask if b.txt_tok is not None else b.mask
         return net.align(img, b.img_mask, txt, txt_mask)
 
-    def local_loss(self, net: DualEncoder, anchor: DualEncoder | None, b: PairBatch, stage: int) -> torch.Tensor:
-        """L_local = L_MI + mu L_C (Eq. 1); the anchor runs without gradient."""
+    @staticmethod
+    @torch.no_grad()
+    def frozen_tokens(net: DualEncoder, b: PairBatch) -> PairBatch:
+        """`b` with the live inputs replaced by the frozen encoders' token states (stage 1)."""
+        img = b.img_tok if b.img_tok is not None else net.image_tokens(b.images)
+        txt, tm = (b.txt_tok, b.txt_mask) if b.txt_tok is not None else (net.text_tokens(b.ids, b.mask), b.mask)
+        return PairBatch(img_tok=img, img_mask=b.img_mask, txt_tok=txt, txt_mask=tm, anchor=b.anchor)
+
+    def local_loss(self, net: DualEncoder, anchor: DualEncoder | None, b: PairBatch, stage: int,
+                   shared: bool = False) -> torch.Tensor:
+        """L_local = L_MI + mu L_C (Eq. 1); the anchor runs without gradient. `shared` (stage 1,
+        anchor encoders == net encoders, both frozen): a live batch is encoded once and both the
+        model and the anchor read those token states, so the anchor costs module passes only."""
+        if shared and stage == 1 and (b.img_tok is None or b.txt_tok is None):
+            b = self.frozen_tokens(net, b)
         zx, zy = self.embed(net, b, stage)
         loss = l_mi(zx, zy, self.cfg)
         if self.cfg.mu > 0:
@@ -212,13 +226,32 @@ class FedDRA:
         """v_i (Alg. 1 lines 13-16): mean InfoNCE (or L_local) over the fixed batches, eval mode."""
         net.eval()
         vals = []
+        shared = None
         for b in batches:
             if self.cfg.dro_loss == "local" and self.cfg.mu > 0:
-                vals.append(float(self.local_loss(net, anchor, b, stage)))
+                shared = self._shared_for(b, net, anchor, stage, shared)
+                vals.append(float(self.local_loss(net, anchor, b, stage, bool(shared))))
             else:
                 zx, zy = self.embed(net, b, stage)
                 vals.append(float(l_mi(zx, zy, self.cfg)))
         return float(np.mean(vals)) if vals else math.nan
+
+    def shares_encoders(self, net: DualEncoder, anchor: DualEncoder | None, stage: int) -> bool:
+        """Stage 1 with L_C: may the anchor read the model's frozen token states? Only when its
+        encoders hold exactly the model's weights (always so in the driver: both are the round's
+        global encoders in stage 1); checked once per client update, not assumed."""
+        if stage != 1 or anchor is None or self.cfg.mu <= 0 or not self.share_frozen_pass:
+            return False
+        a, b = anchor.state_dict(), net.state_dict()
+        return all(torch.equal(v, a[k]) for k, v in b.items() if not k.startswith(("psi.", "phi.")))
+
+    def _shared_for(self, b: PairBatch, net: DualEncoder, anchor: DualEncoder | None, stage: int,
+                    known: bool | None) -> bool | None:
+        """shares_encoders, evaluated at the first live batch of a client update (cached batches
+        never need it, and the check reads every encoder weight once)."""
+        if known is None and stage == 1 and (b.img_tok is None or b.txt_tok is None):
+            return self.shares_encoders(net, anchor, stage)
+        return known
 
     def client_update(self, stage: int, bc: GlobalModel, batches: Iterable[PairBatch], scale: float, client: int,
                       net: DualEncoder, anchor: DualEncoder | None,
@@ -239,9 +272,11 @@ class FedDRA:
             opt = torch.optim.SGD(groups, weight_decay=cfg.weight_decay)
         start = [p.detach().clone() for _, p in named] if cfg.prox_mu else []
         autocast, scaler = _amp(cfg.amp, next(iter(bc.params.values())).device)
+        shared = None
         for b in batches:
+            shared = self._shared_for(b, net, anchor, stage, shared)
             with autocast():
-                loss = self.local_loss(net, anchor, b, stage)
+                loss = self.local_loss(net, anchor, b, stage, bool(shared))
             if cfg.prox_mu:  # FedProx (Li et al. 2020, Eq. 2)
                 loss = loss + 0.5 * cfg.prox_mu * sum(((p - s) ** 2).sum() for (_, p), s in zip(named, start))
             optimizer_step(opt, scaler, loss)
