@@ -293,3 +293,27 @@ def test_init_head_rows_are_independent_seeded_draws_in_torch_linear_order() -> 
             assert torch.equal(p[k][i], w), k
     assert list(p) == ["proj.weight", "proj.bias", "bn.weight", "bn.bias", "cls.weight", "cls.bias"]
     assert torch.equal(b["bn.running_var"], torch.ones(2, 3))
+
+
+def test_prototype_pass_in_row_chunks_equals_one_pass(monkeypatch):
+    """heads.embedding_class_sums: the Eq. 5 prototype pass (FedPCL, FedProto) in row chunks gives
+    the sums of one full-size pass (eval-mode rows are independent), padded rows left out."""
+    from fedheads.core import heads
+
+    g = torch.Generator().manual_seed(0)
+    M, N, D, C = 3, 1000, 12, 5
+    spec = HeadSpec(D, 8, 0, batch_norm=True, normalize=True)
+    p, b = init_head(spec, [1, 2, 3])
+    b = {"bn.running_mean": torch.randn(M, 8, generator=g), "bn.running_var": torch.rand(M, 8, generator=g) + 0.5}
+    x, y = torch.randn(M, N, D, generator=g), torch.randint(0, C, (M, N), generator=g)
+    mask = torch.arange(N).expand(M, N) < torch.tensor([[1000], [613], [0]])
+    for transform in (None, torch.sign):
+        z, _ = embed(spec, p, b, x if transform is None else transform(x), mask, train=False)
+        want = ops.class_sums(z, y, mask, C)
+        monkeypatch.setattr(heads, "PROTO_CHUNK_BYTES", 1)  # 256-row chunks: 4 of them
+        got = heads.embedding_class_sums(spec, p, b, x, y, mask, C, transform)
+        torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-5)
+        assert torch.equal(got[1], want[1]) and got[1][2].sum() == 0
+        monkeypatch.undo()
+    empty = heads.embedding_class_sums(spec, p, b, x[:, :0], y[:, :0], mask[:, :0], C)
+    assert empty[0].shape == (M, C, 8) and empty[0].abs().sum() == 0

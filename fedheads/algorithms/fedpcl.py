@@ -306,9 +306,9 @@ class FedPCL:
             p, b, opt = local_train(p, b, opt, cfg.optimizer, self._loss_fn(bc), self._train_data(data), ctx,
                                     cfg.batch_size, cfg.local_epochs, drop_last=cfg.drops_last,
                                     keep_opt=not cfg.reset_optimizer)
-        with torch.no_grad():  # Eq. 5 over the full training set, eval mode
-            z, _ = heads.embed(self.spec, p, b, self._x(data.x_train), data.m_train, train=False)
-            sums, counts = ops.class_sums(z, data.y_train, data.m_train, data.num_classes)
+        with torch.no_grad():  # Eq. 5 over the full training set, eval mode (in row chunks)
+            sums, counts = heads.embedding_class_sums(self.spec, p, b, data.x_train, data.y_train, data.m_train,
+                                                      data.num_classes, self._x)
             protos = sums / counts.clamp_min(1).unsqueeze(-1)
             present = counts > 0
             sent = self._noisy(protos, present, data, ctx)

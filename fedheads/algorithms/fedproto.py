@@ -116,9 +116,9 @@ class FedProto:
         opt = None if cfg.reset_optimizer else cs.opt
         p, b, opt = local_train(cs.params, cs.buffers, opt, cfg.optimizer, loss_fn, data, ctx,
                                 cfg.batch_size, cfg.local_epochs)
-        with torch.no_grad():
-            z, _ = heads.embed(spec, p, b, data.x_train, data.m_train, train=False)
-            sums, counts = ops.class_sums(z, data.y_train, data.m_train, data.num_classes)
+        with torch.no_grad():  # in row chunks (heads.embedding_class_sums)
+            sums, counts = heads.embedding_class_sums(spec, p, b, data.x_train, data.y_train, data.m_train,
+                                                      data.num_classes)
         protos = sums / counts.clamp_min(1).unsqueeze(-1)
         w = counts.to(torch.float32) if cfg.aggregation == "weighted" else (counts > 0).to(torch.float32)
         return (FedProtoClientState(p, b, cs.opt if cfg.reset_optimizer else opt, protos, counts > 0),

@@ -84,6 +84,31 @@ def embed(spec: HeadSpec, params: Params, buffers: Params, x: torch.Tensor, mask
     return h, new_buf
 
 
+PROTO_CHUNK_BYTES = 16 << 20  # one [M, rows, width] temporary of a prototype pass stays under this
+
+
+@torch.no_grad()
+def embedding_class_sums(spec: HeadSpec, params: Params, buffers: Params, x: torch.Tensor, y: torch.Tensor,
+                         mask: torch.Tensor, num_classes: int, transform=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """ops.class_sums(embed(transform(x)), y, mask) in eval mode ([M,C,hidden], [M,C]), over row
+    chunks whose [M, rows, width] temporaries stay under PROTO_CHUNK_BYTES: in eval mode every
+    row is embedded on its own (BatchNorm uses its running statistics), so the chunks give the
+    same prototypes (up to float summation order) without several full-size copies of a bucket's
+    projections (a 26-client group of 18,000-row clients: 480 MB each at 256-d)."""
+    M, N = x.shape[:2]
+    width = max(spec.hidden, x.shape[-1], 1)
+    rows = max(256, PROTO_CHUNK_BYTES // max(1, M * width * 4))
+    sums = counts = None
+    for a in range(0, max(N, 1), rows):
+        xs = x[:, a:a + rows]
+        z, _ = embed(spec, params, buffers, transform(xs) if transform is not None else xs, mask[:, a:a + rows],
+                     train=False)
+        s, c = ops.class_sums(z, y[:, a:a + rows], mask[:, a:a + rows], num_classes)
+        sums, counts = (s, c) if sums is None else (sums.add_(s), counts.add_(c))
+    assert sums is not None and counts is not None
+    return sums, counts
+
+
 def classify(params: Params, z: torch.Tensor) -> torch.Tensor:
     """Logits [M,B,C] from z."""
     return ops.linear(z, params["cls.weight"], params["cls.bias"])
