@@ -202,3 +202,33 @@ def test_real_resnet20_checkpoint_round_trip(cifar_weights, tmp_path):
     x = _batch((3, 32, 32), 2)
     ref = create_backbone("resnet20-cifar10@layer2", weights_dir=cifar_weights.parent)
     assert torch.equal(bb.embed(x), ref.embed(x)) and bb.weights_sha256 != ref.weights_sha256
+
+
+def test_text_encoder_checkpoint_is_a_text_backbone(tmp_path):
+    """FedDRA's trained text encoder as `ckpt:`: the base's tokenizer, the file's weights, token
+    states as B@CUT, and a re-export names the registry base (not the ckpt: file)."""
+    import text_plugin  # noqa: F401  (registers tinytext)
+    from embedcache.backbones.ckpt import read_backbone_checkpoint
+
+    base = create_backbone("tinytext")
+    net = base.trainable()
+    with torch.no_grad():
+        for p in net.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
+    path = tmp_path / "text-seed0.pt"
+    save_backbone_checkpoint(path, "tinytext", net, "test")
+    bb = create_backbone(f"ckpt:{path}")
+    assert bb.modality == "text" and bb.registry_base == "tinytext" and bb.weights_sha256 == read_backbone_checkpoint(path)[1]
+    ids, mask = bb.tokenize(["a red square", "the blue one"])
+    assert torch.equal(bb.tokenize(["a red square", "the blue one"])[0], base.tokenize(["a red square", "the blue one"])[0])
+    with torch.no_grad():
+        want = net(ids, mask=mask)
+    torch.testing.assert_close(bb.embed((ids, mask)), want, rtol=0, atol=0)
+    assert not torch.allclose(bb.embed((ids, mask)), base.embed((ids, mask)))
+    cut = create_backbone(f"ckpt:{path}@layer.1")
+    assert cut.cut == "layer.1" and cut.registry_base == "tinytext" and cut.weights_sha256 == bb.weights_sha256
+    torch.testing.assert_close(cut.embed((ids, mask)).reshape(2, cut.max_length, -1)[:, : ids.shape[1]],
+                               bb.token_states(ids, mask), rtol=0, atol=0)
+    again = bb.trainable()
+    for (k, a), b in zip(again.state_dict().items(), net.state_dict().values()):
+        assert torch.equal(a, b), k

@@ -4,7 +4,8 @@ Fine-tuning (`fedheads finetune`, FedDRA's stage 2) changes a backbone's weights
 features of the result is then one `embedcache extract --backbones ckpt:RUN_DIR/...pt`. The file
 names the base backbone (its architecture, preprocessing and stage layout) and holds the whole
 StagedNet state dict, so the backbone is the base's StagedNet with those weights, keyed by the
-file's sha256 like any weights file.
+file's sha256 like any weights file. A text base (FedDRA's trained text encoder) gives a
+TextBackbone with the base's tokenizer, so `ckpt:<file>@<cut>` caches its token states.
 """
 
 from __future__ import annotations
@@ -117,4 +118,9 @@ def create_ckpt(name: str, weights_dir: str | os.PathLike | None, device: str) -
         raise UserError(f"{name}: base backbone {blob['base']}: {exc}") from None
     load_strict(staged, blob["state_dict"], who=name)
     staged.requires_grad_(False).eval()
+    if getattr(base, "modality", "image") == "text":  # a trained text encoder (FedDRA stage 2): same tokenizer
+        from embedcache.backbones.text import TextBackbone
+
+        return TextBackbone(name, staged, base._tok, weights_sha256=sha, preprocess=dict(base.preprocess),
+                            device=device, registry_base=base.name, note=str(blob.get("note", "")))
     return CkptBackbone(name, base, staged, weights_sha256=sha, note=str(blob.get("note", "")), device=device)

@@ -52,8 +52,12 @@ class TextBackbone(Backbone):
     modality = "text"
 
     def __init__(self, name: str, net: TextStagedNet, tokenizer: Any, *, weights_sha256: str, preprocess: dict,
-                 device: str = "cpu", cut: str | None = None) -> None:
+                 device: str = "cpu", cut: str | None = None, registry_base: str | None = None,
+                 note: str = "") -> None:
         self.name = name
+        # the registry name of the architecture: a `ckpt:` text encoder's base (what a re-export names)
+        self.registry_base = registry_base or name.rsplit("@", 1)[0]
+        self.note = note
         self.weights_sha256 = weights_sha256
         self.preprocess = preprocess
         self.cut = cut
@@ -177,7 +181,8 @@ class TextBackbone(Backbone):
         dev = self._device if device is None else check_device(device, who=self.name)
         net = self._net if dev == self._device else copy.deepcopy(self._net)
         return TextBackbone(f"{self.name}@{cut}", net, self._tok, weights_sha256=self.weights_sha256,
-                            preprocess=dict(self.preprocess, cut=cut, token_shape=shape), device=str(dev), cut=cut)
+                            preprocess=dict(self.preprocess, cut=cut, token_shape=shape), device=str(dev), cut=cut,
+                            registry_base=self.registry_base, note=self.note)
 
     def __repr__(self) -> str:
         return f"TextBackbone(name={self.name!r}, feature_dim={self.feature_dim}, max_length={self.max_length})"

@@ -266,7 +266,8 @@ def _export(glob: DualEncoder, su: _Setup, out: Path, seed: int, image_encoder: 
     shas = {"image": vl.export_encoder(paths["image"], getattr(su.image_bb, "base_name", image_encoder), glob.image,
                                        note)}
     if su.needs_text:
-        shas["text"] = vl.export_encoder(paths["text"], text_encoder, glob.text, note)
+        shas["text"] = vl.export_encoder(paths["text"], getattr(su.text_bb, "registry_base", text_encoder), glob.text,
+                                         note)
     return {k: {"path": str(paths[k]), "sha256": v} for k, v in shas.items()}
 
 
