@@ -7,9 +7,10 @@ lays the table out. `pipelines.plan` turns it into independent cells (point x me
 a chosen scale; nothing here runs anything.
 
 Scales: `paper` is the paper's own protocol (clients, splits, rounds, seeds, hyper-parameters;
-the global model is evaluated every 10 rounds and at the last, which is what the tables report,
-except where an experiment plots accuracy against rounds); `ci` shrinks rounds, seeds, test sets and grids so that one experiment finishes in minutes on 2
-CPU cores; `smoke` runs in seconds (a plumbing check, not a result).
+the models are evaluated every 10 rounds and at the last, which is what the tables report, except
+where an experiment plots accuracy against rounds); `ci` shrinks rounds, seeds, test sets and grids
+so that one experiment finishes in minutes on 2 CPU cores; `smoke` runs in seconds (a plumbing
+check, not a result).
 """
 
 from __future__ import annotations
@@ -147,9 +148,9 @@ class ScaleSpec:
 SMOKE = ScaleSpec(rounds=2, seeds=(0,), test_per_class=5, eval_every=1)
 CI = ScaleSpec(rounds=20, seeds=(0, 1, 2), test_per_class=30, eval_every=5)
 # The paper's protocol. Tables read the last round, which is always evaluated, and evaluating
-# changes no weight, so a table's numbers do not depend on eval_every; evaluating every round
-# was 69 % of a FedPCL paper-scale sweep (Table 14). Experiments whose figure is a curve
-# against rounds (FedNCM Figure 1) set their own paper scale.
+# changes no weight (tests/test_engine_equivalence.py, every algorithm), so a table's numbers do
+# not depend on eval_every; evaluating every round was 69 % of a FedPCL paper-scale sweep
+# (Table 14). Experiments whose figure is a curve against rounds (FedNCM Figure 1) set their own.
 PAPER = ScaleSpec(eval_every=10)
 
 

@@ -143,3 +143,18 @@ def test_cuda_matches_cpu() -> None:
         b = run(make(), gpu, rounds=3, seed=1, progress=False)
         for ta, tb in zip(tree_leaves(a.client_state), tree_leaves(b.client_state)):
             torch.testing.assert_close(ta, tb.cpu(), atol=1e-4, rtol=1e-3)
+
+
+@pytest.mark.parametrize("name", sorted(ALGOS))
+def test_evaluating_changes_nothing(name: str) -> None:
+    """The final accuracies and states do not depend on how often the model is evaluated
+    (pipelines' paper scale evaluates every 10 rounds: its tables read the last round)."""
+    data = tiny_fed()
+    every = run(ALGOS[name](), data, rounds=4, seed=3, fraction=0.5, eval_every=1, progress=False)
+    last = run(ALGOS[name](), data, rounds=4, seed=3, fraction=0.5, eval_every=3, progress=False)
+    evaluated = lambda r: [h.round for h in r.history if h.accuracy is not None]  # noqa: E731
+    assert evaluated(every) == [0, 1, 2, 3] and evaluated(last) == [2, 3]
+    for k in every.history[-1].accuracy:
+        assert torch.equal(every.history[-1].accuracy[k], last.history[-1].accuracy[k]), k
+    for ta, tb in zip(tree_leaves(every.client_state), tree_leaves(last.client_state)):
+        assert torch.equal(ta, tb)
