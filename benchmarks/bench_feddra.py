@@ -205,7 +205,8 @@ def part_methods(store: str, seeds: tuple[int, ...], quick: bool, work: Path,
     res = feddra_run(str(MANIFEST), store, IMAGE, TEXT, work / "methods", opts)
     out = {"wall_minutes": (time.perf_counter() - t) / 60, "seeds": list(seeds), "rounds": opts.fd.rounds, "mu": opts.fd.mu,
            "steps": opts.fd.steps, "batch_size": opts.fd.batch_size, "methods": {}}
-    for name, r in res["algorithms"].items():
+    runs = res["algorithms"] if "algorithms" in res else {methods[0]: res}  # one method: its own results.json
+    for name, r in runs.items():
         ret = r["retrieval"]
         out["methods"][name] = {
             m: {"mean": ret[m]["mean"], "worst": ret[m]["worst"]} for m in ("t2i_r1", "t2i_r5", "i2t_r1", "chance_r1", "class_r1")}
