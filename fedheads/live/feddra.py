@@ -162,6 +162,14 @@ def l_c(zx, zy, ax, ay, cfg: FedDRAConfig) -> torch.Tensor:
     return (tx + ty).mean()
 
 
+def _tokens(net: DualEncoder, b: PairBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(image tokens, text tokens, text mask) of a batch: its cached states, else the live encoders."""
+    img = b.img_tok if b.img_tok is not None else net.image_tokens(b.images)
+    if b.txt_tok is not None:
+        return img, b.txt_tok, b.txt_mask
+    return img, net.text_tokens(b.ids, b.mask), b.mask
+
+
 # ------------------------------------------------------------------ the algorithm
 class FedDRA:
     """Typed state, pure client and server functions; the driver (feddra_driver) runs clients
@@ -187,18 +195,15 @@ class FedDRA:
     def embed(self, net: DualEncoder, b: PairBatch, stage: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(zx, zy) of a batch: cached token states, or live encoders (frozen in stage 1)."""
         with torch.set_grad_enabled(torch.is_grad_enabled() and stage == 2):
-            img = b.img_tok if b.img_tok is not None else net.image_tokens(b.images)
-            txt = b.txt_tok if b.txt_tok is not None else net.text_tokens(b.ids, b.mask)
-        txt_mask = b.txt_mask if b.txt_tok is not None else b.mask
+            img, txt, txt_mask = _tokens(net, b)
         return net.align(img, b.img_mask, txt, txt_mask)
 
     @staticmethod
     @torch.no_grad()
     def frozen_tokens(net: DualEncoder, b: PairBatch) -> PairBatch:
         """`b` with the live inputs replaced by the frozen encoders' token states (stage 1)."""
-        img = b.img_tok if b.img_tok is not None else net.image_tokens(b.images)
-        txt, tm = (b.txt_tok, b.txt_mask) if b.txt_tok is not None else (net.text_tokens(b.ids, b.mask), b.mask)
-        return PairBatch(img_tok=img, img_mask=b.img_mask, txt_tok=txt, txt_mask=tm, anchor=b.anchor)
+        img, txt, txt_mask = _tokens(net, b)
+        return PairBatch(img_tok=img, img_mask=b.img_mask, txt_tok=txt, txt_mask=txt_mask, anchor=b.anchor)
 
     def local_loss(self, net: DualEncoder, anchor: DualEncoder | None, b: PairBatch, stage: int,
                    shared: bool = False) -> torch.Tensor:
