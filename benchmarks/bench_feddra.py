@@ -26,7 +26,6 @@ states are extracted into --work first (seconds recorded). Run on an otherwise i
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import dataclasses
 import os
@@ -78,12 +77,23 @@ def _opts(**kw):
     return FedDRAOptions(**base)
 
 
-def _step_seconds(su, opts, stage: int, cached: bool, steps: int, shared: bool = True, flops: bool = False) -> float:
-    """One client_update of `steps` steps on client 0, seconds per step (`flops`: FLOPs per step
-    by torch's FlopCounterMode instead: matmuls, convolutions and attention, forward and backward).
-    `shared`: live stage 1 encodes a batch once for the model and the anchor (the product's path)."""
+def _per_step(call, n: int, flops: bool = False) -> float:
+    """`call()` runs n steps: seconds per step, or (`flops`) FLOPs per step by torch's
+    FlopCounterMode (matmuls, convolutions and attention, forward and backward)."""
     from torch.utils.flop_counter import FlopCounterMode
 
+    if flops:
+        with FlopCounterMode(display=False) as fc:
+            call()
+        return fc.get_total_flops() / n
+    t = time.perf_counter()
+    call()
+    return (time.perf_counter() - t) / n
+
+
+def _step_seconds(su, opts, stage: int, cached: bool, steps: int, shared: bool = True, flops: bool = False) -> float:
+    """One client_update of `steps` steps on client 0, seconds (or FLOPs) per step (_per_step).
+    `shared`: live stage 1 encodes a batch once for the model and the anchor (the product's path)."""
     from fedheads.live.feddra import FedDRA
     from fedheads.live.feddra_runner import _build
     from fedheads.live.pairs import step_rows
@@ -97,11 +107,9 @@ def _step_seconds(su, opts, stage: int, cached: bool, steps: int, shared: bool =
     rows = step_rows(c.n_train, c.index, opts.fd.batch_size, steps, 0, 0, stage)
     cache = c.train.base if cached else None
     txt = c.train.base if (cached or stage == 2) and not net.text_stages else None
-    t = time.perf_counter()  # batches are made lazily: reading the cache or the images is part of a step
+    # batches are made lazily: reading the cache or the images is part of a step
     batches = c.batches("train", rows, su.device, img=cache, txt=txt, augment=(0, stage) if stage == 2 else None)
-    with FlopCounterMode(display=False) if flops else contextlib.nullcontext() as fc:
-        alg.client_update(stage, ss.model, batches, 1.0, c.index, net, glob)
-    return (fc.get_total_flops() if flops else time.perf_counter() - t) / steps
+    return _per_step(lambda: alg.client_update(stage, ss.model, batches, 1.0, c.index, net, glob), steps, flops)
 
 
 def part_speed(store: str, repeats: int, steps: int) -> dict:
@@ -144,7 +152,6 @@ def part_speed_paper_sized(repeats: int, steps: int, batch: int = 32) -> dict:
     and random inputs, so the live side leaves out decoding and tokenising (it is, if anything,
     under-counted). Same FedDRA step, modules, optimizer, batch and mu as `speed`."""
     import timm
-    from torch.utils.flop_counter import FlopCounterMode
 
     from embedcache.backbones.bert import BertConfig, build_bert
     from embedcache.backbones.staged import staged_from_module
@@ -171,10 +178,7 @@ def part_speed_paper_sized(repeats: int, steps: int, batch: int = 32) -> dict:
         cached = [alg.frozen_tokens(net, b) for b in live]
 
     def one(batches, flops=False):
-        t = time.perf_counter()
-        with FlopCounterMode(display=False) if flops else contextlib.nullcontext() as fc:
-            alg.client_update(1, ss.model, batches, 1.0, 0, net, glob)
-        return (fc.get_total_flops() if flops else time.perf_counter() - t) / len(batches)
+        return _per_step(lambda: alg.client_update(1, ss.model, batches, 1.0, 0, net, glob), len(batches), flops)
 
     fl = {"stage1_cache": one(cached[:1], True), "stage1_live": one(live[:1], True)}
     one(cached[:1]), one(live[:1])  # warm-up
