@@ -58,7 +58,37 @@ def run_one(name: str, scale: str, scheduler: str, out: Path, force: bool) -> di
         rows = json.loads(cells.read_text()).get("cells", [])
         res["cells_wall_seconds"] = round(sum((r.get("wall_seconds") or 0) for r in rows), 2)
         res["cells_done"] = sum(1 for r in rows if r.get("status") == "done")
+        res["cell_hashes"] = sorted({r["hash"] for r in rows if r.get("hash")})  # popped by main
     return res
+
+
+def cell_cpu(out: Path, hashes: list[str]) -> dict[str, tuple[str, float]]:
+    """(algorithm, CPU seconds) of the given cells, from their result files (docs/contracts.md,
+    section 9)."""
+    got = {}
+    for h in hashes:
+        f = out / "cells" / f"{h}.json"
+        if f.is_file():
+            d = json.loads(f.read_text())
+            got[h] = (d.get("config", {}).get("algorithm", "?"), float(d.get("timing", {}).get("cpu_seconds") or 0.0))
+    return got
+
+
+def summary(res: dict, cpu: dict[str, tuple[str, float]]) -> dict:
+    """Sums over the experiments, and over their distinct cells: experiments share cells by
+    hash, so the distinct cells' CPU time is what one sweep over all of them trains."""
+    warm = [x["warm"]["timing"] for x in res["experiments"].values() if "timing" in x["warm"]]
+    per_alg: dict[str, float] = {}
+    for alg, sec in cpu.values():
+        per_alg[alg] = per_alg.get(alg, 0.0) + sec
+    other = {k for x in res["experiments"].values() for k in x if k.startswith("warm_")}
+    compare = {k[5:]: round(sum(x[k].get("timing", {}).get("sweep_seconds", 0) for x in res["experiments"].values()
+                                if k in x) / 60, 2) for k in sorted(other)}
+    return {"sweep_minutes_sum_of_experiments": round(sum(t.get("sweep_seconds", 0) for t in warm) / 60, 2),
+            **({"sweep_minutes_sum_under": compare} if compare else {}),
+            "cells_per_experiment_total": sum(t.get("cells", 0) for t in warm),
+            "unique_cells": len(cpu), "unique_cell_cpu_minutes": round(sum(v for _, v in cpu.values()) / 60, 2),
+            "cpu_minutes_per_algorithm": {k: round(v / 60, 2) for k, v in sorted(per_alg.items(), key=lambda kv: -kv[1])}}
 
 
 def main() -> None:
@@ -75,13 +105,19 @@ def main() -> None:
     out = Path(a.out_dir or tempfile.mkdtemp(prefix="bench_pipelines_"))
     res = {"benchmark": "pipelines", "scale": a.scale, "scheduler": a.scheduler, "machine": machine("cpu"),
            "load_average_before": os.getloadavg(), "experiments": {}}
+    cpu: dict[str, tuple[str, float]] = {}  # cell hash -> (algorithm, CPU seconds of its warm pass)
     for name in names(a.experiments):
         r = {} if a.warm_only else {"cold": run_one(name, a.scale, a.scheduler, out, force=False)}
         r["warm"] = run_one(name, a.scale, a.scheduler, out, force=True)
+        fresh = [h for h in r["warm"].get("cell_hashes", []) if h not in cpu]
+        cpu.update(cell_cpu(out, fresh))  # read before a --compare pass re-runs them
         if a.compare:
             r[f"warm_{a.compare}"] = run_one(name, a.scale, a.compare, out, force=True)
+        for x in r.values():
+            x.pop("cell_hashes", None)
         res["experiments"][name] = r
         res["load_average_after"] = os.getloadavg()
+        res["summary"] = summary(res, cpu)
         w = r["warm"].get("timing", {})
         cold = f"cold {r['cold']['process_seconds']:.0f} s, " if "cold" in r else ""
         print(f"{name}: {cold}warm sweep {w.get('sweep_seconds', float('nan')):.0f} s "

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from embedcache.errors import UserError
+from fedheads.algorithms.pfl_common import expand, expand_view, weighted_mean
 from fedheads.core import heads, ops
 from fedheads.core.heads import HeadSpec, Params
 from fedheads.core.optim import OptimizerConfig, OptState, config_from_kwargs, opt_initial
@@ -68,10 +69,6 @@ class FedAvgMessage:
     weight: torch.Tensor  # [M] n_i
 
 
-def _expand(p: Params, M: int) -> Params:
-    return {k: v.unsqueeze(0).expand(M, *v.shape).clone() for k, v in p.items()}
-
-
 class FedAvg:
     """FedAvg / FedProx with a pluggable server optimiser."""
 
@@ -98,7 +95,7 @@ class FedAvg:
         self.spec = self._spec(spec)
         g, b = heads.init_global(self.spec, seed, spec.device)  # one global init
         M = spec.num_clients
-        cp, cb = _expand(g, M), _expand(b, M)
+        cp, cb = expand(g, M), expand(b, M)
         cs = FedAvgClientState(cp, cb, opt_initial(self.cfg.optimizer, cp, self.cfg.reset_optimizer))
         ss = FedAvgServerState(g, b, self.server_opt.init(g))
         return Init(cs, ss, FedAvgBroadcast(g, b))
@@ -108,8 +105,9 @@ class FedAvg:
         assert self.spec is not None, "init() first"
         spec, mu = self.spec, self.cfg.proximal_mu
         M = data.num_clients
-        start_p, start_b = _expand(bc.params, M), _expand(bc.buffers, M)
-        opt = None if self.cfg.reset_optimizer else cs.opt
+        start_p, start_b = expand_view(bc.params, M), expand_view(bc.buffers, M)  # local_train copies once
+        reset = self.cfg.reset_optimizer
+        opt = None if reset else cs.opt
 
         def loss_fn(p: Params, b: Params, x: torch.Tensor, y: torch.Tensor, m: torch.Tensor):
             z, nb = heads.embed(spec, p, b, x, m, train=True)
@@ -119,30 +117,26 @@ class FedAvg:
                 loss = loss + 0.5 * mu * sq
             return loss, nb
 
+        # a per-round reset discards the moments: local_train keeps them in reused scratch buffers
         p, b, opt = local_train(start_p, start_b, opt, self.cfg.optimizer, loss_fn, data, ctx,
-                                self.cfg.batch_size, self.cfg.local_epochs)
+                                self.cfg.batch_size, self.cfg.local_epochs, keep_opt=not reset)
         w = torch.tensor(data.n_train, dtype=torch.float32, device=data.device)
         msg = FedAvgMessage({k: p[k] - start_p[k] for k in p}, {k: b[k] - start_b[k] for k in b}, w)
-        return FedAvgClientState(p, b, cs.opt if self.cfg.reset_optimizer else opt), msg
+        return FedAvgClientState(p, b, cs.opt if reset else opt), msg
 
     def server_aggregate(self, ss: FedAvgServerState, msg: FedAvgMessage,
                          ctx: RoundCtx) -> tuple[FedAvgServerState, FedAvgBroadcast]:
-        w = msg.weight
-        wsum = w.sum()  # finalize of a sum of contributions (secure-aggregation friendly)
-
-        def wmean(t: torch.Tensor) -> torch.Tensor:
-            return (w.view(-1, *([1] * (t.dim() - 1))) * t).sum(0) / wsum
-
-        delta = {k: wmean(v) for k, v in msg.delta.items()}
+        # sum_i n_i Delta_i, then the finalize / sum_i n_i (secure-aggregation friendly)
+        delta = {k: weighted_mean(v, msg.weight) for k, v in msg.delta.items()}
         params, opt = self.server_opt.step(ss.params, delta, ss.opt)
-        buffers = {k: ss.buffers[k] + wmean(v) for k, v in msg.buffer_delta.items()}
+        buffers = {k: ss.buffers[k] + weighted_mean(v, msg.weight) for k, v in msg.buffer_delta.items()}
         return FedAvgServerState(params, buffers, opt), FedAvgBroadcast(params, buffers)
 
     def predict(self, cs: FedAvgClientState, ss: FedAvgServerState, x: torch.Tensor,
                 mask: torch.Tensor) -> dict[str, torch.Tensor]:
         assert self.spec is not None
         M = x.shape[0]
-        gp, gb = _expand(ss.params, M), _expand(ss.buffers, M)
+        gp, gb = expand_view(ss.params, M), expand_view(ss.buffers, M)
         zg, _ = heads.embed(self.spec, gp, gb, x, mask, train=False)
         zl, _ = heads.embed(self.spec, cs.params, cs.buffers, x, mask, train=False)
         glob = heads.classify(gp, zg)

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 import torch
 
 from embedcache.errors import UserError
-from fedheads.algorithms.pfl_common import (DeltaMessage, GlobalModel, apply_mean_delta, config_from_kwargs, delta_message, expand,
+from fedheads.algorithms.pfl_common import (DeltaMessage, GlobalModel, apply_mean_delta, config_from_kwargs, delta_message, expand, expand_view,
                                             salted)
 from fedheads.core import heads, ops
 from fedheads.core.heads import HeadSpec, Params
@@ -90,7 +90,7 @@ class FedRep:
         spec, cfg = self.spec, self.cfg
         assert spec is not None, "init() first"
         M = data.num_clients
-        rep0, buf0 = expand(bc.params, M), expand(bc.buffers, M)
+        rep0, buf0 = expand_view(bc.params, M), expand_view(bc.buffers, M)  # local_train copies once
         head0 = {k: cs.params[k] for k in HEAD_KEYS}
 
         def loss_of(rep: Params, head: Params, b: Params, x: torch.Tensor, y: torch.Tensor, m: torch.Tensor):
@@ -109,11 +109,12 @@ class FedRep:
             return ops.masked_cross_entropy(heads.classify(h, z), y, m), {"bn.running_mean": rm, "bn.running_var": rv}
 
         head, buf, _ = local_train(head0, buf0, None, cfg.optimizer, head_loss,
-                                   dataclasses.replace(data, x_train=pre), ctx, cfg.batch_size, cfg.head_epochs)
+                                   dataclasses.replace(data, x_train=pre), ctx, cfg.batch_size, cfg.head_epochs,
+                                   keep_opt=False)
         # 2. representation, new head fixed (its own batch order)
         rep, buf, _ = local_train(rep0, buf, None, cfg.optimizer,
                                   lambda r, b, x, y, m: loss_of(r, head, b, x, y, m), data, salted(ctx, 1),
-                                  cfg.batch_size, cfg.rep_epochs)
+                                  cfg.batch_size, cfg.rep_epochs, keep_opt=False)
         return FedRepClientState({**rep, **head}, buf), delta_message(rep, rep0, buf, buf0, data)
 
     def server_aggregate(self, ss: GlobalModel, msg: DeltaMessage,
@@ -125,7 +126,7 @@ class FedRep:
                 mask: torch.Tensor) -> dict[str, torch.Tensor]:
         assert self.spec is not None
         M = x.shape[0]
-        zg, _ = heads.embed(self.spec, expand(ss.params, M), expand(ss.buffers, M), x, mask, train=False)
+        zg, _ = heads.embed(self.spec, expand_view(ss.params, M), expand_view(ss.buffers, M), x, mask, train=False)
         zl, _ = heads.embed(self.spec, cs.params, cs.buffers, x, mask, train=False)
         personal = heads.classify(cs.params, zg)
         return {"main": personal, "global_rep": personal, "local_model": heads.classify(cs.params, zl)}

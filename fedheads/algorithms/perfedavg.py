@@ -36,10 +36,10 @@ import torch
 
 from embedcache.errors import UserError
 from fedheads.algorithms.pfl_common import (DeltaMessage, GlobalModel, apply_mean_delta, personal_and_global_scores, batch, config_from_kwargs, delta_message, expand,
-                                            grads, salted, schedule, where)
+                                            expand_view, grads, owned, salted, schedule, where)
 from fedheads.core import heads, ops
 from fedheads.core.heads import HeadSpec, Params
-from fedheads.core.optim import OptimizerConfig, opt_init, opt_step
+from fedheads.core.optim import InPlaceOptimizer, OptimizerConfig, opt_init
 from fedheads.core.protocol import Init, RoundCtx
 from fedheads.data import DataSpec, FedData
 
@@ -103,21 +103,26 @@ class PerFedAvg:
                       ctx: RoundCtx) -> tuple[PerFedAvgClientState, DeltaMessage]:
         cfg = self.cfg
         M = data.num_clients
-        w0, b0 = expand(bc.params, M), expand(bc.buffers, M)
+        w0, b0 = expand_view(bc.params, M), expand_view(bc.buffers, M)
         loss_fn = self._loss(True)
-        w, buf = dict(w0), dict(b0)
-        opt = opt_init(cfg.optimizer, w)
+        w, buf = owned(w0), b0  # w is stepped in place by the fused optimiser (active clients only)
+        opt = InPlaceOptimizer(cfg.optimizer, w, opt_init(cfg.optimizer, w))
+        tmp = {k: ops.scratch(f"perfedavg.tmp.{k}", v) for k, v in w.items()}
         sa = schedule(data, ctx, cfg.batch_size, cfg.local_epochs)  # batches D
         sb = schedule(data, salted(ctx, 1), cfg.batch_size, cfg.local_epochs)  # batches D'
-        for s in range(sa.num_steps):
-            act = sa.active[s]
-            x, y, v = batch(data, sa, s)
-            g, nb, _ = grads(loss_fn, w, buf, x, y, v)
-            tmp = {k: w[k] - cfg.alpha * g[k] for k in w}
-            x2, y2, v2 = batch(data, sb, s)
-            g2, nb2, _ = grads(loss_fn, tmp, nb, x2, y2, v2)
-            w, opt = opt_step(cfg.optimizer, w, g2, opt, act)  # FO: grad at w_tmp applied to w
-            buf = where(act, nb2, buf)
+        with ops.grad_workspace():  # each gradient lands in a reused buffer, consumed before the next
+            for s in range(sa.num_steps):
+                act = sa.active[s]
+                x, y, v = batch(data, sa, s)
+                ops.new_step()
+                g, nb, _ = grads(loss_fn, w, buf, x, y, v)
+                for k in w:  # the inner step w_tmp = w - alpha grad f_i(w; D)
+                    torch.add(w[k], g[k], alpha=-cfg.alpha, out=tmp[k])
+                x2, y2, v2 = batch(data, sb, s)
+                ops.new_step()
+                g2, nb2, _ = grads(loss_fn, tmp, nb, x2, y2, v2)
+                opt.step(g2, act, sa.ids[s])  # FO: the gradient at w_tmp (on D') applied to w
+                buf = where(act, nb2, buf)
         return cs, delta_message(w, w0, buf, b0, data)
 
     def adapt_for_eval(self, cs: PerFedAvgClientState, ss: GlobalModel, data: FedData) -> PerFedAvgClientState:

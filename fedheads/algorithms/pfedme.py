@@ -34,7 +34,8 @@ import torch
 
 from embedcache.errors import UserError
 from fedheads.algorithms.pfl_common import (DeltaMessage, GlobalModel, apply_mean_delta, personal_and_global_scores, batch, config_from_kwargs, delta_message, expand,
-                                            grads, schedule, where)
+                                            expand_view, grads, owned, schedule, where)
+from fedheads.core.optim import id_runs
 from fedheads.core import heads, ops
 from fedheads.core.heads import HeadSpec, Params
 from fedheads.core.protocol import Init, RoundCtx
@@ -91,23 +92,32 @@ class PFedMe:
         spec, cfg = self.spec, self.cfg
         assert spec is not None, "init() first"
         M = data.num_clients
-        w0, b0 = expand(bc.params, M), expand(bc.buffers, M)
-        w, theta, buf = dict(w0), dict(w0), dict(b0)
+        w0, b0 = expand_view(bc.params, M), expand_view(bc.buffers, M)
+        w, theta, buf = owned(w0), owned(w0), b0  # updated in place, row runs of active clients only
+        plr, eta_lam, plr_lam = cfg.personal_lr, cfg.lr * cfg.lam, cfg.personal_lr * cfg.lam
 
         def loss_fn(p: Params, b: Params, x: torch.Tensor, y: torch.Tensor, m: torch.Tensor):
             z, nb = heads.embed(spec, p, b, x, m, train=True)
             return ops.masked_cross_entropy(heads.classify(p, z), y, m), nb
 
         sched = schedule(data, ctx, cfg.batch_size, cfg.local_epochs)
-        for s in range(sched.num_steps):
-            x, y, valid = batch(data, sched, s)
-            act = sched.active[s]
-            for _ in range(cfg.K):
-                g, nb, _ = grads(loss_fn, theta, buf, x, y, valid)
-                step = {k: g[k] + cfg.lam * (theta[k] - w[k]) for k in theta}
-                theta = where(act, {k: theta[k] - cfg.personal_lr * step[k] for k in theta}, theta)
-                buf = where(act, nb, buf)
-            w = where(act, {k: w[k] - cfg.lr * cfg.lam * (w[k] - theta[k]) for k in w}, w)
+        with ops.grad_workspace():  # each inner step's gradient in one reused buffer (consumed at once)
+            for s in range(sched.num_steps):
+                x, y, valid = batch(data, sched, s)
+                act, runs = sched.active[s], id_runs(sched.ids[s])
+                for _ in range(cfg.K):
+                    ops.new_step()
+                    g, nb, _ = grads(loss_fn, theta, buf, x, y, valid)
+                    for a, b in runs:  # in place, only the rows of clients that have this batch
+                        for k in theta:
+                            # Alg. 1 line 7: theta <- theta - plr (grad f_i(theta; D) + lambda (theta - w_i)),
+                            # computed as lerp(theta, w_i, plr lambda) - plr grad
+                            theta[k][a:b].lerp_(w[k][a:b], plr_lam).sub_(g[k][a:b], alpha=plr)
+                    buf = where(act, nb, buf)
+                for a, b in runs:
+                    for k in w:
+                        # Alg. 1 line 8: w_i <- w_i - eta lambda (w_i - theta_i) = lerp(w_i, theta_i, eta lambda)
+                        w[k][a:b].lerp_(theta[k][a:b], eta_lam)
         return PFedMeClientState(theta, buf), delta_message(w, w0, buf, b0, data)
 
     def server_aggregate(self, ss: GlobalModel, msg: DeltaMessage,

@@ -51,9 +51,21 @@ def expand(p: Params, M: int) -> Params:
     return {k: v.unsqueeze(0).expand(M, *v.shape).clone() for k, v in p.items()}
 
 
+def expand_view(p: Params, M: int) -> Params:
+    """A model without client axis seen by M clients: broadcast views, nothing copied (to read
+    from; `owned` makes the copies a client loop updates in place)."""
+    return {k: v.unsqueeze(0).expand(M, *v.shape) for k, v in p.items()}
+
+
+def owned(p: Params) -> Params:
+    """Private contiguous copies (e.g. of `expand_view`'s views) for in-place updates."""
+    return {k: v.clone(memory_format=torch.contiguous_format) for k, v in p.items()}
+
+
 def weighted_mean(t: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """sum_i w_i t_i / sum_i w_i over the client axis."""
-    return (w.view(-1, *([1] * (t.dim() - 1))) * t).sum(0) / w.sum()
+    """sum_i w_i t_i / sum_i w_i over the client axis: one contraction (a GEMV reading t once)
+    instead of a weighted copy of the whole [M, ...] stack and a sum over it."""
+    return torch.tensordot(w.to(t.dtype), t, dims=1) / w.sum()
 
 
 def mean_delta(msg: DeltaMessage) -> tuple[Params, Params]:
@@ -74,7 +86,7 @@ def personal_and_global_scores(spec: Any, personal: Params, buffers: Params, ss:
                                x: torch.Tensor, mask: torch.Tensor) -> dict[str, torch.Tensor]:
     """Scores of each client's personalised model ("main") and of the global model."""
     M = x.shape[0]
-    gp, gb = expand(ss.params, M), expand(ss.buffers, M)
+    gp, gb = expand_view(ss.params, M), expand_view(ss.buffers, M)
     zp, _ = heads.embed(spec, personal, buffers, x, mask, train=False)
     zg, _ = heads.embed(spec, gp, gb, x, mask, train=False)
     return {"main": heads.classify(personal, zp), "global_model": heads.classify(gp, zg)}

@@ -88,8 +88,9 @@ def _update(cfg: OptimizerConfig, p: torch.Tensor, g: torch.Tensor, m: torch.Ten
     return p.add(g, alpha=-cfg.lr), m, v
 
 
-def _runs(ids: Sequence[int], counts: Sequence[float] | None) -> list[tuple[int, int]]:
-    """Maximal [a, b) ranges of consecutive client ids (with equal step counts when given)."""
+def id_runs(ids: Sequence[int], counts: Sequence[float] | None = None) -> list[tuple[int, int]]:
+    """Maximal [a, b) ranges of consecutive client ids (with equal step counts when given): the
+    row slices an in-place update of only these clients touches."""
     out: list[tuple[int, int]] = []
     for i in ids:
         if out and out[-1][1] == i and (counts is None or counts[i] == counts[out[-1][0]]):
@@ -125,7 +126,7 @@ class InPlaceOptimizer:
         same set on the device."""
         cfg, ids = self.cfg, self.all_ids if ids is None else ids
         adam = cfg.name == "adam"
-        runs = _runs(ids, self.host if adam else None)
+        runs = id_runs(ids, self.host if adam else None)
         if not runs:
             return
         for i in ids:

@@ -48,7 +48,7 @@ def local_train(params: Params, buffers: Params, opt_state: OptState | None, opt
                           ctx.round, data.device, drop_last=drop_last)
     keys = list(params)
     # functional at the boundary: private copies, then in-place steps (no per-step large allocations)
-    params = {k: v.detach().clone() for k, v in params.items()}
+    params = {k: v.detach().clone(memory_format=torch.contiguous_format) for k, v in params.items()}
     M = data.num_clients
     with ops.buffer_pool(), ops.grad_workspace():
         if opt_state is None:
