@@ -27,7 +27,9 @@ states are extracted into --work first (seconds recorded). Run on an otherwise i
 from __future__ import annotations
 
 import copy
+import csv
 import dataclasses
+import math
 import os
 import statistics
 import tempfile
@@ -44,6 +46,34 @@ OUT = Path(__file__).resolve().parent / "results" / "feddra.json"
 MANIFEST = REPO / "data_manifests" / "office10-feddra-5clients-seed0.json"
 IMAGE, CUT, TEXT, TCUT = "resnet20-cifar10", "layer3", "minilm-l6-v2:32", "layer.5"
 METHODS = ("feddra", "fedavg", "no-two-stage", "no-constraint", "no-dro")
+
+
+def _per_seed(run_dir: Path) -> dict[int, dict[str, float]]:
+    """text->image R@1 (percent) of each seed at the last round, from the run's metrics.csv:
+    the mean over clients and the worst client, as results.json's `mean` / `worst` per seed."""
+    with open(run_dir / "metrics.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    last = max(int(r["round"]) for r in rows)
+    by: dict[int, list[float]] = {}
+    for r in rows:
+        if int(r["round"]) == last:
+            by.setdefault(int(r["seed"]), []).append(float(r["t2i_r1"]))
+    return {s: {"mean": statistics.fmean(v), "worst": min(v)} for s, v in sorted(by.items())}
+
+
+def _paired(a: dict[int, dict[str, float]], b: dict[int, dict[str, float]]) -> dict:
+    """a - b on the seeds both ran (same seed = same data order and initialisation): mean and
+    std of the differences, wins / losses / ties, and the exact two-sided sign test."""
+    seeds = sorted(set(a) & set(b))
+    out: dict = {"seeds": seeds}
+    for k in ("mean", "worst"):
+        d = [a[s][k] - b[s][k] for s in seeds]
+        wins, losses = sum(x > 0 for x in d), sum(x < 0 for x in d)
+        n = wins + losses
+        tail = sum(math.comb(n, i) for i in range(max(wins, losses), n + 1)) / 2 ** n if n else 0.5
+        out[k] = {"diff_mean": statistics.fmean(d) if d else None, "diff_std": statistics.stdev(d) if len(d) > 1 else None,
+                  "wins": wins, "losses": losses, "ties": len(d) - n, "sign_test_p": min(1.0, 2 * tail)}
+    return out
 
 
 def _stats(xs: list[float]) -> dict:
@@ -216,6 +246,11 @@ def part_methods(store: str, seeds: tuple[int, ...], quick: bool, work: Path,
             m: {"mean": ret[m]["mean"], "worst": ret[m]["worst"]} for m in ("t2i_r1", "t2i_r5", "i2t_r1", "chance_r1", "class_r1")}
         out["methods"][name]["wall_minutes"] = r["timing"]["wall_seconds"] / 60
         out["methods"][name]["final_lambda"] = r["lambda"]["final_mean"]
+        run_dir = work / "methods" / name if "algorithms" in res else work / "methods"
+        out["methods"][name]["t2i_r1_per_seed"] = _per_seed(run_dir)
+    if "fedavg" in out["methods"]:
+        base = out["methods"]["fedavg"]["t2i_r1_per_seed"]
+        out["t2i_r1_vs_fedavg"] = {n: _paired(m["t2i_r1_per_seed"], base) for n, m in out["methods"].items() if n != "fedavg"}
     return out
 
 
@@ -260,6 +295,10 @@ def main(part, repeats, steps, seeds, store, work, methods, mu, quick, out_path)
             cell = {k: f"{m[k]['mean']['mean']:.2f} worst {m[k]['worst']['mean']:.2f}" for k in ("t2i_r1", "t2i_r5")}
             print(f"{name:14s} t2i R@1 mean {cell['t2i_r1']}  R@5 mean {cell['t2i_r5']}  "
                   f"(chance R@1 {m['chance_r1']['mean']['mean']:.2f}, class-only {m['class_r1']['mean']['mean']:.2f})")
+        for name, c in res["methods"].get("t2i_r1_vs_fedavg", {}).items():
+            w = c["worst"]
+            print(f"{name} - fedavg, worst-client t2i R@1 over seeds {c['seeds']}: {w['diff_mean']:+.2f} "
+                  f"(wins {w['wins']}, losses {w['losses']}, sign test p = {w['sign_test_p']:.3f})")
     res["load_average_after"] = os.getloadavg()
     write_json(res, out_path)
     print(f"wrote {out_path}")
