@@ -36,10 +36,11 @@ import torch
 
 from embedcache.errors import UserError
 from fedheads.algorithms.pfl_common import (DeltaMessage, GlobalModel, apply_mean_delta, personal_and_global_scores, batch, config_from_kwargs, delta_message, expand,
-                                            expand_view, grads, owned, salted, schedule, where)
+                                            expand_view, grads, salted, schedule, where)
 from fedheads.core import heads, ops
 from fedheads.core.heads import HeadSpec, Params
-from fedheads.core.optim import InPlaceOptimizer, OptimizerConfig, opt_init
+from fedheads.core.optim import InPlaceOptimizer, OptimizerConfig
+from fedheads.core.train import fresh_opt_state
 from fedheads.core.protocol import Init, RoundCtx
 from fedheads.data import DataSpec, FedData
 
@@ -105,8 +106,9 @@ class PerFedAvg:
         M = data.num_clients
         w0, b0 = expand_view(bc.params, M), expand_view(bc.buffers, M)
         loss_fn = self._loss(True)
-        w, buf = owned(w0), b0  # w is stepped in place by the fused optimiser (active clients only)
-        opt = InPlaceOptimizer(cfg.optimizer, w, opt_init(cfg.optimizer, w))
+        w, buf = expand(bc.params, M), b0  # w is stepped in place by the fused optimiser (active clients only)
+        # the moments are discarded at the end of the round: reused scratch, as local_train's reset
+        opt = InPlaceOptimizer(cfg.optimizer, w, fresh_opt_state(cfg.optimizer, w, keep=False))
         tmp = {k: ops.scratch(f"perfedavg.tmp.{k}", v) for k, v in w.items()}
         sa = schedule(data, ctx, cfg.batch_size, cfg.local_epochs)  # batches D
         sb = schedule(data, salted(ctx, 1), cfg.batch_size, cfg.local_epochs)  # batches D'

@@ -34,7 +34,7 @@ import torch
 
 from embedcache.errors import UserError
 from fedheads.algorithms.pfl_common import (DeltaMessage, GlobalModel, apply_mean_delta, personal_and_global_scores, batch, config_from_kwargs, delta_message, expand,
-                                            expand_view, grads, owned, schedule, where)
+                                            expand_view, grads, schedule, where)
 from fedheads.core.optim import id_runs
 from fedheads.core import heads, ops
 from fedheads.core.heads import HeadSpec, Params
@@ -93,7 +93,7 @@ class PFedMe:
         assert spec is not None, "init() first"
         M = data.num_clients
         w0, b0 = expand_view(bc.params, M), expand_view(bc.buffers, M)
-        w, theta, buf = owned(w0), owned(w0), b0  # updated in place, row runs of active clients only
+        w, theta, buf = expand(bc.params, M), expand(bc.params, M), b0  # updated in place, active clients' rows
         plr, eta_lam, plr_lam = cfg.personal_lr, cfg.lr * cfg.lam, cfg.personal_lr * cfg.lam
 
         def loss_fn(p: Params, b: Params, x: torch.Tensor, y: torch.Tensor, m: torch.Tensor):

@@ -47,19 +47,14 @@ class Empty:
 
 
 def expand(p: Params, M: int) -> Params:
-    """A model without client axis copied to M clients."""
-    return {k: v.unsqueeze(0).expand(M, *v.shape).clone() for k, v in p.items()}
+    """A model without client axis copied to M clients (contiguous copies, to update in place)."""
+    return {k: v.unsqueeze(0).expand(M, *v.shape).clone(memory_format=torch.contiguous_format) for k, v in p.items()}
 
 
 def expand_view(p: Params, M: int) -> Params:
     """A model without client axis seen by M clients: broadcast views, nothing copied (to read
-    from; `owned` makes the copies a client loop updates in place)."""
+    from; `expand` makes the copies a client loop updates in place)."""
     return {k: v.unsqueeze(0).expand(M, *v.shape) for k, v in p.items()}
-
-
-def owned(p: Params) -> Params:
-    """Private contiguous copies (e.g. of `expand_view`'s views) for in-place updates."""
-    return {k: v.clone(memory_format=torch.contiguous_format) for k, v in p.items()}
 
 
 def weighted_mean(t: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

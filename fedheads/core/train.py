@@ -52,7 +52,7 @@ def local_train(params: Params, buffers: Params, opt_state: OptState | None, opt
     M = data.num_clients
     with ops.buffer_pool(), ops.grad_workspace():
         if opt_state is None:
-            opt_state, host_steps = _fresh_state(opt_cfg, params, keep_opt), [0.0] * M
+            opt_state, host_steps = fresh_opt_state(opt_cfg, params, keep_opt), [0.0] * M
         else:
             # one host read per round (not per step) of the counters Adam's bias correction needs
             host_steps = opt_state.step.tolist() if opt_cfg.name == "adam" else [0.0] * M
@@ -65,8 +65,9 @@ def local_train(params: Params, buffers: Params, opt_state: OptState | None, opt
     return params, buffers, out if keep_opt else OptState(out.step)
 
 
-def _fresh_state(cfg: OptimizerConfig, params: Params, keep: bool) -> OptState:
-    """Zero moments: fresh tensors, or pooled scratch when the caller discards them."""
+def fresh_opt_state(cfg: OptimizerConfig, params: Params, keep: bool) -> OptState:
+    """Zero optimiser state for stacked `params`: fresh moment tensors, or (keep=False, the caller
+    discards them after the round) the buffer pool's reused scratch, with no per-round allocation."""
     if keep:
         return opt_init(cfg, params)
     step = torch.zeros(next(iter(params.values())).shape[0], dtype=torch.float64,
