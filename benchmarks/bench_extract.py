@@ -167,6 +167,7 @@ def main() -> None:
     tmp = Path(tempfile.mkdtemp(prefix="bench_extract_"))
     results = []
     try:
+        load_start = os.getloadavg()
         for name in args.backbones.split(","):
             r = bench_backbone(name, m, src, args, tmp)
             print(json.dumps(r))
@@ -183,8 +184,10 @@ def main() -> None:
         "gpu": torch.cuda.get_device_name(torch.device(args.device)) if cuda else None,
         "cuda_autocast": "bfloat16 where supported, else float16 (embedcache.backbones.base.TorchBackbone)" if cuda else None,
         "torch_threads": torch.get_num_threads(), "results": results,
-        "note": "shared machine: other jobs were running; dask time includes starting the LocalCluster",
+        "load_average_at_start": list(load_start), "load_average_at_end": list(os.getloadavg()),
     }
+    if args.dask:
+        out["note"] = "the dask time includes starting the LocalCluster"
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     tmp_out = Path(args.out).with_suffix(".json.tmp")
     tmp_out.write_text(json.dumps(out, indent=2) + "\n")

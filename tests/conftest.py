@@ -41,3 +41,16 @@ def offline_cache(monkeypatch, tmp_path):
     monkeypatch.setenv("EMBEDCACHE_CACHE", str(tmp_path / "cache"))
     for var in ("EMBEDCACHE_WEIGHTS", "EMBEDCACHE_ASSETS"):
         monkeypatch.delenv(var, raising=False)
+
+
+@pytest.fixture
+def float32_math():
+    """Full float32 arithmetic on CUDA for comparisons with the CPU: cuDNN convolutions default to
+    TF32 (a 10-bit mantissa) on Ampere and later, which would compare TF32 rounding, not the code.
+    (A store extracted on CUDA holds bf16-precision features: such tests extract on the CPU.)"""
+    import torch
+
+    old = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
+    yield
+    torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = old

@@ -79,3 +79,20 @@ def digest(state: dict[str, torch.Tensor]) -> str:
         h.update(k.encode())
         h.update(state[k].detach().cpu().contiguous().numpy().tobytes())
     return h.hexdigest()
+
+
+def make_staged_store(root):
+    """Three clients (domains a, b, c) of 3 classes, 9 images each, a saved manifest and a store
+    of "tiny-staged" and its stem maps, extracted on the CPU: under CUDA extraction runs in bf16,
+    and the tests compare float32 arithmetic. Returns the manifest (files under `root`:
+    img/, manifest.json, s.zarr)."""
+    from embedcache.extract import ExtractConfig, extract
+    from embedcache.manifest import save_manifest
+    from store_doubles import make_imagefolder, make_manifest
+
+    make_imagefolder(root / "img", domains=("a", "b", "c"), classes=("cat", "dog", "emu"), per_class=9, size=10)
+    m = make_manifest(root / "img", test_every=3)
+    save_manifest(m, root / "manifest.json")
+    extract(m, ExtractConfig(backbones=("tiny-staged", "tiny-staged@stem"), store=str(root / "s.zarr"),
+                             batch_size=64, progress=False, device="cpu"))
+    return m

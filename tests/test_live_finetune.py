@@ -19,7 +19,7 @@ from embedcache.extract import ExtractConfig, extract
 from embedcache.manifest import save_manifest
 from fedheads.live.finetune import FineTune, FTConfig
 from fedheads.live.runner import FinetuneOptions, finetune_run
-from store_doubles import make_imagefolder, make_manifest
+from store_doubles import make_manifest
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -27,12 +27,7 @@ REPO = Path(__file__).resolve().parents[1]
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     root = tmp_path_factory.mktemp("live")
-    make_imagefolder(root / "img", domains=("a", "b", "c"), classes=("cat", "dog", "emu"), per_class=9, size=10)
-    m = make_manifest(root / "img", test_every=3)
-    save_manifest(m, root / "manifest.json")
-    extract(m, ExtractConfig(backbones=("tiny-staged", "tiny-staged@stem"), store=str(root / "s.zarr"),
-                             batch_size=64, progress=False))
-    return root, m
+    return root, live_doubles.make_staged_store(root)
 
 
 def _opts(**kw) -> FinetuneOptions:

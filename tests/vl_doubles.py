@@ -70,7 +70,7 @@ def make_paired(root: Path, per_class: int = 9) -> tuple[Manifest, str]:
     m = captioned(make_manifest(root / "img", test_every=3))
     store = str(root / "s.zarr")
     extract(m, ExtractConfig(backbones=("tiny-staged", "tiny-staged@stem", TEXT_TOKENS), store=store, batch_size=64,
-                             progress=False))
+                             progress=False, device="cpu"))  # float32 (CUDA extracts in bf16)
     return m, store
 
 
@@ -81,7 +81,8 @@ def extract_other_text_weights(m: Manifest, store: str) -> None:
     register_backbone(TEXT, lambda wd, dev: _other(TEXT, wd, dev), modality="text",
                       cut_points=("embeddings", "layer.0", "layer.1"), feature_dim=16, description="other weights")
     try:
-        extract(m, ExtractConfig(backbones=("tiny-staged@stem", TEXT_TOKENS), store=store, progress=False))
+        extract(m, ExtractConfig(backbones=("tiny-staged@stem", TEXT_TOKENS), store=store, progress=False,
+                                 device="cpu"))
     finally:
         register_backbone(TEXT, lambda wd, dev: tiny_text_factory(TEXT, wd, dev), modality="text",
                           cut_points=("embeddings", "layer.0", "layer.1"), feature_dim=16,

@@ -80,7 +80,7 @@ class FedDRAConfig:
     dro_loss: str = "infonce"  # v_i: InfoNCE [R] (Sec. 5.1.3) | "local": L_local of Eq. 2
     dro_model: str = "local"  # v_i of the client's local model after the round [R] (Alg. 1 l. 15) | "global"
     dro_batches: int = 4  # fixed batches per client for v_i ([R] same number and size for every client)
-    amp: str = "auto"  # CUDA autocast: auto | off | bf16 | fp16 (CPU trains in float32)
+    amp: str = "auto"  # CUDA autocast: auto | off | bf16 | fp16 (CPU trains in float32; off: see FTConfig.amp)
 
     def __post_init__(self) -> None:
         checks = [(self.schedule in SCHEDULES, f"--schedule {self.schedule!r}: use {' or '.join(SCHEDULES)}"),

@@ -77,6 +77,8 @@ class FTConfig:
     batch_size: int = 32  # local mini-batch
     local_epochs: int = 1  # E (Sec. 4)
     amp: str = "auto"  # CUDA autocast: auto (bf16 where supported, else fp16 + GradScaler) | off | bf16 | fp16
+    # (off: float32 weights and activations; convolutions and matmuls still follow torch.backends'
+    # allow_tf32 flags, PyTorch's default being TF32 convolutions on Ampere and later)
     warmup_rounds: int = 0  # K: client lr rises linearly over the first K FT rounds (0 = off, the paper's runs)
 
     def client_lr(self, round_: int) -> float:
