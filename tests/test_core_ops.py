@@ -317,3 +317,45 @@ def test_prototype_pass_in_row_chunks_equals_one_pass(monkeypatch):
         monkeypatch.undo()
     empty = heads.embedding_class_sums(spec, p, b, x[:, :0], y[:, :0], mask[:, :0], C)
     assert empty[0].shape == (M, C, 8) and empty[0].abs().sum() == 0
+
+
+@pytest.mark.parametrize("opt_name", ["adam", "sgd"])
+def test_rowwise_local_train_computes_only_stepping_clients_and_changes_nothing(opt_name) -> None:
+    """rowwise=True: each step computes only the clients that still have a batch (ordered by step
+    count for the round), with the same weights, buffers and optimiser state, in the data's
+    order, as the padded step that computes every client (Adam carried over from a round before,
+    with unequal counters; BN-style buffers)."""
+    from fedheads.core.protocol import RoundCtx
+    from fedheads.core.train import local_train
+    from fedheads.core.tree import tree_leaves
+    from fed_tiny import tiny_fed
+
+    data = tiny_fed(M=5, seed=2)
+    M = data.num_clients
+    assert len(set(data.n_train)) > 1
+    torch.manual_seed(0)
+    params = {"w": torch.randn(M, data.dim, 3) * 0.1, "b": torch.zeros(M, 3)}
+    buffers = {"seen": torch.zeros(M, 1)}
+    seen_rows: list[int] = []
+
+    def loss_fn(p, b, x, y, m):
+        seen_rows.append(x.shape[0])
+        return (ops.masked_cross_entropy(ops.linear(x, p["w"], p["b"]), y.clamp_max(2), m),
+                {"seen": b["seen"] + m.sum(1, keepdim=True)})
+
+    cfg = OptimizerConfig(opt_name, lr=0.01, momentum=0.9 if opt_name == "sgd" else 0.0)
+    ctx0 = RoundCtx(round=0, seed=0, participants=torch.arange(M), num_clients=M)
+    ctx1 = RoundCtx(round=1, seed=0, participants=torch.arange(M), num_clients=M)
+    runs = {}
+    for rowwise in (False, True):
+        seen_rows.clear()
+        p, b, opt = local_train(params, buffers, None, cfg, loss_fn, data, ctx0, 4, 2, rowwise=rowwise)
+        runs[rowwise] = local_train(p, b, opt, cfg, loss_fn, data, ctx1, 4, 2, rowwise=rowwise), list(seen_rows)
+    (pa, ba, oa), rows_padded = runs[False]
+    (pb, bb, ob), rows_prefix = runs[True]
+    steps = [2 * -(-n // 4) for n in data.n_train]
+    assert rows_padded == [M] * (2 * max(steps))
+    assert rows_prefix == [sum(1 for t in steps if s < t) for s in range(max(steps))] * 2  # both rounds
+    assert torch.equal(bb["seen"].view(-1), 2 * 2 * torch.tensor(data.n_train, dtype=torch.float32))
+    for x, y in zip(tree_leaves((pa, ba, oa)), tree_leaves((pb, bb, ob))):
+        torch.testing.assert_close(x, y, rtol=1e-6, atol=1e-7)

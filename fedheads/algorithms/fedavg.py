@@ -109,17 +109,19 @@ class FedAvg:
         reset = self.cfg.reset_optimizer
         opt = None if reset else cs.opt
 
+        anchor = {k: v.unsqueeze(0) for k, v in bc.params.items()}  # w^t, one row for any number of clients
+
         def loss_fn(p: Params, b: Params, x: torch.Tensor, y: torch.Tensor, m: torch.Tensor):
             z, nb = heads.embed(spec, p, b, x, m, train=True)
             loss = ops.masked_cross_entropy(heads.classify(p, z), y, m)
             if mu:
-                sq = sum(((p[k] - start_p[k]) ** 2).flatten(1).sum(1) for k in p)
+                sq = sum(((p[k] - anchor[k]) ** 2).flatten(1).sum(1) for k in p)
                 loss = loss + 0.5 * mu * sq
             return loss, nb
 
         # a per-round reset discards the moments: local_train keeps them in reused scratch buffers
         p, b, opt = local_train(start_p, start_b, opt, self.cfg.optimizer, loss_fn, data, ctx,
-                                self.cfg.batch_size, self.cfg.local_epochs, keep_opt=not reset)
+                                self.cfg.batch_size, self.cfg.local_epochs, keep_opt=not reset, rowwise=True)
         w = torch.tensor(data.n_train, dtype=torch.float32, device=data.device)
         msg = FedAvgMessage({k: p[k] - start_p[k] for k in p}, {k: b[k] - start_b[k] for k in b}, w)
         return FedAvgClientState(p, b, cs.opt if reset else opt), msg

@@ -305,7 +305,7 @@ class FedPCL:
                 opt = None
             p, b, opt = local_train(p, b, opt, cfg.optimizer, self._loss_fn(bc), self._train_data(data), ctx,
                                     cfg.batch_size, cfg.local_epochs, drop_last=cfg.drops_last,
-                                    keep_opt=not cfg.reset_optimizer)
+                                    keep_opt=not cfg.reset_optimizer, rowwise=True)
         with torch.no_grad():  # Eq. 5 over the full training set, eval mode (in row chunks)
             sums, counts = heads.embedding_class_sums(self.spec, p, b, data.x_train, data.y_train, data.m_train,
                                                       data.num_classes, self._x)

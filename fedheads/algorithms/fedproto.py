@@ -115,7 +115,7 @@ class FedProto:
 
         opt = None if cfg.reset_optimizer else cs.opt
         p, b, opt = local_train(cs.params, cs.buffers, opt, cfg.optimizer, loss_fn, data, ctx,
-                                cfg.batch_size, cfg.local_epochs)
+                                cfg.batch_size, cfg.local_epochs, rowwise=True)
         with torch.no_grad():  # in row chunks (heads.embedding_class_sums)
             sums, counts = heads.embedding_class_sums(spec, p, b, data.x_train, data.y_train, data.m_train,
                                                       data.num_classes)

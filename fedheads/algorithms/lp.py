@@ -192,14 +192,17 @@ class HeadTuning:
             return cs, FedNCMMessage(sums, counts)
         mu = cfg.prox_mu if cfg.server_opt == "fedprox" else 0.0
 
+        anchor = {k: v.unsqueeze(0) for k, v in bc.params.items()}  # one row for any number of clients
+
         def loss_fn(p: Params, b: Params, x: torch.Tensor, y: torch.Tensor, m: torch.Tensor):
             loss = ops.masked_cross_entropy(logits(p, x, nh), y, m)
             if mu:
-                loss = loss + 0.5 * mu * sum(((p[k] - start[k]) ** 2).flatten(1).sum(1) for k in p)
+                loss = loss + 0.5 * mu * sum(((p[k] - anchor[k]) ** 2).flatten(1).sum(1) for k in p)
             return loss, b
 
         opt = opt_init(cfg.optimizer, start) if cfg.reset_optimizer else cs.opt
-        p, _, opt = local_train(start, {}, opt, cfg.optimizer, loss_fn, data, ctx, cfg.batch_size, cfg.local_epochs)
+        p, _, opt = local_train(start, {}, opt, cfg.optimizer, loss_fn, data, ctx, cfg.batch_size, cfg.local_epochs,
+                                rowwise=True)
         return HeadClientState(p, opt), delta_message(p, start, {}, {}, data)
 
     def server_aggregate(self, ss: HeadServerState, msg: DeltaMessage | FedNCMMessage,

@@ -73,7 +73,7 @@ class Solo:
 
         opt = opt_init(cfg.optimizer, cs.params) if cfg.reset_optimizer else cs.opt
         p, b, opt = local_train(cs.params, cs.buffers, opt, cfg.optimizer, loss_fn, data, ctx,
-                                cfg.batch_size, cfg.local_epochs)
+                                cfg.batch_size, cfg.local_epochs, rowwise=True)
         return SoloClientState(p, b, opt), Empty()
 
     def server_aggregate(self, ss: Empty, msg: Empty, ctx: RoundCtx) -> tuple[Empty, Empty]:

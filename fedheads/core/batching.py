@@ -26,6 +26,7 @@ class Schedule:
     active: torch.Tensor  # [S, M] bool: the client still has a batch at step s
     rows: tuple[torch.Tensor, ...]  # per step: [A_s] int64 active clients (built on the host, no sync)
     ids: tuple[tuple[int, ...], ...]  # per step: the same active clients as host ints
+    totals: tuple[int, ...] = ()  # per client: its number of steps (host ints)
 
     @property
     def num_steps(self) -> int:
@@ -72,4 +73,4 @@ def make_schedule(n_train: list[int], client_index: torch.Tensor, batch_size: in
             cache[len(act)] = act, torch.tensor(act, dtype=torch.int64, device=device)
         ids.append(cache[len(act)][0])
         rows.append(cache[len(act)][1])
-    return Schedule(index=index, valid=valid, active=active, rows=tuple(rows), ids=tuple(ids))
+    return Schedule(index=index, valid=valid, active=active, rows=tuple(rows), ids=tuple(ids), totals=tuple(total))

@@ -4,7 +4,15 @@ Each step gathers one mini-batch per client ([M, B, D]), evaluates the per-clien
 back-propagates their sum (clients' parameters are disjoint, so each client gets exactly its
 own gradient) and applies the functional optimiser with the step's `active` mask. There is no
 host-device synchronisation inside the loop (no .item()): the number of steps is known on the
-host from n_train."""
+host from n_train.
+
+Clients of different sizes take different numbers of steps; padded to the largest, a step would
+compute every client while the small ones are done (at 40 or 80 label-skewed clients, 40 % of
+the work). With `rowwise=True` (the loss treats each client's row on its own and captures no
+per-client tensor) the clients are stacked in order of their step counts, largest first, for the
+round, so the ones still stepping are always a prefix [0, k) and each step computes only those
+k rows (views, nothing copied); the order is undone on return. Every client's result is the same
+as unordered (its batches are keyed by its global index, core/batching.py)."""
 
 from __future__ import annotations
 
@@ -24,45 +32,94 @@ from fedheads.data import FedData
 LossFn = Callable[[Params, Params, torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, Params]]
 
 
-def gather_rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """x [M, N, ...] rows index [M, B] -> [M, B, ...] (one row copy per index: ~5x faster on CPU
-    than torch.gather with an index expanded over the feature axis, which goes element by element)."""
+def gather_rows(x: torch.Tensor, index: torch.Tensor, clients: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, N, ...] rows index [K, B] of clients `clients` [K] (default: all M in order) ->
+    [K, B, ...] (one row copy per index: ~5x faster on CPU than torch.gather with an index
+    expanded over the feature axis, which goes element by element)."""
     if not x.is_contiguous():
+        x = x if clients is None else x.index_select(0, clients)
         tail = index.view(*index.shape, *([1] * (x.dim() - 2))).expand(*index.shape, *x.shape[2:])
         return torch.gather(x, 1, tail)
     M, N = x.shape[:2]
-    flat = (index + torch.arange(M, device=index.device).view(M, 1) * N).view(-1)
+    rows = torch.arange(M, device=index.device) if clients is None else clients
+    flat = (index + rows.view(-1, 1) * N).view(-1)
     return x.reshape(M * N, *x.shape[2:]).index_select(0, flat).view(*index.shape, *x.shape[2:])
 
 
 def local_train(params: Params, buffers: Params, opt_state: OptState | None, opt_cfg: OptimizerConfig,
                 loss_fn: LossFn, data: FedData, ctx: RoundCtx, batch_size: int,
-                epochs: int, drop_last: bool = False, keep_opt: bool = True) -> tuple[Params, Params, OptState]:
+                epochs: int, drop_last: bool = False, keep_opt: bool = True,
+                rowwise: bool = False) -> tuple[Params, Params, OptState]:
     """Run `epochs` local epochs for every client in `data`; returns updated (params, buffers, opt).
 
     `opt_state=None` starts a fresh optimiser (as the papers' code building one per round);
     `drop_last` skips each epoch's partial last batch (core.batching.make_schedule).
     `keep_opt=False` says the caller discards the returned optimiser state (a per-round reset):
-    the moments then live in reused scratch buffers and only the step counter is returned."""
+    the moments then live in reused scratch buffers and only the step counter is returned.
+    `rowwise=True` promises that loss_fn computes each client's loss from its own rows of
+    params / buffers / batch alone (what it captures has no client axis, or one of length 1):
+    each step then computes only the clients still stepping (module docstring)."""
     sched = make_schedule(list(data.n_train), data.client_index, batch_size, epochs, ctx.seed,
                           ctx.round, data.device, drop_last=drop_last)
+    M = data.num_clients
+    order = _by_steps(sched.totals) if rowwise else None
+    if order is not None:
+        perm = torch.tensor(order, dtype=torch.int64, device=data.device)
+        sched = _reordered(sched, perm, [sched.totals[i] for i in order])
+        take = lambda t: t.index_select(0, perm)  # noqa: E731  (a private copy, reordered)
+    else:
+        perm = None
+        take = lambda t: t.detach().clone(memory_format=torch.contiguous_format)  # noqa: E731
     keys = list(params)
     # functional at the boundary: private copies, then in-place steps (no per-step large allocations)
-    params = {k: v.detach().clone(memory_format=torch.contiguous_format) for k, v in params.items()}
-    M = data.num_clients
+    params = {k: take(v.detach()) for k, v in params.items()}
+    if perm is not None:
+        buffers = {k: take(v) for k, v in buffers.items()}
     with ops.buffer_pool(), ops.grad_workspace():
         if opt_state is None:
             opt_state, host_steps = fresh_opt_state(opt_cfg, params, keep_opt), [0.0] * M
         else:
             # one host read per round (not per step) of the counters Adam's bias correction needs
             host_steps = opt_state.step.tolist() if opt_cfg.name == "adam" else [0.0] * M
-            opt_state = OptState(opt_state.step, {k: v.clone() for k, v in opt_state.m.items()},
-                                 {k: v.clone() for k, v in opt_state.v.items()})
+            if order is not None:
+                host_steps = [host_steps[i] for i in order]
+            opt_state = OptState(opt_state.step if perm is None else opt_state.step.index_select(0, perm),
+                                 {k: take(v) for k, v in opt_state.m.items()},
+                                 {k: take(v) for k, v in opt_state.v.items()})
         opt = InPlaceOptimizer(opt_cfg, params, opt_state, host_steps)
         for s in range(sched.num_steps):
-            buffers = _step(params, buffers, opt, loss_fn, data, sched, s, keys, M)
+            buffers = _step(params, buffers, opt, loss_fn, data, sched, s, keys, M, perm)
         out = opt.state()
+    if perm is not None:  # back to the data's client order
+        back = torch.empty_like(perm)
+        back[perm] = torch.arange(M, device=perm.device)
+        undo = lambda t: t.index_select(0, back)  # noqa: E731
+        params, buffers = {k: undo(v) for k, v in params.items()}, {k: undo(v) for k, v in buffers.items()}
+        out = OptState(undo(out.step), {k: undo(v) for k, v in out.m.items()} if keep_opt else {},
+                       {k: undo(v) for k, v in out.v.items()} if keep_opt else {})
     return params, buffers, out if keep_opt else OptState(out.step)
+
+
+def _by_steps(totals: tuple[int, ...]) -> list[int] | None:
+    """Client order by step count, largest first (stable); None when every client takes as many
+    steps (no step leaves a client out: nothing to skip)."""
+    if len(set(totals)) <= 1:
+        return None
+    return sorted(range(len(totals)), key=lambda i: -totals[i])
+
+
+def _reordered(sched: Schedule, perm: torch.Tensor, totals: list[int]) -> Schedule:
+    """`sched` with its client axis in order `perm`: the clients stepping at step s are then the
+    prefix [0, k_s), and `ids[s]` says so."""
+    ids, cache = [], {}
+    for st in range(sched.num_steps):
+        k = sum(1 for t in totals if st < t)
+        if k not in cache:
+            cache[k] = tuple(range(k))
+        ids.append(cache[k])
+    rows = tuple(torch.arange(len(i), device=perm.device) for i in ids)
+    return Schedule(index=sched.index.index_select(1, perm), valid=sched.valid.index_select(1, perm),
+                    active=sched.active.index_select(1, perm), rows=rows, ids=tuple(ids), totals=tuple(totals))
 
 
 def fresh_opt_state(cfg: OptimizerConfig, params: Params, keep: bool) -> OptState:
@@ -79,19 +136,42 @@ def fresh_opt_state(cfg: OptimizerConfig, params: Params, keep: bool) -> OptStat
 
 
 def _step(params: Params, buffers: Params, opt: InPlaceOptimizer, loss_fn: LossFn, data: FedData,
-          sched: Schedule, s: int, keys: list[str], M: int) -> Params:
-    """One local step of every client (the gradient is consumed before the next step's backward)."""
+          sched: Schedule, s: int, keys: list[str], M: int, perm: torch.Tensor | None = None) -> Params:
+    """One local step of every client (the gradient is consumed before the next step's backward).
+    With `perm` (clients reordered by step count) only the prefix of clients still stepping is
+    computed."""
     ops.new_step()
     idx, valid, active = sched.index[s], sched.valid[s], sched.active[s]
-    xb = gather_rows(data.x_train, idx)
-    yb = gather_rows(data.y_train, idx)
+    all_on = len(sched.ids[s]) == M  # host-side: no device sync
+    if perm is not None and not all_on:
+        return _prefix_step(params, buffers, opt, loss_fn, data, sched, s, keys, perm)
+    xb = gather_rows(data.x_train, idx, perm)
+    yb = gather_rows(data.y_train, idx, perm)
     leaf = {k: params[k].detach().requires_grad_(True) for k in keys}  # shares storage
     with torch.enable_grad():
         loss, new_buf = loss_fn(leaf, buffers, xb, yb, valid)
         grads = torch.autograd.grad(loss.sum(), [leaf[k] for k in keys], allow_unused=True)
     del leaf
     g = {k: (gk.contiguous() if gk is not None else torch.zeros_like(params[k])) for k, gk in zip(keys, grads)}
-    all_on = len(sched.ids[s]) == M  # host-side: no device sync
     opt.step(g, active, None if all_on else sched.ids[s])
     new_buf = {k: v.detach() for k, v in new_buf.items()}
     return new_buf if all_on else tree_where(active, new_buf, buffers)
+
+
+def _prefix_step(params: Params, buffers: Params, opt: InPlaceOptimizer, loss_fn: LossFn, data: FedData,
+                 sched: Schedule, s: int, keys: list[str], perm: torch.Tensor) -> Params:
+    """A step of the clients [0, k) still stepping (reordered stack): their rows of the params are
+    views, their gradients [k, ...] update those rows in place, their buffers replace rows [0, k)."""
+    k = len(sched.ids[s])
+    if k == 0:
+        return buffers
+    xb = gather_rows(data.x_train, sched.index[s, :k], perm[:k])
+    yb = gather_rows(data.y_train, sched.index[s, :k], perm[:k])
+    leaf = {n: params[n][:k].detach().requires_grad_(True) for n in keys}  # views of the first k rows
+    with torch.enable_grad():
+        loss, new_buf = loss_fn(leaf, {n: v[:k] for n, v in buffers.items()}, xb, yb, sched.valid[s, :k])
+        grads = torch.autograd.grad(loss.sum(), [leaf[n] for n in keys], allow_unused=True)
+    del leaf
+    g = {n: (gn.contiguous() if gn is not None else torch.zeros_like(params[n][:k])) for n, gn in zip(keys, grads)}
+    opt.step(g, sched.active[s], sched.ids[s])
+    return {n: torch.cat([v.detach(), buffers[n][k:]]) for n, v in new_buf.items()}
