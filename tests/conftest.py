@@ -47,10 +47,17 @@ def offline_cache(monkeypatch, tmp_path):
 def float32_math():
     """Full float32 arithmetic on CUDA for comparisons with the CPU: cuDNN convolutions default to
     TF32 (a 10-bit mantissa) on Ampere and later, which would compare TF32 rounding, not the code.
-    (A store extracted on CUDA holds bf16-precision features: such tests extract on the CPU.)"""
+    (A store extracted on CUDA holds bf16-precision features: such tests extract on the CPU.)
+    Attention runs on PyTorch's math backend: the fused kernels CUDA picks otherwise are the
+    suspect for FedDRA's float32 CUDA-vs-CPU drift seen on an H200 (tests/test_gpu_live.py; the
+    fine-tuning path, which has no attention, agreed), to be confirmed on the next GPU check."""
     import torch
+    from torch.nn.attention import SDPBackend, sdpa_kernel
 
     old = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
     torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
-    yield
-    torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = old
+    try:
+        with sdpa_kernel(SDPBackend.MATH):
+            yield
+    finally:
+        torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = old

@@ -112,7 +112,8 @@ def test_feddra_on_cuda_matches_cpu(paired, tmp_path, float32_math):
     weights and lambda, up to a few elements (tests/tolerances.py). SGD: see test_feddra's docstring
     for why not Adam. FAILS on an H200 (2026-11-26, torch 2.11): 71 of 512 elements of psi/inp.weight
     beyond 1e-4 + 1e-3 relative, all within 5e-3, where the CPU's own reordering noise is 1e-7;
-    the cause is not found (the fine-tuning counterpart passes)."""
+    the cause is not found (the fine-tuning counterpart passes). Since then float32_math also puts
+    attention on the math backend (tests/conftest.py): not yet run on a GPU."""
     root, store = paired
     for name, dev in (("cpu", CPU), ("gpu", GPU)):
         feddra_run(root / "m.json", store, "tiny-staged", vl_doubles.TEXT, tmp_path / name, _fd(dev))
