@@ -143,40 +143,28 @@ def fresh_opt_state(cfg: OptimizerConfig, params: Params, keep: bool) -> OptStat
 def _step(params: Params, buffers: Params, opt: InPlaceOptimizer, loss_fn: LossFn, data: FedData,
           sched: Schedule, s: int, keys: list[str], M: int, perm: torch.Tensor | None = None) -> Params:
     """One local step of every client (the gradient is consumed before the next step's backward).
-    With `perm` (clients reordered by step count) only the prefix of clients still stepping is
-    computed."""
+    With `perm` (clients reordered by step count) the clients still stepping are rows [0, k) and
+    only those are computed: views of their params and buffers, their batches, [k, ...] gradients
+    for the fused optimiser; the done clients' buffers are kept behind theirs."""
     ops.new_step()
-    idx, valid, active = sched.index[s], sched.valid[s], sched.active[s]
     all_on = len(sched.ids[s]) == M  # host-side: no device sync
-    if perm is not None and not all_on:
-        return _prefix_step(params, buffers, opt, loss_fn, data, sched, s, keys, perm)
-    xb = gather_rows(data.x_train, idx, perm)
-    yb = gather_rows(data.y_train, idx, perm)
-    leaf = {k: params[k].detach().requires_grad_(True) for k in keys}  # shares storage
-    with torch.enable_grad():
-        loss, new_buf = loss_fn(leaf, buffers, xb, yb, valid)
-        grads = torch.autograd.grad(loss.sum(), [leaf[k] for k in keys], allow_unused=True)
-    del leaf
-    g = {k: (gk.contiguous() if gk is not None else torch.zeros_like(params[k])) for k, gk in zip(keys, grads)}
-    opt.step(g, active, None if all_on else sched.ids[s])
-    new_buf = {k: v.detach() for k, v in new_buf.items()}
-    return new_buf if all_on else tree_where(active, new_buf, buffers)
-
-
-def _prefix_step(params: Params, buffers: Params, opt: InPlaceOptimizer, loss_fn: LossFn, data: FedData,
-                 sched: Schedule, s: int, keys: list[str], perm: torch.Tensor) -> Params:
-    """A step of the clients [0, k) still stepping (reordered stack): their rows of the params are
-    views, their gradients [k, ...] update those rows in place, their buffers replace rows [0, k)."""
-    k = len(sched.ids[s])
+    k = M if perm is None else len(sched.ids[s])
     if k == 0:
         return buffers
-    xb = gather_rows(data.x_train, sched.index[s, :k], perm[:k])
-    yb = gather_rows(data.y_train, sched.index[s, :k], perm[:k])
-    leaf = {n: params[n][:k].detach().requires_grad_(True) for n in keys}  # views of the first k rows
+    idx, valid = sched.index[s, :k], sched.valid[s, :k]
+    clients = None if perm is None else perm[:k]
+    xb = gather_rows(data.x_train, idx, clients)
+    yb = gather_rows(data.y_train, idx, clients)
+    leaf = {n: params[n][:k].detach().requires_grad_(True) for n in keys}  # shares storage
     with torch.enable_grad():
-        loss, new_buf = loss_fn(leaf, {n: v[:k] for n, v in buffers.items()}, xb, yb, sched.valid[s, :k])
+        loss, new_buf = loss_fn(leaf, {n: v[:k] for n, v in buffers.items()}, xb, yb, valid)
         grads = torch.autograd.grad(loss.sum(), [leaf[n] for n in keys], allow_unused=True)
     del leaf
     g = {n: (gn.contiguous() if gn is not None else torch.zeros_like(params[n][:k])) for n, gn in zip(keys, grads)}
-    opt.step(g, sched.active[s], sched.ids[s])
-    return {n: torch.cat([v.detach(), buffers[n][k:]]) for n, v in new_buf.items()}
+    opt.step(g, sched.active[s], None if all_on else sched.ids[s])
+    new_buf = {n: v.detach() for n, v in new_buf.items()}
+    if all_on:
+        return new_buf
+    if perm is not None:
+        return {n: torch.cat([v, buffers[n][k:]]) for n, v in new_buf.items()}
+    return tree_where(sched.active[s], new_buf, buffers)
