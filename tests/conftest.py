@@ -48,9 +48,9 @@ def float32_math():
     """Full float32 arithmetic on CUDA for comparisons with the CPU: cuDNN convolutions default to
     TF32 (a 10-bit mantissa) on Ampere and later, which would compare TF32 rounding, not the code.
     (A store extracted on CUDA holds bf16-precision features: such tests extract on the CPU.)
-    Attention runs on PyTorch's math backend: the fused kernels CUDA picks otherwise are the
-    suspect for FedDRA's float32 CUDA-vs-CPU drift seen on an H200 (tests/test_gpu_live.py; the
-    fine-tuning path, which has no attention, agreed), to be confirmed on the next GPU check."""
+    Attention runs on PyTorch's math backend, as on the CPU (the fused kernels CUDA picks otherwise
+    may compute in reduced precision). FedDRA's float32 drift on an H200 was dropout, not these:
+    see no_text_dropout in tests/test_gpu_live.py."""
     import torch
     from torch.nn.attention import SDPBackend, sdpa_kernel
 

@@ -142,9 +142,15 @@ def test_cuda_engines_agree_and_match_cpu(name: str) -> None:
     _assert_engines_agree(ALGOS[name], to_device(tiny_fed(), "cuda"), to_device(tiny_fed(), "cuda"), 0.5)
     a = run(ALGOS[name](), tiny_fed(), rounds=3, seed=1, fraction=0.5, progress=False)
     b = run(ALGOS[name](), to_device(tiny_fed(), "cuda"), rounds=3, seed=1, fraction=0.5, progress=False)
-    for ta, tb in zip(tree_leaves((a.client_state, a.server_state)), tree_leaves((b.client_state, b.server_state))):
-        assert tb.device.type == "cuda"
-        assert_mostly_close(ta, tb.cpu(), loose=1e-2)  # ten Adam steps of lr 1e-3 (tests/tolerances.py)
+    la, lb = tree_leaves((a.client_state, a.server_state)), tree_leaves((b.client_state, b.server_state))
+    assert len(la) == len(lb) and all(tb.device.type == "cuda" for tb in lb)
+    for i, (ta, tb) in enumerate(zip(la, lb)):
+        assert_mostly_close(ta, tb.cpu(), loose=1e-2, name=f"leaf {i}", share=0.0)  # ten Adam steps of lr 1e-3
+    # the share of elements that drift is counted over the whole state: a leaf of 24 elements (FedPCL's
+    # global prototypes) had 3 apart on an H200, Adam's sign flips of near-zero gradients carried into
+    # the means; a device bug (a wrong row, a lost mask) moves whole client rows (tests/tolerances.py)
+    flat = lambda ls: torch.cat([t.cpu().reshape(-1) for t in ls if t.is_floating_point()])  # noqa: E731
+    assert_mostly_close(flat(la), flat(lb), loose=1e-2, name="whole state")
     for k in a.history[-1].accuracy:  # 8 test samples per client: one sample is 0.125
         diff = (a.history[-1].accuracy[k] - b.history[-1].accuracy[k].cpu()).abs().nan_to_num(0.0)
         assert float(diff.max()) <= 0.125 + 1e-6, k
