@@ -359,3 +359,32 @@ def test_rowwise_local_train_computes_only_stepping_clients_and_changes_nothing(
     assert torch.equal(bb["seen"].view(-1), 2 * 2 * torch.tensor(data.n_train, dtype=torch.float32))
     for x, y in zip(tree_leaves((pa, ba, oa)), tree_leaves((pb, bb, ob))):
         torch.testing.assert_close(x, y, rtol=1e-6, atol=1e-7)
+
+
+def test_rowwise_local_train_passes_each_steps_rows_of_consts() -> None:
+    """`consts` (per-client tensors the loss reads, FedRep's personal head): the rowwise run, which
+    reorders the clients and computes a prefix of them per step, gives the loss the consts' rows of
+    the same clients, so it ends where the padded run reading the full tensor from its closure does."""
+    from fedheads.core.protocol import RoundCtx
+    from fedheads.core.train import local_train
+    from fed_tiny import tiny_fed
+
+    data = tiny_fed(M=5, seed=2)
+    M = data.num_clients
+    torch.manual_seed(0)
+    params = {"w": torch.randn(M, data.dim, 3) * 0.1}
+    scale = {"s": torch.linspace(0.5, 3.0, M).view(M, 1, 1)}  # a different value per client
+    rows: list[int] = []
+
+    def loss(p, x, y, m, c):
+        rows.append(x.shape[0])
+        return ops.masked_cross_entropy(ops.linear(x, p["w"], None) * c["s"], y.clamp_max(2), m), {}
+
+    cfg = OptimizerConfig("adam", lr=0.05)
+    ctx = RoundCtx(round=0, seed=0, participants=torch.arange(M), num_clients=M)
+    want, _, _ = local_train(params, {}, None, cfg, lambda p, b, x, y, m: loss(p, x, y, m, scale), data, ctx, 4, 2)
+    rows.clear()
+    got, _, _ = local_train(params, {}, None, cfg, lambda p, b, x, y, m, c: loss(p, x, y, m, c), data, ctx, 4, 2,
+                            rowwise=True, consts=scale)
+    assert min(rows) < M, "the rowwise run computed a prefix"
+    torch.testing.assert_close(got["w"], want["w"], rtol=1e-6, atol=1e-7)

@@ -101,20 +101,20 @@ class FedRep:
         # computed once for all rows; BN (batch statistics) and L2 still run per mini-batch.
         with torch.no_grad():
             pre = ops.relu(ops.linear(data.x_train, rep0["proj.weight"], rep0["proj.bias"]))
+        bn_w, bn_b = bc.params["bn.weight"].unsqueeze(0), bc.params["bn.bias"].unsqueeze(0)  # one row: rowwise
 
         def head_loss(h: Params, b: Params, a: torch.Tensor, y: torch.Tensor, m: torch.Tensor):
-            z, rm, rv = ops.batch_norm(a, m, rep0["bn.weight"], rep0["bn.bias"], b["bn.running_mean"],
-                                       b["bn.running_var"], train=True)
+            z, rm, rv = ops.batch_norm(a, m, bn_w, bn_b, b["bn.running_mean"], b["bn.running_var"], train=True)
             z = ops.l2_normalize(z) if spec.normalize else z
             return ops.masked_cross_entropy(heads.classify(h, z), y, m), {"bn.running_mean": rm, "bn.running_var": rv}
 
         head, buf, _ = local_train(head0, buf0, None, cfg.optimizer, head_loss,
                                    dataclasses.replace(data, x_train=pre), ctx, cfg.batch_size, cfg.head_epochs,
-                                   keep_opt=False)
-        # 2. representation, new head fixed (its own batch order)
+                                   keep_opt=False, rowwise=True)
+        # 2. representation, new head fixed (its own batch order; the head's rows go with each step's)
         rep, buf, _ = local_train(rep0, buf, None, cfg.optimizer,
-                                  lambda r, b, x, y, m: loss_of(r, head, b, x, y, m), data, salted(ctx, 1),
-                                  cfg.batch_size, cfg.rep_epochs, keep_opt=False)
+                                  lambda r, b, x, y, m, h: loss_of(r, h, b, x, y, m), data, salted(ctx, 1),
+                                  cfg.batch_size, cfg.rep_epochs, keep_opt=False, rowwise=True, consts=head)
         return FedRepClientState({**rep, **head}, buf), delta_message(rep, rep0, buf, buf0, data)
 
     def server_aggregate(self, ss: GlobalModel, msg: DeltaMessage,

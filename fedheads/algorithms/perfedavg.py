@@ -35,8 +35,9 @@ from dataclasses import dataclass, field
 import torch
 
 from embedcache.errors import UserError
-from fedheads.algorithms.pfl_common import (DeltaMessage, GlobalModel, apply_mean_delta, personal_and_global_scores, batch, config_from_kwargs, delta_message, expand,
-                                            expand_view, grads, salted, schedule, where)
+from fedheads.algorithms.pfl_common import (DeltaMessage, GlobalModel, apply_mean_delta, batch, config_from_kwargs, delta_message,
+                                            expand, expand_view, grads, in_data_order, order_by_steps,
+                                            personal_and_global_scores, rows, salted, schedule, step_buffers)
 from fedheads.core import heads, ops
 from fedheads.core.heads import HeadSpec, Params
 from fedheads.core.optim import InPlaceOptimizer, OptimizerConfig
@@ -110,21 +111,27 @@ class PerFedAvg:
         # the moments are discarded at the end of the round: reused scratch, as local_train's reset
         opt = InPlaceOptimizer(cfg.optimizer, w, fresh_opt_state(cfg.optimizer, w, keep=False))
         tmp = {k: ops.scratch(f"perfedavg.tmp.{k}", v) for k, v in w.items()}
-        sa = schedule(data, ctx, cfg.batch_size, cfg.local_epochs)  # batches D
-        sb = schedule(data, salted(ctx, 1), cfg.batch_size, cfg.local_epochs)  # batches D'
+        # clients by step count where that saves work: a step computes only rows [0, k), the clients
+        # still stepping (core/train.py); they all start from the same w, BN statistics and zero
+        # moments, so only the results are put back in order. D and D' have the same step counts,
+        # hence the same order.
+        perm, sa = order_by_steps(schedule(data, ctx, cfg.batch_size, cfg.local_epochs))  # batches D
+        _, sb = order_by_steps(schedule(data, salted(ctx, 1), cfg.batch_size, cfg.local_epochs))  # batches D'
         with ops.grad_workspace():  # each gradient lands in a reused buffer, consumed before the next
             for s in range(sa.num_steps):
                 act = sa.active[s]
-                x, y, v = batch(data, sa, s)
+                x, y, v = batch(data, sa, s, perm)
+                k = x.shape[0]
                 ops.new_step()
-                g, nb, _ = grads(loss_fn, w, buf, x, y, v)
-                for k in w:  # the inner step w_tmp = w - alpha grad f_i(w; D)
-                    torch.add(w[k], g[k], alpha=-cfg.alpha, out=tmp[k])
-                x2, y2, v2 = batch(data, sb, s)
+                g, nb, _ = grads(loss_fn, rows(w, k), rows(buf, k), x, y, v)
+                for n in w:  # the inner step w_tmp = w - alpha grad f_i(w; D)
+                    torch.add(w[n][:k], g[n], alpha=-cfg.alpha, out=tmp[n][:k])
+                x2, y2, v2 = batch(data, sb, s, perm)
                 ops.new_step()
-                g2, nb2, _ = grads(loss_fn, tmp, nb, x2, y2, v2)
+                g2, nb2, _ = grads(loss_fn, rows(tmp, k), nb, x2, y2, v2)
                 opt.step(g2, act, sa.ids[s])  # FO: the gradient at w_tmp (on D') applied to w
-                buf = where(act, nb2, buf)
+                buf = step_buffers(act, nb2, buf, perm is not None)
+        w, buf = in_data_order(perm, w, buf)
         return cs, delta_message(w, w0, buf, b0, data)
 
     def adapt_for_eval(self, cs: PerFedAvgClientState, ss: GlobalModel, data: FedData) -> PerFedAvgClientState:

@@ -33,8 +33,9 @@ from dataclasses import dataclass
 import torch
 
 from embedcache.errors import UserError
-from fedheads.algorithms.pfl_common import (DeltaMessage, GlobalModel, apply_mean_delta, personal_and_global_scores, batch, config_from_kwargs, delta_message, expand,
-                                            expand_view, grads, schedule, where)
+from fedheads.algorithms.pfl_common import (DeltaMessage, GlobalModel, apply_mean_delta, batch, config_from_kwargs, delta_message,
+                                            expand, expand_view, grads, in_data_order, order_by_steps,
+                                            personal_and_global_scores, rows, schedule, step_buffers)
 from fedheads.core.optim import id_runs
 from fedheads.core import heads, ops
 from fedheads.core.heads import HeadSpec, Params
@@ -100,24 +101,29 @@ class PFedMe:
             z, nb = heads.embed(spec, p, b, x, m, train=True)
             return ops.masked_cross_entropy(heads.classify(p, z), y, m), nb
 
-        sched = schedule(data, ctx, cfg.batch_size, cfg.local_epochs)
+        # clients by step count where that saves work: the ones still stepping are rows [0, k) and a
+        # step computes only those (core/train.py). Every client starts from the same w, theta and
+        # BN statistics, so nothing needs reordering before the loop, only after it.
+        perm, sched = order_by_steps(schedule(data, ctx, cfg.batch_size, cfg.local_epochs))
         with ops.grad_workspace():  # each inner step's gradient in one reused buffer (consumed at once)
             for s in range(sched.num_steps):
-                x, y, valid = batch(data, sched, s)
-                act, runs = sched.active[s], id_runs(sched.ids[s])
+                x, y, valid = batch(data, sched, s, perm)
+                k = x.shape[0]
+                act, runs = sched.active[s], [(0, k)] if perm is not None else id_runs(sched.ids[s])
                 for _ in range(cfg.K):
                     ops.new_step()
-                    g, nb, _ = grads(loss_fn, theta, buf, x, y, valid)
+                    g, nb, _ = grads(loss_fn, rows(theta, k), rows(buf, k), x, y, valid)
                     for a, b in runs:  # in place, only the rows of clients that have this batch
-                        for k in theta:
+                        for n in theta:
                             # Alg. 1 line 7: theta <- theta - plr (grad f_i(theta; D) + lambda (theta - w_i)),
                             # computed as lerp(theta, w_i, plr lambda) - plr grad
-                            theta[k][a:b].lerp_(w[k][a:b], plr_lam).sub_(g[k][a:b], alpha=plr)
-                    buf = where(act, nb, buf)
+                            theta[n][a:b].lerp_(w[n][a:b], plr_lam).sub_(g[n][a:b], alpha=plr)
+                    buf = step_buffers(act, nb, buf, perm is not None)
                 for a, b in runs:
-                    for k in w:
+                    for n in w:
                         # Alg. 1 line 8: w_i <- w_i - eta lambda (w_i - theta_i) = lerp(w_i, theta_i, eta lambda)
-                        w[k][a:b].lerp_(theta[k][a:b], eta_lam)
+                        w[n][a:b].lerp_(theta[n][a:b], eta_lam)
+        theta, w, buf = in_data_order(perm, theta, w, buf)
         return PFedMeClientState(theta, buf), delta_message(w, w0, buf, b0, data)
 
     def server_aggregate(self, ss: GlobalModel, msg: DeltaMessage,

@@ -17,7 +17,7 @@ from fedheads.core.batching import Schedule, make_schedule
 from fedheads.core import heads
 from fedheads.core.heads import Params
 from fedheads.core.protocol import RoundCtx
-from fedheads.core.train import gather_rows
+from fedheads.core.train import gather_rows, inverse, order_by_steps, step_buffers  # noqa: F401  (re-exported)
 from fedheads.data import FedData
 
 # A forward+loss over stacked params: (params, buffers, x, y, valid) -> (loss [M], new buffers)
@@ -105,10 +105,29 @@ def schedule(data: FedData, ctx: RoundCtx, batch_size: int, epochs: int) -> Sche
                          ctx.round, data.device)
 
 
-def batch(data: FedData, sched: Schedule, s: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(x [M,B,D], y [M,B], valid [M,B]) of step s."""
-    idx = sched.index[s]
-    return gather_rows(data.x_train, idx), gather_rows(data.y_train, idx), sched.valid[s]
+def batch(data: FedData, sched: Schedule, s: int,
+          perm: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(x [M,B,D], y [M,B], valid [M,B]) of step s; with `perm` (the schedule reordered by
+    core.train.order_by_steps) those of the k = len(sched.ids[s]) clients still stepping, [k, ...]."""
+    if perm is None:
+        idx = sched.index[s]
+        return gather_rows(data.x_train, idx), gather_rows(data.y_train, idx), sched.valid[s]
+    k = len(sched.ids[s])
+    idx, clients = sched.index[s, :k], perm[:k]
+    return gather_rows(data.x_train, idx, clients), gather_rows(data.y_train, idx, clients), sched.valid[s, :k]
+
+
+def rows(p: Params, k: int) -> Params:
+    """Views of the first k client rows."""
+    return {n: v[:k] for n, v in p.items()}
+
+
+def in_data_order(perm: torch.Tensor | None, *trees: Params) -> tuple[Params, ...]:
+    """`trees` stacked in order `perm` (order_by_steps) put back in the data's client order."""
+    if perm is None:
+        return trees
+    back = inverse(perm)
+    return tuple({n: v.index_select(0, back) for n, v in t.items()} for t in trees)
 
 
 def grads(loss_fn: LossFn, params: Params, buffers: Params, x: torch.Tensor, y: torch.Tensor,
@@ -122,10 +141,3 @@ def grads(loss_fn: LossFn, params: Params, buffers: Params, x: torch.Tensor, y: 
         g = torch.autograd.grad(loss.sum(), [leaf[k] for k in keys], allow_unused=True)
     out = {k: (gk if gk is not None else torch.zeros_like(params[k])) for k, gk in zip(keys, g)}
     return out, {k: v.detach() for k, v in nb.items()}, loss.detach()
-
-
-def where(active: torch.Tensor, new: Params, old: Params) -> Params:
-    """`new` for the active clients, `old` for the others (a client without a batch left)."""
-    return {k: torch.where(active.view(-1, *([1] * (v.dim() - 1))), v, old[k]) for k, v in new.items()}
-
-

@@ -28,7 +28,7 @@ from fedheads.core.protocol import RoundCtx
 from fedheads.core.tree import tree_where
 from fedheads.data import FedData
 
-# loss_fn(params, buffers, x [M,B,D], y [M,B], valid [M,B]) -> (loss per client [M], new buffers)
+# loss_fn(params, buffers, x [M,B,D], y [M,B], valid [M,B][, consts]) -> (loss per client [M], new buffers)
 LossFn = Callable[[Params, Params, torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, Params]]
 
 
@@ -49,7 +49,7 @@ def gather_rows(x: torch.Tensor, index: torch.Tensor, clients: torch.Tensor | No
 def local_train(params: Params, buffers: Params, opt_state: OptState | None, opt_cfg: OptimizerConfig,
                 loss_fn: LossFn, data: FedData, ctx: RoundCtx, batch_size: int,
                 epochs: int, drop_last: bool = False, keep_opt: bool = True,
-                rowwise: bool = False) -> tuple[Params, Params, OptState]:
+                rowwise: bool = False, consts: Params | None = None) -> tuple[Params, Params, OptState]:
     """Run `epochs` local epochs for every client in `data`; returns updated (params, buffers, opt).
 
     `opt_state=None` starts a fresh optimiser (as the papers' code building one per round);
@@ -58,41 +58,41 @@ def local_train(params: Params, buffers: Params, opt_state: OptState | None, opt
     the moments then live in reused scratch buffers and only the step counter is returned.
     `rowwise=True` promises that loss_fn computes each client's loss from its own rows of
     params / buffers / batch alone (what it captures has no client axis, or one of length 1):
-    each step then computes only the clients still stepping (module docstring)."""
+    each step then computes only the clients still stepping (module docstring).
+    `consts`: per-client tensors [M, ...] the loss reads but does not train (FedRep's personal head
+    while its representation trains); given, loss_fn takes them as a sixth argument, their rows
+    matching the params' rows in every step (so a rowwise loss may read them)."""
     sched = make_schedule(list(data.n_train), data.client_index, batch_size, epochs, ctx.seed,
                           ctx.round, data.device, drop_last=drop_last)
     M = data.num_clients
-    order = _by_steps(sched.totals) if rowwise else None
-    if order is not None:
-        perm = torch.tensor(order, dtype=torch.int64, device=data.device)
-        sched = _reordered(sched, perm, [sched.totals[i] for i in order])
+    perm, sched = order_by_steps(sched) if rowwise else (None, sched)
+    if perm is not None:
         take = lambda t: t.index_select(0, perm)  # noqa: E731  (a private copy, reordered)
     else:
-        perm = None
         take = lambda t: t.detach().clone(memory_format=torch.contiguous_format)  # noqa: E731
     keys = list(params)
     # functional at the boundary: private copies, then in-place steps (no per-step large allocations)
     params = {k: take(v.detach()) for k, v in params.items()}
     if perm is not None:
         buffers = {k: take(v) for k, v in buffers.items()}
+        consts = None if consts is None else {k: v.index_select(0, perm) for k, v in consts.items()}
     with ops.buffer_pool(), ops.grad_workspace():
         if opt_state is None:
             opt_state, host_steps = fresh_opt_state(opt_cfg, params, keep_opt), [0.0] * M
         else:
             # one host read per round (not per step) of the counters Adam's bias correction needs
             host_steps = opt_state.step.tolist() if opt_cfg.name == "adam" else [0.0] * M
-            if order is not None:
-                host_steps = [host_steps[i] for i in order]
+            if perm is not None:
+                host_steps = [host_steps[i] for i in perm.tolist()]
             opt_state = OptState(opt_state.step if perm is None else opt_state.step.index_select(0, perm),
                                  {k: take(v) for k, v in opt_state.m.items()},
                                  {k: take(v) for k, v in opt_state.v.items()})
         opt = InPlaceOptimizer(opt_cfg, params, opt_state, host_steps)
         for s in range(sched.num_steps):
-            buffers = _step(params, buffers, opt, loss_fn, data, sched, s, keys, M, perm)
+            buffers = _step(params, buffers, opt, loss_fn, data, sched, s, keys, M, perm, consts)
         out = opt.state()
     if perm is not None:  # back to the data's client order, one tensor at a time (each reordered
-        back = torch.empty_like(perm)  # copy is freed as its successor is made: peak + one tensor)
-        back[perm] = torch.arange(M, device=perm.device)
+        back = inverse(perm)  # copy is freed as its successor is made: peak + one tensor)
         for d in (params, buffers, out.m, out.v) if keep_opt else (params, buffers):
             for k in list(d):
                 d[k] = d[k].index_select(0, back)
@@ -101,6 +101,25 @@ def local_train(params: Params, buffers: Params, opt_state: OptState | None, opt
 
 
 SKIP_WORTH = 0.9  # reorder only when the padded steps would compute under 90 % real client-steps
+
+
+def order_by_steps(sched: Schedule) -> tuple[torch.Tensor | None, Schedule]:
+    """(perm, the schedule with its client axis in order perm) for a round's rowwise steps: the
+    clients by step count, largest first, so the ones stepping at step s are the prefix
+    [0, len(ids[s])); (None, sched) when skipping would save little (_by_steps). Client i of the
+    reordered axis is client perm[i] of the data (gather_rows(..., clients=perm[:k]))."""
+    order = _by_steps(sched.totals)
+    if order is None:
+        return None, sched
+    perm = torch.tensor(order, dtype=torch.int64, device=sched.index.device)
+    return perm, _reordered(sched, perm, [sched.totals[i] for i in order])
+
+
+def inverse(perm: torch.Tensor) -> torch.Tensor:
+    """The permutation undoing `perm`: t.index_select(0, perm).index_select(0, inverse(perm)) == t."""
+    back = torch.empty_like(perm)
+    back[perm] = torch.arange(perm.numel(), device=perm.device)
+    return back
 
 
 def _by_steps(totals: tuple[int, ...]) -> list[int] | None:
@@ -141,7 +160,8 @@ def fresh_opt_state(cfg: OptimizerConfig, params: Params, keep: bool) -> OptStat
 
 
 def _step(params: Params, buffers: Params, opt: InPlaceOptimizer, loss_fn: LossFn, data: FedData,
-          sched: Schedule, s: int, keys: list[str], M: int, perm: torch.Tensor | None = None) -> Params:
+          sched: Schedule, s: int, keys: list[str], M: int, perm: torch.Tensor | None = None,
+          consts: Params | None = None) -> Params:
     """One local step of every client (the gradient is consumed before the next step's backward).
     With `perm` (clients reordered by step count) the clients still stepping are rows [0, k) and
     only those are computed: views of their params and buffers, their batches, [k, ...] gradients
@@ -156,15 +176,21 @@ def _step(params: Params, buffers: Params, opt: InPlaceOptimizer, loss_fn: LossF
     xb = gather_rows(data.x_train, idx, clients)
     yb = gather_rows(data.y_train, idx, clients)
     leaf = {n: params[n][:k].detach().requires_grad_(True) for n in keys}  # shares storage
+    extra = () if consts is None else ({n: v[:k] for n, v in consts.items()},)
     with torch.enable_grad():
-        loss, new_buf = loss_fn(leaf, {n: v[:k] for n, v in buffers.items()}, xb, yb, valid)
+        loss, new_buf = loss_fn(leaf, {n: v[:k] for n, v in buffers.items()}, xb, yb, valid, *extra)
         grads = torch.autograd.grad(loss.sum(), [leaf[n] for n in keys], allow_unused=True)
     del leaf
     g = {n: (gn.contiguous() if gn is not None else torch.zeros_like(params[n][:k])) for n, gn in zip(keys, grads)}
     opt.step(g, sched.active[s], None if all_on else sched.ids[s])
     new_buf = {n: v.detach() for n, v in new_buf.items()}
-    if all_on:
-        return new_buf
-    if perm is not None:
-        return {n: torch.cat([v, buffers[n][k:]]) for n, v in new_buf.items()}
-    return tree_where(sched.active[s], new_buf, buffers)
+    return new_buf if all_on else step_buffers(sched.active[s], new_buf, buffers, perm is not None)
+
+
+def step_buffers(active: torch.Tensor, new: Params, old: Params, prefix: bool) -> Params:
+    """The buffers after a step: `new` for the clients that stepped, `old` for the others.
+    `prefix`: `new` holds rows [0, k), the clients still stepping (order_by_steps); the clients
+    already done keep theirs behind them."""
+    if prefix:
+        return {n: torch.cat([v, old[n][v.shape[0]:]]) for n, v in new.items()}
+    return tree_where(active, new, old)
