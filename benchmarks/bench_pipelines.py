@@ -7,9 +7,13 @@ scheduler (e.g. `serial` against `local:2`). Writes benchmarks/results/pipelines
 experiment, so a run cut short keeps what it measured.
 
 Usage: python benchmarks/bench_pipelines.py [--experiments 'fedpcl-*'] [--scale ci]
-           [--scheduler local:2] [--compare serial] [--out-dir DIR [--warm-only]] [--out FILE]
+           [--scheduler local:2] [--compare serial] [--out-dir DIR [--warm-only]
+           [--retrain ALG,ALG]] [--out FILE]
 (paper scale from the ci run's warm cache: --scale paper --out-dir DIR --warm-only
  --out benchmarks/results/pipelines_paper.json)
+--retrain: after a change to some algorithms only, re-train just their cells: their result files
+in DIR are removed and the experiments run without --force, so every other cell keeps its result
+and CPU time from the run before; the summary sums all of them (say so where the figures go).
 Run on an otherwise idle machine.
 """
 
@@ -38,6 +42,20 @@ def names(pattern: str) -> list[str]:
     for p in pattern.split(","):  # in the order given (cheap experiments first, if a run may be cut)
         out += [e.name for e in select([p]) if e.name not in out]
     return out
+
+
+def drop_cells(out: Path, name: str, algorithms: set[str], retrained: set[str]) -> list[str]:
+    """Remove the result files of experiment `name`'s cells (its last results.json in `out`) that
+    train one of `algorithms`, so a run without --force re-trains exactly those; cells already
+    re-trained by this run for an earlier experiment (shared by hash) are kept."""
+    rows = json.loads((out / name / "results.json").read_text()).get("cells", [])
+    dropped = []
+    for h in sorted({r["hash"] for r in rows if r.get("hash")} - retrained):
+        f = out / "cells" / f"{h}.json"
+        if f.is_file() and json.loads(f.read_text()).get("config", {}).get("algorithm") in algorithms:
+            f.unlink()
+            dropped.append(h)
+    return dropped
 
 
 def run_one(name: str, scale: str, scheduler: str, out: Path, force: bool) -> dict:
@@ -100,21 +118,32 @@ def main() -> None:
     ap.add_argument("--out-dir", default=None, help="pipeline output and cache (default: a temp dir)")
     ap.add_argument("--warm-only", action="store_true",
                     help="skip the cold pass: --out-dir's cache already holds the features (e.g. from a ci run)")
+    ap.add_argument("--retrain", default="", help="comma-separated algorithms: re-train only their cells (docstring)")
     ap.add_argument("--out", default=str(HERE / "results" / "pipelines.json"))
     a = ap.parse_args()
+    retrain = {x for x in a.retrain.split(",") if x}
+    if retrain and not (a.out_dir and a.warm_only):
+        ap.error("--retrain needs --out-dir DIR --warm-only (the cells of the run before)")
     out = Path(a.out_dir or tempfile.mkdtemp(prefix="bench_pipelines_"))
     res = {"benchmark": "pipelines", "scale": a.scale, "scheduler": a.scheduler, "machine": machine("cpu"),
-           "load_average_before": os.getloadavg(), "experiments": {}}
+           "load_average_before": os.getloadavg(), "experiments": {},
+           **({"retrained_algorithms": sorted(retrain)} if retrain else {})}
     cpu: dict[str, tuple[str, float]] = {}  # cell hash -> (algorithm, CPU seconds of its warm pass)
+    retrained: set[str] = set()  # --retrain: cells re-trained so far
     for name in names(a.experiments):
         r = {} if a.warm_only else {"cold": run_one(name, a.scale, a.scheduler, out, force=False)}
-        r["warm"] = run_one(name, a.scale, a.scheduler, out, force=True)
+        if retrain:
+            dropped = drop_cells(out, name, retrain, retrained)
+            retrained.update(dropped)
+            r["retrained_cells"] = len(dropped)
+        r["warm"] = run_one(name, a.scale, a.scheduler, out, force=not retrain)
         fresh = [h for h in r["warm"].get("cell_hashes", []) if h not in cpu]
         cpu.update(cell_cpu(out, fresh))  # read before a --compare pass re-runs them
         if a.compare:
             r[f"warm_{a.compare}"] = run_one(name, a.scale, a.compare, out, force=True)
         for x in r.values():
-            x.pop("cell_hashes", None)
+            if isinstance(x, dict):
+                x.pop("cell_hashes", None)
         res["experiments"][name] = r
         res["load_average_after"] = os.getloadavg()
         res["summary"] = summary(res, cpu)

@@ -51,3 +51,21 @@ def test_pipelines_summary_counts_shared_cells_once(tmp_path: Path) -> None:
     assert s["cpu_minutes_per_algorithm"] == {"fedavg": 1.5, "fedpcl": 0.5}
     assert s["sweep_minutes_sum_of_experiments"] == 1.5 and s["cells_per_experiment_total"] == 4
     assert s["sweep_minutes_sum_under"] == {"serial": 2.0}
+
+
+def test_retrain_drops_only_the_named_algorithms_cells_once(tmp_path: Path) -> None:
+    """--retrain: the named algorithms' cells of an experiment lose their result files (so a run
+    without --force re-trains them); a cell shared with an experiment handled before is kept."""
+    (tmp_path / "cells").mkdir()
+    for h, alg in (("h1", "fedrep"), ("h2", "fedavg"), ("h3", "pfedme")):
+        (tmp_path / "cells" / f"{h}.json").write_text(json.dumps({"config": {"algorithm": alg}}))
+    for name, hashes in (("e1", ["h1", "h2"]), ("e2", ["h1", "h3", "h2"])):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "results.json").write_text(json.dumps({"cells": [{"hash": h} for h in hashes]}))
+    done: set[str] = set()
+    first = bench_pipelines.drop_cells(tmp_path, "e1", {"fedrep", "pfedme"}, done)
+    assert first == ["h1"] and not (tmp_path / "cells" / "h1.json").exists()
+    done.update(first)
+    (tmp_path / "cells" / "h1.json").write_text(json.dumps({"config": {"algorithm": "fedrep"}}))  # re-trained
+    assert bench_pipelines.drop_cells(tmp_path, "e2", {"fedrep", "pfedme"}, done) == ["h3"]
+    assert (tmp_path / "cells" / "h1.json").is_file() and (tmp_path / "cells" / "h2.json").is_file()
