@@ -105,6 +105,14 @@ class FedData:
             v_train=None if self.v_train is None else self.v_train.index_select(0, t)[:, :, :a],
         )
 
+    def by_size(self) -> tuple["FedData", tuple[int, ...]]:
+        """(these clients in order of training size, largest first (stable), that order as
+        positions in this FedData). Local steps then compute only a prefix of the stacked clients
+        without reordering them each round (core/train.py): the same results per client, up to the
+        order in which a server sums the clients' messages. Itself when already in that order."""
+        order = tuple(sorted(range(self.num_clients), key=lambda i: -self.n_train[i]))
+        return (self, order) if order == tuple(range(self.num_clients)) else (self.select(order), order)
+
     def client_range(self, a: int, b: int) -> "FedData":
         """Clients a..b-1 as views (no copy): the test padding trimmed to their largest test split,
         the train arrays as they are (evaluation reads only the test split)."""

@@ -28,12 +28,18 @@ _DATA: "OrderedDict[tuple, Any]" = OrderedDict()  # per process: the last featur
 _DATA_SLOTS = 2
 
 
-def _fed_data(store: str, backbones: tuple[str, ...], device: str, binarize: bool) -> Any:
+def _fed_data(store: str, backbones: tuple[str, ...], device: str, binarize: bool,
+              by_size: bool = False) -> tuple[Any, tuple[int, ...]]:
+    """(the store's FedData, its client order: positions in the store's order). `by_size`: the
+    clients largest first (FedData.by_size), so local steps skip the clients already done without
+    reordering (about a fifth less CPU for FedAvg, Solo and FedProto at 80 label-skewed clients)."""
     from fedheads.data import load_fed_data
 
-    key = (store, backbones, device, binarize)
+    key = (store, backbones, device, binarize, by_size)
     if key not in _DATA:
-        _DATA[key] = load_fed_data(store, list(backbones), device, binarize=binarize)
+        data = load_fed_data(store, list(backbones), device, binarize=binarize)
+        _DATA[key] = data.by_size() if by_size else (data, tuple(range(data.num_clients)))
+        del data
         while len(_DATA) > _DATA_SLOTS:
             _DATA.popitem(last=False)
     _DATA.move_to_end(key)
@@ -71,7 +77,10 @@ def run_head(cfg: dict[str, Any], paths: dict[str, Any]) -> dict[str, Any]:
     from fedheads.runner import TrainOptions, _config_dict, build_algorithm
 
     o = cfg["options"]
-    data = _fed_data(paths["store"], tuple(cfg["backbones"]), o["device"], bool(o.get("binarize", False)))
+    # with every client in every round, the clients go largest first (the same participants);
+    # the results below are put back in the store's client order
+    data, order = _fed_data(paths["store"], tuple(cfg["backbones"]), o["device"], bool(o.get("binarize", False)),
+                            by_size=o["fraction"] >= 1.0)
     opts = TrainOptions(rounds=o["rounds"], seeds=(cfg["seed"],), fraction=o["fraction"],
                         engine=o.get("engine", "vectorized"), device=o["device"], eval_every=o["eval_every"],
                         binarize=bool(o.get("binarize", False)), settings=_settings(cfg), progress=False)
@@ -79,11 +88,17 @@ def run_head(cfg: dict[str, Any], paths: dict[str, Any]) -> dict[str, Any]:
     res = run(alg, data, opts.rounds, seed=cfg["seed"], fraction=opts.fraction, engine=opts.engine,
               eval_every=opts.eval_every, progress=False)
     seed_res = report.seed_result_from_run(res, cfg["seed"], data.client_names, n_test=data.n_test)
+    at = {i: pos for pos, i in enumerate(order)}  # store position -> position in data
+    names = [data.client_names[at[i]] for i in range(len(order))]
+    domains = [data.domains[at[i]] for i in range(len(order))]
+    for k in ("per_client", "n_test"):
+        if k in seed_res:
+            seed_res[k] = {n: seed_res[k][n] for n in names if n in seed_res[k]}
     other = {}
     for rule, acc in res.history[-1].accuracy.items():  # type: ignore[union-attr]
         if rule != "main":
             other[rule] = 100.0 * float(acc[~acc.isnan()].mean())
-    return {"seed_result": seed_res, "clients": list(data.client_names), "domains": list(data.domains),
+    return {"seed_result": seed_res, "clients": names, "domains": domains,
             "num_classes": data.num_classes, "feature_dims": [cfg["features"]["backbones"][b]["dim"]
                                                               for b in cfg["backbones"]],
             "training_rounds": opts.rounds - int(getattr(alg, "collect_rounds", 0)), "other_rules": other,

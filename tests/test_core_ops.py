@@ -319,20 +319,27 @@ def test_prototype_pass_in_row_chunks_equals_one_pass(monkeypatch):
     assert empty[0].shape == (M, C, 8) and empty[0].abs().sum() == 0
 
 
+@pytest.mark.parametrize("presorted", [False, True])
 @pytest.mark.parametrize("opt_name", ["adam", "sgd"])
-def test_rowwise_local_train_computes_only_stepping_clients_and_changes_nothing(opt_name) -> None:
+def test_rowwise_local_train_computes_only_stepping_clients_and_changes_nothing(opt_name, presorted) -> None:
     """rowwise=True: each step computes only the clients that still have a batch (ordered by step
-    count for the round), with the same weights, buffers and optimiser state, in the data's
-    order, as the padded step that computes every client (Adam carried over from a round before,
-    with unequal counters; BN-style buffers)."""
+    count for the round, or, `presorted`, stored largest first so nothing is reordered), with the
+    same weights, buffers and optimiser state, in the data's order, as the padded step that
+    computes every client (Adam carried over from a round before, with unequal counters; BN-style
+    buffers)."""
+    from fedheads.core.batching import make_schedule
     from fedheads.core.protocol import RoundCtx
-    from fedheads.core.train import local_train
+    from fedheads.core.train import local_train, order_by_steps
     from fedheads.core.tree import tree_leaves
     from fed_tiny import tiny_fed
 
     data = tiny_fed(M=5, seed=2)
+    if presorted:
+        data = data.by_size()[0]
     M = data.num_clients
     assert len(set(data.n_train)) > 1
+    perm, _ = order_by_steps(make_schedule(list(data.n_train), data.client_index, 4, 2, 0, 0, data.device))
+    assert (perm is None) == presorted
     torch.manual_seed(0)
     params = {"w": torch.randn(M, data.dim, 3) * 0.1, "b": torch.zeros(M, 3)}
     buffers = {"seen": torch.zeros(M, 1)}

@@ -35,9 +35,10 @@ from dataclasses import dataclass, field
 import torch
 
 from embedcache.errors import UserError
-from fedheads.algorithms.pfl_common import (DeltaMessage, GlobalModel, apply_mean_delta, batch, config_from_kwargs, delta_message,
+from fedheads.algorithms.pfl_common import (DeltaMessage, GlobalModel, apply_mean_delta, config_from_kwargs, delta_message,
                                             expand, expand_view, grads, in_data_order, order_by_steps,
-                                            personal_and_global_scores, rows, salted, schedule, step_buffers)
+                                            personal_and_global_scores, prefix_len, rows, salted, schedule, step_batch,
+                                            step_buffers)
 from fedheads.core import heads, ops
 from fedheads.core.heads import HeadSpec, Params
 from fedheads.core.optim import InPlaceOptimizer, OptimizerConfig
@@ -120,17 +121,17 @@ class PerFedAvg:
         with ops.grad_workspace():  # each gradient lands in a reused buffer, consumed before the next
             for s in range(sa.num_steps):
                 act = sa.active[s]
-                x, y, v = batch(data, sa, s, perm)
-                k = x.shape[0]
+                k = prefix_len(sa.ids[s], M)  # the clients stepping are rows [0, k), or k = M
+                x, y, v = step_batch(data, sa, s, k, perm)
                 ops.new_step()
                 g, nb, _ = grads(loss_fn, rows(w, k), rows(buf, k), x, y, v)
                 for n in w:  # the inner step w_tmp = w - alpha grad f_i(w; D)
                     torch.add(w[n][:k], g[n], alpha=-cfg.alpha, out=tmp[n][:k])
-                x2, y2, v2 = batch(data, sb, s, perm)
+                x2, y2, v2 = step_batch(data, sb, s, k, perm)
                 ops.new_step()
                 g2, nb2, _ = grads(loss_fn, rows(tmp, k), nb, x2, y2, v2)
                 opt.step(g2, act, sa.ids[s])  # FO: the gradient at w_tmp (on D') applied to w
-                buf = step_buffers(act, nb2, buf, perm is not None)
+                buf = step_buffers(act, nb2, buf, k < M)
         w, buf = in_data_order(perm, w, buf)
         return cs, delta_message(w, w0, buf, b0, data)
 

@@ -33,9 +33,10 @@ from dataclasses import dataclass
 import torch
 
 from embedcache.errors import UserError
-from fedheads.algorithms.pfl_common import (DeltaMessage, GlobalModel, apply_mean_delta, batch, config_from_kwargs, delta_message,
+from fedheads.algorithms.pfl_common import (DeltaMessage, GlobalModel, apply_mean_delta, config_from_kwargs, delta_message,
                                             expand, expand_view, grads, in_data_order, order_by_steps,
-                                            personal_and_global_scores, rows, schedule, step_buffers)
+                                            personal_and_global_scores, prefix_len, rows, schedule, step_batch,
+                                            step_buffers)
 from fedheads.core.optim import id_runs
 from fedheads.core import heads, ops
 from fedheads.core.heads import HeadSpec, Params
@@ -107,9 +108,9 @@ class PFedMe:
         perm, sched = order_by_steps(schedule(data, ctx, cfg.batch_size, cfg.local_epochs))
         with ops.grad_workspace():  # each inner step's gradient in one reused buffer (consumed at once)
             for s in range(sched.num_steps):
-                x, y, valid = batch(data, sched, s, perm)
-                k = x.shape[0]
-                act, runs = sched.active[s], [(0, k)] if perm is not None else id_runs(sched.ids[s])
+                k = prefix_len(sched.ids[s], M)  # the clients stepping are rows [0, k), or k = M
+                x, y, valid = step_batch(data, sched, s, k, perm)
+                act, runs = sched.active[s], id_runs(sched.ids[s])
                 for _ in range(cfg.K):
                     ops.new_step()
                     g, nb, _ = grads(loss_fn, rows(theta, k), rows(buf, k), x, y, valid)
@@ -118,7 +119,7 @@ class PFedMe:
                             # Alg. 1 line 7: theta <- theta - plr (grad f_i(theta; D) + lambda (theta - w_i)),
                             # computed as lerp(theta, w_i, plr lambda) - plr grad
                             theta[n][a:b].lerp_(w[n][a:b], plr_lam).sub_(g[n][a:b], alpha=plr)
-                    buf = step_buffers(act, nb, buf, perm is not None)
+                    buf = step_buffers(act, nb, buf, k < M)
                 for a, b in runs:
                     for n in w:
                         # Alg. 1 line 8: w_i <- w_i - eta lambda (w_i - theta_i) = lerp(w_i, theta_i, eta lambda)

@@ -17,7 +17,7 @@ from fedheads.core.batching import Schedule, make_schedule
 from fedheads.core import heads
 from fedheads.core.heads import Params
 from fedheads.core.protocol import RoundCtx
-from fedheads.core.train import gather_rows, inverse, order_by_steps, step_buffers  # noqa: F401  (re-exported)
+from fedheads.core.train import gather_rows, inverse, order_by_steps, prefix_len, step_batch, step_buffers  # noqa: F401  (re-exported)
 from fedheads.data import FedData
 
 # A forward+loss over stacked params: (params, buffers, x, y, valid) -> (loss [M], new buffers)
@@ -103,18 +103,6 @@ def schedule(data: FedData, ctx: RoundCtx, batch_size: int, epochs: int) -> Sche
     """The core's seeded per-client batch schedule for this round (same in both engines)."""
     return make_schedule(list(data.n_train), data.client_index, batch_size, epochs, ctx.seed,
                          ctx.round, data.device)
-
-
-def batch(data: FedData, sched: Schedule, s: int,
-          perm: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(x [M,B,D], y [M,B], valid [M,B]) of step s; with `perm` (the schedule reordered by
-    core.train.order_by_steps) those of the k = len(sched.ids[s]) clients still stepping, [k, ...]."""
-    if perm is None:
-        idx = sched.index[s]
-        return gather_rows(data.x_train, idx), gather_rows(data.y_train, idx), sched.valid[s]
-    k = len(sched.ids[s])
-    idx, clients = sched.index[s, :k], perm[:k]
-    return gather_rows(data.x_train, idx, clients), gather_rows(data.y_train, idx, clients), sched.valid[s, :k]
 
 
 def rows(p: Params, k: int) -> Params:

@@ -12,7 +12,8 @@ the work). With `rowwise=True` (the loss treats each client's row on its own and
 per-client tensor) the clients are stacked in order of their step counts, largest first, for the
 round, so the ones still stepping are always a prefix [0, k) and each step computes only those
 k rows (views, nothing copied); the order is undone on return. Every client's result is the same
-as unordered (its batches are keyed by its global index, core/batching.py)."""
+as unordered (its batches are keyed by its global index, core/batching.py). Clients stored in
+that order already (FedData.by_size) need neither the reordering copies nor their undoing."""
 
 from __future__ import annotations
 
@@ -89,7 +90,7 @@ def local_train(params: Params, buffers: Params, opt_state: OptState | None, opt
                                  {k: take(v) for k, v in opt_state.v.items()})
         opt = InPlaceOptimizer(opt_cfg, params, opt_state, host_steps)
         for s in range(sched.num_steps):
-            buffers = _step(params, buffers, opt, loss_fn, data, sched, s, keys, M, perm, consts)
+            buffers = _step(params, buffers, opt, loss_fn, data, sched, s, keys, M, rowwise, perm, consts)
         out = opt.state()
     if perm is not None:  # back to the data's client order, one tensor at a time (each reordered
         back = inverse(perm)  # copy is freed as its successor is made: peak + one tensor)
@@ -109,7 +110,7 @@ def order_by_steps(sched: Schedule) -> tuple[torch.Tensor | None, Schedule]:
     [0, len(ids[s])); (None, sched) when skipping would save little (_by_steps). Client i of the
     reordered axis is client perm[i] of the data (gather_rows(..., clients=perm[:k]))."""
     order = _by_steps(sched.totals)
-    if order is None:
+    if order is None or order == sorted(order):  # not worth it, or already in that order
         return None, sched
     perm = torch.tensor(order, dtype=torch.int64, device=sched.index.device)
     return perm, _reordered(sched, perm, [sched.totals[i] for i in order])
@@ -160,21 +161,20 @@ def fresh_opt_state(cfg: OptimizerConfig, params: Params, keep: bool) -> OptStat
 
 
 def _step(params: Params, buffers: Params, opt: InPlaceOptimizer, loss_fn: LossFn, data: FedData,
-          sched: Schedule, s: int, keys: list[str], M: int, perm: torch.Tensor | None = None,
-          consts: Params | None = None) -> Params:
+          sched: Schedule, s: int, keys: list[str], M: int, rowwise: bool = False,
+          perm: torch.Tensor | None = None, consts: Params | None = None) -> Params:
     """One local step of every client (the gradient is consumed before the next step's backward).
-    With `perm` (clients reordered by step count) the clients still stepping are rows [0, k) and
-    only those are computed: views of their params and buffers, their batches, [k, ...] gradients
-    for the fused optimiser; the done clients' buffers are kept behind theirs."""
+    `rowwise` and the clients still stepping are rows [0, k) (always with `perm`, the clients
+    reordered by step count; without it, when the data's clients come in that order already):
+    only those are computed, on views of their params and buffers, their batches, [k, ...]
+    gradients for the fused optimiser; the done clients' buffers are kept behind theirs."""
     ops.new_step()
-    all_on = len(sched.ids[s]) == M  # host-side: no device sync
-    k = M if perm is None else len(sched.ids[s])
+    ids = sched.ids[s]
+    all_on = len(ids) == M  # host-side: no device sync
+    k = prefix_len(ids, M) if rowwise else M
     if k == 0:
         return buffers
-    idx, valid = sched.index[s, :k], sched.valid[s, :k]
-    clients = None if perm is None else perm[:k]
-    xb = gather_rows(data.x_train, idx, clients)
-    yb = gather_rows(data.y_train, idx, clients)
+    xb, yb, valid = step_batch(data, sched, s, k, perm)
     leaf = {n: params[n][:k].detach().requires_grad_(True) for n in keys}  # shares storage
     extra = () if consts is None else ({n: v[:k] for n, v in consts.items()},)
     with torch.enable_grad():
@@ -182,9 +182,24 @@ def _step(params: Params, buffers: Params, opt: InPlaceOptimizer, loss_fn: LossF
         grads = torch.autograd.grad(loss.sum(), [leaf[n] for n in keys], allow_unused=True)
     del leaf
     g = {n: (gn.contiguous() if gn is not None else torch.zeros_like(params[n][:k])) for n, gn in zip(keys, grads)}
-    opt.step(g, sched.active[s], None if all_on else sched.ids[s])
+    opt.step(g, sched.active[s], None if all_on else ids)
     new_buf = {n: v.detach() for n, v in new_buf.items()}
-    return new_buf if all_on else step_buffers(sched.active[s], new_buf, buffers, perm is not None)
+    return new_buf if all_on else step_buffers(sched.active[s], new_buf, buffers, k < M)
+
+
+def prefix_len(ids: tuple[int, ...], M: int) -> int:
+    """k when the clients stepping, `ids` (ascending), are the rows [0, k) of M; else M."""
+    return len(ids) if not ids or ids[-1] == len(ids) - 1 else M
+
+
+def step_batch(data: FedData, sched: Schedule, s: int, k: int,
+               perm: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(x [k,B,D], y [k,B], valid [k,B]) of step s for the first k clients of the schedule's order
+    (`perm`: its client i is the data's client perm[i]; None: the data's own order)."""
+    idx, valid = sched.index[s, :k], sched.valid[s, :k]
+    if perm is None:
+        return gather_rows(data.x_train[:k], idx), gather_rows(data.y_train[:k], idx), valid
+    return gather_rows(data.x_train, idx, perm[:k]), gather_rows(data.y_train, idx, perm[:k]), valid
 
 
 def step_buffers(active: torch.Tensor, new: Params, old: Params, prefix: bool) -> Params:
