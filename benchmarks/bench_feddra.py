@@ -19,7 +19,8 @@ after layer.5 (32 x 384); writes benchmarks/results/feddra.json.
            retriever, final lambda, wall minutes.
 
 Usage: python benchmarks/bench_feddra.py [--part speed,speed-paper-sized,methods] [--repeats 7] [--seeds 0,1,2]
-           [--methods feddra,fedavg,...] [--mu MU] [--store STORE] [--work DIR] [--quick] [--out FILE]
+           [--methods feddra,fedavg,...] [--mu MU] [--rounds R] [--steps-per-stage E] [--store STORE]
+           [--work DIR] [--quick] [--out FILE]
 --quick: 3 repeats, seed 0, methods 1 round x 2 steps: checks the script, not figures. Without --store the token
 states are extracted into --work first (seconds recorded). Run on an otherwise idle machine.
 """
@@ -227,12 +228,16 @@ def part_speed_paper_sized(repeats: int, steps: int, batch: int = 32) -> dict:
 
 
 def part_methods(store: str, seeds: tuple[int, ...], quick: bool, work: Path,
-                 methods: tuple[str, ...] = METHODS, mu: float | None = None) -> dict:
+                 methods: tuple[str, ...] = METHODS, mu: float | None = None,
+                 rounds: int | None = None, steps: int | None = None) -> dict:
     from fedheads.live.feddra_runner import feddra_run
 
     opts = _opts(baselines=methods, seeds=seeds, overwrite=True)
     if mu is not None:  # the weight of L_C (Eq. 1) for every method that has the constraint
         opts = dataclasses.replace(opts, fd=dataclasses.replace(opts.fd, mu=mu))
+    if rounds or steps:  # a longer run than the quick preset's (the rest of the preset kept)
+        opts = dataclasses.replace(opts, fd=dataclasses.replace(opts.fd, rounds=rounds or opts.fd.rounds,
+                                                                steps=steps or opts.fd.steps))
     if quick:  # one round of 2 steps: checks the part runs end to end, says nothing about the methods
         opts = dataclasses.replace(opts, fd=dataclasses.replace(opts.fd, rounds=1, steps=2))
     t = time.perf_counter()
@@ -263,9 +268,12 @@ def part_methods(store: str, seeds: tuple[int, ...], quick: bool, work: Path,
 @click.option("--work", default=None, type=click.Path())
 @click.option("--methods", default=",".join(METHODS), show_default=True, help="Presets compared by the methods part.")
 @click.option("--mu", type=float, default=None, help="Weight of L_C for the methods part (default: the quick preset's).")
+@click.option("--rounds", type=int, default=None, help="Rounds for the methods part (default: the quick preset's 4).")
+@click.option("--steps-per-stage", "steps_per_stage", type=int, default=None,
+              help="Local steps per stage for the methods part (default: the quick preset's 5).")
 @click.option("--quick", is_flag=True, help="3 repeats, seed 0, methods 1 round x 2 steps: a check that it runs, not figures.")
 @click.option("--out", "out_path", default=str(OUT), show_default=True)
-def main(part, repeats, steps, seeds, store, work, methods, mu, quick, out_path) -> None:
+def main(part, repeats, steps, seeds, store, work, methods, mu, rounds, steps_per_stage, quick, out_path) -> None:
     os.chdir(REPO)  # the manifest's source is ../shared/data/office_caltech10, relative to the checkout
     if not data_dir("office_caltech10").is_dir() or not (REPO.parent / "shared" / "data").is_dir():
         raise SystemExit("needs Office-Caltech-10 at ../shared/data/office_caltech10 beside the checkout")
@@ -290,7 +298,7 @@ def main(part, repeats, steps, seeds, store, work, methods, mu, quick, out_path)
               f"live {s['stage1_live']['median']:.3f} (x{s['stage1_live_over_cache']:.1f}, "
               f"FLOP ceiling x{s['stage1_flop_ceiling']:.1f})")
     if "methods" in parts:
-        res["methods"] = part_methods(st, seed_t, quick, wd, tuple(methods.split(",")), mu)
+        res["methods"] = part_methods(st, seed_t, quick, wd, tuple(methods.split(",")), mu, rounds, steps_per_stage)
         for name, m in res["methods"]["methods"].items():
             cell = {k: f"{m[k]['mean']['mean']:.2f} worst {m[k]['worst']['mean']:.2f}" for k in ("t2i_r1", "t2i_r5")}
             print(f"{name:14s} t2i R@1 mean {cell['t2i_r1']}  R@5 mean {cell['t2i_r5']}  "
