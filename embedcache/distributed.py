@@ -58,9 +58,15 @@ def run_chunk_job(job: ChunkJob) -> int:
 
 
 @contextlib.contextmanager
-def dask_client(scheduler: str) -> Iterator[Any]:
+def dask_client(scheduler: str, worker_env: dict[str, str] | None = None) -> Iterator[Any]:
     """A distributed Client for `local:N` (a LocalCluster started here, closed on exit) or
-    `tcp://HOST:PORT` (an existing scheduler)."""
+    `tcp://HOST:PORT` (an existing scheduler). `worker_env`: variables a local worker process
+    starts with (dask's `distributed.nanny.pre-spawn-environ`, over its defaults; the nanny also
+    sets them in this process while it spawns, so they are put back on exit); an existing
+    scheduler's workers keep the environment they were started with."""
+    import os
+
+    import dask
     from distributed import Client, LocalCluster
 
     if scheduler.startswith("local:"):
@@ -72,9 +78,19 @@ def dask_client(scheduler: str) -> Iterator[Any]:
             raise UserError(f"scheduler {scheduler}: want local:N with N >= 1")
         # Single-threaded worker processes: torch parallelism inside a worker would fight
         # with the other workers for the same cores.
-        with LocalCluster(n_workers=n, threads_per_worker=1, processes=True, host="127.0.0.1",
-                          dashboard_address=None, silence_logs=40) as cluster, Client(cluster) as client:
-            yield client
+        env = {**dask.config.get("distributed.nanny.pre-spawn-environ", {}), **(worker_env or {})}
+        saved = {k: os.environ.get(k) for k in env}
+        try:
+            with dask.config.set({"distributed.nanny.pre-spawn-environ": env}), \
+                    LocalCluster(n_workers=n, threads_per_worker=1, processes=True, host="127.0.0.1",
+                                 dashboard_address=None, silence_logs=40) as cluster, Client(cluster) as client:
+                yield client
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
     elif scheduler.startswith(("tcp://", "tls://")):
         try:
             client = Client(scheduler, timeout="30s")

@@ -1,8 +1,11 @@
-"""Handing freed heap memory back to the OS between the size buckets of a round (no torch import)."""
+"""glibc heap policy: handing freed memory back to the OS between the size buckets of a round, and
+keeping it for reuse inside a sweep's cells (no torch import)."""
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+from collections.abc import Iterator
 
 
 def _malloc_trim() -> object:
@@ -27,3 +30,57 @@ def release_free_heap() -> None:
     feature bytes without it, 1.55x with it; FedNCM 1.20x and 1.16x."""
     if _TRIM is not None:
         _TRIM(0)
+
+
+# glibc's mallopt parameters (malloc.h) and their documented defaults
+_M_TRIM_THRESHOLD, _M_MMAP_MAX = -1, -4
+_DEFAULT_TRIM_THRESHOLD, _DEFAULT_MMAP_MAX = 128 * 1024, 65536
+_KEEP = 2**31 - 1  # mallopt takes an int: the top 2 GiB of freed heap stay until release_free_heap()
+
+
+def _mallopt() -> object:
+    try:
+        fn = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError, TypeError):
+        return None
+    fn.argtypes, fn.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    return fn
+
+
+_MALLOPT = _mallopt() if _TRIM is not None else None
+
+# Worker processes started for a sweep (set before the process starts: glibc reads them once).
+# Large tensors are carved from the heap, and freed ones stay there to be handed out again
+# instead of going back to the OS: glibc otherwise maps every block over 32 MB afresh and unmaps
+# it when freed, and the kernel zero-fills each new page. A cell frees and re-makes blocks of the
+# same sizes every round (80 clients' [80, 1472, 256] weights, their copies and deltas): FedAvg at
+# 80 clients, 200 rounds, in a local worker took 95.8 CPU s with glibc's default and 54.9 with
+# this, peak RSS 1.64 -> 1.72 GB (an exact-size freed block does not always fit the next 64-byte
+# aligned request, so the heap settles a little above the peak). One arena: a worker runs its
+# cell in an executor thread, and a thread's own arena maps large blocks whatever
+# MALLOC_MMAP_MAX_ says.
+REUSE_ENV = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(_KEEP), "MALLOC_ARENA_MAX": "1"}
+
+
+def reuse_env() -> dict[str, str]:
+    """REUSE_ENV where the C library is glibc, else {} (other allocators keep their own rules)."""
+    return dict(REUSE_ENV) if _MALLOPT is not None else {}
+
+
+@contextlib.contextmanager
+def reusing_freed_blocks() -> Iterator[None]:
+    """In this process, for the block's duration: what REUSE_ENV does for a worker (its main
+    arena only: for work on the thread that enters it), then glibc's defaults and the freed
+    memory given back (release_free_heap). The resident size stays at the block's peak until it
+    ends. A no-op where the C library is not glibc."""
+    if _MALLOPT is None:
+        yield
+        return
+    _MALLOPT(_M_MMAP_MAX, 0)
+    _MALLOPT(_M_TRIM_THRESHOLD, _KEEP)
+    try:
+        yield
+    finally:
+        _MALLOPT(_M_MMAP_MAX, _DEFAULT_MMAP_MAX)
+        _MALLOPT(_M_TRIM_THRESHOLD, _DEFAULT_TRIM_THRESHOLD)
+        release_free_heap()

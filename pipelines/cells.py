@@ -213,6 +213,7 @@ def run_cell(cell: dict[str, Any], cells_dir: str) -> dict[str, Any]:
     import torch
 
     from fedheads.atomic import atomic_path
+    from fedheads.heap import release_free_heap
 
     cfg, paths = cell["config"], cell["paths"]
     t0, c0 = time.perf_counter(), time.process_time()
@@ -235,6 +236,7 @@ def run_cell(cell: dict[str, Any], cells_dir: str) -> dict[str, Any]:
                       traceback=traceback.format_exc()[-4000:])
     finally:
         torch.set_num_threads(threads)
+        release_free_heap()  # what the cell freed goes back to the OS (kept for reuse while it ran)
     record["timing"] = {"wall_seconds": round(time.perf_counter() - t0, 4),
                         "cpu_seconds": round(time.process_time() - c0, 4),
                         "host": socket.gethostname(), "pid": os.getpid(), "finished": time.time()}

@@ -103,7 +103,7 @@ def run_experiments(exps: Sequence[Experiment], ctx: plan.RunContext, out: Path,
             if todo and scheduler != "serial" and client is None:
                 from embedcache.distributed import dask_client
 
-                client = stack.enter_context(dask_client(scheduler))
+                client = stack.enter_context(dask_client(scheduler, worker_env=sweep.WORKER_ENV))
             timing = {"prepare_seconds": round(prep_s, 3), "cells": len({c["hash"] for c in cells}),
                       "cells_to_run": len({c["hash"] for c in todo}), "started": time.time()}
             edir = out / exp.name

@@ -21,7 +21,14 @@ from tqdm import tqdm
 
 from embedcache.errors import UserError
 from fedheads.atomic import atomic_path
+from fedheads.heap import reuse_env, reusing_freed_blocks
 from pipelines.cells import RESULT_FORMAT, result_path, run_cell
+
+
+# Local workers keep freed large blocks for reuse inside a cell (run_cell gives them back at its
+# end): a cell re-makes same-sized tensors every round. Workers of a `tcp://` scheduler keep the
+# environment they were started with (docs/pipelines.md says how to start them the same way).
+WORKER_ENV = reuse_env()
 
 
 def parse_scheduler(spec: str | None) -> str:
@@ -115,11 +122,12 @@ def run_cells(cells: Iterable[dict[str, Any]], cells_dir: str | Path, scheduler:
         if not todo:
             return records
         if scheduler == "serial":
-            for c in todo:
-                bar.set_running(1)
-                rec = run_cell(c, str(cells_dir))
-                records[c["hash"]] = rec
-                bar.finished(rec)
+            with reusing_freed_blocks():  # what the workers get from WORKER_ENV (fedheads/heap.py)
+                for c in todo:
+                    bar.set_running(1)
+                    rec = run_cell(c, str(cells_dir))
+                    records[c["hash"]] = rec
+                    bar.finished(rec)
             bar.set_running(0)
         else:
             if client is not None:
@@ -127,7 +135,7 @@ def run_cells(cells: Iterable[dict[str, Any]], cells_dir: str | Path, scheduler:
             else:
                 from embedcache.distributed import dask_client
 
-                with dask_client(scheduler) as new:
+                with dask_client(scheduler, worker_env=WORKER_ENV) as new:
                     _run_dask(todo, cells_dir, new, records, bar)
     finally:
         bar.close()
