@@ -27,7 +27,7 @@ from pipelines.cells import RESULT_FORMAT, result_path, run_cell
 
 # Local workers keep freed large blocks for reuse inside a cell (run_cell gives them back at its
 # end): a cell re-makes same-sized tensors every round. Workers of a `tcp://` scheduler keep the
-# environment they were started with (docs/pipelines.md says how to start them the same way).
+# environment they were started with (the README says how to start them the same way).
 WORKER_ENV = reuse_env()
 
 
