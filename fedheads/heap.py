@@ -8,16 +8,18 @@ import ctypes
 from collections.abc import Iterator
 
 
-def _malloc_trim() -> object:
+def _glibc(name: str, argtypes: list[object]) -> object:
+    """The process's own libc function `name` returning int, or None where it has none (musl,
+    macOS, Windows: glibc's heap knobs do not exist there)."""
     try:
-        fn = ctypes.CDLL(None).malloc_trim  # the process's own libc
-    except (OSError, AttributeError, TypeError):  # not glibc (musl, macOS, Windows): nothing to trim
+        fn = getattr(ctypes.CDLL(None), name)
+    except (OSError, AttributeError, TypeError):
         return None
-    fn.argtypes, fn.restype = [ctypes.c_size_t], ctypes.c_int
+    fn.argtypes, fn.restype = argtypes, ctypes.c_int
     return fn
 
 
-_TRIM = _malloc_trim()
+_TRIM = _glibc("malloc_trim", [ctypes.c_size_t])
 
 
 def release_free_heap() -> None:
@@ -38,16 +40,7 @@ _DEFAULT_TRIM_THRESHOLD, _DEFAULT_MMAP_MAX = 128 * 1024, 65536
 _KEEP = 2**31 - 1  # mallopt takes an int: the top 2 GiB of freed heap stay until release_free_heap()
 
 
-def _mallopt() -> object:
-    try:
-        fn = ctypes.CDLL(None).mallopt
-    except (OSError, AttributeError, TypeError):
-        return None
-    fn.argtypes, fn.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
-    return fn
-
-
-_MALLOPT = _mallopt() if _TRIM is not None else None
+_MALLOPT = _glibc("mallopt", [ctypes.c_int, ctypes.c_int]) if _TRIM is not None else None
 
 # Worker processes started for a sweep (set before the process starts: glibc reads them once).
 # Large tensors are carved from the heap, and freed ones stay there to be handed out again
