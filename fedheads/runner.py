@@ -32,7 +32,8 @@ from fedheads.atomic import atomic_path, atomic_torch_save
 from fedheads.algorithms import create_algorithm
 from fedheads.core.engine import RunResult, clock, run, to_device
 from fedheads.core.tree import tree_leaves
-from fedheads.data import DataSpec, Federation, layout_info, load_fed_data, resolve_device
+from fedheads.data import (DataSpec, FedData, Federation, in_store_order, largest_first, layout_info, load_fed_data,
+                           resolve_device)
 from fedheads.machine import machine
 
 STATE_FORMAT = "fedheads-state/1"
@@ -225,12 +226,16 @@ def _since(t0: tuple[float, float], device: torch.device) -> tuple[float, float]
 
 
 def _load_from_store(store: str | None, backbones: Sequence[str], opts: TrainOptions, t_start: tuple[float, float],
-                     what: str) -> tuple[Federation, tuple[float, float]]:
-    """The run's features from the store in `opts.layout`, and the (wall, CPU) seconds since t_start."""
+                     what: str) -> tuple[Federation, tuple[int, ...], tuple[float, float]]:
+    """The run's features from the store in `opts.layout`, in the order train_data trains them
+    (largest_first, without a copy: load_fed_data), that order as store positions, and the
+    (wall, CPU) seconds since t_start."""
     if store is None:
         raise UserError(f"{what}: needs a store or the features as data")
-    data = load_fed_data(store, backbones, resolve_device(opts.device), binarize=opts.binarize, layout=opts.layout)
-    return data, _since(t_start, data.device)
+    data = load_fed_data(store, backbones, resolve_device(opts.device), binarize=opts.binarize, layout=opts.layout,
+                         largest_first=opts.fraction >= 1.0)
+    order = tuple(data.client_index.tolist()) if isinstance(data, FedData) else tuple(range(data.num_clients))
+    return data, order, _since(t_start, data.device)
 
 
 def require_test_samples(data: Federation) -> None:
@@ -269,16 +274,21 @@ def train_data(data: Federation, backbones: Sequence[str], algorithm: str, opts:
                dims: Sequence[int] | None = None, store: str | None = None, strict: bool = True,
                t_start: tuple[float, float] | None = None,
                load: tuple[float, float] | None = None, state_dir: Path | None = None,
-               resume: bool = False) -> TrainedRun:
+               resume: bool = False, order: Sequence[int] | None = None) -> TrainedRun:
     """Train `algorithm` once per seed on `data` and build the run's artefacts. `dims`: feature
     dimension per backbone (default: one block of data.dim); `store`: where the features came
     from (recorded with its fingerprint in the config). With `state_dir`, each seed writes a
     checkpoint there after every round (fedheads.resume) and, with `resume`, continues from it;
-    without, nothing is written."""
+    without, nothing is written. The clients train in the order `largest_first` gives (`order`:
+    `data` is in that order already, its clients' positions in the store's order); every result,
+    state and row is in the store's order."""
     if t_start is None:
         t_start = clock(torch.device("cpu"))
     build_algorithm(algorithm, opts, strict=strict)  # bad options fail before any training
     require_test_samples(data)
+    if order is None:
+        data, order = largest_first(data, opts.fraction)
+    names, n_test = in_store_order(data.client_names, order), in_store_order(data.n_test, order)
     dims = [data.dim] if dims is None else list(dims)
     per_seed, rows, alg_cfg, ignored, used = [], [], None, [], {}
     states: dict[int, RunResult] = {}
@@ -303,19 +313,20 @@ def train_data(data: Federation, backbones: Sequence[str], algorithm: str, opts:
         try:
             res = run(alg, data, opts.rounds, seed=seed, fraction=opts.fraction, engine=opts.engine,
                       eval_every=opts.eval_every, progress=opts.progress, checkpoint=ck)
+            res = res.in_client_order(order, getattr(alg, "server_client_fields", ()))
         finally:
             if log is not None:
                 log.close()
-        per_seed.append(report.seed_result_from_run(res, seed, data.client_names, n_test=data.n_test))
+        per_seed.append(report.seed_result_from_run(res, seed, names, n_test=n_test))
         for rule, acc in res.history[-1].accuracy.items():  # type: ignore[union-attr]
             if rule != "main":
                 extra_rules.setdefault(rule, []).append(100.0 * float(acc[~acc.isnan()].mean()))
-        rows += _metrics_rows(res, seed, data.client_names)
+        rows += _metrics_rows(res, seed, names)
         states[seed] = RunResult(res.algorithm, res.engine, client_state=to_device(res.client_state, "cpu"),
                                  server_state=to_device(res.server_state, "cpu"))
     extra = {"dataset": dataset_name(store),
              "training_rounds": opts.rounds - int(getattr(alg, "collect_rounds", 0)),
-             "clients": list(data.client_names), "domains": list(data.domains),
+             "clients": names, "domains": in_store_order(data.domains, order),
              "num_classes": data.num_classes, "feature_dim": data.dim, "engine": opts.engine,
              "layout": layout_info(data),
              "fraction": opts.fraction,
@@ -353,9 +364,9 @@ def train_run(store: str | None, backbones: Sequence[str], algorithm: str, opts:
         from fedheads.tracking import require
 
         require()
-    t_start, load = clock(torch.device("cpu")), None  # nothing queued on a device yet
+    t_start, load, order = clock(torch.device("cpu")), None, None  # nothing queued on a device yet
     if data is None:
-        data, load = _load_from_store(store, backbones, opts, t_start, "train")
+        data, order, load = _load_from_store(store, backbones, opts, t_start, "train")
     require_test_samples(data)
     if overwrite:  # results.json marks a complete run: no old file may sit beside the new ones
         rundir.clear_run(out)
@@ -366,7 +377,7 @@ def train_run(store: str | None, backbones: Sequence[str], algorithm: str, opts:
 
         dims = backbone_dims(open_store(store), backbones)
     trained = train_data(data, backbones, algorithm, opts, dims=dims, store=store, strict=strict,
-                         t_start=t_start, load=load, state_dir=out / "state", resume=resume)
+                         t_start=t_start, load=load, state_dir=out / "state", resume=resume, order=order)
     write_trained(out, trained)
     return trained.result
 
@@ -423,17 +434,21 @@ def check_compare_settings(algorithms: Sequence[str], opts: TrainOptions) -> Non
 def compare_data(data: Federation, backbones: Sequence[str], algorithms: Sequence[str], opts: TrainOptions, *,
                  dims: Sequence[int] | None = None, store: str | None = None,
                  t_start: tuple[float, float] | None = None, load: tuple[float, float] | None = None,
-                 out: Path | None = None, resume: bool = False) -> tuple[dict[str, TrainedRun], dict[str, Any]]:
+                 out: Path | None = None, resume: bool = False,
+                 order: Sequence[int] | None = None) -> tuple[dict[str, TrainedRun], dict[str, Any]]:
     """Every algorithm trained on the same features, in memory: ({name: TrainedRun}, the
     comparison's results.json dict). Options that do not apply to an algorithm are dropped and
     recorded (`ignored_options`), as `compare` does. With `out`, each algorithm checkpoints every
-    round in out/<algorithm>/state/ (and continues from there with `resume`)."""
+    round in out/<algorithm>/state/ (and continues from there with `resume`). `order` as in
+    train_data (the clients are put largest first once for all algorithms)."""
     if t_start is None:
         t_start = clock(torch.device("cpu"))
     check_compare_settings(algorithms, opts)
     require_test_samples(data)
+    if order is None:
+        data, order = largest_first(data, opts.fraction)
     runs = {name: train_data(data, backbones, name, opts, dims=dims, store=store, strict=False,
-                             state_dir=None if out is None else out / name / "state", resume=resume)
+                             state_dir=None if out is None else out / name / "state", resume=resume, order=order)
             for name in algorithms}
     combined = {"algorithms": {n: r.result for n, r in runs.items()}, "backbones": list(backbones),
                 "dataset": dataset_name(store),
@@ -456,10 +471,10 @@ def compare_runs(store: str | None, backbones: Sequence[str], algorithms: Sequen
         from fedheads.tracking import require
 
         require()
-    t_start, load = clock(torch.device("cpu")), None  # nothing queued on a device yet
+    t_start, load, order = clock(torch.device("cpu")), None, None  # nothing queued on a device yet
     dims = None
     if data is None:
-        data, load = _load_from_store(store, backbones, opts, t_start, "compare")
+        data, order, load = _load_from_store(store, backbones, opts, t_start, "compare")
     if store is not None:
         from embedcache.reader import open_store
 
@@ -470,7 +485,7 @@ def compare_runs(store: str | None, backbones: Sequence[str], algorithms: Sequen
     for d in [out, *(out / a for a in algorithms)]:
         (d / "results.json").unlink(missing_ok=True)  # resumed: complete again only when rewritten
     runs, combined = compare_data(data, backbones, algorithms, opts, dims=dims, store=store,
-                                  t_start=t_start, load=load, out=out, resume=resume)
+                                  t_start=t_start, load=load, out=out, resume=resume, order=order)
     write_comparison(out, runs, combined, opts)
     return combined
 

@@ -1,5 +1,5 @@
 """pipelines.cells.run_head: with every client in every round it trains the clients largest
-first (FedData.by_size: local steps then skip the clients already done without reordering) and
+first (fedheads.data.largest_first: local steps then skip the clients already done without reordering) and
 reports them in the store's order, with the per-client results of a run in the store's order."""
 
 from __future__ import annotations
@@ -21,7 +21,8 @@ def test_run_head_trains_largest_first_and_reports_in_store_order(monkeypatch, a
 
     data = tiny_fed(M=5, seed=2)
     assert list(data.n_train) != sorted(data.n_train, reverse=True), "the double must be out of size order"
-    monkeypatch.setattr(fd, "load_fed_data", lambda *a, **k: data)
+    # the loader's contract (tests/test_largest_first.py): largest first when asked, else as stored
+    monkeypatch.setattr(fd, "load_fed_data", lambda *a, largest_first=False, **k: data.by_size()[0] if largest_first else data)
     monkeypatch.setattr(cells, "_DATA", collections.OrderedDict())
     trained: list[tuple[int, ...]] = []
     run = engine.run

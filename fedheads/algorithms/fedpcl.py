@@ -212,6 +212,7 @@ class FedPCL:
 
     name = "fedpcl"
     collect_rounds = 1  # round 0 only uploads prototypes (Algorithm 1 line 1): R rounds train R-1
+    server_client_fields = ("bank", "bank_present", "seen")  # one row per client (core/protocol.py)
 
     def __init__(self, cfg: FedPCLConfig = FedPCLConfig()) -> None:
         self.cfg = cfg
@@ -224,7 +225,7 @@ class FedPCL:
         self.spec = HeadSpec(spec.dim, self.cfg.hidden, 0, batch_norm=self.cfg.bn, normalize=True)
         M, C, d, dev = spec.num_clients, spec.num_classes, self.cfg.hidden, spec.device
         # each client owns its projection network: independent seeded initialisations
-        p, b = heads.init_head(self.spec, [seed * 100_003 + i for i in range(M)], dev)
+        p, b = heads.init_head(self.spec, heads.client_seeds(spec, seed), dev)
         cs = FedPCLClientState(p, b, opt_initial(self.cfg.optimizer, p, self.cfg.reset_optimizer), torch.zeros(M, C, d, device=dev),
                                torch.zeros(M, C, dtype=torch.bool, device=dev))
         ss = FedPCLServerState(torch.zeros(M, C, d, device=dev), torch.zeros(M, C, dtype=torch.bool, device=dev),

@@ -94,7 +94,7 @@ class FedProto:
     def init(self, spec: DataSpec, seed: int) -> Init:
         self.spec = HeadSpec(spec.dim, self.cfg.hidden, spec.num_classes, True, self.cfg.normalize)
         M, C, d, dev = spec.num_clients, spec.num_classes, self.cfg.hidden, spec.device
-        p, b = heads.init_head(self.spec, [seed * 100_003 + i for i in range(M)], dev)
+        p, b = heads.init_head(self.spec, heads.client_seeds(spec, seed), dev)
         cs = FedProtoClientState(p, b, opt_initial(self.cfg.optimizer, p, self.cfg.reset_optimizer), torch.zeros(M, C, d, device=dev),
                                  torch.zeros(M, C, dtype=torch.bool, device=dev))
         ss = FedProtoServerState(torch.zeros(C, d, device=dev), torch.zeros(C, dtype=torch.bool, device=dev))

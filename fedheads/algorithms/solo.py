@@ -59,7 +59,7 @@ class Solo:
 
     def init(self, spec: DataSpec, seed: int) -> Init:
         self.spec = HeadSpec(spec.dim, self.cfg.hidden, spec.num_classes, True, self.cfg.normalize)
-        p, b = heads.init_head(self.spec, [seed * 100_003 + i for i in range(spec.num_clients)], spec.device)
+        p, b = heads.init_head(self.spec, heads.client_seeds(spec, seed), spec.device)
         return Init(SoloClientState(p, b, opt_init(self.cfg.optimizer, p)), Empty(), Empty())
 
     def client_update(self, cs: SoloClientState, bc: Empty, data: FedData,

@@ -17,8 +17,8 @@ times the number of participants."""
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+from dataclasses import dataclass, field, replace
+from typing import Any, Protocol, Sequence
 
 import torch
 from tqdm.auto import tqdm
@@ -84,6 +84,23 @@ class RunResult:
         h = self.history
         return CommRecord(sum(r.comm.up_values for r in h), sum(r.comm.up_bytes for r in h),
                           sum(r.comm.down_values for r in h), sum(r.comm.down_bytes for r in h))
+
+    def in_client_order(self, order: Sequence[int] | None, server_fields: Sequence[str] = ()) -> "RunResult":
+        """This run of clients stacked in `order` (the positions in another federation of its
+        clients, as FedData.by_size gives them) with the client axis put back in that federation's
+        order: of the client state, of every round's accuracies and of the server-state fields
+        `server_fields` (the algorithm's `server_client_fields`, core/protocol.py). Only full
+        participation: each round's participants are then everyone, whatever the order."""
+        if order is None or list(order) == list(range(len(order))):
+            return self
+        if any(len(r.participants) != len(order) for r in self.history):
+            raise ValueError("in_client_order: a round without every client cannot be re-ordered")
+        back = lambda tree: _in_order(tree, list(order), torch.device("cpu"))  # noqa: E731 (leaves keep their device)
+        history = [replace(r, accuracy=None if r.accuracy is None else back(r.accuracy)) for r in self.history]
+        ss = self.server_state
+        if server_fields:
+            ss = replace(ss, **{f: back(getattr(ss, f)) for f in server_fields})
+        return replace(self, history=history, client_state=back(self.client_state), server_state=ss)
 
 
 @dataclass

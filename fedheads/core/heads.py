@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -38,6 +39,13 @@ def _init_linear(din: int, dout: int, gen: torch.Generator) -> tuple[torch.Tenso
     # torch.nn.Linear default: kaiming_uniform(a=sqrt(5)) == U(+-1/sqrt(fan_in)) for W and b.
     bound = 1.0 / math.sqrt(din)
     return _uniform((din, dout), bound, gen), _uniform((dout,), bound, gen)
+
+
+def client_seeds(spec: Any, seed: int) -> list[int]:
+    """One initialisation seed per client of `spec` (a DataSpec), from the run seed and the
+    client's global id: a client starts from the same head whatever its place in the stack
+    (fedheads.data.largest_first)."""
+    return [seed * 100_003 + i for i in spec.ids()]
 
 
 def init_head(spec: HeadSpec, seeds: list[int], device: torch.device | str = "cpu") -> tuple[Params, Params]:

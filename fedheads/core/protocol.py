@@ -12,7 +12,8 @@ run. Conventions:
   (weighted prototype = sum(count*proto)/sum(count), FedAvg = sum(w*delta)/sum(w)), so the same
   algorithm could later run under secure aggregation.
 - Randomness is a pure function of (seed, round, client global index, ...) (core/rng.py,
-  core/batching.py), never of the order in which clients are processed.
+  core/batching.py), never of the order in which clients are processed; per-client
+  initialisations take their seeds from DataSpec.client_ids (core/heads.client_seeds).
 - Message sizes: `core.tree.payload_size` (numel and bytes of every field sent, or the type's
   own `comm_size()`), so the engine logs communication actually sent up and down per round.
 - Optional eval-time hook `adapt_for_eval(client_state, server_state, data) -> client_state`
@@ -26,6 +27,10 @@ run. Conventions:
   whose scores depend on the server state alone (the same for every client), i.e. the run's global
   model. `fedheads predict --images` classifies images that belong to no client with it; an
   algorithm without it (personalised heads, local prototypes) needs `--client`.
+- Optional attribute `server_client_fields: tuple[str, ...]`: the server-state fields that, against
+  the convention above, hold one row per client of the federation (FedPCL's prototype bank). A run
+  whose clients were stacked in another order (fedheads.data.largest_first) puts these rows back in
+  the store's order with the client state (RunResult.in_client_order).
 """
 
 from __future__ import annotations
