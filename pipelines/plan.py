@@ -22,7 +22,9 @@ from pipelines import datasets
 from pipelines.prepare import DataRequest, Prepared
 from pipelines.spec import BackboneSet, Experiment, Method, Point
 
-CELL_FORMAT = "pipelines-cell/1"
+# bumped when a cell's config would train differently: /2 seeds per-client heads by the client's
+# global id (fedheads.core.heads.client_seeds), so /1 results of sorted cells are not reused
+CELL_FORMAT = "pipelines-cell/2"
 OPTION_KEYS = ("fraction", "engine", "binarize")  # TrainOptions / FinetuneOptions fields set by settings
 # FinetuneOptions fields a setting may name (ft.* goes to FTConfig)
 FINETUNE_KEYS = ("head_rounds", "trainable", "bn", "live_prefix", "pretrained", "augment", "ncm_bias", "fraction")
