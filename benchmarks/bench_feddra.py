@@ -16,10 +16,12 @@ after layer.5 (32 x 384); writes benchmarks/results/feddra.json.
   methods  FedDRA vs FedAvg vs the three Table 3 ablations (no-two-stage, no-constraint, no-dro)
            at `fedheads feddra --preset quick`, seeds 0,1,2: text->image R@1/R@5 mean over
            clients and worst client (percent, {mean, std} over seeds), chance and the class-only
-           retriever, final lambda, wall minutes.
+           retriever, final lambda, wall minutes; with --probe also the few-shot linear probe on
+           webcam + dslr (1 and 5 shots per class, 5 draws) of the aligned z, the trained image
+           encoder's pooled output and the pre-trained backbone's (fedheads/live/feddra_probe.py).
 
 Usage: python benchmarks/bench_feddra.py [--part speed,speed-paper-sized,methods] [--repeats 7] [--seeds 0,1,2]
-           [--methods feddra,fedavg,...] [--mu MU] [--rounds R] [--steps-per-stage E] [--store STORE]
+           [--methods feddra,fedavg,...] [--mu MU] [--rounds R] [--steps-per-stage E] [--probe] [--store STORE]
            [--work DIR] [--quick] [--out FILE]
 --quick: 3 repeats, seed 0, methods 1 round x 2 steps: checks the script, not figures. Without --store the token
 states are extracted into --work first (seconds recorded). Run on an otherwise idle machine.
@@ -45,6 +47,7 @@ from machine_info import machine_facts, write_json
 
 OUT = Path(__file__).resolve().parent / "results" / "feddra.json"
 MANIFEST = REPO / "data_manifests" / "office10-feddra-5clients-seed0.json"
+PROBE = REPO / "data_manifests" / "office10-feddra-probe-5shot-seed0.json"  # webcam + dslr, 5 per class labelled
 IMAGE, CUT, TEXT, TCUT = "resnet20-cifar10", "layer3", "minilm-l6-v2:32", "layer.5"
 METHODS = ("feddra", "fedavg", "no-two-stage", "no-constraint", "no-dro")
 
@@ -229,10 +232,12 @@ def part_speed_paper_sized(repeats: int, steps: int, batch: int = 32) -> dict:
 
 def part_methods(store: str, seeds: tuple[int, ...], quick: bool, work: Path,
                  methods: tuple[str, ...] = METHODS, mu: float | None = None,
-                 rounds: int | None = None, steps: int | None = None) -> dict:
+                 rounds: int | None = None, steps: int | None = None, probe: bool = False) -> dict:
+    from fedheads.live.feddra_probe import ProbeOptions
     from fedheads.live.feddra_runner import feddra_run
 
-    opts = _opts(baselines=methods, seeds=seeds, overwrite=True)
+    opts = _opts(baselines=methods, seeds=seeds, overwrite=True,
+                 probe=ProbeOptions(manifest=str(PROBE)) if probe else None)
     if mu is not None:  # the weight of L_C (Eq. 1) for every method that has the constraint
         opts = dataclasses.replace(opts, fd=dataclasses.replace(opts.fd, mu=mu))
     if rounds or steps:  # a longer run than the quick preset's (the rest of the preset kept)
@@ -253,6 +258,13 @@ def part_methods(store: str, seeds: tuple[int, ...], quick: bool, work: Path,
         out["methods"][name]["final_lambda"] = r["lambda"]["final_mean"]
         run_dir = work / "methods" / name if "algorithms" in res else work / "methods"
         out["methods"][name]["t2i_r1_per_seed"] = _per_seed(run_dir)
+        if r.get("probe"):  # {feature: {k: {mean, std over seeds}}}; per seed: {k: {mean, std, values over draws}}
+            p = r["probe"]
+            out["probe_setting"] = {k: p[k] for k in ("manifest_hash", "n_train", "n_test", "shots", "draws")}
+            out["methods"][name]["probe"] = {f: p[f] for f in ("z", "pooled", "backbone") if f in p}
+            out["methods"][name]["probe_per_seed"] = {
+                str(s): {f: {k: v["mean"] for k, v in ps[f].items()} for f in ("z", "pooled", "backbone")
+                         if f in ps and "skipped" not in ps[f]} for s, ps in zip(seeds, p["per_seed"])}
     if "fedavg" in out["methods"]:
         base = out["methods"]["fedavg"]["t2i_r1_per_seed"]
         out["t2i_r1_vs_fedavg"] = {n: _paired(m["t2i_r1_per_seed"], base) for n, m in out["methods"].items() if n != "fedavg"}
@@ -271,9 +283,12 @@ def part_methods(store: str, seeds: tuple[int, ...], quick: bool, work: Path,
 @click.option("--rounds", type=int, default=None, help="Rounds for the methods part (default: the quick preset's 4).")
 @click.option("--steps-per-stage", "steps_per_stage", type=int, default=None,
               help="Local steps per stage for the methods part (default: the quick preset's 5).")
+@click.option("--probe", is_flag=True, help="Methods part: also the few-shot probe on webcam + dslr (1 and 5 shots, "
+              "5 draws; the aligned z, the trained encoder's pooled output and the pre-trained backbone's).")
 @click.option("--quick", is_flag=True, help="3 repeats, seed 0, methods 1 round x 2 steps: a check that it runs, not figures.")
 @click.option("--out", "out_path", default=str(OUT), show_default=True)
-def main(part, repeats, steps, seeds, store, work, methods, mu, rounds, steps_per_stage, quick, out_path) -> None:
+def main(part, repeats, steps, seeds, store, work, methods, mu, rounds, steps_per_stage, probe, quick,
+         out_path) -> None:
     os.chdir(REPO)  # the manifest's source is ../shared/data/office_caltech10, relative to the checkout
     if not data_dir("office_caltech10").is_dir() or not (REPO.parent / "shared" / "data").is_dir():
         raise SystemExit("needs Office-Caltech-10 at ../shared/data/office_caltech10 beside the checkout")
@@ -298,11 +313,17 @@ def main(part, repeats, steps, seeds, store, work, methods, mu, rounds, steps_pe
               f"live {s['stage1_live']['median']:.3f} (x{s['stage1_live_over_cache']:.1f}, "
               f"FLOP ceiling x{s['stage1_flop_ceiling']:.1f})")
     if "methods" in parts:
-        res["methods"] = part_methods(st, seed_t, quick, wd, tuple(methods.split(",")), mu, rounds, steps_per_stage)
+        res["methods"] = part_methods(st, seed_t, quick, wd, tuple(methods.split(",")), mu, rounds, steps_per_stage,
+                                      probe)
         for name, m in res["methods"]["methods"].items():
             cell = {k: f"{m[k]['mean']['mean']:.2f} worst {m[k]['worst']['mean']:.2f}" for k in ("t2i_r1", "t2i_r5")}
             print(f"{name:14s} t2i R@1 mean {cell['t2i_r1']}  R@5 mean {cell['t2i_r5']}  "
                   f"(chance R@1 {m['chance_r1']['mean']['mean']:.2f}, class-only {m['class_r1']['mean']['mean']:.2f})")
+        for name, m in res["methods"]["methods"].items():
+            for f, by_k in m.get("probe", {}).items():
+                if "skipped" not in by_k:
+                    print(f"{name:14s} probe {f:8s} " + "  ".join(f"{k}-shot {v['mean']:.2f} ({v['std']:.2f})"
+                                                                for k, v in by_k.items()))
         for name, c in res["methods"].get("t2i_r1_vs_fedavg", {}).items():
             w = c["worst"]
             print(f"{name} - fedavg, worst-client t2i R@1 over seeds {c['seeds']}: {w['diff_mean']:+.2f} "
