@@ -156,19 +156,29 @@ def _tensorboard(on: bool, out: Any) -> bool:
 
 
 def _prepare(data: Data, backbones: Sequence[str] | str | None, num_classes: int | None, opts: Any,
-             load: bool) -> tuple[str | None, list[str], FedData | None]:
-    """(store, backbones, in-memory data): a store's features are read here when `load` (in
-    memory), else by the runner that writes the run directory."""
+             load: bool, algorithms: Sequence[str]) -> tuple[str | None, list[str], FedData | None, Any]:
+    """(store, backbones, in-memory data, its clients' order): a store's features are read here
+    when `load` (in memory), else by the runner that writes the run directory. Where the runner
+    trains the clients largest first (runner.trains_largest_first), the data is in that order
+    (a store read so, arrays stacked then sorted: the first stack is dropped) and the order is
+    its clients' positions in the store or the arrays' order (None: that order itself)."""
     from embedcache.errors import UserError
+    from fedheads import runner
+    from fedheads.data import largest_first
 
     if isinstance(backbones, str):
         backbones = [b.strip() for b in backbones.split(",") if b.strip()]
+    sort = runner.trains_largest_first([runner.build_algorithm(a, opts, strict=False)[0] for a in algorithms], opts)
     if isinstance(data, (str, Path)):
         if not backbones:
             raise UserError(f"backbones: needed to read features from the store {data}")
-        return str(data), list(backbones), _load(str(data), list(backbones), opts) if load else None
+        if not load:
+            return str(data), list(backbones), None, None
+        fed, order = runner.load_order(str(data), list(backbones), opts, sort)
+        return str(data), list(backbones), fed, order
     fed = _federation(data, num_classes, opts.device, opts.binarize)
-    return None, list(backbones or ["features"]), fed
+    fed, order = largest_first(fed) if sort else (fed, None)
+    return None, list(backbones or ["features"]), fed, order
 
 
 def train(data: Data, algorithm: str, *, backbones: Sequence[str] | str | None = None,
@@ -194,11 +204,12 @@ def train(data: Data, algorithm: str, *, backbones: Sequence[str] | str | None =
 
     opts = _options(rounds, seeds, local_epochs, batch_size, lr, fraction, engine, layout, device, eval_every,
                     binarize, settings, progress, _tensorboard(tensorboard, out))
-    store, bbs, fed = _prepare(data, backbones, num_classes, opts, load=out is None)
+    store, bbs, fed, order = _prepare(data, backbones, num_classes, opts, load=out is None, algorithms=[algorithm])
     if out is not None:
         return Result(runner.train_run(store, bbs, algorithm, opts, out, data=fed, overwrite=overwrite,
-                                       resume=resume), out)
-    trained = runner.train_data(fed, bbs, algorithm, opts, dims=_dims(store, bbs), store=store)  # type: ignore[arg-type]
+                                       resume=resume, order=order), out)
+    trained = runner.train_data(fed, bbs, algorithm, opts, dims=_dims(store, bbs), store=store,  # type: ignore[arg-type]
+                                order=order)
     return Result(trained.result, states=trained.states, config=trained.config)
 
 
@@ -219,19 +230,14 @@ def compare(data: Data, algorithms: Sequence[str] | str, *, backbones: Sequence[
     names = [a.strip() for a in algorithms.split(",") if a.strip()] if isinstance(algorithms, str) else list(algorithms)
     opts = _options(rounds, seeds, local_epochs, batch_size, lr, fraction, engine, layout, device, eval_every,
                     binarize, settings, progress, _tensorboard(tensorboard, out))
-    store, bbs, fed = _prepare(data, backbones, num_classes, opts, load=out is None)
+    store, bbs, fed, order = _prepare(data, backbones, num_classes, opts, load=out is None, algorithms=names)
     if out is not None:
         return Result(runner.compare_runs(store, bbs, names, opts, out, overwrite=overwrite, data=fed,
-                                          resume=resume), out)
-    runs, combined = runner.compare_data(fed, bbs, names, opts, dims=_dims(store, bbs), store=store)  # type: ignore[arg-type]
+                                          resume=resume, order=order), out)
+    runs, combined = runner.compare_data(fed, bbs, names, opts, dims=_dims(store, bbs), store=store,  # type: ignore[arg-type]
+                                         order=order)
     combined["algorithms"] = {n: Result(r.result, states=r.states, config=r.config) for n, r in runs.items()}
     return Result(combined)
-
-
-def _load(store: str, backbones: list[str], opts: Any) -> FedData:
-    from fedheads.data import load_fed_data, resolve_device
-
-    return load_fed_data(store, backbones, resolve_device(opts.device), binarize=opts.binarize, layout=opts.layout)
 
 
 def _dims(store: str | None, backbones: list[str]) -> list[int] | None:

@@ -190,16 +190,16 @@ class FedData:
 Federation = Union[FedData, BucketedFedData]  # the two layouts (fedheads/layout.py)
 
 
-def largest_first(data: Federation, fraction: float) -> tuple[Federation, tuple[int, ...]]:
-    """(the federation to train on, its clients' positions in `data`): with every client in every
-    round (fraction >= 1) and the padded layout, the clients largest first (FedData.by_size, one
-    copy of the features), else `data` itself. Local steps then compute only the clients still
-    stepping without re-ordering them each round (core/train.py: about a fifth less CPU for
-    FedAvg, Solo or FedProto at 80 label-skewed clients); per-client results equal the store
-    order's up to the order in which the server sums the clients' messages. A sampled federation
-    keeps its order, so the seeded draw of participants is unchanged; the bucketed layout keeps
-    its buckets. Put results back with RunResult.in_client_order and in_store_order."""
-    if fraction < 1.0 or not isinstance(data, FedData):
+def largest_first(data: Federation) -> tuple[Federation, tuple[int, ...]]:
+    """(the federation to train on, its clients' positions in `data`): a padded federation's
+    clients largest first (FedData.by_size: one copy of the features; load_fed_data(...,
+    largest_first=True) loads them so without one), a bucketed one as it is. Local steps then
+    compute only the clients still stepping without re-ordering them each round (core/train.py:
+    about a fifth less CPU for FedAvg, Solo or FedProto at 80 label-skewed clients); a client's
+    result equals the store order's up to the order in which the server sums the clients'
+    messages. Which runs do it: fedheads.runner.trains_largest_first. Put results back with
+    RunResult.in_client_order and in_store_order."""
+    if not isinstance(data, FedData):
         return data, tuple(range(data.num_clients))
     return data.by_size()
 

@@ -142,7 +142,11 @@ class BucketedFedData:
     def spec(self) -> "DataSpec":
         from fedheads.data import DataSpec
 
-        return DataSpec(self.dim, self.num_classes, self.num_clients, self.n_train, self.device)
+        ids = [0] * self.num_clients  # each position's global id, from its bucket (as FedData.spec)
+        for ms, bucket in self.groups():
+            for pos, gid in zip(ms, bucket.client_index.tolist()):
+                ids[pos] = gid
+        return DataSpec(self.dim, self.num_classes, self.num_clients, self.n_train, self.device, tuple(ids))
 
     def groups(self) -> tuple[tuple[tuple[int, ...], FedData], ...]:
         return tuple(zip(self.members, self.buckets))

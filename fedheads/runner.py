@@ -225,16 +225,33 @@ def _since(t0: tuple[float, float], device: torch.device) -> tuple[float, float]
     return t[0] - t0[0], t[1] - t0[1]
 
 
+def trains_largest_first(algorithms: Sequence[Any], opts: TrainOptions) -> bool:
+    """Whether a run stacks its clients largest first (fedheads.data.largest_first): with every
+    client in every round (fraction >= 1), on the vectorised engine (the loop runs one client at a
+    time, so there is nothing to skip, and its server sums stay in the store's order: the Flower
+    simulation equals it bit for bit), and only for algorithms that declare which server-state
+    fields hold a row per client (`server_client_fields`, core/protocol.py; () for none), so that
+    every state can be put back in the store's order. Other (plugin) algorithms keep that order."""
+    return (opts.fraction >= 1.0 and opts.engine == "vectorized"
+            and all(hasattr(a, "server_client_fields") for a in algorithms))
+
+
+def load_order(store: str, backbones: Sequence[str], opts: TrainOptions,
+               sort: bool) -> tuple[Federation, tuple[int, ...] | None]:
+    """The store's features in `opts.layout`, largest first when `sort` (trains_largest_first;
+    loaded in that order, no second copy), and that order as store positions (None: the store's)."""
+    data = load_fed_data(store, backbones, resolve_device(opts.device), binarize=opts.binarize, layout=opts.layout,
+                         largest_first=sort)
+    order = tuple(data.client_index.tolist()) if sort and isinstance(data, FedData) else None
+    return data, order
+
+
 def _load_from_store(store: str | None, backbones: Sequence[str], opts: TrainOptions, t_start: tuple[float, float],
-                     what: str) -> tuple[Federation, tuple[int, ...], tuple[float, float]]:
-    """The run's features from the store in `opts.layout`, in the order train_data trains them
-    (largest_first, without a copy: load_fed_data), that order as store positions, and the
-    (wall, CPU) seconds since t_start."""
+                     what: str, sort: bool) -> tuple[Federation, tuple[int, ...] | None, tuple[float, float]]:
+    """load_order, and the (wall, CPU) seconds since t_start."""
     if store is None:
         raise UserError(f"{what}: needs a store or the features as data")
-    data = load_fed_data(store, backbones, resolve_device(opts.device), binarize=opts.binarize, layout=opts.layout,
-                         largest_first=opts.fraction >= 1.0)
-    order = tuple(data.client_index.tolist()) if isinstance(data, FedData) else tuple(range(data.num_clients))
+    data, order = load_order(store, backbones, opts, sort)
     return data, order, _since(t_start, data.device)
 
 
@@ -279,21 +296,27 @@ def train_data(data: Federation, backbones: Sequence[str], algorithm: str, opts:
     dimension per backbone (default: one block of data.dim); `store`: where the features came
     from (recorded with its fingerprint in the config). With `state_dir`, each seed writes a
     checkpoint there after every round (fedheads.resume) and, with `resume`, continues from it;
-    without, nothing is written. The clients train in the order `largest_first` gives (`order`:
-    `data` is in that order already, its clients' positions in the store's order); every result,
-    state and row is in the store's order."""
+    without, nothing is written. Where trains_largest_first says so, the clients train largest
+    first (`order`: `data` is in that order already, its clients' positions in the caller's order;
+    else it is sorted here, one copy); every result, saved state and row is in the caller's order
+    (the per-round checkpoint keeps the training order)."""
     if t_start is None:
         t_start = clock(torch.device("cpu"))
-    build_algorithm(algorithm, opts, strict=strict)  # bad options fail before any training
+    alg0 = build_algorithm(algorithm, opts, strict=strict)[0]  # bad options fail before any training
     require_test_samples(data)
     if order is None:
-        data, order = largest_first(data, opts.fraction)
+        data, order = largest_first(data) if trains_largest_first([alg0], opts) else (data, None)
+    order = tuple(range(data.num_clients)) if order is None else tuple(order)
     names, n_test = in_store_order(data.client_names, order), in_store_order(data.n_test, order)
     dims = [data.dim] if dims is None else list(dims)
     per_seed, rows, alg_cfg, ignored, used = [], [], None, [], {}
     states: dict[int, RunResult] = {}
     extra_rules: dict[str, list[float]] = {}
-    data_id = resume_mod.data_settings(data) if state_dir is not None else None
+    data_id = None
+    if state_dir is not None:  # the store's order, and the order the checkpoint's rows are in
+        data_id = resume_mod.data_settings(data)
+        data_id.update({k: in_store_order(data_id[k], order) for k in ("clients", "n_train", "n_test")})
+        data_id["train_order"] = "store" if order == tuple(range(len(order))) else "largest first"
     for seed in opts.seeds:
         alg, used, ignored = build_algorithm(algorithm, opts, strict=strict)
         alg_cfg = _config_dict(getattr(alg, "cfg", None))
@@ -351,7 +374,7 @@ def train_data(data: Federation, backbones: Sequence[str], algorithm: str, opts:
 
 def train_run(store: str | None, backbones: Sequence[str], algorithm: str, opts: TrainOptions,
               out: str | Path, strict: bool = True, data: Federation | None = None,
-              overwrite: bool = False, resume: bool = False) -> dict[str, Any]:
+              overwrite: bool = False, resume: bool = False, order: Sequence[int] | None = None) -> dict[str, Any]:
     """Train `algorithm` once per seed, write the run directory, return results.json's dict.
     An --out holding a run is refused unless `overwrite` (fedheads.rundir). Features are loaded
     in `opts.layout`; a `data` given runs in the layout it has (results.json "layout" says which). `store` may be None
@@ -359,14 +382,15 @@ def train_run(store: str | None, backbones: Sequence[str], algorithm: str, opts:
     Every round is checkpointed in RUN_DIR/state/; `resume` continues from there (fedheads.resume)."""
     out = Path(out)
     rundir.check_resume(out, (), overwrite, resume)
-    build_algorithm(algorithm, opts, strict=strict)  # bad options fail before the old run is touched
+    alg0 = build_algorithm(algorithm, opts, strict=strict)[0]  # bad options fail before the old run is touched
     if opts.tensorboard:
         from fedheads.tracking import require
 
         require()
-    t_start, load, order = clock(torch.device("cpu")), None, None  # nothing queued on a device yet
+    t_start, load = clock(torch.device("cpu")), None  # nothing queued on a device yet
     if data is None:
-        data, order, load = _load_from_store(store, backbones, opts, t_start, "train")
+        data, order, load = _load_from_store(store, backbones, opts, t_start, "train",
+                                             trains_largest_first([alg0], opts))
     require_test_samples(data)
     if overwrite:  # results.json marks a complete run: no old file may sit beside the new ones
         rundir.clear_run(out)
@@ -445,8 +469,9 @@ def compare_data(data: Federation, backbones: Sequence[str], algorithms: Sequenc
         t_start = clock(torch.device("cpu"))
     check_compare_settings(algorithms, opts)
     require_test_samples(data)
-    if order is None:
-        data, order = largest_first(data, opts.fraction)
+    if order is None and trains_largest_first([build_algorithm(n, opts, strict=False)[0] for n in algorithms], opts):
+        data, order = largest_first(data)
+    order = tuple(range(data.num_clients)) if order is None else tuple(order)
     runs = {name: train_data(data, backbones, name, opts, dims=dims, store=store, strict=False,
                              state_dir=None if out is None else out / name / "state", resume=resume, order=order)
             for name in algorithms}
@@ -460,10 +485,11 @@ def compare_data(data: Federation, backbones: Sequence[str], algorithms: Sequenc
 
 def compare_runs(store: str | None, backbones: Sequence[str], algorithms: Sequence[str], opts: TrainOptions,
                  out: str | Path, overwrite: bool = False, data: Federation | None = None,
-                 resume: bool = False) -> dict[str, Any]:
+                 resume: bool = False, order: Sequence[int] | None = None) -> dict[str, Any]:
     """Train every algorithm on the same cached features (loaded once) and write the comparison.
     An --out (or an <algorithm>/ in it) holding a run is refused unless `overwrite`. `store` may
-    be None when `data` is given; `resume` continues an interrupted comparison."""
+    be None when `data` is given (`order`: as in train_data); `resume` continues an interrupted
+    comparison."""
     out = Path(out)
     rundir.check_resume(out, algorithms, overwrite, resume)
     check_compare_settings(algorithms, opts)
@@ -471,10 +497,11 @@ def compare_runs(store: str | None, backbones: Sequence[str], algorithms: Sequen
         from fedheads.tracking import require
 
         require()
-    t_start, load, order = clock(torch.device("cpu")), None, None  # nothing queued on a device yet
+    t_start, load = clock(torch.device("cpu")), None  # nothing queued on a device yet
     dims = None
     if data is None:
-        data, order, load = _load_from_store(store, backbones, opts, t_start, "compare")
+        sort = trains_largest_first([build_algorithm(n, opts, strict=False)[0] for n in algorithms], opts)
+        data, order, load = _load_from_store(store, backbones, opts, t_start, "compare", sort)
     if store is not None:
         from embedcache.reader import open_store
 

@@ -74,17 +74,17 @@ def run_head(cfg: dict[str, Any], paths: dict[str, Any]) -> dict[str, Any]:
     from fedheads import report
     from fedheads.core.engine import run
     from fedheads.data import in_store_order
-    from fedheads.runner import TrainOptions, _config_dict, build_algorithm
+    from fedheads.runner import TrainOptions, _config_dict, build_algorithm, trains_largest_first
 
     o = cfg["options"]
-    # with every client in every round, the clients go largest first (the same participants);
-    # the results below are put back in the store's client order
-    data, order = _fed_data(paths["store"], tuple(cfg["backbones"]), o["device"], bool(o.get("binarize", False)),
-                            by_size=o["fraction"] >= 1.0)
     opts = TrainOptions(rounds=o["rounds"], seeds=(cfg["seed"],), fraction=o["fraction"],
                         engine=o.get("engine", "vectorized"), device=o["device"], eval_every=o["eval_every"],
                         binarize=bool(o.get("binarize", False)), settings=_settings(cfg), progress=False)
     alg, used, ignored = build_algorithm(cfg["algorithm"], opts, strict=False)
+    # as fedheads train: the clients largest first where it pays (the same participants); the
+    # results below are put back in the store's client order
+    data, order = _fed_data(paths["store"], tuple(cfg["backbones"]), o["device"], bool(o.get("binarize", False)),
+                            by_size=trains_largest_first([alg], opts))
     res = run(alg, data, opts.rounds, seed=cfg["seed"], fraction=opts.fraction, engine=opts.engine,
               eval_every=opts.eval_every, progress=False).in_client_order(order, getattr(alg, "server_client_fields", ()))
     names, domains = in_store_order(data.client_names, order), in_store_order(data.domains, order)

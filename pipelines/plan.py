@@ -22,9 +22,12 @@ from pipelines import datasets
 from pipelines.prepare import DataRequest, Prepared
 from pipelines.spec import BackboneSet, Experiment, Method, Point
 
-# bumped when a cell's config would train differently: /2 seeds per-client heads by the client's
-# global id (fedheads.core.heads.client_seeds), so /1 results of sorted cells are not reused
-CELL_FORMAT = "pipelines-cell/2"
+CELL_FORMAT = "pipelines-cell/1"
+# head cells that train differently from the same config of older code carry a key of what
+# changed, so a re-run does not reuse their old results (the other cells keep their hashes):
+# FedPCL, FedProto and Solo seed each client's head by its global id (core/heads.client_seeds),
+# no longer by its place in the largest-first stack of a full-participation cell
+RESEEDED = ("fedpcl", "fedproto", "solo")
 OPTION_KEYS = ("fraction", "engine", "binarize")  # TrainOptions / FinetuneOptions fields set by settings
 # FinetuneOptions fields a setting may name (ft.* goes to FTConfig)
 FINETUNE_KEYS = ("head_rounds", "trainable", "bn", "live_prefix", "pretrained", "augment", "ncm_bias", "fraction")
@@ -268,6 +271,8 @@ def cells(arm: Arm, ctx: RunContext) -> list[dict[str, Any]]:
             "settings": {"method": {k: v for k, v in settings.items() if k in arm.scoped},
                          "common": {k: v for k, v in settings.items() if k not in arm.scoped}},
             "threads": ctx.threads}
+    if m.kind == "head" and m.algorithm in RESEEDED and float(options["fraction"]) >= 1.0:
+        base["client_seeds"] = "global-id"
     out = []
     for seed in arm.seeds:
         cfg = {**base, "seed": int(seed)}

@@ -73,6 +73,7 @@ class FedAvg:
     """FedAvg / FedProx with a pluggable server optimiser."""
 
     name = "fedavg"
+    server_client_fields: tuple[str, ...] = ()  # no per-client rows in the server state (core/protocol.py)
     global_rule = "global_model"  # predict's key for the server model alone
 
     def __init__(self, cfg: FedAvgConfig = FedAvgConfig(), server_opt: ServerOptimizer | None = None,

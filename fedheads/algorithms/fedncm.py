@@ -143,6 +143,7 @@ class FedNCM:
     """FedNCM in the core's algorithm protocol (one round, no training)."""
 
     name = "fedncm"
+    server_client_fields: tuple[str, ...] = ()  # no per-client rows in the server state (core/protocol.py)
     global_rule = "main"  # every client classifies by the server's class means
 
     def __init__(self, cfg: FedNCMConfig = FedNCMConfig()) -> None:

@@ -86,6 +86,7 @@ class FedProto:
     """FedProto on cached features."""
 
     name = "fedproto"
+    server_client_fields: tuple[str, ...] = ()  # no per-client rows in the server state (core/protocol.py)
 
     def __init__(self, cfg: FedProtoConfig = FedProtoConfig()) -> None:
         self.cfg = cfg

@@ -72,6 +72,7 @@ class FedRep:
     """FedRep: shared representation, personal heads."""
 
     name = "fedrep"
+    server_client_fields: tuple[str, ...] = ()  # no per-client rows in the server state (core/protocol.py)
 
     def __init__(self, cfg: FedRepConfig = FedRepConfig()) -> None:
         self.cfg = cfg

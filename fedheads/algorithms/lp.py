@@ -159,6 +159,7 @@ class HeadTuning:
     """LP / MLP head tuning with FedAvg, FedProx or FedAdam and optional FedNCM initialisation."""
 
     name = "lp"
+    server_client_fields: tuple[str, ...] = ()  # no per-client rows in the server state (core/protocol.py)
     global_rule = "global_model"  # predict's key for the server model alone
 
     def __init__(self, cfg: LPConfig = LPConfig(), name: str | None = None) -> None:

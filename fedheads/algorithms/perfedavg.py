@@ -74,6 +74,7 @@ class PerFedAvg:
     """Per-FedAvg, first-order MAML variant."""
 
     name = "perfedavg"
+    server_client_fields: tuple[str, ...] = ()  # no per-client rows in the server state (core/protocol.py)
     global_rule = "global_model"  # predict's key for the server model alone
 
     def __init__(self, cfg: PerFedAvgConfig = PerFedAvgConfig()) -> None:

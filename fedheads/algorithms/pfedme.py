@@ -77,6 +77,7 @@ class PFedMe:
     """pFedMe: bi-level personalisation with Moreau envelopes."""
 
     name = "pfedme"
+    server_client_fields: tuple[str, ...] = ()  # no per-client rows in the server state (core/protocol.py)
     global_rule = "global_model"  # predict's key for the server model alone
 
     def __init__(self, cfg: PFedMeConfig = PFedMeConfig()) -> None:

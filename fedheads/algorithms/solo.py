@@ -52,6 +52,7 @@ class Solo:
     """Local training only."""
 
     name = "solo"
+    server_client_fields: tuple[str, ...] = ()  # no per-client rows in the server state (core/protocol.py)
 
     def __init__(self, cfg: SoloConfig = SoloConfig()) -> None:
         self.cfg = cfg

@@ -49,7 +49,7 @@ class RoundRecord:
     """What happened in one round."""
 
     round: int  # 0-based round
-    participants: tuple[int, ...]  # global client ids that trained
+    participants: tuple[int, ...]  # positions of the clients that trained (RoundCtx.participants)
     comm: CommRecord  # traffic of the round
     accuracy: dict[str, torch.Tensor] | None  # rule -> [M] per-client test accuracy (cpu), None if not evaluated
     seconds: float  # wall time of the round's training (client updates + aggregation), not evaluation

@@ -28,9 +28,12 @@ run. Conventions:
   model. `fedheads predict --images` classifies images that belong to no client with it; an
   algorithm without it (personalised heads, local prototypes) needs `--client`.
 - Optional attribute `server_client_fields: tuple[str, ...]`: the server-state fields that, against
-  the convention above, hold one row per client of the federation (FedPCL's prototype bank). A run
-  whose clients were stacked in another order (fedheads.data.largest_first) puts these rows back in
-  the store's order with the client state (RunResult.in_client_order).
+  the convention above, hold one row per client of the federation (FedPCL's prototype bank; () for
+  none). Declaring it lets `fedheads train/compare` and the pipelines stack the clients largest
+  first (fedheads.runner.trains_largest_first) and put these rows back in the store's order with
+  the client state (RunResult.in_client_order); an algorithm without it keeps the store's order.
+  Key per-client randomness by global ids (data.client_index, DataSpec.ids(),
+  core/heads.client_seeds), never by a client's position in the stack.
 """
 
 from __future__ import annotations
@@ -54,7 +57,8 @@ class RoundCtx:
 
     round: int  # 0-based communication round
     seed: int  # run seed (combine with round and client_index for randomness)
-    participants: torch.Tensor  # [P] int64 global ids of this round's participants (sorted)
+    participants: torch.Tensor  # [P] int64 positions in the stacked federation of this round's participants
+    # (sorted; the store's ids unless it was stacked largest first: data.client_index holds the global ids)
     num_clients: int  # M of the whole federation
 
 
