@@ -161,23 +161,22 @@ def _prepare(data: Data, backbones: Sequence[str] | str | None, num_classes: int
     when `load` (in memory), else by the runner that writes the run directory. Where the runner
     trains the clients largest first (runner.trains_largest_first), the data is in that order
     (a store read so, arrays stacked then sorted: the first stack is dropped) and the order is
-    its clients' positions in the store or the arrays' order (None: that order itself)."""
+    its clients' positions in the store or the arrays' order (None: not loaded here)."""
     from embedcache.errors import UserError
     from fedheads import runner
     from fedheads.data import largest_first
 
     if isinstance(backbones, str):
         backbones = [b.strip() for b in backbones.split(",") if b.strip()]
-    sort = runner.trains_largest_first([runner.build_algorithm(a, opts, strict=False)[0] for a in algorithms], opts)
     if isinstance(data, (str, Path)):
         if not backbones:
             raise UserError(f"backbones: needed to read features from the store {data}")
         if not load:
             return str(data), list(backbones), None, None
-        fed, order = runner.load_order(str(data), list(backbones), opts, sort)
+        fed, order = runner.load_order(str(data), list(backbones), opts, runner.trains_largest_first(algorithms, opts))
         return str(data), list(backbones), fed, order
     fed = _federation(data, num_classes, opts.device, opts.binarize)
-    fed, order = largest_first(fed) if sort else (fed, None)
+    fed, order = largest_first(fed) if runner.trains_largest_first(algorithms, opts) else (fed, range(fed.num_clients))
     return None, list(backbones or ["features"]), fed, order
 
 

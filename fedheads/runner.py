@@ -225,29 +225,30 @@ def _since(t0: tuple[float, float], device: torch.device) -> tuple[float, float]
     return t[0] - t0[0], t[1] - t0[1]
 
 
-def trains_largest_first(algorithms: Sequence[Any], opts: TrainOptions) -> bool:
-    """Whether a run stacks its clients largest first (fedheads.data.largest_first): with every
-    client in every round (fraction >= 1), on the vectorised engine (the loop runs one client at a
-    time, so there is nothing to skip, and its server sums stay in the store's order: the Flower
-    simulation equals it bit for bit), and only for algorithms that declare which server-state
+def trains_largest_first(algorithms: Sequence[str], opts: TrainOptions) -> bool:
+    """Whether a run of the named algorithms stacks its clients largest first
+    (fedheads.data.largest_first): with every client in every round (fraction >= 1), on the
+    vectorised engine (the loop runs one client at a time, so there is nothing to skip, and its
+    server sums stay in the store's order: the Flower simulation equals it bit for bit), and only
+    for algorithms that declare which server-state
     fields hold a row per client (`server_client_fields`, core/protocol.py; () for none), so that
     every state can be put back in the store's order. Other (plugin) algorithms keep that order."""
     return (opts.fraction >= 1.0 and opts.engine == "vectorized"
-            and all(hasattr(a, "server_client_fields") for a in algorithms))
+            and all(hasattr(build_algorithm(a, opts, strict=False)[0], "server_client_fields") for a in algorithms))
 
 
 def load_order(store: str, backbones: Sequence[str], opts: TrainOptions,
-               sort: bool) -> tuple[Federation, tuple[int, ...] | None]:
+               sort: bool) -> tuple[Federation, tuple[int, ...]]:
     """The store's features in `opts.layout`, largest first when `sort` (trains_largest_first;
-    loaded in that order, no second copy), and that order as store positions (None: the store's)."""
+    loaded in that order, no second copy), and their order as store positions."""
     data = load_fed_data(store, backbones, resolve_device(opts.device), binarize=opts.binarize, layout=opts.layout,
                          largest_first=sort)
-    order = tuple(data.client_index.tolist()) if sort and isinstance(data, FedData) else None
+    order = tuple(data.client_index.tolist()) if isinstance(data, FedData) else tuple(range(data.num_clients))
     return data, order
 
 
 def _load_from_store(store: str | None, backbones: Sequence[str], opts: TrainOptions, t_start: tuple[float, float],
-                     what: str, sort: bool) -> tuple[Federation, tuple[int, ...] | None, tuple[float, float]]:
+                     what: str, sort: bool) -> tuple[Federation, tuple[int, ...], tuple[float, float]]:
     """load_order, and the (wall, CPU) seconds since t_start."""
     if store is None:
         raise UserError(f"{what}: needs a store or the features as data")
@@ -302,11 +303,12 @@ def train_data(data: Federation, backbones: Sequence[str], algorithm: str, opts:
     (the per-round checkpoint keeps the training order)."""
     if t_start is None:
         t_start = clock(torch.device("cpu"))
-    alg0 = build_algorithm(algorithm, opts, strict=strict)[0]  # bad options fail before any training
+    build_algorithm(algorithm, opts, strict=strict)  # bad options fail before any training
     require_test_samples(data)
     if order is None:
-        data, order = largest_first(data) if trains_largest_first([alg0], opts) else (data, None)
-    order = tuple(range(data.num_clients)) if order is None else tuple(order)
+        sort = trains_largest_first([algorithm], opts)
+        data, order = largest_first(data) if sort else (data, range(data.num_clients))
+    order = tuple(order)
     names, n_test = in_store_order(data.client_names, order), in_store_order(data.n_test, order)
     dims = [data.dim] if dims is None else list(dims)
     per_seed, rows, alg_cfg, ignored, used = [], [], None, [], {}
@@ -382,7 +384,7 @@ def train_run(store: str | None, backbones: Sequence[str], algorithm: str, opts:
     Every round is checkpointed in RUN_DIR/state/; `resume` continues from there (fedheads.resume)."""
     out = Path(out)
     rundir.check_resume(out, (), overwrite, resume)
-    alg0 = build_algorithm(algorithm, opts, strict=strict)[0]  # bad options fail before the old run is touched
+    build_algorithm(algorithm, opts, strict=strict)  # bad options fail before the old run is touched
     if opts.tensorboard:
         from fedheads.tracking import require
 
@@ -390,7 +392,7 @@ def train_run(store: str | None, backbones: Sequence[str], algorithm: str, opts:
     t_start, load = clock(torch.device("cpu")), None  # nothing queued on a device yet
     if data is None:
         data, order, load = _load_from_store(store, backbones, opts, t_start, "train",
-                                             trains_largest_first([alg0], opts))
+                                             trains_largest_first([algorithm], opts))
     require_test_samples(data)
     if overwrite:  # results.json marks a complete run: no old file may sit beside the new ones
         rundir.clear_run(out)
@@ -469,9 +471,9 @@ def compare_data(data: Federation, backbones: Sequence[str], algorithms: Sequenc
         t_start = clock(torch.device("cpu"))
     check_compare_settings(algorithms, opts)
     require_test_samples(data)
-    if order is None and trains_largest_first([build_algorithm(n, opts, strict=False)[0] for n in algorithms], opts):
-        data, order = largest_first(data)
-    order = tuple(range(data.num_clients)) if order is None else tuple(order)
+    if order is None:
+        data, order = largest_first(data) if trains_largest_first(algorithms, opts) else (data, range(data.num_clients))
+    order = tuple(order)
     runs = {name: train_data(data, backbones, name, opts, dims=dims, store=store, strict=False,
                              state_dir=None if out is None else out / name / "state", resume=resume, order=order)
             for name in algorithms}
@@ -500,8 +502,8 @@ def compare_runs(store: str | None, backbones: Sequence[str], algorithms: Sequen
     t_start, load = clock(torch.device("cpu")), None  # nothing queued on a device yet
     dims = None
     if data is None:
-        sort = trains_largest_first([build_algorithm(n, opts, strict=False)[0] for n in algorithms], opts)
-        data, order, load = _load_from_store(store, backbones, opts, t_start, "compare", sort)
+        data, order, load = _load_from_store(store, backbones, opts, t_start, "compare",
+                                             trains_largest_first(algorithms, opts))
     if store is not None:
         from embedcache.reader import open_store
 

@@ -84,7 +84,7 @@ def run_head(cfg: dict[str, Any], paths: dict[str, Any]) -> dict[str, Any]:
     # as fedheads train: the clients largest first where it pays (the same participants); the
     # results below are put back in the store's client order
     data, order = _fed_data(paths["store"], tuple(cfg["backbones"]), o["device"], bool(o.get("binarize", False)),
-                            by_size=trains_largest_first([alg], opts))
+                            by_size=trains_largest_first([cfg["algorithm"]], opts))
     res = run(alg, data, opts.rounds, seed=cfg["seed"], fraction=opts.fraction, engine=opts.engine,
               eval_every=opts.eval_every, progress=False).in_client_order(order, getattr(alg, "server_client_fields", ()))
     names, domains = in_store_order(data.client_names, order), in_store_order(data.domains, order)

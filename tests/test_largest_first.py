@@ -75,11 +75,16 @@ def test_in_store_order_and_run_result_round_trip() -> None:
     assert list(fast.n_train) == sorted(data.n_train, reverse=True) and order != tuple(range(5))
     assert in_store_order(fast.client_names, order) == list(data.client_names)
     opts = TrainOptions(rounds=2, seeds=(0,), device="cpu", eval_every=1, progress=False)
-    fedavg = build_algorithm("fedavg", opts)[0]
-    assert trains_largest_first([fedavg], opts)
-    assert not trains_largest_first([fedavg], dataclasses.replace(opts, fraction=0.6))  # the draw is by position
-    assert not trains_largest_first([fedavg], dataclasses.replace(opts, engine="loop"))  # nothing to skip
-    assert not trains_largest_first([fedavg, _Plain()], opts)  # a plugin that does not declare its server rows
+    assert trains_largest_first(["fedavg", "fedpcl"], opts)
+    assert not trains_largest_first(["fedavg"], dataclasses.replace(opts, fraction=0.6))  # the draw is by position
+    assert not trains_largest_first(["fedavg"], dataclasses.replace(opts, engine="loop"))  # nothing to skip
+    from fedheads.algorithms import _REGISTRY, register_algorithm
+
+    register_algorithm("plain-fedavg", lambda **cfg: _Plain(), description="test double")
+    try:  # a plugin that does not declare its server rows
+        assert not trains_largest_first(["fedavg", "plain-fedavg"], opts)
+    finally:
+        _REGISTRY.pop("plain-fedavg", None)
     res = engine.run(build_algorithm("fedpcl", opts)[0], fast, 2, seed=0, eval_every=1, progress=False)
     back = res.in_client_order(order)
     for k in res.client_state.params:
