@@ -86,6 +86,16 @@ def main() -> None:
     ap.add_argument("--work", default=None, help="where the store is written (and reused)")
     ap.add_argument("--out", default=str(HERE / "results" / "scale_breakdown.json"))
     a = ap.parse_args()
+    from embedcache.errors import UserError
+    from fedheads.algorithms import create_algorithm
+
+    try:  # a bad name stops here, before minutes of writing the store
+        create_algorithm(a.algorithm)
+    except UserError as e:
+        raise SystemExit(f"error: {e}") from None
+    if a.layout not in ("padded", "bucketed", "auto") or a.clients < 1 or a.rounds < 1:
+        raise SystemExit(f"error: --layout padded|bucketed|auto, --clients and --rounds >= 1 (got {a.layout}, "
+                         f"{a.clients}, {a.rounds})")
     work = Path(a.work or tempfile.mkdtemp(prefix="scale_breakdown_"))
     store, fed_file = work / f"s{a.clients}.zarr", work / f"s{a.clients}.json"
     if not fed_file.is_file():
