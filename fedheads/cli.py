@@ -27,7 +27,9 @@ def main(plugins: tuple[str, ...]) -> None:
     import os
 
     from embedcache.plugins import FEDHEADS_ENV, import_plugins, plugin_names
+    from fedheads.heap import one_arena
 
+    one_arena()  # before a store is read: what helper threads free is reused (fedheads/heap.py)
     import_plugins(plugin_names(plugins, os.environ.get(FEDHEADS_ENV)))
 
 

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from embedcache.errors import UserError
+from fedheads.heap import release_free_heap
 from fedheads.layout import BucketedFedData, LayoutConfig, as_layout, layout_info, plan_buckets, to_layout  # noqa: F401 (re-exported)
 
 T = TypeVar("T")
@@ -369,7 +370,10 @@ def load_fed_data(store: str, backbones: Sequence[str], device: str | torch.devi
                 row += len(y)
             sizes[split][i] = row
     doms = tuple(info.shard(bbs[0], c, "train").domain for c in names)  # type: ignore[union-attr]
-    return build.finish(sizes["train"], sizes["test"], len(classes), tuple(names), doms, binarize)
+    del info
+    data = build.finish(sizes["train"], sizes["test"], len(classes), tuple(names), doms, binarize)
+    release_free_heap()  # the parsed metadata of every shard and the read buffers go back to the OS
+    return data
 
 
 def _backbone_dims(info: Any, bbs: list[str], names: list[str]) -> list[int]:

@@ -35,7 +35,7 @@ def release_free_heap() -> None:
 
 
 # glibc's mallopt parameters (malloc.h) and their documented defaults
-_M_TRIM_THRESHOLD, _M_MMAP_MAX = -1, -4
+_M_TRIM_THRESHOLD, _M_MMAP_MAX, _M_ARENA_MAX = -1, -4, -8
 _DEFAULT_TRIM_THRESHOLD, _DEFAULT_MMAP_MAX = 128 * 1024, 65536
 _KEEP = 2**31 - 1  # mallopt takes an int: the top 2 GiB of freed heap stay until release_free_heap()
 
@@ -53,6 +53,18 @@ _MALLOPT = _glibc("mallopt", [ctypes.c_int, ctypes.c_int]) if _TRIM is not None 
 # cell in an executor thread, and a thread's own arena maps large blocks whatever
 # MALLOC_MMAP_MAX_ says.
 REUSE_ENV = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(_KEEP), "MALLOC_ARENA_MAX": "1"}
+
+
+def one_arena() -> None:
+    """Let every thread this process starts from now on allocate from glibc's main arena
+    (mallopt M_ARENA_MAX = 1; a no-op where the C library is not glibc). The `fedheads` command
+    calls it before it reads a store: glibc otherwise gives each thread that allocates (zarr's I/O
+    loop, its decompressors, torch's intra-op workers) an arena of its own, and what they free
+    there stays resident, beside the training thread's heap, until the process ends. Measured on
+    bench_scale's 1,000-client federation (benchmarks/bench_scale_breakdown.py): FedPCL's peak
+    PEAK_BEFORE -> PEAK_AFTER the feature bytes. Arenas made before the call stay."""
+    if _MALLOPT is not None:
+        _MALLOPT(_M_ARENA_MAX, 1)
 
 
 def reuse_env() -> dict[str, str]:

@@ -390,6 +390,11 @@ def train_run(store: str | None, backbones: Sequence[str], algorithm: str, opts:
 
         require()
     t_start, load = clock(torch.device("cpu")), None  # nothing queued on a device yet
+    dims = None
+    if store is not None:  # before the features: what parsing the metadata leaves is reused by the load
+        from embedcache.reader import open_store
+
+        dims = backbone_dims(open_store(store), backbones)
     if data is None:
         data, order, load = _load_from_store(store, backbones, opts, t_start, "train",
                                              trains_largest_first([algorithm], opts))
@@ -397,11 +402,6 @@ def train_run(store: str | None, backbones: Sequence[str], algorithm: str, opts:
     if overwrite:  # results.json marks a complete run: no old file may sit beside the new ones
         rundir.clear_run(out)
     (out / "results.json").unlink(missing_ok=True)  # resumed: complete again only when rewritten
-    dims = None
-    if store is not None:
-        from embedcache.reader import open_store
-
-        dims = backbone_dims(open_store(store), backbones)
     trained = train_data(data, backbones, algorithm, opts, dims=dims, store=store, strict=strict,
                          t_start=t_start, load=load, state_dir=out / "state", resume=resume, order=order)
     write_trained(out, trained)

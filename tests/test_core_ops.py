@@ -227,6 +227,41 @@ def test_proto_contrast_matches_straightforward_formula_and_gradients() -> None:
             torch.autograd.grad(loss, [z, protos])
 
 
+@pytest.mark.parametrize("chunk_sets", [1, 3, 100])
+def test_weighted_contrast_sum_matches_the_weighted_terms(monkeypatch, chunk_sets) -> None:
+    """proto_contrast_sum (gradient made in the forward, sets in chunks) equals the weighted sum of
+    the reference terms, value and gradient in z, for shared and per-client sets, whatever the
+    chunking; with a protos that needs a gradient it takes the general path."""
+    torch.manual_seed(1)
+    M, B, S, C, d = 3, 5, 7, 6, 4
+    y = torch.randint(0, C, (M, B))
+    monkeypatch.setattr(ops, "CONTRAST_CHUNK_BYTES", chunk_sets * M * B * C * 8)
+    for shared in (True, False):
+        shape = (S, C) if shared else (M, S, C)
+        avail = torch.rand(shape) > 0.3
+        if shared:  # A(y) empty for one row, the positive missing, a set with nothing
+            avail[0] = False
+            avail[0, y[0, 0]] = True
+            avail[1, y[0, 1]] = False
+            avail[2] = False
+        z = torch.randn(M, B, d, dtype=torch.float64, requires_grad=True)
+        protos = torch.randn(*shape, d, dtype=torch.float64)
+        mask = torch.rand(M, B) > 0.3
+        row_w = mask.double() / mask.sum(-1, keepdim=True).clamp_min(1)
+        set_w = (torch.rand(S) > 0.2).double() / 5
+        got = ops.proto_contrast_sum(z, protos, avail, y, 0.3, row_w, set_w)
+        terms, _ = _contrast_reference(z, protos, avail, y, 0.3)
+        want = (terms * row_w.unsqueeze(-1) * set_w.view(1, 1, -1)).sum((1, 2))
+        torch.testing.assert_close(got, want)
+        gw = torch.randn(M, dtype=torch.float64)
+        torch.testing.assert_close(torch.autograd.grad((got * gw).sum(), z)[0],
+                                   torch.autograd.grad((want * gw).sum(), z)[0])
+        p2 = protos.clone().requires_grad_(True)
+        got2 = ops.proto_contrast_sum(z, p2, avail, y, 0.3, row_w, set_w)
+        torch.testing.assert_close(got2, want)
+        assert torch.autograd.grad(got2.sum(), p2)[0].abs().sum() > 0
+
+
 def test_fused_inplace_optimizer_matches_functional_with_diverged_step_counts() -> None:
     from fedheads.core.optim import InPlaceOptimizer, OptState
 

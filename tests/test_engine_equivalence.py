@@ -18,7 +18,7 @@ from fedheads.algorithms.pfedme import PFedMe, PFedMeConfig
 from fedheads.algorithms.solo import Solo, SoloConfig
 from fedheads.core import OptimizerConfig, run, select_participants
 from fedheads.algorithms.fedncm import FedNCM
-from fedheads.core.tree import tree_leaves
+from fedheads.core.tree import row_range, tree_leaves
 from fedheads.data import BucketedFedData, to_layout
 from fedheads.layout import LayoutConfig
 from tolerances import assert_mostly_close
@@ -78,6 +78,19 @@ def test_bucketed_equals_loop(name: str, fraction: float) -> None:
     """Each bucket is one vectorised call; the loop runs the padded data one client at a time."""
     _assert_engines_agree({**ALGOS, "fedncm": FedNCM}[name], bucketed_fed(), tiny_fed(M=6), fraction,
                           trains=name != "fedncm")
+
+
+@pytest.mark.parametrize("fraction", [1.0, 0.5])
+@pytest.mark.parametrize("name", sorted({**ALGOS, "fedncm": FedNCM}))
+def test_bucketed_largest_first_equals_loop(name: str, fraction: float) -> None:
+    """Clients stored largest first (as `fedheads train` loads them): every bucket's rows of the
+    state are consecutive, so the engine hands client_update views of them and writes the result
+    back in place (core/tree.py tree_rows / tree_put_rows_); the run is still the loop's."""
+    ordered = tiny_fed(M=6).by_size()[0]
+    data = to_layout(ordered, BUCKETS)
+    assert isinstance(data, BucketedFedData) and len(data.buckets) == 3
+    assert all(row_range(ms) is not None for ms in data.members)
+    _assert_engines_agree({**ALGOS, "fedncm": FedNCM}[name], data, ordered, fraction, trains=name != "fedncm")
 
 
 def _assert_engines_agree(make, data, loop_data, fraction: float, trains: bool = True) -> None:

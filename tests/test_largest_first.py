@@ -138,7 +138,9 @@ def test_train_trains_largest_first_and_writes_the_store_order(store, tmp_path, 
                                rtol=0, atol=1e-4)
     cs, ss = load_state(tmp_path / "run" / "state" / "seed0.pt", alg, data.spec(), 0)
     for x, y in zip(tree_leaves((cs, ss)), tree_leaves((ref.client_state, ref.server_state))):
-        torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-5)
+        # stacked GEMMs round differently for 5 rows in another order; Adam amplifies that to ~1e-5
+        # (the tolerance of tests/test_engine_equivalence.py)
+        torch.testing.assert_close(x, y, rtol=1e-3, atol=5e-5)
     rows = (tmp_path / "run" / "metrics.csv").read_text().splitlines()[1:]
     assert [r.split(",")[2] for r in rows[:len(names)]] == names
 

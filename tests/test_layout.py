@@ -16,7 +16,8 @@ from embedcache.errors import UserError
 from fedheads.algorithms.fedpcl import FedPCL, FedPCLConfig
 from fedheads.algorithms.lp import HeadTuning, LPConfig
 from fedheads.core import ops
-from fedheads.core.engine import count_parameters, owned
+from fedheads.core.engine import count_parameters, owned, run
+from fedheads.core.tree import row_range, tree_cat, tree_cat_chunks, tree_put_rows_, tree_rows, tree_scatter_
 from fedheads.data import BucketedFedData, FedData, layout_info, load_fed_data, to_layout
 from fedheads.layout import LayoutConfig, bucketing_pays, plan_buckets
 
@@ -162,6 +163,49 @@ def test_owned_copies_only_shared_or_expanded_leaves():
     assert out["b"] is state["b"]  # nothing else holds it: updated in place, no copy
     assert out["a"] is not base and torch.equal(out["a"], base)
     assert out["c"].is_contiguous()
+
+
+def test_rows_of_a_state_are_views_only_when_consecutive():
+    state = {"w": torch.arange(24.0).view(6, 4), "n": (torch.arange(6),)}
+    assert row_range([2, 3, 4]) == (2, 5) and row_range([2, 4]) is None and row_range([]) is None
+    view, copy = tree_rows(state, [2, 3, 4]), tree_rows(state, [4, 1])
+    assert view["w"].data_ptr() == state["w"][2].data_ptr()  # no copy
+    assert copy["w"].data_ptr() != state["w"].data_ptr()
+    torch.testing.assert_close(copy["w"], state["w"][[4, 1]])
+    torch.testing.assert_close(copy["n"][0], torch.tensor([4, 1]))
+    for ids in ([2, 3, 4], [4, 1], [0]):
+        new = {"w": -torch.ones(len(ids), 4), "n": (torch.full((len(ids),), -1),)}
+        a = {"w": state["w"].clone(), "n": (state["n"][0].clone(),)}
+        b = {"w": state["w"].clone(), "n": (state["n"][0].clone(),)}
+        tree_put_rows_(a, ids, new)
+        tree_scatter_(b, torch.tensor(ids), new)
+        torch.testing.assert_close(a, b)
+    same = tree_rows(state, [1, 2])  # a part that is the slice itself: written back unchanged
+    before = state["w"].clone()
+    tree_put_rows_(state, [1, 2], same)
+    torch.testing.assert_close(state["w"], before)
+
+
+def test_parts_streamed_into_one_tree_equal_their_concatenation():
+    parts = [({"p": torch.randn(k, 3)}, torch.randn(k)) for k in (2, 2, 1)]
+    starts = [0, 2, 4]
+    got = tree_cat_chunks(((a, p) for a, p in zip(starts, parts)), 5)
+    torch.testing.assert_close(got, tree_cat(parts))
+    with pytest.raises(ValueError):
+        tree_cat_chunks(iter(()), 0)
+
+
+def test_the_engine_trains_consecutive_buckets_on_views_of_the_state(monkeypatch):
+    """Largest-first buckets: client_update gets views of the federation's state (no bucket copy)."""
+    ordered = FedData.from_arrays(_clients(SKEWED), 3).by_size()[0]
+    data = to_layout(ordered, LayoutConfig("bucketed", waste=0.5, bucket_clients=3))
+    assert isinstance(data, BucketedFedData) and len(data.buckets) > 1
+    seen = []
+    real = FedPCL.client_update
+    monkeypatch.setattr(FedPCL, "client_update",
+                        lambda self, cs, *a: seen.append(cs.params["proj.weight"]._base is not None) or real(self, cs, *a))
+    run(FedPCL(FedPCLConfig(hidden=8, batch_size=4)), data, rounds=2, seed=0, progress=False)
+    assert seen and all(seen)
 
 
 def test_scratch_pool_serves_every_bucket_from_one_buffer():

@@ -61,7 +61,7 @@ from fedheads.core.heads import HeadSpec, Params
 from fedheads.core.optim import OptimizerConfig, OptState, config_from_kwargs, opt_initial
 from fedheads.core.protocol import Init, RoundCtx
 from fedheads.core.train import local_train
-from fedheads.core.tree import tree_cat, tree_map
+from fedheads.core.tree import tree_cat_chunks, tree_map
 from fedheads.data import DataSpec, FedData
 
 _NEG = -1e9  # finite "minus infinity" keeps logsumexp gradients NaN-free for masked entries
@@ -254,14 +254,16 @@ class FedPCL:
         spec, cfg = self.spec, self.cfg
         assert spec is not None
         set_avail = bc.set_present
-        n_sets = bc.set_valid.sum().clamp_min(1).to(torch.float32)
+        set_w = bc.set_valid.to(torch.float32) / bc.set_valid.sum().clamp_min(1)  # Eq. 9: (1/m) sum_p
 
         def paper(p: Params, b: Params, x: torch.Tensor, y: torch.Tensor, m: torch.Tensor):
             z, nb = heads.embed(spec, p, b, self._x(x), m, train=True)
             l_g, _ = contrast_terms(z, bc.global_protos.unsqueeze(0), bc.global_present.unsqueeze(0), y, cfg.tau)  # Eq. 8
-            l_p, _ = contrast_terms(z, bc.local_sets, set_avail, y, cfg.tau)  # Eq. 9 terms, [M,B,S]
-            l_p = (l_p * bc.set_valid.view(1, 1, -1)).sum(-1) / n_sets  # Eq. 9: (1/m) sum_p
-            return ops.masked_mean(l_g[..., 0] + l_p, m), nb  # Eq. 10
+            # Eq. 10 = mean over the batch's valid rows of (Eq. 8 + Eq. 9); Eq. 9's part is summed
+            # directly with those weights (ops.proto_contrast_sum: no [M,B,S] terms are kept)
+            row_w = m.to(z.dtype) / m.sum(-1, keepdim=True).clamp_min(1).to(z.dtype)
+            l_p = ops.proto_contrast_sum(z, bc.local_sets, set_avail, y, cfg.tau, row_w, set_w)  # Eq. 9
+            return ops.masked_mean(l_g[..., 0], m) + l_p, nb  # Eq. 10
 
         def code(p: Params, b: Params, x: torch.Tensor, y: torch.Tensor, m: torch.Tensor):
             V = cfg.code_views
@@ -292,9 +294,9 @@ class FedPCL:
         M = data.num_clients
         if bc.collect_only or M <= k:
             return self._client_update(cs, bc, data, ctx)
-        parts = [self._client_update(tree_map(lambda t: t[a:a + k], cs), bc,  # noqa: B023 (used at once)
-                                     data.client_range(a, min(a + k, M)), ctx) for a in range(0, M, k)]
-        return tree_cat([p[0] for p in parts]), tree_cat([p[1] for p in parts])
+        parts = ((a, self._client_update(tree_map(lambda t: t[a:a + k], cs), bc,  # noqa: B023 (used at once)
+                                         data.client_range(a, min(a + k, M)), ctx)) for a in range(0, M, k))
+        return tree_cat_chunks(parts, M)  # (state, message) of one group at a time, no list of all
 
     def _client_update(self, cs: FedPCLClientState, bc: FedPCLBroadcast, data: FedData,
                        ctx: RoundCtx) -> tuple[FedPCLClientState, FedPCLMessage]:

@@ -27,7 +27,8 @@ from embedcache.errors import UserError
 from fedheads.core import ops, rng
 from fedheads.core.ops import masked_accuracy
 from fedheads.core.protocol import Algorithm, Init, RoundCtx
-from fedheads.core.tree import payload_size, tree_cat, tree_index, tree_leaves, tree_map, tree_scatter, tree_scatter_
+from fedheads.core.tree import (payload_size, tree_cat, tree_index, tree_leaves, tree_map, tree_put_rows_, tree_rows,
+                                tree_scatter, tree_scatter_)
 from fedheads.data import FedData, Federation
 from fedheads.heap import release_free_heap
 
@@ -174,7 +175,7 @@ def eval_client_state(algorithm: Algorithm, client_state: Any, server_state: Any
             return adapt(client_state, server_state, data)
         parts, order = [], []
         for ms, bucket in groups:
-            parts.append(adapt(tree_index(client_state, _ids(ms, data.device)), server_state, bucket))
+            parts.append(adapt(tree_rows(client_state, ms, data.device), server_state, bucket))
             order += ms
         return _in_order(tree_cat(parts), order, data.device)
     parts = [adapt(tree_index(client_state, torch.tensor([i], device=data.device)), server_state, data.select([i]))
@@ -191,7 +192,8 @@ def evaluate(algorithm: Algorithm, client_state: Any, server_state: Any, data: F
     EVAL_GROUP_BYTES (all at once for small federations): predict's temporaries (float64 copies,
     normalised features, scores) then stay bounded at 1,000s of clients; bucketed data is
     evaluated bucket by bucket, each in such groups. The loop: one at a time.
-    Groups are views of the data and the client state (no copy)."""
+    Groups are views of the data and of the client state (a copy of a bucket's rows of the
+    state only where they are not consecutive)."""
     if adapt:
         client_state = eval_client_state(algorithm, client_state, server_state, data, engine)
     groups = data.groups()
@@ -199,7 +201,7 @@ def evaluate(algorithm: Algorithm, client_state: Any, server_state: Any, data: F
         return _evaluate_padded(algorithm, client_state, server_state, groups[0][1], engine)
     out: dict[str, torch.Tensor] = {}
     for ms, bucket in groups:
-        acc = _evaluate_padded(algorithm, tree_index(client_state, _ids(ms, data.device)), server_state, bucket, engine)
+        acc = _evaluate_padded(algorithm, tree_rows(client_state, ms, data.device), server_state, bucket, engine)
         for k, v in acc.items():
             out.setdefault(k, torch.full((data.num_clients,), float("nan"), dtype=v.dtype))[list(ms)] = v
         release_free_heap()
@@ -250,10 +252,11 @@ def client_updates(algorithm: Algorithm, client_state: Any, broadcast: Any, data
         if not loc:
             continue
         ids = [ms[p] for p in loc]
-        gidx = _ids(ids, dev)
         sub = bucket if len(loc) == len(ms) else bucket.select(loc)
-        cs_b, msg_b = algorithm.client_update(tree_index(client_state, gidx), broadcast, sub, ctx)
-        tree_scatter_(client_state, gidx, cs_b)
+        # the bucket's rows of the state: views when they are consecutive (clients stored largest
+        # first), so no bucket-sized copy is made for the call (client_update is pure)
+        cs_b, msg_b = algorithm.client_update(tree_rows(client_state, ids, dev), broadcast, sub, ctx)
+        tree_put_rows_(client_state, ids, cs_b)
         msgs.append(msg_b)
         order += ids
         del cs_b, sub

@@ -237,3 +237,64 @@ def proto_contrast(z: torch.Tensor, protos: torch.Tensor, avail: torch.Tensor, y
     z [M,B,d]; protos [S,C,d] (sets shared by all clients) or [M,S,C,d]; avail [S,C] or
     [M,S,C] bool; y [M,B] -> (terms [M,B,S], ok [M,B,S] bool). Differentiable in z and protos."""
     return _ProtoContrast.apply(z, protos, avail, y, tau)
+
+
+CONTRAST_CHUNK_BYTES = 16 << 20  # proto_contrast_sum: logits of at most this many bytes at a time
+
+
+class _ProtoContrastSum(torch.autograd.Function):
+    """`proto_contrast_sum`: the weighted sum's gradient in z is computed in the forward, set
+    chunk by set chunk (the weights are known there and the sum is linear in the terms), so
+    neither the full [M,B,S,C] logits nor any [M,B,S] tensor outlives its chunk and backward
+    only scales the saved [M,B,d] gradient."""
+
+    @staticmethod
+    def forward(ctx, z, protos, avail, y, tau, row_w, set_w):  # type: ignore[override]
+        S, C, d = protos.shape[-3:]
+        M, B = y.shape
+        step = max(1, CONTRAST_CHUNK_BYTES // max(M * B * C * z.element_size(), 1))
+        total = z.new_zeros(M)
+        gz = torch.zeros_like(z)
+        for a in range(0, S, step):
+            b = min(S, a + step)
+            n = b - a
+            pt = protos[..., a:b, :, :].reshape(*protos.shape[:-3], n * C, d) * (1.0 / tau)  # as proto_contrast
+            e = torch.matmul(z, pt.transpose(-1, -2)).view(M, B, n, C)  # logits z.P/tau of sets [a, b)
+            yi = y.view(M, B, 1, 1).expand(M, B, n, 1)
+            pos = e.gather(-1, yi).squeeze(-1)
+            av = avail[..., a:b, :].reshape(-1, 1, n, C)
+            av_pos = av.expand(M, B, n, C).gather(-1, yi).squeeze(-1)
+            ok = av_pos & (av.sum(-1) - av_pos.to(torch.int64) > 0)
+            e.masked_fill_(~av, float("-inf")).scatter_(-1, yi, float("-inf"))
+            mx = e.amax(-1, keepdim=True)
+            mx.masked_fill_(mx == float("-inf"), 0.0)
+            e.sub_(mx).exp_()
+            den = e.sum(-1, keepdim=True)
+            wgt = (row_w.view(M, B, 1) * set_w[a:b].view(1, 1, n)).masked_fill_(~ok, 0.0)  # d sum / d term
+            term = torch.where(ok, (mx + den.log()).squeeze(-1) - pos, torch.zeros_like(pos))
+            total += (wgt * term).sum((1, 2))
+            # d term / d logits: softmax over A(y) minus one-hot(y), times the term's weight
+            w = e.mul_(wgt.unsqueeze(-1) / den.clamp_min(torch.finfo(e.dtype).tiny))
+            w.scatter_(-1, yi, -wgt.unsqueeze(-1))
+            gz += torch.matmul(w.view(M, B, n * C), pt)
+            del e, w, pt
+        ctx.save_for_backward(gz)
+        return total
+
+    @staticmethod
+    def backward(ctx, g):  # type: ignore[override]
+        (gz,) = ctx.saved_tensors
+        return gz * g.view(-1, 1, 1), None, None, None, None, None, None
+
+
+def proto_contrast_sum(z: torch.Tensor, protos: torch.Tensor, avail: torch.Tensor, y: torch.Tensor, tau: float,
+                       row_w: torch.Tensor, set_w: torch.Tensor) -> torch.Tensor:
+    """sum_{b,s} row_w[m,b] * set_w[s] * terms[m,b,s] per client [M], terms = proto_contrast's
+    (0 where not ok). z [M,B,d]; protos [S,C,d] or [M,S,C,d]; avail [S,C] or [M,S,C]; row_w
+    [M,B]; set_w [S]. Differentiable in z only (protos, avail and the weights are constants: a
+    protos that requires grad goes through proto_contrast); memory stays at a few
+    CONTRAST_CHUNK_BYTES whatever S (_ProtoContrastSum)."""
+    if protos.requires_grad or row_w.requires_grad or set_w.requires_grad:
+        terms, _ = proto_contrast(z, protos, avail, y, tau)
+        return (terms * row_w.unsqueeze(-1) * set_w.view(1, 1, -1)).sum((1, 2))
+    return _ProtoContrastSum.apply(z, protos, avail, y, tau, row_w.to(z.dtype), set_w.to(z.dtype))

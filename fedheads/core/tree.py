@@ -6,7 +6,7 @@ Non-tensor leaves (ints, strings, None) are passed through unchanged."""
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Sequence, TypeVar
+from typing import Any, Callable, Iterable, Sequence, TypeVar
 
 import torch
 
@@ -61,6 +61,56 @@ def tree_scatter_(full: T, idx: torch.Tensor, part: T) -> T:
         return f
 
     return tree_map(put, full, part)
+
+
+def row_range(ids: Sequence[int]) -> tuple[int, int] | None:
+    """(a, b) when `ids` are the consecutive rows a, a+1, ..., b-1; else None."""
+    ids = list(ids)
+    if ids and ids[-1] - ids[0] == len(ids) - 1 and all(j == i + 1 for i, j in zip(ids, ids[1:])):
+        return ids[0], ids[-1] + 1
+    return None
+
+
+def tree_rows(tree: T, ids: Sequence[int], device: torch.device | str = "cpu") -> T:
+    """Rows `ids` of the client axis of every leaf: views when they are consecutive (a size bucket
+    of clients stored largest first), else a copy (tree_index)."""
+    span = row_range(ids)
+    if span is None:
+        return tree_index(tree, torch.tensor(list(ids), dtype=torch.int64, device=device))
+    a, b = span
+    return tree_map(lambda t: t[a:b], tree)
+
+
+def tree_put_rows_(full: T, ids: Sequence[int], part: T) -> T:
+    """In place: rows `ids` of `full`'s client axis := `part` (`tree_scatter_`; a slice copy when the
+    rows are consecutive, nothing where `part`'s leaf already is that slice). Returns `full`."""
+    span = row_range(ids)
+    if span is None:
+        return tree_scatter_(full, torch.tensor(list(ids), dtype=torch.int64), part)
+    a, b = span
+
+    def put(f: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+        dst = f[a:b]
+        if not (p.data_ptr() == dst.data_ptr() and p.shape == dst.shape and p.stride() == dst.stride()):
+            dst.copy_(p)
+        return f
+
+    return tree_map(put, full, part)
+
+
+def tree_cat_chunks(chunks: Iterable[tuple[int, T]], total: int) -> T:
+    """`tree_cat` of parts made one after another: (first row, part) pairs written into leaves of
+    `total` rows allocated from the first part, each part dropped before the next is made. The
+    peak holds the result and one part, where tree_cat holds every part and their concatenation."""
+    out: Any = None
+    for a, part in chunks:
+        if out is None:
+            out = tree_map(lambda t: t.new_empty((total, *t.shape[1:])), part)
+        tree_map(lambda o, t: o[a:a + t.shape[0]].copy_(t), out, part)  # noqa: B023 (used at once)
+        del part
+    if out is None:
+        raise ValueError("tree_cat_chunks: no parts")
+    return out
 
 
 def tree_cat(parts: Sequence[T]) -> T:
