@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import os
 from collections.abc import Iterator
 
 
@@ -61,8 +62,8 @@ def one_arena() -> None:
     calls it before it reads a store: glibc otherwise gives each thread that allocates (zarr's I/O
     loop, its decompressors, torch's intra-op workers) an arena of its own, and what they free
     there stays resident, beside the training thread's heap, until the process ends. Measured on
-    bench_scale's 1,000-client federation (benchmarks/bench_scale_breakdown.py): FedPCL's peak
-    PEAK_BEFORE -> PEAK_AFTER the feature bytes. Arenas made before the call stay."""
+    bench_scale's 1,000-client federation (one run each, MALLOC_ARENA_MAX=1 in the environment
+    against none): FedPCL's peak 1.52x -> 1.48x the feature bytes. Arenas made before the call stay."""
     if _MALLOPT is not None:
         _MALLOPT(_M_ARENA_MAX, 1)
 
@@ -77,10 +78,12 @@ def reusing_freed_blocks() -> Iterator[None]:
     """In this process, for the block's duration: what REUSE_ENV does for a worker (its main
     arena only: for work on the thread that enters it), then glibc's defaults and the freed
     memory given back (release_free_heap). The resident size stays at the block's peak until it
-    ends. A no-op where the C library is not glibc."""
-    if _MALLOPT is None:
+    ends. A no-op where the C library is not glibc, inside another such block (the outer one
+    keeps its policy), and in a process started with REUSE_ENV (a sweep's worker keeps it)."""
+    if _MALLOPT is None or _reusing or os.environ.get("MALLOC_MMAP_MAX_") == REUSE_ENV["MALLOC_MMAP_MAX_"]:
         yield
         return
+    _set_reusing(True)
     _MALLOPT(_M_MMAP_MAX, 0)
     _MALLOPT(_M_TRIM_THRESHOLD, _KEEP)
     try:
@@ -88,4 +91,13 @@ def reusing_freed_blocks() -> Iterator[None]:
     finally:
         _MALLOPT(_M_MMAP_MAX, _DEFAULT_MMAP_MAX)
         _MALLOPT(_M_TRIM_THRESHOLD, _DEFAULT_TRIM_THRESHOLD)
+        _set_reusing(False)
         release_free_heap()
+
+
+_reusing = False  # inside reusing_freed_blocks
+
+
+def _set_reusing(on: bool) -> None:
+    global _reusing
+    _reusing = on

@@ -40,6 +40,9 @@ def mapped_for_a_large_block():
 out = [mapped_for_a_large_block()]
 with heap.reusing_freed_blocks():
     out.append(mapped_for_a_large_block())
+    with heap.reusing_freed_blocks():  # a nested block (a cell's training in a serial sweep)
+        pass
+    out.append(mapped_for_a_large_block())  # the outer block's policy holds
 out.append(mapped_for_a_large_block())
 print(json.dumps(out))
 """
@@ -55,9 +58,9 @@ def test_large_blocks_come_from_the_heap_inside_the_block_and_are_mapped_again_a
     env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}  # glibc's defaults
     p = subprocess.run([sys.executable, "-c", _PROBE], env=env, capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr[-2000:]
-    before, inside, after = json.loads(p.stdout.strip().splitlines()[-1])
+    before, inside, after_nested, after = json.loads(p.stdout.strip().splitlines()[-1])
     assert before >= 64 << 20
-    assert inside == 0
+    assert inside == 0 and after_nested == 0
     assert after >= 64 << 20
 
 
@@ -78,3 +81,45 @@ def test_sweep_workers_get_the_reuse_env():
     from pipelines import sweep
 
     assert sweep.WORKER_ENV == heap.reuse_env()
+
+
+def test_training_reuses_freed_blocks_for_padded_data_only(monkeypatch):
+    """fedheads train keeps freed blocks for reuse on padded data (same shapes every round) and
+    not on size buckets (a large federation: memory first)."""
+    import contextlib
+
+    import fedheads.runner as runner
+    from fedheads.data import FedData, to_layout
+    from fedheads.layout import LayoutConfig
+    from fed_tiny import tiny_fed
+
+    entered = []
+
+    @contextlib.contextmanager
+    def spy():
+        entered.append(True)
+        yield
+
+    monkeypatch.setattr(runner, "reusing_freed_blocks", spy)
+    opts = runner.TrainOptions(rounds=1, seeds=(0,), device="cpu", progress=False)
+    padded = tiny_fed(M=6)
+    runner.train_data(padded, ["b"], "fedavg", opts)
+    assert entered == [True]
+    buckets = to_layout(padded, LayoutConfig("bucketed", waste=1.0, bucket_clients=2))
+    assert not isinstance(buckets, FedData)
+    runner.train_data(buckets, ["b"], "fedavg", opts)
+    assert entered == [True]
+
+
+def test_the_heap_policy_benchmark_writes_both_modes(tmp_path):
+    """benchmarks/bench_heap_policy.py end to end at its smallest (a smoke test, not a figure)."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "hp.json"
+    p = subprocess.run([sys.executable, str(root / "benchmarks" / "bench_heap_policy.py"), "--repeats", "1", "--rounds", "1",
+                        "--out", str(out)], capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert p.returncode == 0, p.stderr[-2000:]
+    r = json.loads(out.read_text())
+    assert set(r["runs"]) == {"on", "off"} and r["cpu_ratio_off_over_on"] > 0 and r["peak_ratio_on_over_off"] > 0
+    assert r["runs"]["on"]["train_cpu_seconds"]["samples"][0] > 0
