@@ -62,7 +62,8 @@ def main() -> None:
 
 def _measure(work: Path, repeats: int, rounds: int) -> tuple[dict[str, list[dict]], dict]:
     fed = write_store(work / "s.zarr", np.full(80, 120), 1536, 10, seed=0)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE.parent), str(HERE)])}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}  # glibc's defaults in both modes
+    env["PYTHONPATH"] = os.pathsep.join([str(HERE.parent), str(HERE)])
     runs: dict[str, list[dict]] = {"on": [], "off": []}
     for rep in range(repeats):
         for mode in ("on", "off") if rep % 2 == 0 else ("off", "on"):

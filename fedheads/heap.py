@@ -36,8 +36,12 @@ def release_free_heap() -> None:
 
 
 # glibc's mallopt parameters (malloc.h) and their documented defaults
-_M_TRIM_THRESHOLD, _M_MMAP_MAX, _M_ARENA_MAX = -1, -4, -8
-_DEFAULT_TRIM_THRESHOLD, _DEFAULT_MMAP_MAX = 128 * 1024, 65536
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD, _M_MMAP_MAX, _M_ARENA_MAX = -1, -3, -4, -8
+_DEFAULT_MMAP_MAX = 65536
+# where glibc's dynamic thresholds settle once a block of its largest mmap threshold (32 MiB on 64-bit)
+# has been freed, as in any process that frees large tensors: a mallopt of either turns the dynamic
+# adjustment off for good, so leaving a block restores these instead of the 128 KiB start values
+_SETTLED_MMAP_THRESHOLD, _SETTLED_TRIM_THRESHOLD = 32 << 20, 64 << 20
 _KEEP = 2**31 - 1  # mallopt takes an int: the top 2 GiB of freed heap stay until release_free_heap()
 
 
@@ -76,8 +80,9 @@ def reuse_env() -> dict[str, str]:
 @contextlib.contextmanager
 def reusing_freed_blocks() -> Iterator[None]:
     """In this process, for the block's duration: what REUSE_ENV does for a worker (its main
-    arena only: for work on the thread that enters it), then glibc's defaults and the freed
-    memory given back (release_free_heap). The resident size stays at the block's peak until it
+    arena only: for work on the thread that enters it), then the thresholds glibc's own dynamic
+    ones settle at (_SETTLED_*: glibc has no way back to the dynamic ones) and the freed memory
+    given back (release_free_heap). The resident size stays at the block's peak until it
     ends. A no-op where the C library is not glibc, inside another such block (the outer one
     keeps its policy), and in a process started with REUSE_ENV (a sweep's worker keeps it)."""
     if _MALLOPT is None or _reusing or os.environ.get("MALLOC_MMAP_MAX_") == REUSE_ENV["MALLOC_MMAP_MAX_"]:
@@ -90,7 +95,8 @@ def reusing_freed_blocks() -> Iterator[None]:
         yield
     finally:
         _MALLOPT(_M_MMAP_MAX, _DEFAULT_MMAP_MAX)
-        _MALLOPT(_M_TRIM_THRESHOLD, _DEFAULT_TRIM_THRESHOLD)
+        _MALLOPT(_M_MMAP_THRESHOLD, _SETTLED_MMAP_THRESHOLD)
+        _MALLOPT(_M_TRIM_THRESHOLD, _SETTLED_TRIM_THRESHOLD)
         _set_reusing(False)
         release_free_heap()
 

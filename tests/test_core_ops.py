@@ -256,6 +256,10 @@ def test_weighted_contrast_sum_matches_the_weighted_terms(monkeypatch, chunk_set
         gw = torch.randn(M, dtype=torch.float64)
         torch.testing.assert_close(torch.autograd.grad((got * gw).sum(), z)[0],
                                    torch.autograd.grad((want * gw).sum(), z)[0])
+        # no second derivative is written: asking for one is an error, not a silently wrong value
+        g1 = torch.autograd.grad(ops.proto_contrast_sum(z, protos, avail, y, 0.3, row_w, set_w).sum(), z, create_graph=True)[0]
+        with pytest.raises(RuntimeError):
+            torch.autograd.grad(g1.sum(), z)
         p2 = protos.clone().requires_grad_(True)
         got2 = ops.proto_contrast_sum(z, p2, avail, y, 0.3, row_w, set_w)
         torch.testing.assert_close(got2, want)

@@ -30,9 +30,9 @@ class MallInfo2(ctypes.Structure):
 fn = ctypes.CDLL(None).mallinfo2
 fn.restype = MallInfo2
 
-def mapped_for_a_large_block():
+def mapped_for_a_large_block(nbytes=64 << 20):  # default: over glibc's largest mmap threshold (32 MB)
     before = int(fn().hblkhd)  # bytes glibc holds in blocks mapped on their own
-    t = torch.empty((64 << 20) // 4)  # over glibc's largest mmap threshold (32 MB)
+    t = torch.empty(nbytes // 4)
     grew = int(fn().hblkhd) - before
     del t
     return grew
@@ -62,6 +62,22 @@ def test_large_blocks_come_from_the_heap_inside_the_block_and_are_mapped_again_a
     assert before >= 64 << 20
     assert inside == 0 and after_nested == 0
     assert after >= 64 << 20
+
+
+@glibc
+def test_after_the_block_medium_blocks_come_from_the_heap_as_with_glibcs_settled_thresholds():
+    """A mallopt turns glibc's dynamic thresholds off for good: leaving the block sets the values
+    they settle at (32 MiB), not their 128 KiB start, so a 4 MiB tensor is not mapped and
+    zero-filled afresh every time for the rest of the process."""
+    if not hasattr(ctypes.CDLL(None), "mallinfo2"):
+        pytest.skip("glibc < 2.33: no mallinfo2")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
+    probe = _PROBE.split("out = [")[0] + (
+        "with heap.reusing_freed_blocks():\n    pass\n"
+        "print(json.dumps([mapped_for_a_large_block(4 << 20) for _ in range(3)]))\n")
+    p = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert json.loads(p.stdout.strip().splitlines()[-1]) == [0, 0, 0]
 
 
 @glibc

@@ -186,6 +186,22 @@ def test_rows_of_a_state_are_views_only_when_consecutive():
     torch.testing.assert_close(state["w"], before)
 
 
+def test_writing_back_rows_survives_a_result_that_views_another_field():
+    """A pure client_update may hand an input field back under another name (prev = cs.cur) or in
+    its message: with views of the state, both must still hold the value from before the write."""
+    from fedheads.core.tree import unshared
+
+    state = {"cur": torch.zeros(6, 2), "prev": torch.full((6, 2), -1.0)}
+    rows = [1, 2, 3]
+    cs = tree_rows(state, rows)
+    new = {"cur": cs["cur"] + 1, "prev": cs["cur"]}
+    msg = unshared({"sent": cs["cur"]}, state)
+    tree_put_rows_(state, rows, new)
+    torch.testing.assert_close(state["cur"][1:4], torch.ones(3, 2))
+    torch.testing.assert_close(state["prev"][1:4], torch.zeros(3, 2))
+    torch.testing.assert_close(msg["sent"], torch.zeros(3, 2))
+
+
 def test_parts_streamed_into_one_tree_equal_their_concatenation():
     parts = [({"p": torch.randn(k, 3)}, torch.randn(k)) for k in (2, 2, 1)]
     starts = [0, 2, 4]

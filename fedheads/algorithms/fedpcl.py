@@ -254,7 +254,7 @@ class FedPCL:
         spec, cfg = self.spec, self.cfg
         assert spec is not None
         set_avail = bc.set_present
-        set_w = bc.set_valid.to(torch.float32) / bc.set_valid.sum().clamp_min(1)  # Eq. 9: (1/m) sum_p
+        set_w = bc.set_valid.to(torch.float64) / bc.set_valid.sum().clamp_min(1)  # Eq. 9: (1/m) sum_p (in z's dtype there)
 
         def paper(p: Params, b: Params, x: torch.Tensor, y: torch.Tensor, m: torch.Tensor):
             z, nb = heads.embed(spec, p, b, self._x(x), m, train=True)

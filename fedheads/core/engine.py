@@ -28,7 +28,7 @@ from fedheads.core import ops, rng
 from fedheads.core.ops import masked_accuracy
 from fedheads.core.protocol import Algorithm, Init, RoundCtx
 from fedheads.core.tree import (payload_size, tree_cat, tree_index, tree_leaves, tree_map, tree_put_rows_, tree_rows,
-                                tree_scatter, tree_scatter_)
+                                tree_scatter, tree_scatter_, unshared)
 from fedheads.data import FedData, Federation
 from fedheads.heap import release_free_heap
 
@@ -256,6 +256,7 @@ def client_updates(algorithm: Algorithm, client_state: Any, broadcast: Any, data
         # the bucket's rows of the state: views when they are consecutive (clients stored largest
         # first), so no bucket-sized copy is made for the call (client_update is pure)
         cs_b, msg_b = algorithm.client_update(tree_rows(client_state, ids, dev), broadcast, sub, ctx)
+        msg_b = unshared(msg_b, client_state)  # a message viewing the state would change with the write
         tree_put_rows_(client_state, ids, cs_b)
         msgs.append(msg_b)
         order += ids

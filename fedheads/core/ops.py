@@ -208,6 +208,7 @@ class _ProtoContrast(torch.autograd.Function):
         return terms, ok
 
     @staticmethod
+    @torch.autograd.function.once_differentiable  # its second derivative is not written: an error, not a wrong value
     def backward(ctx, g, _g_ok):  # type: ignore[override]
         e, den, ok, yi, pt, z = ctx.saved_tensors
         M, B, S, C = e.shape
@@ -282,6 +283,7 @@ class _ProtoContrastSum(torch.autograd.Function):
         return total
 
     @staticmethod
+    @torch.autograd.function.once_differentiable  # as _ProtoContrast
     def backward(ctx, g):  # type: ignore[override]
         (gz,) = ctx.saved_tensors
         return gz * g.view(-1, 1, 1), None, None, None, None, None, None

@@ -88,14 +88,32 @@ def tree_put_rows_(full: T, ids: Sequence[int], part: T) -> T:
     if span is None:
         return tree_scatter_(full, torch.tensor(list(ids), dtype=torch.int64), part)
     a, b = span
+    # a part leaf that views `full` elsewhere than its own destination (a pure client_update may
+    # return an input field under another name) is copied first: the writes below would change it
+    part = tree_map(lambda f, p: p if _is_slice(p, f, a, b) or not shares_memory(p, full) else p.clone(), full, part)
 
     def put(f: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
-        dst = f[a:b]
-        if not (p.data_ptr() == dst.data_ptr() and p.shape == dst.shape and p.stride() == dst.stride()):
-            dst.copy_(p)
+        if not _is_slice(p, f, a, b):
+            f[a:b].copy_(p)
         return f
 
     return tree_map(put, full, part)
+
+
+def _is_slice(p: torch.Tensor, f: torch.Tensor, a: int, b: int) -> bool:
+    dst = f[a:b]
+    return p.data_ptr() == dst.data_ptr() and p.shape == dst.shape and p.stride() == dst.stride()
+
+
+def shares_memory(t: torch.Tensor, tree: Any) -> bool:
+    """Whether tensor `t` lies in the storage of one of `tree`'s leaves."""
+    ptr = t.untyped_storage().data_ptr()
+    return any(leaf.untyped_storage().data_ptr() == ptr for leaf in tree_leaves(tree))
+
+
+def unshared(tree: T, other: Any) -> T:
+    """`tree` with every leaf that lies in the storage of one of `other`'s leaves copied."""
+    return tree_map(lambda t: t.clone() if shares_memory(t, other) else t, tree)
 
 
 def tree_cat_chunks(chunks: Iterable[tuple[int, T]], total: int) -> T:
