@@ -17,7 +17,8 @@ from fedheads.core.batching import Schedule, make_schedule
 from fedheads.core import heads
 from fedheads.core.heads import Params
 from fedheads.core.protocol import RoundCtx
-from fedheads.core.train import gather_rows, inverse, order_by_steps, prefix_len, step_batch, step_buffers  # noqa: F401  (re-exported)
+from fedheads.core.train import (gather_rows, inverse, order_by_steps, prefix_len, restore_order_,  # noqa: F401 (re-exported)
+                                  step_batch, step_buffers)
 from fedheads.data import FedData
 
 # A forward+loss over stacked params: (params, buffers, x, y, valid) -> (loss [M], new buffers)
@@ -114,8 +115,9 @@ def in_data_order(perm: torch.Tensor | None, *trees: Params) -> tuple[Params, ..
     """`trees` stacked in order `perm` (order_by_steps) put back in the data's client order."""
     if perm is None:
         return trees
-    back = inverse(perm)
-    return tuple({n: v.index_select(0, back) for n, v in t.items()} for t in trees)
+    out = tuple(dict(t) for t in trees)
+    restore_order_(perm, *out)
+    return out
 
 
 def grads(loss_fn: LossFn, params: Params, buffers: Params, x: torch.Tensor, y: torch.Tensor,

@@ -92,12 +92,9 @@ def local_train(params: Params, buffers: Params, opt_state: OptState | None, opt
         for s in range(sched.num_steps):
             buffers = _step(params, buffers, opt, loss_fn, data, sched, s, keys, M, rowwise, perm, consts)
         out = opt.state()
-    if perm is not None:  # back to the data's client order, one tensor at a time (each reordered
-        back = inverse(perm)  # copy is freed as its successor is made: peak + one tensor)
-        for d in (params, buffers, out.m, out.v) if keep_opt else (params, buffers):
-            for k in list(d):
-                d[k] = d[k].index_select(0, back)
-        out = OptState(out.step.index_select(0, back), out.m, out.v)
+    if perm is not None:  # back to the data's client order
+        restore_order_(perm, *((params, buffers, out.m, out.v) if keep_opt else (params, buffers)))
+        out = OptState(out.step.index_select(0, inverse(perm)), out.m, out.v)
     return params, buffers, out if keep_opt else OptState(out.step)
 
 
@@ -121,6 +118,16 @@ def inverse(perm: torch.Tensor) -> torch.Tensor:
     back = torch.empty_like(perm)
     back[perm] = torch.arange(perm.numel(), device=perm.device)
     return back
+
+
+def restore_order_(perm: torch.Tensor, *trees: Params) -> None:
+    """In place: every tensor of the dicts `trees`, stacked in order `perm` (order_by_steps), put
+    back in the data's client order, one tensor at a time (each reordered copy is freed as its
+    successor is made: the peak holds one tensor more, not a second set)."""
+    back = inverse(perm)
+    for d in trees:
+        for k in list(d):
+            d[k] = d[k].index_select(0, back)
 
 
 def _by_steps(totals: tuple[int, ...]) -> list[int] | None:
