@@ -164,7 +164,6 @@ def _prepare(data: Data, backbones: Sequence[str] | str | None, num_classes: int
     its clients' positions in the store or the arrays' order (None: not loaded here)."""
     from embedcache.errors import UserError
     from fedheads import runner
-    from fedheads.data import largest_first
 
     if isinstance(backbones, str):
         backbones = [b.strip() for b in backbones.split(",") if b.strip()]
@@ -175,8 +174,7 @@ def _prepare(data: Data, backbones: Sequence[str] | str | None, num_classes: int
             return str(data), list(backbones), None, None
         fed, order = runner.load_order(str(data), list(backbones), opts, runner.trains_largest_first(algorithms, opts))
         return str(data), list(backbones), fed, order
-    fed = _federation(data, num_classes, opts.device, opts.binarize)
-    fed, order = largest_first(fed) if runner.trains_largest_first(algorithms, opts) else (fed, range(fed.num_clients))
+    fed, order = runner.train_order(_federation(data, num_classes, opts.device, opts.binarize), algorithms, opts)
     return None, list(backbones or ["features"]), fed, order
 
 
@@ -207,7 +205,7 @@ def train(data: Data, algorithm: str, *, backbones: Sequence[str] | str | None =
     if out is not None:
         return Result(runner.train_run(store, bbs, algorithm, opts, out, data=fed, overwrite=overwrite,
                                        resume=resume, order=order), out)
-    trained = runner.train_data(fed, bbs, algorithm, opts, dims=_dims(store, bbs), store=store,  # type: ignore[arg-type]
+    trained = runner.train_data(fed, bbs, algorithm, opts, dims=runner.store_dims(store, bbs), store=store,  # type: ignore[arg-type]
                                 order=order)
     return Result(trained.result, states=trained.states, config=trained.config)
 
@@ -233,19 +231,10 @@ def compare(data: Data, algorithms: Sequence[str] | str, *, backbones: Sequence[
     if out is not None:
         return Result(runner.compare_runs(store, bbs, names, opts, out, overwrite=overwrite, data=fed,
                                           resume=resume, order=order), out)
-    runs, combined = runner.compare_data(fed, bbs, names, opts, dims=_dims(store, bbs), store=store,  # type: ignore[arg-type]
+    runs, combined = runner.compare_data(fed, bbs, names, opts, dims=runner.store_dims(store, bbs), store=store,  # type: ignore[arg-type]
                                          order=order)
     combined["algorithms"] = {n: Result(r.result, states=r.states, config=r.config) for n, r in runs.items()}
     return Result(combined)
-
-
-def _dims(store: str | None, backbones: list[str]) -> list[int] | None:
-    if store is None:
-        return None
-    from embedcache.reader import open_store
-    from fedheads.runner import backbone_dims
-
-    return backbone_dims(open_store(store), backbones)
 
 
 def predict(run: str | Path, store: str | Path | None = None, *, images: str | None = None,

@@ -77,6 +77,9 @@ def reuse_env() -> dict[str, str]:
     return dict(REUSE_ENV) if _MALLOPT is not None else {}
 
 
+_reusing = False  # inside reusing_freed_blocks
+
+
 @contextlib.contextmanager
 def reusing_freed_blocks() -> Iterator[None]:
     """In this process, for the block's duration: what REUSE_ENV does for a worker (its main
@@ -85,10 +88,11 @@ def reusing_freed_blocks() -> Iterator[None]:
     given back (release_free_heap). The resident size stays at the block's peak until it
     ends. A no-op where the C library is not glibc, inside another such block (the outer one
     keeps its policy), and in a process started with REUSE_ENV (a sweep's worker keeps it)."""
+    global _reusing
     if _MALLOPT is None or _reusing or os.environ.get("MALLOC_MMAP_MAX_") == REUSE_ENV["MALLOC_MMAP_MAX_"]:
         yield
         return
-    _set_reusing(True)
+    _reusing = True
     _MALLOPT(_M_MMAP_MAX, 0)
     _MALLOPT(_M_TRIM_THRESHOLD, _KEEP)
     try:
@@ -97,13 +101,5 @@ def reusing_freed_blocks() -> Iterator[None]:
         _MALLOPT(_M_MMAP_MAX, _DEFAULT_MMAP_MAX)
         _MALLOPT(_M_MMAP_THRESHOLD, _SETTLED_MMAP_THRESHOLD)
         _MALLOPT(_M_TRIM_THRESHOLD, _SETTLED_TRIM_THRESHOLD)
-        _set_reusing(False)
+        _reusing = False
         release_free_heap()
-
-
-_reusing = False  # inside reusing_freed_blocks
-
-
-def _set_reusing(on: bool) -> None:
-    global _reusing
-    _reusing = on

@@ -239,6 +239,25 @@ def trains_largest_first(algorithms: Sequence[str], opts: TrainOptions) -> bool:
             and all(hasattr(build_algorithm(a, opts, strict=False)[0], "server_client_fields") for a in algorithms))
 
 
+def train_order(data: Federation, algorithms: Sequence[str], opts: TrainOptions) -> tuple[Federation, tuple[int, ...]]:
+    """`data` as a run of `algorithms` trains it, largest first where trains_largest_first says
+    so (fedheads.data.largest_first: one copy of a padded federation), and its clients' positions
+    in `data`."""
+    if trains_largest_first(algorithms, opts):
+        return largest_first(data)
+    return data, tuple(range(data.num_clients))
+
+
+def store_dims(store: str | None, backbones: Sequence[str]) -> list[int] | None:
+    """Each backbone's feature dimension from the store's metadata (None without a store). The
+    runs read it before the features: what parsing the metadata leaves is reused by the load."""
+    if store is None:
+        return None
+    from embedcache.reader import open_store
+
+    return backbone_dims(open_store(store), backbones)
+
+
 def load_order(store: str, backbones: Sequence[str], opts: TrainOptions,
                sort: bool) -> tuple[Federation, tuple[int, ...]]:
     """The store's features in `opts.layout`, largest first when `sort` (trains_largest_first;
@@ -318,8 +337,7 @@ def train_data(data: Federation, backbones: Sequence[str], algorithm: str, opts:
     build_algorithm(algorithm, opts, strict=strict)  # bad options fail before any training
     require_test_samples(data)
     if order is None:
-        sort = trains_largest_first([algorithm], opts)
-        data, order = largest_first(data) if sort else (data, range(data.num_clients))
+        data, order = train_order(data, [algorithm], opts)
     order = tuple(order)
     names, n_test = in_store_order(data.client_names, order), in_store_order(data.n_test, order)
     dims = [data.dim] if dims is None else list(dims)
@@ -403,11 +421,7 @@ def train_run(store: str | None, backbones: Sequence[str], algorithm: str, opts:
 
         require()
     t_start, load = clock(torch.device("cpu")), None  # nothing queued on a device yet
-    dims = None
-    if store is not None:  # before the features: what parsing the metadata leaves is reused by the load
-        from embedcache.reader import open_store
-
-        dims = backbone_dims(open_store(store), backbones)
+    dims = store_dims(store, backbones)
     if data is None:
         data, order, load = _load_from_store(store, backbones, opts, t_start, "train",
                                              trains_largest_first([algorithm], opts))
@@ -485,7 +499,7 @@ def compare_data(data: Federation, backbones: Sequence[str], algorithms: Sequenc
     check_compare_settings(algorithms, opts)
     require_test_samples(data)
     if order is None:
-        data, order = largest_first(data) if trains_largest_first(algorithms, opts) else (data, range(data.num_clients))
+        data, order = train_order(data, algorithms, opts)
     order = tuple(order)
     runs = {name: train_data(data, backbones, name, opts, dims=dims, store=store, strict=False,
                              state_dir=None if out is None else out / name / "state", resume=resume, order=order)
@@ -513,14 +527,10 @@ def compare_runs(store: str | None, backbones: Sequence[str], algorithms: Sequen
 
         require()
     t_start, load = clock(torch.device("cpu")), None  # nothing queued on a device yet
-    dims = None
+    dims = store_dims(store, backbones)
     if data is None:
         data, order, load = _load_from_store(store, backbones, opts, t_start, "compare",
                                              trains_largest_first(algorithms, opts))
-    if store is not None:
-        from embedcache.reader import open_store
-
-        dims = backbone_dims(open_store(store), backbones)
     require_test_samples(data)
     if overwrite:
         rundir.clear_run(out, algorithms)

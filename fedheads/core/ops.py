@@ -178,6 +178,28 @@ def masked_cross_entropy(logits: torch.Tensor, y: torch.Tensor, mask: torch.Tens
     return masked_mean(ce, mask)
 
 
+def _contrast_softmax(z: torch.Tensor, protos: torch.Tensor, avail: torch.Tensor, y: torch.Tensor, tau: float
+                      ) -> tuple[torch.Tensor, ...]:
+    """The shared forward of the prototype contrasts: (pt [SC,d] | [M,SC,d] the prototypes with 1/tau
+    folded in, e [M,B,S,C] = exp(logit - max) over A(y) and 0 elsewhere, den = its sum [M,B,S,1],
+    mx the max [M,B,S,1], pos [M,B,S] the positive's logit, ok [M,B,S] positive available and A(y)
+    not empty, yi the positive's index [M,B,S,1])."""
+    S, C, d = protos.shape[-3:]
+    M, B = y.shape
+    pt = protos.reshape(*protos.shape[:-3], S * C, d) * (1.0 / tau)
+    e = torch.matmul(z, pt.transpose(-1, -2)).view(M, B, S, C)  # logits z.P/tau
+    yi = y.view(M, B, 1, 1).expand(M, B, S, 1)
+    pos = e.gather(-1, yi).squeeze(-1)  # [M,B,S] logit of the positive
+    av = avail.reshape(-1, 1, S, C)  # [M|1,1,S,C]
+    av_pos = av.expand(M, B, S, C).gather(-1, yi).squeeze(-1)
+    ok = av_pos & (av.sum(-1) - av_pos.to(torch.int64) > 0)  # positive available, A(y) not empty
+    e.masked_fill_(~av, float("-inf")).scatter_(-1, yi, float("-inf"))  # keep A(y) only
+    mx = e.amax(-1, keepdim=True)
+    mx.masked_fill_(mx == float("-inf"), 0.0)  # empty A(y): exp gives 0, never NaN
+    e.sub_(mx).exp_()
+    return pt, e, e.sum(-1, keepdim=True), mx, pos, ok, yi
+
+
 class _ProtoContrast(torch.autograd.Function):
     """Forward and backward of `proto_contrast` in a few in-place passes over one [M,B,S,C]
     logit buffer. Written out because autograd's version of the straightforward formula
@@ -186,20 +208,7 @@ class _ProtoContrast(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, z, protos, avail, y, tau):  # type: ignore[override]
-        S, C, d = protos.shape[-3:]
-        M, B = y.shape
-        pt = protos.reshape(*protos.shape[:-3], S * C, d) * (1.0 / tau)  # [SC,d] | [M,SC,d], 1/tau folded in
-        e = torch.matmul(z, pt.transpose(-1, -2)).view(M, B, S, C)  # logits z.P/tau
-        yi = y.view(M, B, 1, 1).expand(M, B, S, 1)
-        pos = e.gather(-1, yi).squeeze(-1)  # [M,B,S] logit of the positive
-        av = avail.view(-1, 1, S, C)  # [M|1,1,S,C]
-        av_pos = av.expand(M, B, S, C).gather(-1, yi).squeeze(-1)
-        ok = av_pos & (av.sum(-1) - av_pos.to(torch.int64) > 0)  # positive available, A(y) not empty
-        e.masked_fill_(~av, float("-inf")).scatter_(-1, yi, float("-inf"))  # keep A(y) only
-        mx = e.amax(-1, keepdim=True)
-        mx.masked_fill_(mx == float("-inf"), 0.0)  # empty A(y): exp gives 0, never NaN
-        e.sub_(mx).exp_()  # e = exp(logit - max) over A(y), 0 elsewhere
-        den = e.sum(-1, keepdim=True)
+        pt, e, den, mx, pos, ok, yi = _contrast_softmax(z, protos, avail, y, tau)
         lse = (mx + den.log()).squeeze(-1)
         terms = torch.where(ok, lse - pos, torch.zeros_like(pos))
         ctx.save_for_backward(e, den, ok, yi, pt, z)
@@ -251,7 +260,7 @@ class _ProtoContrastSum(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, z, protos, avail, y, tau, row_w, set_w):  # type: ignore[override]
-        S, C, d = protos.shape[-3:]
+        S, C = protos.shape[-3:-1]
         M, B = y.shape
         step = max(1, CONTRAST_CHUNK_BYTES // max(M * B * C * z.element_size(), 1))
         total = z.new_zeros(M)
@@ -259,18 +268,7 @@ class _ProtoContrastSum(torch.autograd.Function):
         for a in range(0, S, step):
             b = min(S, a + step)
             n = b - a
-            pt = protos[..., a:b, :, :].reshape(*protos.shape[:-3], n * C, d) * (1.0 / tau)  # as proto_contrast
-            e = torch.matmul(z, pt.transpose(-1, -2)).view(M, B, n, C)  # logits z.P/tau of sets [a, b)
-            yi = y.view(M, B, 1, 1).expand(M, B, n, 1)
-            pos = e.gather(-1, yi).squeeze(-1)
-            av = avail[..., a:b, :].reshape(-1, 1, n, C)
-            av_pos = av.expand(M, B, n, C).gather(-1, yi).squeeze(-1)
-            ok = av_pos & (av.sum(-1) - av_pos.to(torch.int64) > 0)
-            e.masked_fill_(~av, float("-inf")).scatter_(-1, yi, float("-inf"))
-            mx = e.amax(-1, keepdim=True)
-            mx.masked_fill_(mx == float("-inf"), 0.0)
-            e.sub_(mx).exp_()
-            den = e.sum(-1, keepdim=True)
+            pt, e, den, mx, pos, ok, yi = _contrast_softmax(z, protos[..., a:b, :, :], avail[..., a:b, :], y, tau)  # sets [a, b)
             wgt = (row_w.view(M, B, 1) * set_w[a:b].view(1, 1, n)).masked_fill_(~ok, 0.0)  # d sum / d term
             term = torch.where(ok, (mx + den.log()).squeeze(-1) - pos, torch.zeros_like(pos))
             total += (wgt * term).sum((1, 2))
