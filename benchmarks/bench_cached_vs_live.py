@@ -44,7 +44,7 @@ if str(REPO / "benchmarks") not in sys.path:
 import assets  # noqa: E402  (sibling modules: benchmarks/ is on sys.path)
 from embedcache.errors import UserError  # noqa: E402
 from live_fedpcl import LiveConfig, LiveResult, run_live  # noqa: E402
-from machine_info import cpu_model  # noqa: E402
+from machine_info import cpu_model, write_json  # noqa: E402
 
 OUT = REPO / "benchmarks" / "results" / "cached_vs_live.json"
 BACKBONES = ("resnet20-cifar10", "resnet56-cifar10")
@@ -200,14 +200,6 @@ def environment(threads: int) -> dict[str, Any]:
             "torch_threads": threads, "python": platform.python_version(), "device": "cpu",
             "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
             "load_average_1_5_15": list(os.getloadavg())}
-
-
-def write_json(obj: dict[str, Any], path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    with os.fdopen(fd, "w") as fh:
-        fh.write(json.dumps(obj, indent=2) + "\n")
-    os.replace(tmp, path)
 
 
 @click.command()

@@ -27,7 +27,6 @@ Writes benchmarks/results/engine.json (atomic). `--device cuda` runs the same ca
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import statistics
@@ -43,7 +42,7 @@ from fedheads.algorithms.fedpcl import FedPCL, FedPCLConfig
 from fedheads.core import run
 from fedheads.core.engine import clock
 from fedheads.data import FedData, resolve_device
-from machine_info import machine  # sibling module (benchmarks/ is on sys.path)
+from machine_info import machine, write_json  # sibling module (benchmarks/ is on sys.path)
 
 OUT = Path(__file__).resolve().parent / "results" / "engine.json"
 ENGINES = ("vectorized", "loop")
@@ -142,10 +141,7 @@ def write(results: dict, path: Path) -> None:
     blocks = results["by_threads"].items()
     for key, field in (("speedup", "speedup"), ("speedup_training_round", "speedup_training_round")):
         results[key] = {f"threads={n}": {name: round(c[field], 3) for name, c in b.items()} for n, b in blocks}
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(results, indent=2, sort_keys=True))
-    os.replace(tmp, path)
+    write_json(results, path)
 
 
 @click.command()

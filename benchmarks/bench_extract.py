@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 import assets  # sibling modules (benchmarks/ is on sys.path)
-from machine_info import cpu_model
+from machine_info import cpu_model, write_json
 
 from embedcache.backbones import create_backbone
 from embedcache.extract import ExtractConfig, batch_bounds, decode_sample, extract, forward
@@ -188,10 +188,7 @@ def main() -> None:
     }
     if args.dask:
         out["note"] = "the dask time includes starting the LocalCluster"
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    tmp_out = Path(args.out).with_suffix(".json.tmp")
-    tmp_out.write_text(json.dumps(out, indent=2) + "\n")
-    os.replace(tmp_out, args.out)
+    write_json(out, args.out)
 
 
 if __name__ == "__main__":

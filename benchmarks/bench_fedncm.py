@@ -39,7 +39,7 @@ from fedheads.core import engine
 from fedheads.core.protocol import RoundCtx
 from fedheads.core.tree import tree_cat
 from fedheads.data import FedData, load_fed_data
-from machine_info import cpu_model  # sibling module (benchmarks/ is on sys.path)
+from machine_info import cpu_model, write_json  # sibling module (benchmarks/ is on sys.path)
 
 HERE = Path(__file__).resolve().parent
 
@@ -187,10 +187,7 @@ def main() -> None:
         "engine_mean_test_accuracy": float(run.final_accuracy().nanmean()),
         "machine": machine(),
     }
-    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    tmp_out = Path(a.out).with_suffix(".json.tmp")
-    tmp_out.write_text(json.dumps(result, indent=2) + "\n")
-    os.replace(tmp_out, a.out)
+    write_json(result, a.out)
     print(json.dumps(result, indent=2))
 
 

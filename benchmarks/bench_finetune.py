@@ -24,7 +24,6 @@ Timings are taken one configuration after another; run it on an otherwise idle m
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import statistics
@@ -37,6 +36,7 @@ import torch
 
 from assets import data_dir, display, weights_dir  # sibling module (benchmarks/ is on sys.path)
 from fedheads.machine import machine
+from machine_info import write_json  # sibling module
 
 OUT = Path(__file__).resolve().parent / "results" / "finetune.json"
 
@@ -188,10 +188,7 @@ def main(part: str, rounds: int, speed_rounds: int, seeds: str, work: str | None
         if not work:
             shutil.rmtree(tmp, ignore_errors=True)
     target = Path(out_path)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmpf = target.with_suffix(".json.tmp")
-    tmpf.write_text(json.dumps(results, indent=2, sort_keys=True))
-    os.replace(tmpf, target)
+    write_json(results, target)
     click.echo(f"wrote {target}")
 
 

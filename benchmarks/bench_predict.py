@@ -122,6 +122,7 @@ def main() -> None:
                                  "top1_agreement_gpu_vs_cpu": float(np.mean(on_gpu[:, 0] == got[:, 0]))})
             print(rows[-1], flush=True)
     from bench_fedncm import machine  # same machine description in both results files
+    from machine_info import write_json  # sibling module (benchmarks/ is on sys.path)
 
     result = {"benchmark": "nearest-prototype prediction: faiss Flat vs numpy brute force",
               "queries": a.queries, "dim": a.dim, "classes": a.classes,
@@ -129,10 +130,7 @@ def main() -> None:
               "repeats": a.repeats, "threads": a.threads, "faiss": faiss.__version__, "faiss_omp_threads":
               faiss.omp_get_max_threads(), "faiss_gpu": gpu_note, "numpy": np.__version__, "results": rows,
               "load_average_at_end": os.getloadavg(), "machine": machine()}
-    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(a.out).with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(result, indent=2) + "\n")
-    os.replace(tmp, a.out)
+    write_json(result, a.out)
     print(json.dumps(result, indent=2))
 
 

@@ -33,7 +33,7 @@ import zarr
 
 from embedcache import store as S
 from embedcache.reader import load_split, open_store
-from machine_info import cpu_model  # sibling module (benchmarks/ is on sys.path)
+from machine_info import cpu_model, write_json  # sibling module (benchmarks/ is on sys.path)
 
 HERE = Path(__file__).resolve().parent
 
@@ -117,8 +117,7 @@ def main() -> None:
     }
     print(json.dumps({k: v for k, v in out.items() if not k.endswith("_all")}, indent=2))
     if not args.quick:
-        (HERE / "results").mkdir(exist_ok=True)
-        (HERE / "results" / "store_read.json").write_text(json.dumps(out, indent=2) + "\n")
+        write_json(out, HERE / "results" / "store_read.json")
 
 
 if __name__ == "__main__":

@@ -4,11 +4,16 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
+import subprocess
+import sys
 from pathlib import Path
 
 from fedheads.machine import cpu_model, machine
 
-__all__ = ["cpu_model", "machine", "machine_facts", "write_json"]
+__all__ = ["cpu_model", "machine", "machine_facts", "provenance", "write_json"]
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 def machine_facts() -> dict:
@@ -19,8 +24,28 @@ def machine_facts() -> dict:
             "torch_threads": torch.get_num_threads()}
 
 
+def provenance() -> dict:
+    """The command line that is running and the commit it runs ("+dirty" when the checkout has
+    uncommitted changes to tracked files, so a figure is never attributed to code it did not run)."""
+    cmd = shlex.join([Path(sys.executable).name, *(
+        [os.path.relpath(sys.argv[0], REPO)] if sys.argv and sys.argv[0].endswith(".py") else sys.argv[:1]), *sys.argv[1:]])
+
+    def git(*args: str) -> str:
+        try:
+            return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, timeout=30).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            return ""
+
+    commit = git("rev-parse", "--short=12", "HEAD") or "unknown"
+    if git("status", "--porcelain", "--untracked-files=no"):
+        commit += "+dirty"
+    return {"command": cmd, "commit": commit}
+
+
 def write_json(obj: dict, path: str | Path) -> None:
-    """Atomic write (temp name, then os.replace) of a benchmark result."""
+    """Atomic write (temp name, then os.replace) of a benchmark result; the command and commit that
+    made it are added unless the benchmark recorded its own."""
+    obj = {**provenance(), **obj}
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".json.tmp")

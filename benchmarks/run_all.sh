@@ -1,27 +1,52 @@
 #!/usr/bin/env bash
-# Re-measure every benchmark, one after another, on an otherwise idle machine, and write
-# benchmarks/results/*.json. Needs ../shared (Office-Caltech-10 images, CIFAR ResNet weights).
+# Re-measure every committed benchmark, one after another, on an otherwise idle machine, and write
+# benchmarks/results/*.json (each records its command, commit, machine and load average).
+# Needs ../shared (Office-Caltech-10 images, CIFAR ResNet weights).
+#   bash benchmarks/run_all.sh            # the figures (hours: the paper-scale pipelines alone ~35 min)
+#   bash benchmarks/run_all.sh --quick    # smoke pass: each benchmark's smallest mode, results to a temp dir
+# GPU figures: benchmarks/gpu_check.sh on a CUDA machine (and bench_engine_ab.py for an A/B of two commits).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export EMBEDCACHE_ASSETS="${EMBEDCACHE_ASSETS:-$(cd .. && pwd)/shared}"
 export EMBEDCACHE_WEIGHTS="${EMBEDCACHE_WEIGHTS:-$EMBEDCACHE_ASSETS/weights}"
 PY=${PY:-.venv/bin/python}
-for b in engine memory fedncm predict extract store_read backbone_speed finetune text_encoder heap_policy; do
-  echo "== bench_$b $(date -u +%H:%M:%S)"
-  case $b in
-    extract) args="--per-domain 0" ;;   # all 2,533 Office-Caltech-10 images
-    engine) args="" ;;                  # 1 thread and every core, 7 interleaved repeats
-    memory) args="--baseline-rev 72227fd" ;;  # before/after the copies were removed (issue 11)
-    *) args="" ;;
-  esac
-  "$PY" "benchmarks/bench_$b.py" $args
-done
-echo "== bench_predict_images $(date -u +%H:%M:%S)"   # fedheads predict --images end to end, cold and warm cache
-"$PY" benchmarks/bench_predict_images.py
-echo "== bench_cached_vs_live $(date -u +%H:%M:%S)"
-"$PY" benchmarks/bench_cached_vs_live.py --rounds 100 --live-rounds 5
-echo "== bench_flower $(date -u +%H:%M:%S)"   # needs the [flower] extra (part of [dev])
-"$PY" benchmarks/bench_flower.py
-echo "== bench_feddra $(date -u +%H:%M:%S)"   # FedDRA: stage-1 cache vs live, methods at --preset quick, 3 seeds
-"$PY" benchmarks/bench_feddra.py
+QUICK=0; [ "${1:-}" = "--quick" ] && QUICK=1
+OUT=benchmarks/results
+if [ $QUICK = 1 ]; then OUT=$(mktemp -d); trap 'rm -rf "$OUT"' EXIT; fi
+
+# name | arguments for the figures | arguments for --quick ("-": no smoke mode, skipped)
+while IFS='|' read -r name full quick; do
+  name=$(echo $name); [ -z "$name" ] && continue
+  if [ $QUICK = 1 ]; then
+    quick=$(echo $quick)
+    if [ "$quick" = "-" ]; then echo "== $name: no smoke mode, skipped in --quick"; continue; fi
+    args="$quick"
+  else
+    args="$full"
+  fi
+  script=${name%%:*}
+  echo "== $name $(date -u +%H:%M:%S): $script.py $args"
+  # shellcheck disable=SC2086
+  "$PY" "benchmarks/$script.py" ${args//@OUT/$OUT}
+done <<'TABLE'
+bench_engine               |                                                   | --quick --out @OUT/engine.json
+bench_memory               | --baseline-rev 72227fd                            | --quick --out @OUT/memory.json
+bench_fedncm               |                                                   | -
+bench_predict              |                                                   | -
+bench_extract              | --per-domain 0                                    | --per-domain 3 --out @OUT/extract.json
+bench_store_read           |                                                   | --quick
+bench_backbone_speed       |                                                   | --quick --out @OUT/backbone_speed.json
+bench_finetune             |                                                   | --quick --out @OUT/finetune.json
+bench_text_encoder         |                                                   | --quick --out @OUT/text_encoder.json
+bench_heap_policy          |                                                   | -
+bench_predict_images       |                                                   | --quick --out @OUT/predict_images.json
+bench_cached_vs_live       | --rounds 100 --live-rounds 5                      | -
+bench_flower               |                                                   | --quick --out @OUT/flower.json
+bench_feddra               |                                                   | --quick --out @OUT/feddra.json
+bench_scale                | --clients 1000 --layouts bucketed --repeats 3     | --quick --out @OUT/scale.json
+bench_scale_breakdown      |                                                   | -
+bench_pipelines:ci         | --scale ci --scheduler local:2 --out-dir runs/bench-pipelines | --experiments fedpcl-table2 --scale smoke --scheduler serial --out @OUT/pipelines.json
+bench_pipelines:ci_compare | --experiments fedpcl-table14,fedpcl-table2,fedpcl-table3 --scale ci --scheduler local:2 --compare serial --out benchmarks/results/pipelines_ci_compare.json | -
+bench_pipelines:paper      | --scale paper --out-dir runs/bench-pipelines --warm-only --out benchmarks/results/pipelines_paper.json | -
+TABLE
 echo "== done $(date -u +%H:%M:%S)"

@@ -1,0 +1,39 @@
+"""Every committed benchmark figure says which command and commit made it, and that command is a
+committed script that benchmarks/run_all.sh (or the GPU check) runs."""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+RESULTS = sorted((BENCH / "results").glob("*.json"))
+RUNNERS = "\n".join((BENCH / f).read_text() for f in ("run_all.sh", "gpu_check.sh"))
+
+
+@pytest.mark.parametrize("path", RESULTS, ids=[p.stem for p in RESULTS])
+def test_result_names_its_command_commit_and_script(path):
+    d = json.loads(path.read_text())
+    assert d.get("command") and d.get("commit"), f"{path.name}: no command or commit recorded"
+    scripts = re.findall(r"benchmarks/([\w]+)\.(?:py|sh)", d["command"]) or re.findall(r"\b(\w+)\.(?:py|sh)\b", d["command"])
+    assert scripts, f"{path.name}: its command names no benchmark script: {d['command']!r}"
+    script = scripts[0]
+    assert (BENCH / f"{script}.py").is_file() or (BENCH / f"{script}.sh").is_file(), f"{path.name}: {script} missing"
+    assert script in RUNNERS or script == "bench_engine_ab", f"{path.name}: {script} is not run by run_all.sh"
+
+
+def test_write_json_records_command_and_commit(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCH))
+    monkeypatch.setattr(sys, "argv", [str(BENCH / "bench_x.py"), "--flag", "a b"])
+    from machine_info import write_json
+
+    write_json({"figure": 1.0}, tmp_path / "x.json")
+    d = json.loads((tmp_path / "x.json").read_text())
+    assert d["command"].endswith("benchmarks/bench_x.py --flag 'a b'") and d["figure"] == 1.0
+    assert re.fullmatch(r"[0-9a-f]{12}(\+dirty)?|unknown", d["commit"])
+    write_json({"command": "mine", "commit": "abc"}, tmp_path / "y.json")  # a benchmark's own wins
+    assert json.loads((tmp_path / "y.json").read_text())["command"] == "mine"
