@@ -1,9 +1,11 @@
 """`imagefolder:PATH`: PATH/<domain>/<class>/<image>. Classes are the sorted union of the class
 folders over all domains (a domain lacking a class is fine); locator = "domain/class/file".
 
-Fingerprints (contract 2): "stat" = f"{size}:{mtime_ns}" (one stat call, the default: catches
-any rewrite of a file, but a copy of the data set that does not keep mtimes looks changed);
-"sha256" = the file's sha256 (reads every byte; the same on every copy of the same files).
+Fingerprints (contract 2): "sha256" = the file's sha256 (the default: reads every byte, about
+1/60 of decoding the image (benchmarks/results/fingerprint.json); the same on every copy of the
+same files); "stat" = f"{size}:{mtime_ns}" (one stat call, opt-in: a copy that does not keep
+mtimes looks changed, and an image replaced by another of the same size with its mtime kept,
+as `cp -p` or `rsync -t` do, looks unchanged).
 
 Texts (contract 2a): a file PATH/captions.tsv of `<locator>\t<text>` lines gives the samples user
 captions (paired image-text data); without it the source has no texts."""
@@ -90,7 +92,7 @@ class ImageFolder:
             raise UserError(f"{locator}: image file missing under {self.root}")
         return path
 
-    def fingerprint(self, locator: str, kind: str = "stat") -> str:
+    def fingerprint(self, locator: str, kind: str = "sha256") -> str:
         if kind == "stat":  # one stat call: this runs for every image on every extract
             if ".." in locator.split("/"):
                 raise UserError(f"{locator}: locator escapes {self.root}")
