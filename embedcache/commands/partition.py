@@ -29,7 +29,7 @@ LIST_CAP = 10  # per-client warning lines before "... and N more"
 @click.option("--min-samples", type=int, default=None, help="Label shift: fewest samples (before the train/test split) per client; re-draws below it [2].")
 @click.option("--fingerprint", type=click.Choice(["sha256", "stat"]), default="sha256", show_default=True,
               help="How images are fingerprinted so that extract never serves features of a changed image: "
-                   "sha256 of the file's bytes (reads every file: about 1/60 of decoding it; the same on every "
+                   "sha256 of the file's bytes (reads every file: a few percent of decoding it; the same on every "
                    "copy of the data set) or stat (size + mtime only: misses an image replaced by another of "
                    "the same size with its mtime kept, e.g. cp -p, rsync -t).")
 @click.option("--seed", type=int, default=0, show_default=True)

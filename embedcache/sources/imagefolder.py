@@ -1,8 +1,8 @@
 """`imagefolder:PATH`: PATH/<domain>/<class>/<image>. Classes are the sorted union of the class
 folders over all domains (a domain lacking a class is fine); locator = "domain/class/file".
 
-Fingerprints (contract 2): "sha256" = the file's sha256 (the default: reads every byte, about
-1/60 of decoding the image (benchmarks/results/fingerprint.json); the same on every copy of the
+Fingerprints (contract 2): "sha256" = the file's sha256 (the default: reads every byte, a few
+percent of decoding the image, benchmarks/results/fingerprint.json; the same on every copy of the
 same files); "stat" = f"{size}:{mtime_ns}" (one stat call, opt-in: a copy that does not keep
 mtimes looks changed, and an image replaced by another of the same size with its mtime kept,
 as `cp -p` or `rsync -t` do, looks unchanged).
