@@ -7,6 +7,12 @@ same files); "stat" = f"{size}:{mtime_ns}" (one stat call, opt-in: a copy that d
 mtimes looks changed, and an image replaced by another of the same size with its mtime kept,
 as `cp -p` or `rsync -t` do, looks unchanged).
 
+File names must be valid UTF-8: a name that is not (bytes from another encoding, which Python
+keeps as surrogate escapes) is refused in one line naming it, at partition and wherever a locator
+is fingerprinted or loaded, rather than accepted: manifests and feature stores keep locators and
+sample ids as UTF-8 text (zarr cannot store such a string), and the same manifest must name the
+same file on every machine, which bytes of an unknown encoding do not.
+
 Texts (contract 2a): a file PATH/captions.tsv of `<locator>\t<text>` lines gives the samples user
 captions (paired image-text data); without it the source has no texts."""
 
@@ -21,6 +27,7 @@ from pathlib import Path
 from PIL import Image, UnidentifiedImageError
 
 from embedcache.errors import UserError
+from embedcache.sources import to_rgb8
 
 CAPTIONS_FILE = "captions.tsv"
 IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".bmp", ".gif", ".tif", ".tiff", ".webp", ".ppm", ".pgm"}
@@ -40,6 +47,8 @@ class ImageFolder:
             classes = {}
             for c in sorted(p for p in d.iterdir() if p.is_dir() and not p.name.startswith(".")):
                 files = sorted(f.name for f in c.iterdir() if f.is_file() and f.suffix.lower() in IMAGE_SUFFIXES)
+                for f in files:
+                    self._check_name(f"{d.name}/{c.name}/{f}")
                 if files:
                     classes[c.name] = files
             if classes:
@@ -84,7 +93,16 @@ class ImageFolder:
         cid = {c: i for i, c in enumerate(self.classes())}
         return [(d, f"{d}/{c}/{f}", cid[c]) for d, cl in self._layout.items() for c, files in cl.items() for f in files]
 
+    def _check_name(self, locator: str) -> None:
+        """UserError naming `locator` (its bytes) when it is not valid UTF-8 (see the module doc)."""
+        try:
+            locator.encode("utf-8")
+        except UnicodeEncodeError:
+            raise UserError(f"{self.spec}: file name {os.fsencode(locator)!r} is not valid UTF-8; rename it "
+                            f"(manifests and stores keep names as UTF-8 text), e.g. with convmv") from None
+
     def _path(self, locator: str) -> Path:
+        self._check_name(locator)
         if ".." in Path(locator).parts:
             raise UserError(f"{locator}: locator escapes {self.root}")
         path = self.root / locator
@@ -94,6 +112,7 @@ class ImageFolder:
 
     def fingerprint(self, locator: str, kind: str = "sha256") -> str:
         if kind == "stat":  # one stat call: this runs for every image on every extract
+            self._check_name(locator)
             if ".." in locator.split("/"):
                 raise UserError(f"{locator}: locator escapes {self.root}")
             try:
@@ -113,7 +132,7 @@ class ImageFolder:
         try:
             with Image.open(path) as im:
                 im.load()
-                return im.convert("RGB")
+                return to_rgb8(im, locator)
         except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as exc:
             raise UserError(f"{locator}: unreadable or corrupt image ({type(exc).__name__}: {exc})") from None
 
