@@ -132,7 +132,8 @@ class ImageFolder:
         try:
             with Image.open(path) as im:
                 im.load()
-                return to_rgb8(im, locator)
+                rgb = to_rgb8(im, locator)
+                return im.copy() if rgb is im else rgb  # a plain image, detached from the file
         except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as exc:
             raise UserError(f"{locator}: unreadable or corrupt image ({type(exc).__name__}: {exc})") from None
 
