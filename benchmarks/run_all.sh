@@ -6,7 +6,7 @@ cd "$(dirname "$0")/.."
 export EMBEDCACHE_ASSETS="${EMBEDCACHE_ASSETS:-$(cd .. && pwd)/shared}"
 export EMBEDCACHE_WEIGHTS="${EMBEDCACHE_WEIGHTS:-$EMBEDCACHE_ASSETS/weights}"
 PY=${PY:-.venv/bin/python}
-for b in engine memory fedncm predict extract store_read backbone_speed finetune text_encoder heap_policy; do
+for b in engine memory fedncm predict extract store_read fingerprint backbone_speed finetune text_encoder heap_policy; do
   echo "== bench_$b $(date -u +%H:%M:%S)"
   case $b in
     extract) args="--per-domain 0" ;;   # all 2,533 Office-Caltech-10 images
