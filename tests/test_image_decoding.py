@@ -142,3 +142,12 @@ def test_manifest_with_a_non_utf8_locator_is_refused_before_any_store_write(tmp_
     assert res.exit_code == 2 and res.output.count("\n") == 1, res.output
     assert "internal error" not in res.output and "b'a/cat/caf\\xe9.png' is not valid UTF-8" in res.output
     assert not store.exists()
+
+
+def test_a_locator_no_file_name_decodes_to_is_named_too(tmp_path):
+    src = open_source(f"imagefolder:{_folder(tmp_path)}")
+    for kind in ("sha256", "stat"):
+        with pytest.raises(UserError, match=r"file name 'a/cat/\\ud800\.png' is not valid UTF-8"):
+            src.fingerprint("a/cat/\ud800.png", kind)
+    with pytest.raises(UserError, match=r"is not valid UTF-8"):
+        src.load("a/cat/\ud800.png")

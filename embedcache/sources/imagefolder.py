@@ -98,7 +98,11 @@ class ImageFolder:
         try:
             locator.encode("utf-8")
         except UnicodeEncodeError:
-            raise UserError(f"{self.spec}: file name {os.fsencode(locator)!r} is not valid UTF-8; rename it "
+            try:
+                shown = repr(os.fsencode(locator))  # the bytes on disk, e.g. b'a/cat/caf\xe9.jpg'
+            except UnicodeError:  # a surrogate no file name decodes to (a hand-written manifest)
+                shown = ascii(locator)
+            raise UserError(f"{self.spec}: file name {shown} is not valid UTF-8; rename it "
                             f"(manifests and stores keep names as UTF-8 text), e.g. with convmv") from None
 
     def _path(self, locator: str) -> Path:
