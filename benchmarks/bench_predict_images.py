@@ -1,6 +1,6 @@
 """End-to-end batch prediction from new images: images/s of `fedheads predict --images` (extract
 through the run's backbone + classify + write the file), with a cold cache (a fresh --cache each
-repeat: every image decoded and embedded) and a warm one (the same --cache again: one stat per image
+repeat: every image decoded and embedded) and a warm one (the same --cache again: one sha256 per image
 for the drift check, then the classification) -> benchmarks/results/predict_images.json.
 
     EMBEDCACHE_ASSETS=../shared python benchmarks/bench_predict_images.py [--per-domain 60]

@@ -35,6 +35,7 @@ bench_fedncm               |                                                   |
 bench_predict              |                                                   | -
 bench_extract              | --per-domain 0                                    | --per-domain 3 --out @OUT/extract.json
 bench_store_read           |                                                   | --quick
+bench_fingerprint          |                                                   | --quick
 bench_backbone_speed       |                                                   | --quick --out @OUT/backbone_speed.json
 bench_finetune             |                                                   | --quick --out @OUT/finetune.json
 bench_text_encoder         |                                                   | --quick --out @OUT/text_encoder.json

@@ -29,7 +29,7 @@ def partition(source: str | Any, scheme: str | None = None, *, preset: str | Non
               train_per_class: int | None = None, test_per_class: int | None = None,
               clients: int | None = None, alpha: float | None = None,
               domains: Sequence[str] | str = (), train_fraction: float | None = None,
-              min_samples: int | None = None, fingerprint: str = "stat", seed: int = 0,
+              min_samples: int | None = None, fingerprint: str = "sha256", seed: int = 0,
               out: str | Path | None = None) -> Manifest:
     """Partition `source` into clients, as `embedcache partition`: the data manifest.
 

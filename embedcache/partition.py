@@ -86,7 +86,7 @@ class Recipe:
     train_fraction: float | None = None  # label shift: share of each client's samples used for training [0.1];
     #                                      feature shift: share of each class per domain, instead of train_per_class
     min_samples: int | None = None  # label shift: fewest samples (train + test) a Dirichlet client should get [2]
-    fingerprint: str = "stat"  # how each image is fingerprinted (ImageSource.fingerprint kinds)
+    fingerprint: str = "sha256"  # how each image is fingerprinted (ImageSource.fingerprint kinds; "stat": opt-in)
     captions: str | None = None  # set by partition(): the source's caption_origin when samples carry texts
 
     def as_dict(self) -> dict[str, Any]:

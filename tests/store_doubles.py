@@ -45,7 +45,7 @@ class FolderSource:
             raise AssertionError(f"image source touched: {locator}")
         return open_source(f"imagefolder:{self.root}").load(locator)
 
-    def fingerprint(self, locator: str, kind: str = "stat") -> str:
+    def fingerprint(self, locator: str, kind: str = "sha256") -> str:
         # a stat (or a file hash), never a decode: allowed even when fail=True
         return open_source(f"imagefolder:{self.root}").fingerprint(locator, kind)
 

@@ -3,9 +3,11 @@ cache (issue 10.1): extract refuses naming them, a re-partition re-extracts them
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -48,7 +50,8 @@ def test_blackened_domain_is_refused_then_re_extracted_after_re_partition(tmp_pa
     res = _extract(m, store)
     assert res.exit_code == 2 and res.output.count("\n") == 1, res.output
     assert f"{len(victims)} images changed since the manifest was written" in res.output
-    assert re.search(r"\(e\.g\. a/cat/img_\d\.png: size \d+ -> \d+, ", res.output), res.output
+    assert re.search(r"\(e\.g\. a/cat/img_\d\.png: content changed \(sha256 [0-9a-f]{8} -> [0-9a-f]{8}\), ",
+                     res.output), res.output
     assert "re-run the same `embedcache partition`" in res.output
     assert "cache hits" not in res.output
     # the same command records the images as they are now: new cache keys, domain a re-extracted
@@ -83,8 +86,8 @@ def _ppm_folder(root: Path) -> Path:
 def test_sha256_kind_sees_a_same_size_same_mtime_edit(tmp_path):
     root = _ppm_folder(tmp_path / "imgs")
     src = open_source(f"imagefolder:{root}")
-    by_stat = partition(src, Recipe("feature-shift", train_per_class=1), seed=0)
-    by_hash = partition(src, Recipe("feature-shift", train_per_class=1, fingerprint="sha256"), seed=0)
+    by_stat = partition(src, Recipe("feature-shift", train_per_class=1, fingerprint="stat"), seed=0)
+    by_hash = partition(src, Recipe("feature-shift", train_per_class=1), seed=0)  # the default kind
     assert by_hash.recipe["fingerprint"] == "sha256" and by_hash.content_hash != by_stat.content_hash
     assert by_hash.sample_list_hash("c00-a", "train") != by_stat.sample_list_hash("c00-a", "train")
     f = root / "a" / "dog" / "1.ppm"
@@ -129,14 +132,14 @@ def test_old_manifest_keeps_its_hashes_and_extract_says_drift_is_undetectable(tm
 
 def test_fingerprints_are_reproducible_and_part_of_the_bytes(tmp_path):
     root = d.make_imagefolder(tmp_path / "imgs")
-    _partition(root, tmp_path / "m1.json")
-    _partition(root, tmp_path / "m2.json")
+    _partition(root, tmp_path / "m1.json", "--fingerprint", "stat")
+    _partition(root, tmp_path / "m2.json", "--fingerprint", "stat")
     assert (tmp_path / "m1.json").read_bytes() == (tmp_path / "m2.json").read_bytes()
     row = json.loads((tmp_path / "m1.json").read_text())["clients"][0]["train"][0]
     size, mtime = row[3].split(":")
     assert int(size) == (root / row[1]).stat().st_size and int(mtime) == (root / row[1]).stat().st_mtime_ns
     os.utime(root / row[1], ns=(0, int(mtime) + 1))
-    _partition(root, tmp_path / "m3.json")  # same command, touched file: a different manifest
+    _partition(root, tmp_path / "m3.json", "--fingerprint", "stat")  # same command, touched file: a different manifest
     assert load_manifest(tmp_path / "m3.json").content_hash != load_manifest(tmp_path / "m1.json").content_hash
 
 
@@ -184,3 +187,57 @@ def test_verify_with_the_manifest_sees_changed_images_and_foreign_shards(tmp_pat
     assert "c01-b" not in other.output
     assert _extract(m2, store).exit_code == 0
     assert CliRunner().invoke(main, ["verify", str(store), "--manifest", str(m2)]).exit_code == 0
+
+
+def _replace_keeping_size_and_mtime(victim: Path, other: Path) -> None:
+    """What `cp -p` / `rsync -t` of another image of the same size under the old name leaves."""
+    st = victim.stat()
+    shutil.copyfile(other, victim)
+    os.utime(victim, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert victim.stat().st_size == st.st_size and victim.stat().st_mtime_ns == st.st_mtime_ns
+
+
+def test_default_kind_is_content_and_refuses_a_same_size_replacement_with_its_mtime_kept(tmp_path):
+    root = _ppm_folder(tmp_path / "imgs")
+    m, store = tmp_path / "m.json", tmp_path / "s"
+    _partition(root, m)  # no --fingerprint
+    man = load_manifest(m)
+    assert man.fingerprint_kind == "sha256" and man.recipe["fingerprint"] == "sha256"
+    row = next(s for s in man.all_samples() if s.locator == "a/dog/1.ppm")
+    assert row.fingerprint == hashlib.sha256((root / "a/dog/1.ppm").read_bytes()).hexdigest()
+    res = _extract(m, store)
+    assert res.exit_code == 0 and "note:" not in res.output, res.output
+    _replace_keeping_size_and_mtime(root / "a/dog/1.ppm", root / "a/dog/2.ppm")
+    res = _extract(m, store)  # every shard would be a cache hit: refused before any
+    assert res.exit_code == 2 and res.output.count("\n") == 1, res.output
+    assert "1 image changed since the manifest was written (e.g. a/dog/1.ppm: content changed (sha256 " \
+        in res.output, res.output
+
+
+def test_stat_is_an_opt_in_that_keeps_working_and_says_what_it_misses(tmp_path):
+    root = _ppm_folder(tmp_path / "imgs")
+    m, store = tmp_path / "m.json", tmp_path / "s"
+    _partition(root, m, "--fingerprint", "stat")
+    man = load_manifest(m)
+    assert man.fingerprint_kind == "stat" and all(re.fullmatch(r"\d+:\d+", s.fingerprint) for s in man.all_samples())
+    res = _extract(m, store)
+    assert res.exit_code == 0, res.output
+    notes = [ln for ln in res.output.splitlines() if ln.startswith("note:")]
+    assert len(notes) == 1 and "size + modification time" in notes[0] and "cp -p" in notes[0], res.output
+    assert "--fingerprint sha256" in notes[0]
+    _replace_keeping_size_and_mtime(root / "a/dog/1.ppm", root / "a/dog/2.ppm")
+    assert find_changes(man) == []  # exactly the limit the note states
+
+
+def test_committed_stat_manifest_keeps_its_kind_and_hash():
+    path = Path(__file__).resolve().parents[1] / "data_manifests" / "builtin-digits-feature-shift-10pc-seed0.json"
+    doc = json.loads(path.read_text())
+    m = load_manifest(path)  # checks the recorded content_hash
+    assert m.content_hash == doc["content_hash"] and m.fingerprint_kind == "stat"
+    # its fingerprints are content (the pixels' sha256), so the stat note does not apply
+    assert not any(re.fullmatch(r"\d+:\d+", s.fingerprint) for s in m.all_samples())
+
+
+def test_partition_help_names_sha256_as_the_default():
+    out = CliRunner().invoke(main, ["partition", "--help"]).output
+    assert "[default: sha256]" in " ".join(out.split()) and "cp -p" in out

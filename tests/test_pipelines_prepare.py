@@ -60,7 +60,7 @@ def test_warm_cache_computes_nothing_and_changed_images_are_repartitioned(office
     img = office / used
     pd.make_folder(tmp_path / "other", ("amazon",), ("a",), per_class=1, ext="png")
     img.write_bytes((tmp_path / "other" / "amazon" / "a" / "000.png").read_bytes())
-    os.utime(img, ns=(1, 1))  # a different size/mtime: the stat fingerprint changes
+    os.utime(img, ns=(1, 1))  # other bytes (and size/mtime): the fingerprint changes
     changed = prepare(_request(office, 1), BACKBONES, cache, progress=False)
     assert any("re-partitioned" in n for n in changed.notes)
     assert changed.manifest_hash != first.manifest_hash

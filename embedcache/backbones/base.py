@@ -16,6 +16,7 @@ import torch
 from PIL import Image
 
 from embedcache.errors import UserError
+from embedcache.sources import to_rgb8
 
 if TYPE_CHECKING:
     from embedcache.backbones.staged import StagedNet
@@ -156,7 +157,7 @@ def build_transform(spec: Mapping[str, Any], *, train: bool):
 
 
 def _to_rgb(img: Image.Image) -> Image.Image:
-    return img if img.mode == "RGB" else img.convert("RGB")
+    return to_rgb8(img)  # 16-bit pixels scaled, not clipped
 
 
 def _as_float(t: torch.Tensor) -> torch.Tensor:

@@ -29,6 +29,7 @@ from embedcache.backbones import weights as W
 from embedcache.backbones.base import TorchBackbone, load_strict, state_dict_sha256, strip_prefix
 from embedcache.backbones.registry import BackboneInfo
 from embedcache.errors import UserError
+from embedcache.sources import to_rgb8
 
 _EXTS = (".safetensors", ".pth")
 # The random view used for train=True (multi-view extraction), milder than ImageNet training.
@@ -129,7 +130,7 @@ def create_timm(model: str, weights_dir: Path | None, device: str) -> TorchBackb
     }
 
     def transform(img, train: bool) -> torch.Tensor:
-        return tf[train](img if img.mode == "RGB" else img.convert("RGB"))
+        return tf[train](to_rgb8(img))  # 16-bit pixels scaled, not clipped
 
     return TorchBackbone(name, net, weights_sha256=digest, preprocess=preprocess, device=device, transform_fn=transform)
 

@@ -301,7 +301,7 @@ class BuiltinDigits:
             raise UserError(f"{locator}: index out of range (domain has {len(images)} images)")
         return np.ascontiguousarray(images[i])
 
-    def fingerprint(self, locator: str, kind: str = "stat") -> str:
+    def fingerprint(self, locator: str, kind: str = "sha256") -> str:
         return hashlib.sha256(self._pixels(locator).tobytes()).hexdigest()[:32]
 
     def load(self, locator: str) -> Image.Image:

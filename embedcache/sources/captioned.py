@@ -41,7 +41,7 @@ class CaptionedSource:
     def load(self, locator: str) -> Image.Image:
         return self.inner.load(locator)
 
-    def fingerprint(self, locator: str, kind: str = "stat") -> str:
+    def fingerprint(self, locator: str, kind: str = "sha256") -> str:
         return self.inner.fingerprint(locator, kind)
 
     def caption(self, locator: str) -> str:

@@ -3,13 +3,17 @@
 The manifest records each sample's fingerprint at partition time; `check_unchanged` takes them
 again with the same kind and refuses, in one line naming the changed or missing images, when
 any differs. `embedcache extract` runs it before anything else, cache hits included, so features
-of an image that has since been overwritten are never served. With the default "stat" kind this
-costs one stat per image; "sha256" reads every file (in threads: hashlib releases the GIL).
+of an image that has since been overwritten are never served. The default "sha256" kind reads
+every file (in threads: hashlib releases the GIL), a small fraction of decoding it; "stat" (opt-in,
+and the kind of manifests written before sha256 became the default) costs one stat per image but
+misses a same-size replacement whose mtime was kept (`cp -p`, `rsync -t`): such manifests get a
+note saying so, and keep working as they are (their kind is in the recipe).
 """
 
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -19,6 +23,9 @@ from embedcache.errors import UserError
 from embedcache.manifest import FINGERPRINT_KINDS, Manifest
 
 EXAMPLES = 3  # changed images named in the error line
+# a "stat" fingerprint as ImageFolder takes it; builtin:digits and jda-digits fingerprint content
+# whatever the kind, so their "stat" manifests are as safe as sha256 ones and get no note
+_STAT_FP = re.compile(r"\d+:\d+")
 
 
 @dataclass(frozen=True)
@@ -109,6 +116,11 @@ def check_unchanged(manifest: Manifest, source: Any = None, *, workers: int | No
     elif bare:
         notes.append(f"{bare} of {len(samples)} samples have no fingerprint; changes to their images cannot "
                      f"be detected")
+    if manifest.fingerprint_kind == "stat" and any(_STAT_FP.fullmatch(s.fingerprint) for s in samples):
+        notes.append("the manifest's image fingerprints are size + modification time (--fingerprint stat), so "
+                     "an image replaced by another of the same size with its time kept (cp -p, rsync -t) is "
+                     "not seen; re-run its `embedcache partition` command with --fingerprint sha256 to check "
+                     "contents")
     changes = find_changes(manifest, source, workers=workers)
     if changes:
         kind = manifest.fingerprint_kind

@@ -1,9 +1,17 @@
 """`imagefolder:PATH`: PATH/<domain>/<class>/<image>. Classes are the sorted union of the class
 folders over all domains (a domain lacking a class is fine); locator = "domain/class/file".
 
-Fingerprints (contract 2): "stat" = f"{size}:{mtime_ns}" (one stat call, the default: catches
-any rewrite of a file, but a copy of the data set that does not keep mtimes looks changed);
-"sha256" = the file's sha256 (reads every byte; the same on every copy of the same files).
+Fingerprints (contract 2): "sha256" = the file's sha256 (the default: reads every byte, a few
+percent of decoding the image, benchmarks/results/fingerprint.json; the same on every copy of the
+same files); "stat" = f"{size}:{mtime_ns}" (one stat call, opt-in: a copy that does not keep
+mtimes looks changed, and an image replaced by another of the same size with its mtime kept,
+as `cp -p` or `rsync -t` do, looks unchanged).
+
+File names must be valid UTF-8: a name that is not (bytes from another encoding, which Python
+keeps as surrogate escapes) is refused in one line naming it, at partition and wherever a locator
+is fingerprinted or loaded, rather than accepted: manifests and feature stores keep locators and
+sample ids as UTF-8 text (zarr cannot store such a string), and the same manifest must name the
+same file on every machine, which bytes of an unknown encoding do not.
 
 Texts (contract 2a): a file PATH/captions.tsv of `<locator>\t<text>` lines gives the samples user
 captions (paired image-text data); without it the source has no texts."""
@@ -19,6 +27,7 @@ from pathlib import Path
 from PIL import Image, UnidentifiedImageError
 
 from embedcache.errors import UserError
+from embedcache.sources import to_rgb8
 
 CAPTIONS_FILE = "captions.tsv"
 IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".bmp", ".gif", ".tif", ".tiff", ".webp", ".ppm", ".pgm"}
@@ -38,6 +47,8 @@ class ImageFolder:
             classes = {}
             for c in sorted(p for p in d.iterdir() if p.is_dir() and not p.name.startswith(".")):
                 files = sorted(f.name for f in c.iterdir() if f.is_file() and f.suffix.lower() in IMAGE_SUFFIXES)
+                for f in files:
+                    self._check_name(f"{d.name}/{c.name}/{f}")
                 if files:
                     classes[c.name] = files
             if classes:
@@ -82,7 +93,20 @@ class ImageFolder:
         cid = {c: i for i, c in enumerate(self.classes())}
         return [(d, f"{d}/{c}/{f}", cid[c]) for d, cl in self._layout.items() for c, files in cl.items() for f in files]
 
+    def _check_name(self, locator: str) -> None:
+        """UserError naming `locator` (its bytes) when it is not valid UTF-8 (see the module doc)."""
+        try:
+            locator.encode("utf-8")
+        except UnicodeEncodeError:
+            try:
+                shown = repr(os.fsencode(locator))  # the bytes on disk, e.g. b'a/cat/caf\xe9.jpg'
+            except UnicodeError:  # a surrogate no file name decodes to (a hand-written manifest)
+                shown = ascii(locator)
+            raise UserError(f"{self.spec}: file name {shown} is not valid UTF-8; rename it "
+                            f"(manifests and stores keep names as UTF-8 text), e.g. with convmv") from None
+
     def _path(self, locator: str) -> Path:
+        self._check_name(locator)
         if ".." in Path(locator).parts:
             raise UserError(f"{locator}: locator escapes {self.root}")
         path = self.root / locator
@@ -90,8 +114,9 @@ class ImageFolder:
             raise UserError(f"{locator}: image file missing under {self.root}")
         return path
 
-    def fingerprint(self, locator: str, kind: str = "stat") -> str:
+    def fingerprint(self, locator: str, kind: str = "sha256") -> str:
         if kind == "stat":  # one stat call: this runs for every image on every extract
+            self._check_name(locator)
             if ".." in locator.split("/"):
                 raise UserError(f"{locator}: locator escapes {self.root}")
             try:
@@ -111,7 +136,8 @@ class ImageFolder:
         try:
             with Image.open(path) as im:
                 im.load()
-                return im.convert("RGB")
+                rgb = to_rgb8(im, locator)
+                return im.copy() if rgb is im else rgb  # a plain image, detached from the file
         except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as exc:
             raise UserError(f"{locator}: unreadable or corrupt image ({type(exc).__name__}: {exc})") from None
 

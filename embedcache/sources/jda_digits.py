@@ -71,7 +71,7 @@ class JDADigits:
             raise UserError(f"{locator}: not a sample of {self.path}")
         return dom, int(idx)
 
-    def fingerprint(self, locator: str, kind: str = "stat") -> str:
+    def fingerprint(self, locator: str, kind: str = "sha256") -> str:
         _, col = self._column(locator)
         if not self.path.is_file():
             raise UserError(f"{locator}: {self.path} is missing")

@@ -124,12 +124,12 @@ def extract_images(tr: Trained, spec: str, by: tuple[str | None, ...], opts: Ext
     clients, parts = [], []
     for g, files in groups.items():
         label = cid.get(g)
-        samples = tuple(Sample(f, f, 0 if label is None else label, source.fingerprint(f, "stat")) for f in files)
+        samples = tuple(Sample(f, f, 0 if label is None else label, source.fingerprint(f, "sha256")) for f in files)
         name = shard_name(root, g)
         clients.append(Client(name, g or "(loose)", (), samples))
         parts.append(Part(name, "test", by, labelled=label is not None))
     manifest = Manifest(source.spec, tuple(tr.classes), tuple(clients),
-                        recipe={"scheme": "predict-images", "fingerprint": "stat"}).validate(spec)
+                        recipe={"scheme": "predict-images", "fingerprint": "sha256"}).validate(spec)
     extract_for_run(tr, manifest, source, opts)
     return parts
 
