@@ -30,7 +30,6 @@ from embedcache.errors import UserError
 from embedcache.tensor_digest import state_dict_sha256
 from fedheads.atomic import atomic_torch_save
 
-
 DIGEST = "digest"  # the key of a state file's seal
 _NOTED: set[str] = set()
 

@@ -6,7 +6,8 @@ artefacts a person or a script reads afterwards.
     RUN_DIR/metrics.csv         per round x seed x client x rule accuracy (percent)
     RUN_DIR/summary.md          a short human report, with the plots below
     RUN_DIR/accuracy_per_round.png, RUN_DIR/per_client.png
-    RUN_DIR/state/seed<S>.pt    final client + server state (tensors only: torch.load(weights_only=True))
+    RUN_DIR/state/seed<S>.pt    final client + server state (tensors only: torch.load(weights_only=True);
+                                sealed with a digest checked on load, fedheads.checkpoint)
 
 `fedheads predict` rebuilds the algorithm from config.json, loads a state file and classifies
 features by nearest prototype with faiss (fedheads.inference)."""
@@ -154,7 +155,7 @@ def _atomic_bytes(path: Path, data: bytes) -> None:
 
 def save_state(path: Path, result: RunResult) -> None:
     """Tensor leaves of the final states, in tree order (loadable with weights_only=True), sealed
-with their digest (fedheads.checkpoint)."""
+    with their digest (fedheads.checkpoint)."""
     cs = [t.detach().cpu() for t in tree_leaves(result.client_state)]
     ss = [t.detach().cpu() for t in tree_leaves(result.server_state)]
     save_sealed(path, {"format": STATE_FORMAT, "client": cs, "server": ss})

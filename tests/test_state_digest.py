@@ -6,7 +6,6 @@ is used with a note."""
 
 from __future__ import annotations
 
-import json
 import pickle
 import shutil
 import struct
@@ -217,7 +216,7 @@ def test_finetune_resume_refuses_a_corrupt_checkpoint(tmp_path_factory, tmp_path
 
     root = tmp_path_factory.mktemp("live")
     live_doubles.make_staged_store(root)
-    opts = dict(ft=FTConfig(lr=0.05, batch_size=4), num_workers=0, progress=False, device="cpu")
+    opts = {"ft": FTConfig(lr=0.05, batch_size=4), "num_workers": 0, "progress": False, "device": "cpu"}
     args = (root / "manifest.json", str(root / "s.zarr"), "tiny-staged")
     finetune_run(*args, tmp_path / "ft", FinetuneOptions(rounds=1, **opts))
     ckpt = tmp_path / "ft" / "state" / "seed0.ckpt.pt"
