@@ -6,7 +6,8 @@ artefacts a person or a script reads afterwards.
     RUN_DIR/metrics.csv         per round x seed x client x rule accuracy (percent)
     RUN_DIR/summary.md          a short human report, with the plots below
     RUN_DIR/accuracy_per_round.png, RUN_DIR/per_client.png
-    RUN_DIR/state/seed<S>.pt    final client + server state (tensors only: torch.load(weights_only=True))
+    RUN_DIR/state/seed<S>.pt    final client + server state (tensors only: torch.load(weights_only=True);
+                                sealed with a digest checked on load, fedheads.checkpoint)
 
 `fedheads predict` rebuilds the algorithm from config.json, loads a state file and classifies
 features by nearest prototype with faiss (fedheads.inference)."""
@@ -29,7 +30,8 @@ import torch
 from embedcache.errors import UserError
 from fedheads import __version__, plotting, report, rundir
 from fedheads import resume as resume_mod
-from fedheads.atomic import atomic_path, atomic_torch_save
+from fedheads.atomic import atomic_path
+from fedheads.checkpoint import load_sealed, save_sealed
 from fedheads.algorithms import create_algorithm
 from fedheads.core.engine import RunResult, clock, run, to_device
 from fedheads.core.tree import tree_leaves
@@ -152,20 +154,19 @@ def _atomic_bytes(path: Path, data: bytes) -> None:
 
 
 def save_state(path: Path, result: RunResult) -> None:
-    """Tensor leaves of the final states, in tree order (loadable with weights_only=True)."""
+    """Tensor leaves of the final states, in tree order (loadable with weights_only=True), sealed
+    with their digest (fedheads.checkpoint)."""
     cs = [t.detach().cpu() for t in tree_leaves(result.client_state)]
     ss = [t.detach().cpu() for t in tree_leaves(result.server_state)]
-    atomic_torch_save(path, {"format": STATE_FORMAT, "client": cs, "server": ss})
+    save_sealed(path, {"format": STATE_FORMAT, "client": cs, "server": ss})
 
 
 def load_state(path: Path, algorithm: Any, spec: DataSpec, seed: int) -> tuple[Any, Any]:
     """Rebuild (client_state, server_state): the structure from `algorithm.init`, the values
-    from the saved leaves (shapes checked)."""
+    from the saved leaves (digest and shapes checked)."""
     if not path.is_file():
         raise UserError(f"{path}: no saved state (was the run trained with this seed?)")
-    saved = torch.load(path, map_location="cpu", weights_only=True)
-    if not isinstance(saved, dict) or saved.get("format") != STATE_FORMAT:
-        raise UserError(f"{path}: not a {STATE_FORMAT} file")
+    saved = load_sealed(path, STATE_FORMAT, "train the run again to rewrite it")
     init = algorithm.init(spec, seed)
     from fedheads.resume import restore_tree
 

@@ -8,7 +8,6 @@ It is always used frozen: eval mode (BatchNorm on running statistics), inference
 from __future__ import annotations
 
 import contextlib
-import hashlib
 from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING, Any, Mapping
 
@@ -17,6 +16,7 @@ from PIL import Image
 
 from embedcache.errors import UserError
 from embedcache.sources import to_rgb8
+from embedcache.tensor_digest import state_dict_sha256  # noqa: F401 - where the backbones import it from
 
 if TYPE_CHECKING:
     from embedcache.backbones.staged import StagedNet
@@ -70,17 +70,6 @@ def check_batch(batch: torch.Tensor, input_size: tuple[int, int, int], *, who: s
         raise UserError(f"{who}: embed() wants a [B, {', '.join(map(str, input_size))}] tensor, got {shape}")
     if batch.shape[0] == 0:
         raise UserError(f"{who}: embed() got an empty batch")
-
-
-def state_dict_sha256(state: Mapping[str, torch.Tensor]) -> str:
-    """sha256 over (name, dtype, shape, bytes) of every tensor in sorted key order: a stable
-    identity for weights that did not come from a single file (e.g. the timm hub cache)."""
-    h = hashlib.sha256()
-    for key in sorted(state):
-        t = state[key].detach().cpu().contiguous()
-        h.update(f"{key}|{t.dtype}|{tuple(t.shape)}|".encode())
-        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")  # 0-d: num_batches_tracked
-    return h.hexdigest()
 
 
 def strip_prefix(state: Mapping[str, Any], prefix: str) -> dict[str, Any]:

@@ -21,7 +21,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from embedcache.backbones.base import Backbone, CpuChannelsLastBackbone, TorchBackbone, load_strict
+from embedcache.backbones.base import (Backbone, CpuChannelsLastBackbone, TorchBackbone, load_strict,
+                                       state_dict_sha256)
 from embedcache.backbones.cut import _BoundTransform
 from embedcache.errors import UserError
 
@@ -37,12 +38,14 @@ def _check_base(base: Any, who: str) -> str:
 
 def save_backbone_checkpoint(path: str | os.PathLike, base: str, staged: nn.Module, note: str = "") -> str:
     """Write `staged`'s weights as a `ckpt:` file for backbone `base` (atomically: a temp file,
-    then rename); returns the file's sha256. The same weights, base and note give the same bytes."""
+    then rename); returns the file's sha256. The same weights, base and note give the same bytes.
+    `digest` (the weights' state_dict_sha256) lets a reader tell a corrupted file from a trained one."""
     path = Path(path)
     _check_base(base, str(path))
     state = {k: v.detach().to("cpu").contiguous().clone() for k, v in staged.state_dict().items()}
     buf = io.BytesIO()
-    torch.save({"format": FORMAT, "base": base, "state_dict": state, "note": str(note)}, buf)
+    torch.save({"format": FORMAT, "base": base, "state_dict": state, "note": str(note),
+                "digest": state_dict_sha256(state)}, buf)
     data = buf.getvalue()
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
@@ -77,6 +80,9 @@ def read_backbone_checkpoint(path: str | os.PathLike) -> tuple[dict[str, Any], s
     if not isinstance(state, dict) or not state or not all(
             isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in state.items()):
         raise UserError(f"{who}: state_dict must map parameter names to tensors")
+    if "digest" in blob and blob["digest"] != state_dict_sha256(state):  # files written before carry none
+        raise UserError(f"{who}: corrupt (its weights do not match the digest written with them); "
+                        "export it again (re-run the fine-tuning that wrote it)")
     return blob, hashlib.sha256(data).hexdigest()
 
 

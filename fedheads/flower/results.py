@@ -18,9 +18,9 @@ SERVER_STATE_FORMAT = "fedheads-flower-server-state/1"
 
 
 def save_server_state(path: Path, server_state: Any) -> None:
-    from fedheads.atomic import atomic_torch_save
+    from fedheads.checkpoint import save_sealed
 
-    atomic_torch_save(path, {"format": SERVER_STATE_FORMAT, "server": [t.detach().cpu() for t in tree_leaves(server_state)]})
+    save_sealed(path, {"format": SERVER_STATE_FORMAT, "server": [t.detach().cpu() for t in tree_leaves(server_state)]})
 
 
 def write_run(cfg: Any, out: dict[str, Any]) -> dict[str, Any]:
