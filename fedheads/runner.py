@@ -551,8 +551,8 @@ def write_comparison(out: str | Path, runs: dict[str, TrainedRun], combined: dic
         write_trained(out / name, trained)
     write_config_yaml(out, "compare", combined["store"], combined["backbones"], list(runs), opts)
     results = list(combined["algorithms"].values())
-    where = f" on {combined['dataset']}" if combined.get("dataset") else ""
-    title = f"{', '.join(combined['backbones'])}{where}: {opts.rounds} rounds, seeds {list(opts.seeds)}"
+    where = f" on {report.relative_paths(combined['dataset'], out)}" if combined.get("dataset") else ""
+    title = f"{', '.join(combined['backbones'])}{where}: {opts.rounds} rounds"  # the table adds the seeds
     table = report.comparison_markdown(results, title=title)
     plotting.plot_history(results, out / "accuracy_per_round.png")
     plotting.plot_per_client(results, out / "per_client.png")
