@@ -38,7 +38,9 @@ from embedcache.errors import UserError
 from fedheads import comm, metrics, plotting
 from fedheads.atomic import atomic_path
 
-ONE_ROUND_ALGORITHMS = ("fedncm",)  # communicate once whatever `rounds` says (FedNCM Alg. 1)
+# one pass: communicate once whatever `rounds` says (FedNCM Alg. 1); `train`/`compare` run them for
+# one round when every client takes part (fedheads.runner.rounds_needed)
+ONE_ROUND_ALGORITHMS = ("fedncm",)
 
 
 def _atomic_write(path: Path, write: Any, binary: bool = False) -> Path:
@@ -305,11 +307,13 @@ def comparison_markdown(results: Sequence[Mapping[str, Any]], title: str = "",
                 + ("; n=1: one seed, no spread" if any(_n_seeds(r) == 1 for r in results) else "") + "."]
     fair = [[r["algorithm"]] + [mean_std_cell(r["fairness"][k], r.get("fairness_std", {}).get(k, 0.0), _n_seeds(r))
                                 for k in metrics.FAIRNESS_KEYS] for r in results]
-    short = [f"{r['algorithm']} trains {r['training_rounds']} of them" for r in results
+    why = {True: "one pass: every client sends its class sums once, FedNCM Alg. 1",
+           False: "its first round only collects statistics"}
+    short = [f"{r['algorithm']} trains {r['training_rounds']} of them "
+             f"({why[comm.method_key(r['algorithm']) in ONE_ROUND_ALGORITHMS]})" for r in results
              if r.get("training_rounds") is not None and r["training_rounds"] < r["rounds"]]
     if short:
-        out += ["", f"Rounds: {results[0]['rounds']} communication rounds; " + "; ".join(short)
-                + " (its first round only collects statistics)."]
+        out += ["", f"Rounds: {results[0]['rounds']} communication rounds; " + "; ".join(short) + "."]
     out += ["", "Fairness across clients (FedPCL Tables 12-13; worst/best q% = mean of max(1, floor(q n)) "
             "clients; Variance = std in pp):", "",
             _table(["Method", "Average", "Worst 10%", "Worst 20%", "Worst 40%", "Best 10%",
