@@ -6,7 +6,8 @@ Works offline with nothing but `pip install`: the data is `builtin:digits` (real
 pip-installed packages ship, plus MNIST-M- and SynthDigits-style domains derived from them), and
 the backbone is `resnet20-cifar10` when its published weights are found (a weights directory,
 $EMBEDCACHE_WEIGHTS, ../shared/weights, the cache) or else `digitnet-builtin`, a small CNN this
-project pre-trains itself on synthetic digits disjoint from the clients (cached after the first run).
+project pre-trained itself on synthetic digits disjoint from the clients (its weights ship with the
+package: no run pre-trains).
 Every stage is the public CLI, run as a subprocess, so this file is also a worked example.
 """
 
