@@ -300,7 +300,7 @@ def comparison_markdown(results: Sequence[Mapping[str, Any]], title: str = "",
         out += ["", note]
     # results.json files written before std_ddof existed used ddof=0
     if all(_n_seeds(r) == 1 for r in results):
-        out += ["", f"Cells: {seeds}: one seed (n=1): no spread over seeds."]
+        out += ["", f"Cells: {seeds}, so no spread over seeds."]
     else:
         conventions = sorted({metrics.std_convention(int(r.get("std_ddof", 0))) for r in results})
         out += ["", "Cells: " + "; ".join(conventions).replace("over seeds", f"over {seeds}" if seeds else "over seeds")

@@ -163,7 +163,7 @@ def test_one_seed_shows_n1_not_a_zero_spread_and_headings_name_the_seeds():
     md = R.comparison_markdown([one], title="a on digits: 2 rounds")
     assert "(0.00)" not in md and "| fedavg | 80.00 (n=1) | 20.00 (n=1) | 50.00 (n=1) |" in md
     assert md.splitlines()[0] == "## a on digits: 2 rounds, seed 0 (n=1)"
-    assert "one seed (n=1): no spread over seeds" in md
+    assert "Cells: seed 0 (n=1), so no spread over seeds." in md
     assert R.comparison_markdown([two], title="t").splitlines()[0] == "## t, seeds 0, 1"
     assert "over seeds 0, 1" in R.comparison_markdown([two])  # the console table (no heading) too
     run = R.run_markdown(one)
