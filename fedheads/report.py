@@ -243,7 +243,7 @@ _ABS_PATH = re.compile(r"(?:(?<=^)|(?<=[\s:=(\[,'\"]))(/(?!/)[^\s:,;)\]'\"]*)") 
 
 
 def relative_paths(text: str, run_dir: str | os.PathLike) -> str:
-    """`text` (a title, a source spec such as "imagefolder:/home/u/data") with each absolute path
+    """`text` (a title, a source spec such as "imagefolder:/srv/data") with each absolute path
     written relative to `run_dir`, where the report lies: a report names no home directory and
     stays right when the run and its data are moved together."""
     base = os.path.abspath(run_dir)
