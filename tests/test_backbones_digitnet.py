@@ -106,6 +106,11 @@ def test_a_changed_packaged_file_is_refused_and_a_weights_dir_copy_wins(monkeypa
     mine.mkdir()
     (mine / name).write_bytes(bytes(data))
     assert D.ensure_weights(weights_dir=mine) == mine / name
+    cache = tmp_path / "cache" / "weights"  # a copy trained before the weights shipped: only when named
+    cache.mkdir(parents=True)
+    (cache / name).write_bytes(bytes(data))
+    monkeypatch.setattr(D, "ASSETS", Path(D.__file__).with_name("assets"))
+    assert D.ensure_weights() == D.ASSETS / name and D.ensure_weights(weights_dir=cache) == cache / name
 
 
 @pytest.mark.slow  # trains the real recipe: about a minute on 2 idle cores, 9.5 min at a load of 15

@@ -245,7 +245,9 @@ def ensure_weights(recipe: DigitNetRecipe = DEFAULT_RECIPE, weights_dir: Path | 
     """
     fname = weights_file(recipe)
     given = W.resolve_weights_dir(weights_dir) / fname
-    if given.is_file() and given.parent != W.cache_weights_dir():
+    # a named directory's copy wins (--weights-dir, even the cache: e.g. a copy trained before the
+    # weights shipped, which earlier stores were extracted with); the cache as a mere fallback does not
+    if given.is_file() and (weights_dir is not None or given.parent != W.cache_weights_dir()):
         return given
     shipped = shipped_weights(recipe)
     if shipped is not None:
