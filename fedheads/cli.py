@@ -138,7 +138,8 @@ def compare(store, backbones, algorithms, out, overwrite, resume, dump_config, *
 @click.option("--store", default=None, type=click.Path(), help="Features already extracted (one of --store/--manifest/--images).")
 @click.option("--manifest", default=None, type=click.Path(), help="A manifest: its --split, each sample by its own client.")
 @click.option("--images", default=None, metavar="imagefolder:PATH",
-              help="New images (class folders named like the run's classes give labels): the global model, or --client.")
+              help="New images; PATH/<class>/ or PATH/<domain>/<class>/ folders named like the run's classes give "
+                   "labels (and accuracy). Classified by the global model, or --client.")
 @click.option("--cache", default=None, type=click.Path(), help="Feature store for new images (default RUN_DIR/predict-cache).")
 @click.option("--split", default=None, type=click.Choice(["train", "test"]), help="--store/--manifest: [default: test]")
 @click.option("--client", default=None, help="A client name, or all (default: all; --images: the global model).")

@@ -26,6 +26,8 @@ footnote naming it, and as an empty, labelled slot in the per-client plot; the a
 from __future__ import annotations
 
 import json
+import os
+import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -36,7 +38,9 @@ from embedcache.errors import UserError
 from fedheads import comm, metrics, plotting
 from fedheads.atomic import atomic_path
 
-ONE_ROUND_ALGORITHMS = ("fedncm",)  # communicate once whatever `rounds` says (FedNCM Alg. 1)
+# one pass: communicate once whatever `rounds` says (FedNCM Alg. 1); `train`/`compare` run them for
+# one round when every client takes part (fedheads.runner.rounds_needed)
+ONE_ROUND_ALGORITHMS = ("fedncm",)
 
 
 def _atomic_write(path: Path, write: Any, binary: bool = False) -> Path:
@@ -183,7 +187,7 @@ def summarise_runs(per_seed: Sequence[Mapping[str, Any]], *, algorithm: str,
         "rounds": int(rounds),
         "seeds": [s.get("seed", i) for i, s in enumerate(per_seed)],
         "accuracy": overall,
-        "accuracy_cell": metrics.format_mean_std(overall["mean"], overall["std"]),
+        "accuracy_cell": mean_std_cell(overall["mean"], overall["std"], len(per_seed)),
         "per_client": dict(sorted(per_client.items())),
         "clients_without_test": without,
         "fairness": {k: v["mean"] for k, v in fair.items()},
@@ -209,10 +213,47 @@ def write_results_json(result: Mapping[str, Any], path: str | Path) -> Path:
 NO_TEST = "n/a (0 test)"
 
 
-def _cell(d: Mapping[str, Any] | None) -> str:
+def mean_std_cell(mean: float, std: float | None, n_seeds: int | None) -> str:
+    """"mean(std)" over seeds; one seed has no spread to show, so its cell says "mean (n=1)"
+    rather than a std of 0.00 that reads like a measured spread."""
+    if n_seeds == 1 or std is None:
+        return f"{mean:.2f} (n=1)" if n_seeds == 1 else f"{mean:.2f}"
+    return metrics.format_mean_std(mean, std)
+
+
+def _n_seeds(result: Mapping[str, Any]) -> int | None:
+    seeds = result.get("seeds")
+    return len(seeds) if isinstance(seeds, (list, tuple)) and seeds else None
+
+
+def seeds_phrase(results: Sequence[Mapping[str, Any]]) -> str:
+    """"seeds 0, 1, 2", "seed 0 (n=1)", or per method when they differ ("" when none recorded)."""
+    def one(seeds: Sequence[Any]) -> str:
+        return f"seed {seeds[0]} (n=1)" if len(seeds) == 1 else f"seeds {', '.join(map(str, seeds))}"
+
+    got = [list(r.get("seeds") or []) for r in results]
+    if not any(got):
+        return ""
+    if all(g == got[0] for g in got):
+        return one(got[0])
+    return "; ".join(f"{r['algorithm']} {one(g)}" for r, g in zip(results, got) if g)
+
+
+_ABS_PATH = re.compile(r"(?:(?<=^)|(?<=[\s:=(\[,'\"]))(/(?!/)[^\s:,;)\]'\"]*)")  # not a URL's //host
+
+
+def relative_paths(text: str, run_dir: str | os.PathLike) -> str:
+    """`text` (a title, a source spec such as "imagefolder:/srv/data") with each absolute path
+    written relative to `run_dir`, where the report lies: a report names no home directory and
+    stays right when the run and its data are moved together."""
+    base = os.path.abspath(run_dir)
+    return _ABS_PATH.sub(lambda m: os.path.relpath(m.group(1), base), text)
+
+
+def _cell(d: Mapping[str, Any] | None, n_seeds: int | None = None) -> str:
     if d is None:
         return "-"
-    return NO_TEST if d["mean"] is None else metrics.format_mean_std(d["mean"], d["std"])
+    return NO_TEST if d["mean"] is None else mean_std_cell(d["mean"], d["std"], n_seeds)
 
 
 def _no_test_note(results: Sequence[Mapping[str, Any]]) -> str:
@@ -246,27 +287,33 @@ def comparison_markdown(results: Sequence[Mapping[str, Any]], title: str = "",
     cols = list(clients) if clients else sorted({c for r in results for c in r["per_client"]})
     rows = []
     for r in results:
-        c = r.get("communication", {})
-        rows.append([r["algorithm"]] + [_cell(r["per_client"].get(k)) for k in cols]
-                    + [_cell(r["accuracy"]), _int(c.get("paper_comm_params_per_client_per_round")),
+        c, n = r.get("communication", {}), _n_seeds(r)
+        rows.append([r["algorithm"]] + [_cell(r["per_client"].get(k), n) for k in cols]
+                    + [_cell(r["accuracy"], n), _int(c.get("paper_comm_params_per_client_per_round")),
                        _int(c.get("upload_params_per_client_per_round"))])
-    out = [f"## {title}", ""] if title else []
+    seeds = seeds_phrase(results)
+    out = [f"## {title}" + (f", {seeds}" if seeds else ""), ""] if title else []
     out.append(_table(["Method", *cols, "Avg", "# of Comm Params", "Measured upload/client/round"],
                       rows))
     note = _no_test_note(results) if note_no_test else ""
     if note:
         out += ["", note]
     # results.json files written before std_ddof existed used ddof=0
-    conventions = sorted({metrics.std_convention(int(r.get("std_ddof", 0))) for r in results})
-    out += ["", "Cells: " + "; ".join(conventions) + "."]
-    fair = [[r["algorithm"]] + [metrics.format_mean_std(r["fairness"][k],
-                                                         r.get("fairness_std", {}).get(k, 0.0))
+    if all(_n_seeds(r) == 1 for r in results):
+        out += ["", f"Cells: {seeds}, so no spread over seeds."]
+    else:
+        conventions = sorted({metrics.std_convention(int(r.get("std_ddof", 0))) for r in results})
+        out += ["", "Cells: " + "; ".join(conventions).replace("over seeds", f"over {seeds}" if seeds else "over seeds")
+                + ("; n=1: one seed, no spread" if any(_n_seeds(r) == 1 for r in results) else "") + "."]
+    fair = [[r["algorithm"]] + [mean_std_cell(r["fairness"][k], r.get("fairness_std", {}).get(k, 0.0), _n_seeds(r))
                                 for k in metrics.FAIRNESS_KEYS] for r in results]
-    short = [f"{r['algorithm']} trains {r['training_rounds']} of them" for r in results
+    why = {True: "one pass: every client sends its class sums once, FedNCM Alg. 1",
+           False: "its first round only collects statistics"}
+    short = [f"{r['algorithm']} trains {r['training_rounds']} of them "
+             f"({why[comm.method_key(r['algorithm']) in ONE_ROUND_ALGORITHMS]})" for r in results
              if r.get("training_rounds") is not None and r["training_rounds"] < r["rounds"]]
     if short:
-        out += ["", f"Rounds: {results[0]['rounds']} communication rounds; " + "; ".join(short)
-                + " (its first round only collects statistics)."]
+        out += ["", f"Rounds: {results[0]['rounds']} communication rounds; " + "; ".join(short) + "."]
     out += ["", "Fairness across clients (FedPCL Tables 12-13; worst/best q% = mean of max(1, floor(q n)) "
             "clients; Variance = std in pp):", "",
             _table(["Method", "Average", "Worst 10%", "Worst 20%", "Worst 40%", "Best 10%",
@@ -276,16 +323,17 @@ def comparison_markdown(results: Sequence[Mapping[str, Any]], title: str = "",
 
 def run_markdown(result: Mapping[str, Any]) -> str:
     """Markdown summary of one run (all seeds)."""
-    c = result.get("communication", {})
-    lines = [f"# {result['algorithm']} on {' + '.join(result['backbones'])}", "",
+    c, n, seeds = result.get("communication", {}), _n_seeds(result), seeds_phrase([result])
+    lines = [f"# {result['algorithm']} on {' + '.join(result['backbones'])}: {result['rounds']} rounds"
+             + (f", {seeds}" if seeds else ""), "",
              f"- rounds: {result['rounds']}; seeds: {result['seeds']}",
-             f"- accuracy (mean over clients, mean(std) over seeds): "
-             f"**{_cell(result['accuracy'])}**",
+             f"- accuracy (mean over clients, {'one seed' if n == 1 else 'mean(std) over seeds'}): "
+             f"**{_cell(result['accuracy'], n)}**",
              f"- trainable parameters per client: {_int(result.get('trainable_params_per_client'))}"
              f" (paper convention: {_int(result.get('paper_trainable_params_per_client'))})",
              *timing_markdown(result), "",
              "## Per client", "",
-             _table(["Client", "Accuracy"], [[k, _cell(v)] for k, v in
+             _table(["Client", "Accuracy"], [[k, _cell(v, n)] for k, v in
                                               sorted(result["per_client"].items())]), ""]
     note = _no_test_note([result])
     lines += [note, ""] if note else []

@@ -28,7 +28,7 @@ from typing import Any, Iterable, Sequence
 import torch
 
 from embedcache.errors import UserError
-from fedheads import __version__, plotting, report, rundir
+from fedheads import __version__, comm, plotting, report, rundir
 from fedheads import resume as resume_mod
 from fedheads.atomic import atomic_path
 from fedheads.checkpoint import load_sealed, save_sealed
@@ -320,6 +320,16 @@ def dataset_name(store: str | Path | None) -> str | None:
         return Path(store).name
 
 
+def rounds_needed(algorithm: str, opts: TrainOptions) -> int:
+    """The rounds `algorithm` trains: `opts.rounds`, except a one-pass algorithm
+    (report.ONE_ROUND_ALGORITHMS: FedNCM, Alg. 1) with every client in every round, whose later
+    rounds would only send zeros and re-evaluate the same model: one round (results.json keeps
+    `rounds` as asked, `training_rounds` says what ran)."""
+    if opts.fraction >= 1.0 and comm.method_key(algorithm) in report.ONE_ROUND_ALGORITHMS:
+        return min(opts.rounds, 1)
+    return opts.rounds
+
+
 def train_data(data: Federation, backbones: Sequence[str], algorithm: str, opts: TrainOptions, *,
                dims: Sequence[int] | None = None, store: str | None = None, strict: bool = True,
                t_start: tuple[float, float] | None = None,
@@ -350,6 +360,7 @@ def train_data(data: Federation, backbones: Sequence[str], algorithm: str, opts:
         data_id = resume_mod.data_settings(data)
         data_id.update({k: in_store_order(data_id[k], order) for k in ("clients", "n_train", "n_test")})
         data_id["train_order"] = "store" if order == tuple(range(len(order))) else "largest first"
+    rounds = rounds_needed(algorithm, opts)
     for seed in opts.seeds:
         alg, used, ignored = build_algorithm(algorithm, opts, strict=strict)
         alg_cfg = _config_dict(getattr(alg, "cfg", None))
@@ -368,7 +379,7 @@ def train_data(data: Federation, backbones: Sequence[str], algorithm: str, opts:
             ck = resume_mod.HeadCheckpoint(state_dir / f"seed{seed}.ckpt.pt", settings, algorithm, resume, log)
         try:
             with heap_policy(data):
-                res = run(alg, data, opts.rounds, seed=seed, fraction=opts.fraction, engine=opts.engine,
+                res = run(alg, data, rounds, seed=seed, fraction=opts.fraction, engine=opts.engine,
                           eval_every=opts.eval_every, progress=opts.progress, checkpoint=ck)
             res = res.in_client_order(order, getattr(alg, "server_client_fields", ()))
         finally:
@@ -382,7 +393,7 @@ def train_data(data: Federation, backbones: Sequence[str], algorithm: str, opts:
         states[seed] = RunResult(res.algorithm, res.engine, client_state=to_device(res.client_state, "cpu"),
                                  server_state=to_device(res.server_state, "cpu"))
     extra = {"dataset": dataset_name(store),
-             "training_rounds": opts.rounds - int(getattr(alg, "collect_rounds", 0)),
+             "training_rounds": rounds - int(getattr(alg, "collect_rounds", 0)),
              "clients": names, "domains": in_store_order(data.domains, order),
              "num_classes": data.num_classes, "feature_dim": data.dim, "engine": opts.engine,
              "layout": layout_info(data),
@@ -552,8 +563,8 @@ def write_comparison(out: str | Path, runs: dict[str, TrainedRun], combined: dic
         write_trained(out / name, trained)
     write_config_yaml(out, "compare", combined["store"], combined["backbones"], list(runs), opts)
     results = list(combined["algorithms"].values())
-    where = f" on {combined['dataset']}" if combined.get("dataset") else ""
-    title = f"{', '.join(combined['backbones'])}{where}: {opts.rounds} rounds, seeds {list(opts.seeds)}"
+    where = f" on {report.relative_paths(combined['dataset'], out)}" if combined.get("dataset") else ""
+    title = f"{', '.join(combined['backbones'])}{where}: {opts.rounds} rounds"  # the table adds the seeds
     table = report.comparison_markdown(results, title=title)
     plotting.plot_history(results, out / "accuracy_per_round.png")
     plotting.plot_per_client(results, out / "per_client.png")

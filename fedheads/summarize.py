@@ -4,13 +4,15 @@
 
 Columns: run, algorithm, backbones, rounds, seeds, clients (with / without test samples),
 accuracy "mean(std)" and its parts, the worst 10 % of clients, the measured upload, wall time.
-Markdown for people, CSV (plain numbers) for scripts; written atomically."""
+Markdown for people, CSV (plain numbers) for scripts; written atomically, with each run's path
+relative to the written file's folder."""
 
 from __future__ import annotations
 
 import csv
 import io
 import json
+import os
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -105,6 +107,10 @@ def write_table(rows: Sequence[Mapping[str, Any]], out: str | Path) -> Path:
     kind = out.suffix.lower()
     if kind not in (".md", ".csv"):
         raise UserError(f"--out {out}: must end in .md or .csv")
+    from fedheads.report import relative_paths
+
+    # runs named relative to the table's folder: no absolute (home) path in a written report
+    rows = [{**r, "run": relative_paths(os.path.abspath(r["run"]), out.parent)} for r in rows]
     text = to_markdown(rows) if kind == ".md" else to_csv(rows)
     with atomic_path(out) as tmp:
         tmp.write_text(text)

@@ -6,13 +6,15 @@ Works offline with nothing but `pip install`: the data is `builtin:digits` (real
 pip-installed packages ship, plus MNIST-M- and SynthDigits-style domains derived from them), and
 the backbone is `resnet20-cifar10` when its published weights are found (a weights directory,
 $EMBEDCACHE_WEIGHTS, ../shared/weights, the cache) or else `digitnet-builtin`, a small CNN this
-project pre-trains itself on synthetic digits disjoint from the clients (cached after the first run).
+project pre-trained itself on synthetic digits disjoint from the clients (its weights ship with the
+package: no run pre-trains).
 Every stage is the public CLI, run as a subprocess, so this file is also a worked example.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import shlex
 import subprocess
 import sys
@@ -24,10 +26,18 @@ import click
 ALGORITHMS = "fedpcl,fedncm,lp,mlp,fedavg,fedproto"  # every one at its defaults
 
 
+def _pasteable(module: str) -> list[str]:
+    """How a user runs `module` as pasted: the console script beside this Python (its venv's
+    bin/, relative to the current folder when inside it), so that the command runs without
+    activating the venv; `python -m` where no script is installed."""
+    script = Path(sys.executable).parent / {"embedcache.cli": "embedcache", "fedheads.cli": "fedheads"}[module]
+    show = lambda p: os.path.relpath(p) if Path(p).absolute().is_relative_to(Path.cwd()) else str(p)  # noqa: E731
+    return [show(script)] if script.is_file() else [show(sys.executable), "-m", module]
+
+
 def _run(args: list[str]) -> None:
-    # echo what a user would type: the console scripts, not the modules run here
-    shown = [{"embedcache.cli": "embedcache", "fedheads.cli": "fedheads"}.get(args[0], args[0]), *args[1:]]
-    click.secho("$ " + shlex.join(shown), fg="cyan", err=True)  # quoted: pastes as one command
+    # echo what a user would type: the venv's console scripts, not the modules run here
+    click.secho("$ " + shlex.join([*_pasteable(args[0]), *args[1:]]), fg="cyan", err=True)  # quoted: one command
     proc = subprocess.run([sys.executable, "-m", *args])
     if proc.returncode != 0:
         raise SystemExit(proc.returncode)

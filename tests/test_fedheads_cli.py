@@ -385,3 +385,25 @@ def test_no_client_with_test_samples_fails_before_training(tmp_path):
                                "--quiet", "--out", str(tmp_path / "r")],
                         "no client has test samples (e.g. c0: 0); re-partition with fewer --train-per-class")
         assert not (tmp_path / "r").exists()
+
+
+def test_fedncm_trains_the_one_round_it_needs_in_a_longer_comparison(store, tmp_path):
+    """FedNCM is one pass (Alg. 1): with every client taking part, rounds after the first send
+    only zeros. A comparison at --rounds 4 trains it for 1 round, with the accuracy 4 rounds give,
+    and says so; the other algorithms keep their 4 rounds; partial participation keeps them all."""
+    out = tmp_path / "cmp"
+    r = _invoke(["compare", "--store", str(store), "--backbones", "synth", "--algorithms", "fedncm,fedavg",
+                 "--rounds", "4", "--seeds", "0,1", "--quiet", "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    res = json.loads((out / "results.json").read_text())["algorithms"]
+    ncm, avg = res["fedncm"], res["fedavg"]
+    assert ncm["rounds"] == 4 and ncm["training_rounds"] == 1 and [h["round"] for h in ncm["history"]] == [1]
+    assert avg["training_rounds"] == 4 and len(avg["history"]) == 4
+    assert "fedncm trains 1 of them (one pass" in (out / "summary.md").read_text()
+    assert {row["round"] for row in csv.DictReader((out / "fedncm" / "metrics.csv").open())} == {"1"}
+    import fedheads
+
+    one = fedheads.train(store, "fedncm", backbones="synth", rounds=1, seeds=[0, 1])
+    assert ncm["per_client"] == one.per_client and ncm["accuracy"] == one.accuracy
+    part = fedheads.train(store, "fedncm", backbones="synth", rounds=4, seeds=0, fraction=0.5)
+    assert part.training_rounds == 4  # a client may first take part in any round

@@ -152,3 +152,13 @@ def test_config_errors_and_registry():
         F.FedNCM(F.FedNCMConfig(dtype="float16"))
     alg = create_algorithm("fedncm", rule="sqeuclidean")
     assert alg.name == "fedncm" and alg.cfg.rule == "sqeuclidean"
+
+
+def test_rounds_after_the_first_change_nothing_with_every_client():
+    """Why `train`/`compare` run FedNCM for one round at fraction 1: later rounds add zeros."""
+    clients, C = _federation(seed=2, M=4)
+    data = FedData.from_arrays(clients, C)
+    one = engine.run(F.FedNCM(), data, rounds=1, progress=False)
+    four = engine.run(F.FedNCM(), data, rounds=4, progress=False)
+    assert torch.equal(one.server_state.means, four.server_state.means)
+    assert torch.equal(one.final_accuracy("main"), four.final_accuracy("main"))

@@ -267,3 +267,68 @@ def _has_arrow() -> bool:
     except ImportError:
         return False
     return True
+
+
+def test_images_in_the_partition_layout_are_labelled_by_their_class_folders(trained, tmp_path):
+    """`<domain>/<class>/<image>` (the layout `embedcache partition` reads): each image's label is
+    its class folder's, mapped through the run's class list, and the accuracy is reported."""
+    run, out = trained["runs"]["lp"], tmp_path / "p.csv"
+    r = _invoke(["predict", "--run", run, "--images", f"imagefolder:{trained['images']}", "--quiet", "--out", out])
+    assert r.exit_code == 0, r.output
+    rows = _rows(out)
+    assert len(rows) == 2 * 3 * 9 and all(r["label"] != "-1" for r in rows)
+    assert all(r["label_name"] == r["sample_id"].split("/")[1] for r in rows)
+    correct = sum(r["label"] == r["prediction"] for r in rows)
+    assert f"(global): accuracy {100.0 * correct / len(rows):.2f} % ({correct}/{len(rows)} labelled)" in r.output
+    assert "note:" not in r.output
+
+
+def test_partition_layout_with_a_class_the_run_lacks_is_one_line(trained, tmp_path):
+    import shutil
+
+    new = tmp_path / "new"
+    shutil.copytree(trained["images"], new)
+    (new / "b" / "zebra").mkdir()
+    shutil.copy(new / "b" / "cat" / "img_0.png", new / "b" / "zebra" / "z.png")
+    out = tmp_path / "p.csv"
+    assert_one_line(_invoke(["predict", "--run", trained["runs"]["lp"], "--images", f"imagefolder:{new}",
+                             "--cache", tmp_path / "c", "--out", out]), 2, "error: --images", "b/zebra",
+                    "not a class of the run")
+    assert not out.exists() and not (tmp_path / "c").exists()
+
+
+def test_images_without_any_label_say_so_in_one_line(trained, tmp_path):
+    """Loose images, or folders named like no class: predictions without accuracy, and one note
+    naming the layouts that give labels (never a silent -1)."""
+    src = trained["images"] / "a" / "cat"
+    for layout in ("loose", "other"):
+        new = tmp_path / layout
+        where = new if layout == "loose" else new / "p" / "q"
+        where.mkdir(parents=True)
+        for f in list(src.iterdir())[:2]:
+            (where / f.name).write_bytes(f.read_bytes())
+        out = tmp_path / f"{layout}.csv"
+        r = _invoke(["predict", "--run", trained["runs"]["lp"], "--images", f"imagefolder:{new}", "--quiet",
+                     "--out", out])
+        assert r.exit_code == 0, r.output
+        notes = [ln for ln in r.output.splitlines() if ln.startswith("note:")]
+        assert len(notes) == 1 and "no image has a label" in notes[0], r.output
+        assert "<class>/<image>" in notes[0] and "<domain>/<class>/<image>" in notes[0]
+        assert "accuracy" not in r.output.replace(notes[0], "")
+        assert {row["label"] for row in _rows(out)} == {"-1"}
+
+
+def test_partition_layout_images_outside_class_folders_are_noted(trained, tmp_path):
+    import shutil
+
+    new = tmp_path / "new"
+    shutil.copytree(trained["images"] / "a", new / "a")
+    shutil.copy(new / "a" / "cat" / "img_0.png", new / "a" / "stray.png")
+    out = tmp_path / "p.csv"
+    r = _invoke(["predict", "--run", trained["runs"]["lp"], "--images", f"imagefolder:{new}", "--quiet", "--out", out])
+    assert r.exit_code == 0, r.output
+    notes = [ln for ln in r.output.splitlines() if ln.startswith("note:")]
+    assert len(notes) == 1 and "1 image outside <domain>/<class>/ folders" in notes[0] and "a/stray.png" in notes[0]
+    by = {row["sample_id"]: row for row in _rows(out)}
+    assert by["a/stray.png"]["label"] == "-1" and by["a/dog/img_3.png"]["label_name"] == "dog"
+    assert "(global): accuracy" in r.output and "(27/27 labelled)" not in r.output and "/27 labelled)" in r.output

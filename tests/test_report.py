@@ -154,3 +154,44 @@ def test_no_client_with_test_samples_is_named():
     with pytest.raises(UserError, match=r"seed #0: no client has test samples \(e.g. a: 0\)"):
         R.summarise_runs([{"seed": 0, "per_client": {}, "clients_without_test": ["a", "b"]}],
                          algorithm="x", backbones=[], rounds=1)
+
+
+def test_one_seed_shows_n1_not_a_zero_spread_and_headings_name_the_seeds():
+    one = R.summarise_runs(_seeds()[:1], algorithm="fedavg", backbones=["a"], rounds=2)
+    two = R.summarise_runs(_seeds(), algorithm="fedavg", backbones=["a"], rounds=2)
+    assert one["accuracy_cell"] == "50.00 (n=1)" and two["accuracy_cell"] == "50.00(0.00)"
+    md = R.comparison_markdown([one], title="a on digits: 2 rounds")
+    assert "(0.00)" not in md and "| fedavg | 80.00 (n=1) | 20.00 (n=1) | 50.00 (n=1) |" in md
+    assert md.splitlines()[0] == "## a on digits: 2 rounds, seed 0 (n=1)"
+    assert "Cells: seed 0 (n=1), so no spread over seeds." in md
+    assert R.comparison_markdown([two], title="t").splitlines()[0] == "## t, seeds 0, 1"
+    assert "over seeds 0, 1" in R.comparison_markdown([two])  # the console table (no heading) too
+    run = R.run_markdown(one)
+    assert run.splitlines()[0] == "# fedavg on a: 2 rounds, seed 0 (n=1)" and "(0.00)" not in run
+    assert R.run_markdown(two).splitlines()[0] == "# fedavg on a: 2 rounds, seeds 0, 1"
+
+
+def test_paths_in_reports_are_relative_to_the_run_directory(tmp_path):
+    run = tmp_path / "runs" / "cmp"
+    text = f"tiny on imagefolder:{tmp_path}/data/office and captioned:imagefolder:{run}/x"
+    assert R.relative_paths(text, run) == "tiny on imagefolder:../../data/office and captioned:imagefolder:x"
+    assert R.relative_paths("builtin:digits", run) == "builtin:digits"
+
+
+def test_a_comparison_report_names_no_absolute_path(tmp_path):
+    """The store's source is an image folder given by its absolute path: the report written into
+    the run directory shows it relative to that directory."""
+    import embedcache
+    from embedcache.manifest import save_manifest
+    from store_doubles import make_imagefolder, make_manifest
+
+    import fedheads
+
+    images = make_imagefolder(tmp_path / "data" / "img", per_class=3)
+    save_manifest(make_manifest(images), tmp_path / "m.json")
+    embedcache.extract(tmp_path / "m.json", "tiny", tmp_path / "s.zarr", progress=False, num_workers=1)
+    out = tmp_path / "runs" / "cmp"
+    fedheads.compare(tmp_path / "s.zarr", ["fedncm", "lp"], backbones="tiny", rounds=1, seeds=0, out=out)
+    md = (out / "summary.md").read_text()
+    assert str(tmp_path) not in md and "imagefolder:../../data/img" in md, md
+    assert "seed 0 (n=1)" in md.splitlines()[2]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import json
+import os
 
 import pytest
 from click.testing import CliRunner
@@ -39,7 +40,7 @@ def test_markdown_and_csv_rows(runs, tmp_path):
     rows = list(csv.DictReader((tmp_path / "t.csv").open()))
     assert [r["algorithm"] for r in rows] == ["fedncm", "fedncm", "lp", "fedncm+ft"]
     assert float(rows[0]["accuracy_mean"]) == pytest.approx(saved["accuracy"]["mean"])
-    assert rows[3]["accuracy_std"] == "" and rows[1]["run"] == str(runs / "cmp")
+    assert rows[3]["accuracy_std"] == "" and rows[1]["run"] == os.path.relpath(runs / "cmp", tmp_path)
     CliRunner().invoke(main, args + ["--out", str(tmp_path / "t.md")], catch_exceptions=False)
     assert (tmp_path / "t.md").read_text().splitlines()[0] == lines[0]
 
@@ -50,3 +51,14 @@ def test_bad_inputs_are_one_line(runs, tmp_path):
         res = CliRunner().invoke(main, args)
         assert res.exit_code == 2 and res.output.count("\n") == 1, res.output
     assert not (tmp_path / "t.txt").exists()
+
+
+def test_a_written_table_names_runs_relative_to_itself(runs, tmp_path):
+    """A table written to a file names each run relative to the file's folder, never by the
+    absolute path it was given (a home directory would be in every report)."""
+    out = runs / "tables" / "t.md"
+    res = CliRunner().invoke(main, ["summarize", str(runs / "ncm"), str(runs / "cmp"), "--out", str(out)])
+    assert res.exit_code == 0, res.output
+    text = out.read_text()
+    assert str(runs) not in text and "| ../ncm | fedncm |" in text and "| ../cmp | lp |" in text
+    assert "(n=1)" in text and "(0.00)" not in text.split("| ../cmp |", 1)[1]

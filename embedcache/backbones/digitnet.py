@@ -6,9 +6,16 @@ from every client's images: SynthDigits-style renderings from
 ``render_synth_digits(n, seed=10_000)`` (the client-facing synthetic domain uses
 ``SYNTH_SEED`` = 20152; seeds 10_000-10_002 are reserved here for train / backgrounds /
 validation), half of them blended MNIST-M style (``|patch - image|``) over random patches
-of the two photographs scikit-learn ships. The trained trunk is cached as
-``<cache>/weights/digitnet-builtin-<recipe hash>.pt`` (atomic write, loaded with
-``weights_only=True``); its file sha256 is the backbone's ``weights_sha256``.
+of the two photographs scikit-learn ships.
+
+The default recipe's trunk ships with the package (``assets/digitnet-builtin-<recipe hash>.pt``,
+made by :func:`make_shipped_weights`, its sha256 pinned in ``SHIPPED_SHA256`` and checked on every
+load, loaded with ``weights_only=True``), so no first run pre-trains. Where it is looked up: a
+weights directory (``--weights-dir``, ``$EMBEDCACHE_WEIGHTS``, ``../shared/weights``: a copy there
+wins), then the packaged file. Any other recipe is trained on first use and cached as
+``<cache>/weights/digitnet-builtin-<recipe hash>.pt`` (atomic write). The file's sha256 is the
+backbone's ``weights_sha256``. The recipe is bit-reproducible on one machine (fixed seeds, 2
+threads, deterministic algorithms); a test retrains it and compares with the shipped tensors.
 
 Architecture: 4 blocks of conv3x3-BN-ReLU (32, 64, 96, 128 channels), 2x2 max-pool after the
 first three, global average pool -> 128-d. Input 32x32 RGB normalised to [-1, 1].
@@ -17,6 +24,7 @@ first three, global average pool -> 128-d. Input 32x32 RGB normalised to [-1, 1]
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import logging
 import os
@@ -65,6 +73,10 @@ class DigitNetRecipe:
 
 
 DEFAULT_RECIPE = DigitNetRecipe()
+SHIPPED_RECIPE = DigitNetRecipe()  # the packaged file's recipe (DEFAULT_RECIPE is the one in use; tests swap it)
+ASSETS = Path(__file__).with_name("assets")  # package data (pyproject.toml)
+# sha256 of the shipped file: a changed or truncated copy is refused, never used
+SHIPPED_SHA256 = "6b29c845e8b310e09450b68e3ed40111e5fec79b3ef94092a553d16b02632035"
 
 PREPROCESS = {
     "pipeline": "torchvision",
@@ -190,13 +202,56 @@ def weights_file(recipe: DigitNetRecipe = DEFAULT_RECIPE) -> str:
     return f"{NAME}-{recipe.digest()}.pt"
 
 
+def shipped_weights(recipe: DigitNetRecipe = DEFAULT_RECIPE) -> Path | None:
+    """The packaged trunk of `recipe`, its sha256 checked (None: no file ships for this recipe)."""
+    if recipe != SHIPPED_RECIPE:
+        return None
+    path = ASSETS / weights_file(SHIPPED_RECIPE)
+    if not path.is_file():
+        raise UserError(f"{path}: {NAME}'s packaged weights are missing (a broken install? reinstall the package)")
+    W.verify_sha256(path, SHIPPED_SHA256)
+    return path
+
+
+def save_weights(state: dict[str, torch.Tensor], report: dict, recipe: DigitNetRecipe, dest: Path) -> Path:
+    """The checkpoint file: trunk state_dict, recipe, report and provenance, written atomically."""
+    buf = io.BytesIO()  # saved in memory: the archive's inner name is then fixed, not the file's
+    torch.save({"state_dict": state, "recipe": {**asdict(recipe), "widths": list(recipe.widths)},
+                "report": report, "provenance": PROVENANCE}, buf)
+    tmp = dest.with_name(f"{dest.name}.tmp{os.getpid()}")
+    tmp.write_bytes(buf.getvalue())
+    os.replace(tmp, dest)
+    return dest
+
+
+def make_shipped_weights(dest: Path | None = None) -> tuple[Path, str]:
+    """Train the default recipe and write the file that ships (run once per recipe change:
+    ``python -c "from embedcache.backbones import digitnet; print(digitnet.make_shipped_weights())"``,
+    then pin the printed sha256 in SHIPPED_SHA256). The report keeps the validation accuracy and
+    the torch version, not the time taken, so that the file depends on the weights only."""
+    state, report = train_digitnet(SHIPPED_RECIPE)
+    dest = ASSETS / weights_file(SHIPPED_RECIPE) if dest is None else Path(dest)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    save_weights(state, {k: report[k] for k in ("val_accuracy", "torch_version")}, SHIPPED_RECIPE, dest)
+    return dest, W.sha256_file(dest)
+
+
 def ensure_weights(recipe: DigitNetRecipe = DEFAULT_RECIPE, weights_dir: Path | None = None) -> Path:
-    """Path of the cached trunk, training and caching it first if no copy exists.
+    """Path of the trunk: a weights directory's copy, else the packaged file (default recipe), else
+    the cached one, training and caching it first if no copy exists.
 
     Several processes (e.g. extraction workers) may ask at once: an exclusive lock on
     ``<file>.lock`` makes exactly one of them train while the others wait and then reuse it.
     """
     fname = weights_file(recipe)
+    given = W.resolve_weights_dir(weights_dir) / fname
+    # a named directory's copy wins (--weights-dir, even the cache: e.g. a copy trained before the
+    # weights shipped, which earlier stores were extracted with); the cache as a mere fallback does not
+    if given.is_file() and (weights_dir is not None or given.parent != W.cache_weights_dir()):
+        return given
+    shipped = shipped_weights(recipe)
+    if shipped is not None:
+        return shipped
     found = W.find_file(fname, weights_dir)
     if found is not None:
         return found
@@ -211,10 +266,7 @@ def ensure_weights(recipe: DigitNetRecipe = DEFAULT_RECIPE, weights_dir: Path | 
         state, report = train_digitnet(recipe)
         log.warning("%s: %s; validation accuracy %.3f on held-out renderings, %.1f s", NAME, PROVENANCE,
                     report["val_accuracy"], report["seconds"])
-        tmp = dest.with_name(f"{dest.name}.tmp{os.getpid()}")
-        torch.save({"state_dict": state, "recipe": {**asdict(recipe), "widths": list(recipe.widths)},
-                    "report": report, "provenance": PROVENANCE}, tmp)
-        os.replace(tmp, dest)
+        save_weights(state, report, recipe, dest)
     return dest
 
 
@@ -241,7 +293,13 @@ def _build(weights_dir: Path | None, device: str) -> TorchBackbone:
 
 
 def _probe(weights_dir: Path | None) -> tuple[bool, str]:
-    p = W.find_file(weights_file(DEFAULT_RECIPE), weights_dir)
+    fname = weights_file(DEFAULT_RECIPE)
+    given = W.resolve_weights_dir(weights_dir) / fname
+    if given.is_file() and given.parent != W.cache_weights_dir():
+        return True, f"{given} ({PROVENANCE})"
+    if DEFAULT_RECIPE == SHIPPED_RECIPE and (ASSETS / fname).is_file():
+        return True, f"shipped with the package: {ASSETS / fname} ({PROVENANCE})"
+    p = W.find_file(fname, weights_dir)
     if p is not None:
         return True, f"{p} ({PROVENANCE})"
     return True, f"not cached yet: trained on first use (about a minute of CPU) into {W.cache_weights_dir()}"

@@ -100,34 +100,74 @@ def shard_name(root: Path, group: str) -> str:
     return f"img-{re.sub(r'[^A-Za-z0-9_.-]', '_', group)[:40] or 'loose'}-{h}"
 
 
+LAYOUTS = "PATH/<class>/<image> or PATH/<domain>/<class>/<image>"  # the layouts whose folders give labels
+
+
+def image_labels(tr: Trained, spec: str, source: Any, groups: dict[str, list[str]]) -> dict[str, int]:
+    """{image path: the run's class id} for the images whose folder names a class of the run.
+
+    Two layouts: class folders at the top (PATH/<class>/..., any depth below), or, when no top
+    folder is a class, the `<domain>/<class>/<image>` layout `embedcache partition` reads (walked
+    by the imagefolder source itself). In the latter every class folder must be one of the run's:
+    another name would mean another class list, hence mislabelled accuracy (one line naming it)."""
+    cid = {c: i for i, c in enumerate(tr.classes)}
+    if any(g in cid for g in groups):
+        return {f: cid[g] for g, files in groups.items() if g in cid for f in files}
+    scanned = {f for files in groups.values() for f in files}
+    if not any(len(f.split("/")) == 3 and f.split("/")[1] in cid for f in scanned):
+        return {}
+    names = source.classes()
+    found = [(loc, names[i]) for _, loc, i in source.index() if loc in scanned]
+    unknown = sorted({loc.rsplit("/", 1)[0] for loc, c in found if c not in cid})
+    if unknown:
+        raise UserError(f"--images {spec}: class folder {unknown[0]} is not a class of the run "
+                        f"({', '.join(tr.classes[:10])}{' ...' if len(tr.classes) > 10 else ''}); "
+                        "in the <domain>/<class>/<image> layout every class folder must be one")
+    return {loc: cid[c] for loc, c in found}
+
+
 def extract_images(tr: Trained, spec: str, by: tuple[str | None, ...], opts: ExtractOptions) -> list[Part]:
-    """`imagefolder:PATH` as one cache shard per top-level folder (test split); a folder named like
-    one of the run's classes labels its images, the others are unlabelled."""
+    """`imagefolder:PATH` as cache shards (test split), one per top-level folder and labelled or
+    not (image_labels); an input where some or all images have no label says so in one note."""
     from embedcache.sources.imagefolder import IMAGE_SUFFIXES, ImageFolder
 
     from fedheads.predict import note
 
     kind, sep, path = spec.partition(":")
     if kind != "imagefolder" or not sep or not path:
-        raise UserError(f"--images {spec}: expected imagefolder:PATH (a folder of images, optionally in class folders)")
+        raise UserError(f"--images {spec}: expected imagefolder:PATH ({LAYOUTS} for labels, or any images)")
     _recorded(tr)
     root = Path(path).expanduser().resolve()
     source = ImageFolder(f"imagefolder:{root}", str(root))  # one line when the folder is missing
     groups = scan_images(root)
     if not groups:
         raise UserError(f"--images {spec}: no image files ({', '.join(sorted(IMAGE_SUFFIXES))}) under {root}")
-    cid = {c: i for i, c in enumerate(tr.classes)}
-    others = [g for g in groups if g and g not in cid]
-    if others and len(others) < len(groups):
-        note(f"--images: folders {', '.join(others[:3])}{' ...' if len(others) > 3 else ''} are not classes "
-             "of the run; their images are unlabelled (no accuracy)")
+    labels = image_labels(tr, spec, source, groups)
+    if not labels:
+        note(f"--images: no image has a label (labels come from {LAYOUTS}, class folders named like the "
+             f"run's classes: {', '.join(tr.classes[:5])}{' ...' if len(tr.classes) > 5 else ''}); "
+             "predictions only, no accuracy")
+    elif any(g in tr.classes for g in groups):
+        others = [g for g in groups if g and g not in tr.classes]
+        if others:
+            note(f"--images: folders {', '.join(others[:3])}{' ...' if len(others) > 3 else ''} are not classes "
+                 "of the run; their images are unlabelled (no accuracy)")
+    else:
+        stray = [f for files in groups.values() for f in files if f not in labels]
+        if stray:
+            note(f"--images: {len(stray)} image{'s' if len(stray) > 1 else ''} outside <domain>/<class>/ folders "
+                 f"({', '.join(stray[:3])}{' ...' if len(stray) > 3 else ''}): unlabelled, not in the accuracy")
     clients, parts = [], []
     for g, files in groups.items():
-        label = cid.get(g)
-        samples = tuple(Sample(f, f, 0 if label is None else label, source.fingerprint(f, "sha256")) for f in files)
-        name = shard_name(root, g)
-        clients.append(Client(name, g or "(loose)", (), samples))
-        parts.append(Part(name, "test", by, labelled=label is not None))
+        for labelled in (True, False):
+            mine = [f for f in files if (f in labels) == labelled]
+            if not mine:
+                continue
+            key = g if labelled or not any(f in labels for f in files) else f"{g}/(unlabelled)"
+            samples = tuple(Sample(f, f, labels.get(f, 0), source.fingerprint(f, "sha256")) for f in mine)
+            name = shard_name(root, key)
+            clients.append(Client(name, g or "(loose)", (), samples))
+            parts.append(Part(name, "test", by, labelled=labelled))
     manifest = Manifest(source.spec, tuple(tr.classes), tuple(clients),
                         recipe={"scheme": "predict-images", "fingerprint": "sha256"}).validate(spec)
     extract_for_run(tr, manifest, source, opts)
