@@ -7,7 +7,9 @@ imports timm, torchvision or dask. Bad input prints one `error: ...` line and ex
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import click
 
@@ -51,8 +53,8 @@ def _seeds(value: str) -> tuple[int, ...]:
     return seeds
 
 
-def _check_plain(ctx: click.Context, backbones: list[str] = (), store_backbones: tuple[str, list[str]] | None = None,
-                 settings: tuple = ()) -> None:
+def _check_plain(ctx: click.Context, backbones: Sequence[str] = (),
+                 store_backbones: tuple[str, Sequence[str]] | None = None, settings: Sequence[Any] = ()) -> None:
     """What can be checked before torch (9-28 s on a busy machine) is imported: every number
     option finite (from a --config file too), the --set values, the seeds, and the names of
     backbones (`backbones`: registry names; `store_backbones`: (store, names) in that store)."""
@@ -503,6 +505,10 @@ def feddra(ctx, dump_config, manifest_path, store, image_encoder, image_cut, tex
 def algorithms_cmd(name: str | None, show: bool, as_json: bool) -> None:
     """List the registered algorithms; with NAME (or --show), every setting --set takes:
     type, default, one-line doc and the paper passage the default comes from."""
+    from fedheads.checks import check_algorithms
+
+    if name is not None:
+        check_algorithms([name])  # a typo: one line at once, with the nearest name
     from fedheads.algorithms import create_algorithm, list_algorithms
     from fedheads.settings import settings_json, settings_table
 

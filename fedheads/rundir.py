@@ -139,10 +139,14 @@ def locked(out: Path) -> Iterator[None]:
     if out.exists() and not out.is_dir():
         raise UserError(f"{out}: is a file, not a directory; --out needs a directory")
     created = not out.exists()
-    out.mkdir(parents=True, exist_ok=True)
     path = out / LOCK
     while True:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as exc:
+            raise UserError(f"{out}: cannot write the run directory ({exc.strerror or exc}); choose a writable "
+                            "--out") from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

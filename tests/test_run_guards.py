@@ -36,8 +36,11 @@ def _train(store: Path, out: Path, *extra: str):
 
 def _arrays() -> dict:
     rng = np.random.default_rng(0)
-    one = lambda: (rng.normal(size=(12, 4)).astype(np.float32), rng.integers(0, 3, 12),  # noqa: E731
-                   rng.normal(size=(6, 4)).astype(np.float32), rng.integers(0, 3, 6))
+
+    def one() -> tuple:
+        return (rng.normal(size=(12, 4)).astype(np.float32), rng.integers(0, 3, 12),
+                rng.normal(size=(6, 4)).astype(np.float32), rng.integers(0, 3, 6))
+
     return {"a": one(), "b": one()}
 
 
@@ -221,7 +224,7 @@ def test_two_runs_into_one_out_cannot_both_write_it(store, tmp_path):
         assert len(lines) == 1 and str(out) in lines[0] and f"PID {first.pid}" in lines[0], second.stderr
     finally:
         go.write_text("")
-        stdout, stderr = first.communicate(timeout=WAIT)
+        _, stderr = first.communicate(timeout=WAIT)
     assert first.returncode == 0, stderr
     import json
 
@@ -234,9 +237,9 @@ def test_the_lock_vanishes_when_its_holder_is_killed(store, tmp_path):
 
     out = tmp_path / "run"
     first, _, _ = _start_waiting(store, out, tmp_path, "b")
-    with pytest.raises(UserError, match=f"another run is writing this directory \\(PID {first.pid}\\)"):
-        with rundir.locked(out):
-            pass
+    with pytest.raises(UserError, match=f"another run is writing this directory \\(PID {first.pid}\\)"), \
+            rundir.locked(out):
+        pass
     first.kill()
     first.communicate(timeout=WAIT)
     with rundir.locked(out):  # no holder left: taken at once
