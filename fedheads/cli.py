@@ -7,7 +7,9 @@ imports timm, torchvision or dask. Bad input prints one `error: ...` line and ex
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import click
 
@@ -41,10 +43,50 @@ def _csv(value: str, what: str) -> list[str]:
 
 
 def _seeds(value: str) -> tuple[int, ...]:
+    from fedheads.checks import check_seeds
+
     try:
-        return tuple(int(s) for s in _csv(value, "--seeds"))
+        seeds = tuple(int(s) for s in _csv(value, "--seeds"))
     except ValueError:
         raise UserError(f"--seeds {value!r}: expected comma-separated integers") from None
+    check_seeds(seeds)
+    return seeds
+
+
+def _check_plain(ctx: click.Context, backbones: Sequence[str] = (),
+                 store_backbones: tuple[str, Sequence[str]] | None = None, settings: Sequence[Any] = ()) -> None:
+    """What can be checked before torch (9-28 s on a busy machine) is imported: every number
+    option finite (from a --config file too), the --set values, the seeds, and the names of
+    backbones (`backbones`: registry names; `store_backbones`: (store, names) in that store)."""
+    import math
+
+    from embedcache.backbone_names import check_backbone_name
+    from fedheads.checks import check_finite
+
+    for p in ctx.command.params:
+        v = ctx.params.get(str(p.name))
+        if isinstance(v, float) and not math.isfinite(v):
+            flag = next((o for o in p.opts if o.startswith("--")), str(p.name))
+            raise UserError(f"{flag} {v}: must be a finite number")
+    check_finite({"settings": settings})
+    if "seeds" in ctx.params:
+        _seeds(ctx.params["seeds"])
+    for b in backbones:
+        check_backbone_name(b)
+    if store_backbones is not None:
+        import difflib
+
+        from embedcache.reader import open_store
+
+        store, names = store_backbones
+        if not Path(store).exists():  # said by the run (--dump-config needs no store)
+            return
+        info = open_store(store)
+        for b in names:
+            if b not in info.backbones:
+                near = difflib.get_close_matches(b, info.backbones, n=1)
+                hint = f"; did you mean {near[0]}?" if near else ""
+                raise UserError(f"backbone {b!r}: not in store {info.path}{hint} (has: {', '.join(info.backbones)})")
 
 
 def _train_options(f):
@@ -80,17 +122,24 @@ def _train_options(f):
     return f
 
 
-def _options(rounds, seeds, local_epochs, batch_size, lr, fraction, engine, layout, device, eval_every,
-             binarize, settings, quiet, tensorboard):
+def _options(algorithms, backbones, store, rounds, seeds, local_epochs, batch_size, lr, fraction, engine, layout,
+             device, eval_every, binarize, settings, quiet, tensorboard):
+    """TrainOptions, after every check that needs no torch (the names, the plain values)."""
+    from fedheads.checks import check_algorithms
     from fedheads.runconfig import merged_settings
-    from fedheads.runner import TrainOptions, parse_settings
+    from fedheads.settings import parse_settings
 
+    ctx = click.get_current_context()
     if rounds < 1:
         raise UserError(f"--rounds {rounds}: must be >= 1")
+    check_algorithms(algorithms)
+    fields = merged_settings(ctx, parse_settings(settings))
+    _check_plain(ctx, store_backbones=(store, backbones), settings=fields)
+    from fedheads.runner import TrainOptions
+
     return TrainOptions(rounds=rounds, seeds=_seeds(seeds), fraction=fraction, engine=engine,
                         layout=layout, device=device, eval_every=eval_every, binarize=binarize,
-                        local_epochs=local_epochs, batch_size=batch_size, lr=lr,
-                        settings=merged_settings(click.get_current_context(), parse_settings(settings)),
+                        local_epochs=local_epochs, batch_size=batch_size, lr=lr, settings=fields,
                         progress=not quiet, tensorboard=tensorboard)
 
 
@@ -103,10 +152,11 @@ _MERGE = "\n\nOptions also come from --config FILE (YAML); merge order: built-in
 @_train_options
 @config_options
 def train(store, backbones, algorithm, out, overwrite, resume, dump_config, **kw) -> None:
+    bbs = _csv(backbones, "--backbones")
+    opts = _options([algorithm], bbs, store, **kw)
     from fedheads.runconfig import dump, effective_config
     from fedheads.runner import train_run
 
-    opts, bbs = _options(**kw), _csv(backbones, "--backbones")
     if dump_config:
         click.echo(dump("train", effective_config("train", store, bbs, [algorithm], opts, out)), nl=False)
         return
@@ -119,11 +169,12 @@ def train(store, backbones, algorithm, out, overwrite, resume, dump_config, **kw
 @_train_options
 @config_options
 def compare(store, backbones, algorithms, out, overwrite, resume, dump_config, **kw) -> None:
+    bbs, names = _csv(backbones, "--backbones"), _csv(algorithms, "--algorithms")
+    opts = _options(names, bbs, store, **kw)
     from fedheads import report
     from fedheads.runconfig import dump, effective_config
     from fedheads.runner import check_compare_settings, compare_runs
 
-    opts, bbs, names = _options(**kw), _csv(backbones, "--backbones"), _csv(algorithms, "--algorithms")
     if dump_config:
         check_compare_settings(names, opts)
         click.echo(dump("compare", effective_config("compare", store, bbs, names, opts, out, strict=False)), nl=False)
@@ -218,6 +269,10 @@ def finetune(manifest_path, store, backbone, heads, head_rounds, rounds, server,
 
     Options also come from --config FILE (YAML; defaults < file < command-line flags); --dump-config
     prints the effective configuration."""
+    from fedheads.checks import FINETUNE_HEADS, check_choices
+
+    check_choices(_csv(heads, "--head"), FINETUNE_HEADS, "head", "--head")
+    _check_plain(click.get_current_context(), backbones=[backbone])
     from fedheads.api import finetune as run_finetune
 
     res = run_finetune(manifest_path, store, backbone, out, heads=_csv(heads, "--head"), head_rounds=head_rounds,
@@ -263,10 +318,15 @@ def _flower_options(f):
 
 
 def _flower_config(settings, out, **kw):
-    from fedheads.flower.server import FlowerRunConfig
-    from fedheads.runner import parse_settings
+    from fedheads.checks import check_algorithms
+    from fedheads.settings import parse_settings
 
-    return FlowerRunConfig(settings=json.dumps([list(p) for p in parse_settings(settings)]),
+    check_algorithms([kw["algorithm"]])
+    fields = parse_settings(settings)
+    _check_plain(click.get_current_context(), settings=fields)
+    from fedheads.flower.server import FlowerRunConfig
+
+    return FlowerRunConfig(settings=json.dumps([list(p) for p in fields]),
                            out=str(Path(out).resolve()), **kw)
 
 
@@ -283,9 +343,9 @@ def _flower_summary(res: dict, out: str) -> None:
 @_flower_options
 def simulate(store, clients, **kw) -> None:
     """Run an algorithm over Flower's simulation runtime in this process (same results as `train`)."""
+    cfg = _flower_config(clients=clients, **kw)
     from fedheads.flower.sim import simulate_store
 
-    cfg = _flower_config(clients=clients, **kw)
     simulate_store(cfg, store, [c for c in clients.split(",") if c] or None)
     _flower_summary(json.loads((Path(cfg.out) / "results.json").read_text()), cfg.out)
 
@@ -301,9 +361,9 @@ def simulate(store, clients, **kw) -> None:
 @_flower_options
 def serve(nodes, host, port, wait, ssl_certfile, ssl_keyfile, ssl_ca_certfile, **kw) -> None:
     """Start a Flower SuperLink, run an algorithm over the nodes that join, write --out."""
+    cfg = _flower_config(nodes=nodes, wait=wait, **kw)
     from fedheads.flower.deploy import serve as run_serve
 
-    cfg = _flower_config(nodes=nodes, wait=wait, **kw)
     tls = None
     if any((ssl_certfile, ssl_keyfile, ssl_ca_certfile)):
         if not all((ssl_certfile, ssl_keyfile, ssl_ca_certfile)):
@@ -396,6 +456,11 @@ def feddra(ctx, dump_config, manifest_path, store, image_encoder, image_cut, tex
 
     Options also come from --config FILE (YAML; defaults < preset < file < command-line flags);
     --dump-config prints the effective configuration."""
+    from fedheads.checks import FEDDRA_BASELINES, check_choices
+
+    if not dump_config:  # a dump is written as given, checked when it is run
+        check_choices(_csv(baselines, "--baseline"), FEDDRA_BASELINES, "baseline", "--baseline")
+        _check_plain(ctx, backbones=[image_encoder, text_encoder])
     from fedheads.live.dro import DROConfig
     from fedheads.live.feddra import FedDRAConfig
     from fedheads.live.feddra_probe import ProbeOptions
@@ -441,6 +506,10 @@ def feddra(ctx, dump_config, manifest_path, store, image_encoder, image_cut, tex
 def algorithms_cmd(name: str | None, show: bool, as_json: bool) -> None:
     """List the registered algorithms; with NAME (or --show), every setting --set takes:
     type, default, one-line doc and the paper passage the default comes from."""
+    from fedheads.checks import check_algorithms
+
+    if name is not None:
+        check_algorithms([name])  # a typo: one line at once, with the nearest name
     from fedheads.algorithms import create_algorithm, list_algorithms
     from fedheads.settings import settings_json, settings_table
 

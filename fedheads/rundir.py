@@ -6,9 +6,15 @@ new run's input has been checked, so a bad option never costs the old results.""
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import inspect
 import json
+import os
+import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence, TypeVar
 
 from embedcache.errors import UserError
 
@@ -101,3 +107,82 @@ def check_resume(out: Path, subdirs: Sequence[str], overwrite: bool, resume: boo
         if what is not None and not ckpts:  # e.g. a run written before checkpoints existed
             raise UserError(f"{d} holds {what} without checkpoints: nothing to resume; use --overwrite or another --out")
     refuse_existing(out, subdirs, overwrite=overwrite or resume)
+
+
+LOCK = ".fedheads.lock"  # held by the run writing the directory; holds its PID
+
+
+def _holder(path: Path, wait: float = 2.0) -> str:
+    """The PID the lock file names (its holder writes it right after locking: waited for briefly)."""
+    deadline = time.monotonic() + wait
+    while True:
+        with contextlib.suppress(OSError):
+            pid = path.read_text().strip()
+            if pid:
+                return pid
+        if time.monotonic() > deadline:
+            return "unknown"
+        time.sleep(0.05)
+
+
+@contextlib.contextmanager
+def locked(out: Path) -> Iterator[None]:
+    """Hold an exclusive lock on run directory `out` (created if absent) while a run writes it: a
+    second run into the same directory is refused in one line naming the holder's PID, instead of
+    both finishing and one run's files replacing the other's. An flock is released by the kernel
+    when its holder exits, however it dies, so a killed run never leaves the directory locked.
+    The lock file is removed on release (and `out` too, when this call created it and it stayed
+    empty)."""
+    import fcntl
+
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise UserError(f"{out}: is a file, not a directory; --out needs a directory")
+    created = not out.exists()
+    path = out / LOCK
+    while True:
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as exc:
+            raise UserError(f"{out}: cannot write the run directory ({exc.strerror or exc}); choose a writable "
+                            "--out") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise UserError(f"{out}: another run is writing this directory (PID {_holder(path)}); wait for it "
+                            "or use another --out") from None
+        try:  # the last holder removes the file on release: lock the file that is at the path now
+            if os.fstat(fd).st_ino == os.stat(path).st_ino:
+                break
+        except FileNotFoundError:
+            pass
+        os.close(fd)
+    try:
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()}\n".encode())
+        yield
+    finally:
+        path.unlink(missing_ok=True)  # still locked: no other run holds this file meanwhile
+        os.close(fd)
+        if created:
+            with contextlib.suppress(OSError):
+                out.rmdir()  # only when empty: a run that was refused leaves nothing behind
+
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def holds_lock(fn: F) -> F:
+    """Run `fn` holding the lock (`locked`) on its `out` argument, refusals included: a run
+    checks what the directory holds under the lock, so two runs cannot both find it empty."""
+    sig = inspect.signature(fn)
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kw: Any) -> Any:
+        with locked(Path(sig.bind(*args, **kw).arguments["out"])):
+            return fn(*args, **kw)
+
+    return wrapper  # type: ignore[return-value]
+

@@ -32,12 +32,14 @@ from fedheads import __version__, comm, plotting, report, rundir
 from fedheads import resume as resume_mod
 from fedheads.atomic import atomic_path
 from fedheads.checkpoint import load_sealed, save_sealed
+from fedheads.checks import check_finite, check_seeds
 from fedheads.algorithms import create_algorithm
 from fedheads.core.engine import RunResult, clock, run, to_device
 from fedheads.core.tree import tree_leaves
 from fedheads.data import (DataSpec, FedData, Federation, in_store_order, largest_first, layout_info, load_fed_data,
                            resolve_device)
 from fedheads.heap import reusing_freed_blocks
+from fedheads.settings import parse_settings  # noqa: F401 (fedheads.runner.parse_settings, as before)
 from fedheads.machine import machine
 
 STATE_FORMAT = "fedheads-state/1"
@@ -64,24 +66,13 @@ class TrainOptions:
 
     generic_names = ("local_epochs", "batch_size", "lr")  # options that set the algorithm config field of that name
 
+    def __post_init__(self) -> None:
+        check_seeds(self.seeds)
+        check_finite(self)
+
     def generic(self) -> dict[str, Any]:
         g = {"local_epochs": self.local_epochs, "batch_size": self.batch_size, "lr": self.lr}
         return {k: v for k, v in g.items() if v is not None}
-
-
-def parse_settings(items: Iterable[str]) -> tuple[tuple[str, Any], ...]:
-    """`key=value` strings -> ((key, value), ...); values parsed as JSON when they parse."""
-    out = []
-    for it in items:
-        if "=" not in it:
-            raise UserError(f"--set {it!r}: expected key=value")
-        k, v = it.split("=", 1)
-        try:
-            val: Any = json.loads(v)
-        except json.JSONDecodeError:
-            val = v
-        out.append((k.strip().replace("-", "_"), val))
-    return tuple(out)
 
 
 def settings_for(name: str, settings: Sequence[tuple[str, Any]]) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -172,6 +163,42 @@ def load_state(path: Path, algorithm: Any, spec: DataSpec, seed: int) -> tuple[A
 
     return (restore_tree(init.client_state, saved["client"], path, "client", algorithm.name),
             restore_tree(init.server_state, saved["server"], path, "server", algorithm.name))
+
+
+def _non_finite_leaf(tree: Any, path: tuple[str, ...]) -> tuple[str, int, int] | None:
+    """(dotted path, non-finite count, size) of the first floating tensor in `tree` (dataclasses,
+    dicts, sequences) holding a NaN or an infinity; None when every value is finite."""
+    if isinstance(tree, torch.Tensor):
+        if not (tree.is_floating_point() or tree.is_complex()):
+            return None
+        bad = int((~torch.isfinite(tree)).sum())
+        return (".".join(path), bad, tree.numel()) if bad else None
+    if dataclasses.is_dataclass(tree) and not isinstance(tree, type):
+        items: Iterable[tuple[str, Any]] = ((f.name, getattr(tree, f.name)) for f in dataclasses.fields(tree))
+    elif isinstance(tree, dict):
+        items = ((str(k), v) for k, v in tree.items())
+    elif isinstance(tree, (list, tuple)):
+        items = ((str(i), v) for i, v in enumerate(tree))
+    else:
+        return None
+    for k, v in items:
+        found = _non_finite_leaf(v, (*path, k))
+        if found is not None:
+            return found
+    return None
+
+
+def check_trained_state(states: dict[str, Any], algorithm: str, seed: int) -> None:
+    """A run whose final state ({name: tree}) holds NaN or infinite values failed (it diverged:
+    too large a learning rate, say); it is refused in one line naming the seed and the first such
+    field, before anything marks the run directory complete."""
+    for what, tree in states.items():
+        found = _non_finite_leaf(tree, (what,))
+        if found is not None:
+            where, bad, total = found
+            raise UserError(f"{algorithm}, seed {seed}: training diverged, the trained state is not finite "
+                            f"({where}: {bad} of {total} values NaN or infinite); no results written "
+                            "(a smaller --lr?)")
 
 
 def _metrics_rows(result: RunResult, seed: int, names: Sequence[str]) -> list[list[Any]]:
@@ -381,6 +408,7 @@ def train_data(data: Federation, backbones: Sequence[str], algorithm: str, opts:
             with heap_policy(data):
                 res = run(alg, data, rounds, seed=seed, fraction=opts.fraction, engine=opts.engine,
                           eval_every=opts.eval_every, progress=opts.progress, checkpoint=ck)
+            check_trained_state({"client": res.client_state, "server": res.server_state}, algorithm, seed)
             res = res.in_client_order(order, getattr(alg, "server_client_fields", ()))
         finally:
             if log is not None:
@@ -417,6 +445,7 @@ def train_data(data: Federation, backbones: Sequence[str], algorithm: str, opts:
     return TrainedRun(result, config, rows, states, opts)
 
 
+@rundir.holds_lock
 def train_run(store: str | None, backbones: Sequence[str], algorithm: str, opts: TrainOptions,
               out: str | Path, strict: bool = True, data: Federation | None = None,
               overwrite: bool = False, resume: bool = False, order: Sequence[int] | None = None) -> dict[str, Any]:
@@ -524,6 +553,7 @@ def compare_data(data: Federation, backbones: Sequence[str], algorithms: Sequenc
     return runs, combined
 
 
+@rundir.holds_lock
 def compare_runs(store: str | None, backbones: Sequence[str], algorithms: Sequence[str], opts: TrainOptions,
                  out: str | Path, overwrite: bool = False, data: Federation | None = None,
                  resume: bool = False, order: Sequence[int] | None = None) -> dict[str, Any]:

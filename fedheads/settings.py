@@ -12,10 +12,11 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import io
+import json
 import re
 import tokenize
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterable
 
 from embedcache.errors import UserError
 
@@ -33,6 +34,21 @@ class Setting:
     default: Any  # the algorithm's default value
     doc: str  # the comment on the field's line (continuation comment lines joined)
     source: str  # the paper passage(s) the comment cites for it ("" when none)
+
+
+def parse_settings(items: Iterable[str]) -> tuple[tuple[str, Any], ...]:
+    """`key=value` strings -> ((key, value), ...); values parsed as JSON when they parse."""
+    out = []
+    for it in items:
+        if "=" not in it:
+            raise UserError(f"--set {it!r}: expected key=value")
+        k, v = it.split("=", 1)
+        try:
+            val: Any = json.loads(v)
+        except json.JSONDecodeError:
+            val = v
+        out.append((k.strip().replace("-", "_"), val))
+    return tuple(out)
 
 
 def field_comments(cls: type) -> dict[str, str]:

@@ -114,8 +114,9 @@ def create_backbone(name: str, *, weights_dir: str | os.PathLike | None = None, 
 
         return create_minilm_sized(name, wd, device)
     if name not in _REGISTRY:
-        raise UserError(f"{name}: unknown backbone; known: {', '.join(sorted(_REGISTRY))}, timm:<model>, tv:<model>, "
-                        f"ckpt:<path>")
+        from embedcache.backbone_names import unknown_backbone
+
+        raise unknown_backbone(name, list(_REGISTRY))
     bb = _REGISTRY[name].factory(wd, device)
     if bb.name != name:
         raise UserError(f"{name}: factory returned a backbone named {bb.name!r}")

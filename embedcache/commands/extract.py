@@ -39,10 +39,16 @@ def extract(manifest_path: str, backbones: str, store: str, device: str, batch_s
     Complete shards with the same cache key are reused without touching an image; an
     interrupted run resumes from its missing chunks.
     """
-    from embedcache.api import extract as run
-
     if not Path(manifest_path).is_file():
         raise UserError(f"{manifest_path}: manifest file not found")
+    if not plugins:  # a plugin's backbones are known once it is imported (by the run, after torch)
+        from embedcache.backbone_names import check_backbone_name
+
+        for b in backbones.split(","):
+            if b.strip() and b.strip() != "default":
+                check_backbone_name(b.strip())
+    from embedcache.api import extract as run
+
     names = _expand_default(tuple(b.strip() for b in backbones.split(",") if b.strip()), weights_dir)
     rep = run(manifest_path, names, store, device=device, batch_size=batch_size, num_workers=num_workers,
               scheduler=scheduler, views=views, dtype=dtype, weights_dir=weights_dir, chunk_rows=chunk_rows,

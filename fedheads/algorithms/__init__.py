@@ -9,7 +9,6 @@ import importlib
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from embedcache.errors import UserError
 from fedheads.core.protocol import Algorithm
 
 
@@ -56,5 +55,7 @@ def create_algorithm(name: str, **kwargs: Any) -> Algorithm:
     """Build a registered algorithm from its config fields (UserError on unknown name)."""
     _load()
     if name not in _REGISTRY:
-        raise UserError(f"algorithm {name!r}: unknown (known: {', '.join(sorted(_REGISTRY))})")
+        from fedheads.checks import unknown_name
+
+        raise unknown_name(name, _REGISTRY, "algorithm")
     return _REGISTRY[name].factory(**kwargs)

@@ -38,6 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from embedcache.errors import UserError
+from fedheads.checks import check_finite
 from fedheads.algorithms.pfl_common import GlobalModel
 from fedheads.live import dro
 from fedheads.live.feddra_model import DualEncoder, Params, is_module_key
@@ -83,6 +84,7 @@ class FedDRAConfig:
     amp: str = "auto"  # CUDA autocast: auto | off | bf16 | fp16 (CPU trains in float32; off: see FTConfig.amp)
 
     def __post_init__(self) -> None:
+        check_finite(self)
         checks = [(self.schedule in SCHEDULES, f"--schedule {self.schedule!r}: use {' or '.join(SCHEDULES)}"),
                   (self.infonce in ("both", "image-to-text"), f"infonce {self.infonce!r}: use both or image-to-text"),
                   (self.constraint in ("squared", "as-printed"), f"constraint {self.constraint!r}: use squared or as-printed"),

@@ -33,6 +33,7 @@ import torch
 
 from embedcache.errors import UserError
 from fedheads import report, rundir
+from fedheads.checks import check_finite, check_seeds
 from fedheads.data import resolve_device
 from fedheads.live import feddra_report, vl
 from fedheads.live.feddra import FedDRA, FedDRAConfig
@@ -43,6 +44,7 @@ from fedheads.live.heads import check_store
 from fedheads.live.pairs import PairClient, cache_from_store, check_paired, pair_clients
 from fedheads.live.runner import _jsonable, _write
 from fedheads.machine import machine
+from fedheads.runner import check_trained_state
 
 BASELINES: dict[str, dict[str, Any]] = {
     "feddra": {},
@@ -110,6 +112,10 @@ class FedDRAOptions:
     resume: bool = False
     overwrite: bool = False
     progress: bool = True
+
+    def __post_init__(self) -> None:
+        check_seeds(self.seeds)
+        check_finite(self)
 
 
 def _image_cut(staged: Any, name: str, cut: str | None) -> str:
@@ -186,6 +192,7 @@ def _prepare_out(out: Path, opts: FedDRAOptions) -> None:
     (out / "results.json").unlink(missing_ok=True)
 
 
+@rundir.holds_lock
 def feddra_run(manifest: str | Path | Any, store: str | None, image_encoder: str, text_encoder: str,
                out: str | Path, opts: FedDRAOptions = FedDRAOptions()) -> dict[str, Any]:
     """Python API of `fedheads feddra`: returns results.json (combined when several baselines)."""
@@ -239,6 +246,7 @@ def _one_method(name: str, cfg: FedDRAConfig, su: _Setup, store: str | None, ima
         run = run_feddra(alg, net, glob, su.clients, seed=seed, device=su.device, checkpoint=ck, resume=opts.resume,
                          eval_every=opts.eval_every, augment=opts.augment, stage1_inputs=opts.stage1_inputs,
                          progress=opts.progress)
+        check_trained_state({"model": run.state.model}, name, seed)
         runs.append(run)
         glob.load_state({**run.state.model.params, **run.state.model.buffers})
         exported.append(_export(glob, su, out, seed, image_encoder, text_encoder))

@@ -43,6 +43,7 @@ import torch
 import torch.nn.functional as F
 
 from embedcache.errors import UserError
+from fedheads.checks import check_finite
 from fedheads.algorithms.pfl_common import DeltaMessage, GlobalModel
 from fedheads.algorithms.server_opt import SERVER_OPTS, make_server_optimizer
 from fedheads.core.protocol import RoundCtx
@@ -89,6 +90,7 @@ class FTConfig:
         return self.lr * (round_ + 1) / (k + 1) if round_ < k else self.lr
 
     def __post_init__(self) -> None:
+        check_finite(self)
         if self.server not in SERVER_OPTS:
             raise UserError(f"--server {self.server!r}: use one of {', '.join(SERVER_OPTS)}")
         if self.lr <= 0 or self.batch_size < 1 or self.local_epochs < 1:

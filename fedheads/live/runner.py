@@ -34,13 +34,15 @@ import torch
 from embedcache.errors import UserError
 from fedheads import comm, plotting, report, rundir
 from fedheads.atomic import atomic_path
+from fedheads.checks import FINETUNE_HEADS, check_choices, check_finite, check_seeds
 from fedheads.data import resolve_device
 from fedheads.live import plots
 from fedheads.machine import machine
+from fedheads.runner import check_trained_state
 from fedheads.live.data import cached_clients, image_clients
 from fedheads.live.driver import Checkpoint, FTRun, run_finetune, seed_timing
 from fedheads.live.finetune import FineTune, FTConfig, split_state
-from fedheads.live.heads import HEADS, HeadResult, check_store, head_from_store
+from fedheads.live.heads import HeadResult, check_store, head_from_store
 from fedheads.live.model import LiveNet, Trainable, count_values, reinitialise
 
 METHOD_NAMES = {"fedncm": "fedncm+ft", "lp": "lp+ft", "random": "ft"}
@@ -71,6 +73,10 @@ class FinetuneOptions:
     overwrite: bool = False  # replace a finished run directory
     progress: bool = True
 
+    def __post_init__(self) -> None:
+        check_seeds(self.seeds)
+        check_finite(self)
+
 
 def _jsonable(obj: Any) -> Any:
     if hasattr(obj, "__dataclass_fields__"):
@@ -99,17 +105,16 @@ def _prepare_out(out: Path, opts: FinetuneOptions) -> None:
     (out / "results.json").unlink(missing_ok=True)  # results.json marks a complete directory
 
 
+@rundir.holds_lock
 def finetune_run(manifest: str | Path | Any, store: str, backbone: str, out: str | Path,
                  opts: FinetuneOptions = FinetuneOptions()) -> dict[str, Any]:
     """Python API of `fedheads finetune` (the CLI is a thin layer over it): returns results.json."""
     from embedcache.backbones import create_backbone
     from embedcache.manifest import load_manifest
 
-    for h in opts.heads:
-        if h not in HEADS:
-            raise UserError(f"--head {h!r}: use one of {', '.join(HEADS)}")
-    if len(set(opts.heads)) != len(opts.heads) or not opts.heads:
-        raise UserError(f"--head {','.join(opts.heads)}: name each method once")
+    if not opts.heads:
+        raise UserError("--head: name at least one method")
+    check_choices(opts.heads, FINETUNE_HEADS, "head", "--head")
     trainable = Trainable.parse(opts.trainable)
     if not opts.pretrained and (trainable.mode != "all" or set(opts.heads) != {"random"}):
         raise UserError("--no-pretrained (the Random baseline) trains everything from scratch: use "
@@ -182,6 +187,7 @@ def _one_method(head: str, m: Any, store: str, bb: Any, backbone: str, trainable
         run = run_finetune(alg, net, split_state(net), clients, rounds=opts.rounds, seed=seed,
                            fraction=opts.fraction, eval_every=opts.eval_every, device=device, checkpoint=ck,
                            resume=opts.resume, progress=opts.progress)
+        check_trained_state({"model": run.state.model}, name, seed)
         if trainable.mode != "head":  # head-only: the backbone did not change
             _export_backbone(out / "state" / f"seed{seed}.backbone.pt", bb, backbone, net, run,
                              f"fedheads finetune {name}, seed {seed}, {opts.rounds} rounds, trainable "

@@ -1,0 +1,112 @@
+"""Checks of names and plain values that need neither torch nor the registries: the `fedheads`
+command line runs them before it imports torch (a typo is refused in well under a second, not
+after the 9-28 s torch takes to load on a busy machine), and the options dataclasses run them
+again, so the Python API refuses the same values with the same line.
+
+The built-in names are listed here statically; tests/test_checks.py checks that each list equals
+what its registry holds. Names registered by a plugin (`--plugin`) are only known once it is
+imported: the registry itself is then asked (it is loaded by then anyway)."""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+import sys
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+from embedcache.errors import UserError
+
+# fedheads.algorithms registry (fedheads/algorithms/*.py)
+ALGORITHMS = ("fedavg", "fedavg-linear", "fedncm", "fedpcl", "fedproto", "fedrep", "lp", "mlp", "perfedavg",
+              "pfedme", "solo")
+FINETUNE_HEADS = ("fedncm", "lp", "random")  # fedheads finetune --head (fedheads.live.heads.HEADS)
+FEDDRA_BASELINES = ("feddra", "fedavg", "fedprox", "no-two-stage", "no-constraint",
+                    "no-dro")  # fedheads feddra --baseline (fedheads.live.feddra_runner.BASELINES)
+
+
+def unknown_name(name: str, known: Iterable[str], what: str) -> UserError:
+    """One line: `name` is not a known `what`, the closest known name, and the known ones."""
+    known = sorted(set(known))
+    near = difflib.get_close_matches(name, known, n=1)
+    hint = f"; did you mean {near[0]}?" if near else ""
+    return UserError(f"unknown {what} {name!r}{hint} (known: {', '.join(known)})")
+
+
+def known_algorithms() -> list[str]:
+    """The algorithm names: the static list, or the registry's once something imported it (a
+    plugin that registers its own algorithm does)."""
+    if "fedheads.algorithms" in sys.modules:
+        from fedheads.algorithms import list_algorithms
+
+        return [i.name for i in list_algorithms()]
+    return list(ALGORITHMS)
+
+
+def check_algorithms(names: Sequence[str]) -> None:
+    known = known_algorithms()
+    for n in names:
+        if n not in known:
+            raise unknown_name(n, known, "algorithm")
+
+
+def check_choices(names: Sequence[str], known: Sequence[str], what: str, flag: str) -> None:
+    """Each of `names` is one of `known`, each once."""
+    for n in names:
+        if n not in known:
+            raise UserError(f"{flag}: {unknown_name(n, known, what)}")
+    if len(set(names)) != len(names):
+        raise UserError(f"{flag} {','.join(names)}: name each method once")
+
+
+def check_seeds(seeds: Sequence[int], flag: str = "--seeds") -> None:
+    """At least one seed, each once: a spread over a repeated seed is no spread."""
+    if not seeds:
+        raise UserError(f"{flag}: at least one seed is needed")
+    twice = sorted({s for s in seeds if list(seeds).count(s) > 1})
+    if twice:
+        raise UserError(f"{flag} {','.join(map(str, seeds))}: seed {', '.join(map(str, twice))} given more than "
+                        "once; give each seed once")
+
+
+def _pairs(obj: Any) -> bool:
+    """(key, value) pairs, the form --set settings take in the options dataclasses."""
+    return isinstance(obj, (list, tuple)) and bool(obj) and all(
+        isinstance(p, (list, tuple)) and len(p) == 2 and isinstance(p[0], str) for p in obj)
+
+
+def first_non_finite(obj: Any, path: tuple[str, ...] = ()) -> tuple[tuple[str, ...], float] | None:
+    """(path, value) of the first float in `obj` (dataclasses, mappings, sequences, (key, value)
+    pairs, walked in order) that is NaN or infinite; None when all are finite."""
+    if isinstance(obj, float):
+        return None if math.isfinite(obj) else (path, obj)
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        items: Iterable[tuple[str, Any]] = ((f.name, getattr(obj, f.name)) for f in dataclasses.fields(obj))
+    elif isinstance(obj, Mapping):
+        items = ((str(k), v) for k, v in obj.items())
+    elif _pairs(obj):
+        items = ((k, v) for k, v in obj)
+    elif isinstance(obj, (list, tuple)):
+        items = ((str(i), v) for i, v in enumerate(obj))
+    else:
+        return None
+    for k, v in items:
+        found = first_non_finite(v, (*path, k))
+        if found is not None:
+            return found
+    return None
+
+
+def check_finite(obj: Any, set_fields: Sequence[str] = ("settings", "lp_settings")) -> None:
+    """UserError naming the first setting of `obj` (an options dataclass) that is NaN or infinite,
+    as the command line spells it: `--lr nan`, `--set lr=inf`. A non-finite learning rate or
+    weight trains to a NaN model that would otherwise look like a normal run."""
+    found = first_non_finite(obj)
+    if found is None:
+        return
+    path, value = found
+    if path and path[0] in set_fields and len(path) > 1:
+        raise UserError(f"--set {'.'.join(path[1:])}={value}: must be a finite number")
+    leaf = next((p for p in reversed(path) if not p.isdigit()), "value")
+    raise UserError(f"--{leaf.replace('_', '-')} {value}: must be a finite number")
