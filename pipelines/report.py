@@ -336,7 +336,9 @@ def write_index(out: Path) -> Path:
             continue
         r = json.loads(res.read_text())
         cl = r.get("claims", [])
-        held = f"{sum(c['status'] == 'holds' for c in cl)} / {len(cl)}" if cl else "-"
+        nt = sum(c["status"] == "not testable" for c in cl)
+        held = (f"{sum(c['status'] == 'holds' for c in cl)} / {len(cl)}" + (f" ({nt} not testable)" if nt else "")
+                if cl else "-")
         done = sum(1 for c in r["cells"] if c["status"] == "done")
         failed = sum(1 for c in r["cells"] if c["status"] == "failed")
         na = sum(1 for a in r["arms"] if a["unavailable"])

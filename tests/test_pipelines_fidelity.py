@@ -163,3 +163,15 @@ def test_paper_vs_ours_has_a_legend_of_methods_and_a_title_that_fits(monkeypatch
     assert t.x0 >= 0 and t.x1 <= fw  # the whole title on the figure, not cut
     assert ax.title.get_text().replace("\n", " ") == title
     plotting.pyplot().close(fig)
+
+
+def test_index_counts_claims_not_testable(tmp_path):
+    import json
+
+    from fedheads.report import write_results_json
+
+    edir = tmp_path / "fedpcl-table2"
+    claims = [{"claim": "a", "status": "not testable"}, {"claim": "b", "status": "holds"}]
+    write_results_json({"scale": "smoke", "claims": claims, "cells": [], "arms": []}, edir / "results.json")
+    assert json.loads((edir / "results.json").read_text())["claims"] == claims
+    assert "| 1 / 2 (1 not testable) |" in report.write_index(tmp_path).read_text()
