@@ -117,8 +117,9 @@ def _comparison_table(comps: Sequence[dict[str, Any]]) -> str:
 
 
 def figure_title(exp: Experiment, views: Sequence[dict[str, Any]]) -> str:
-    """"<paper table/figure>: <datasets>, <backbones>" (the backbones the plotted arms ran)."""
-    datasets = ", ".join(sorted({p.data.dataset for p in exp.points}))
+    """"<paper table/figure>: <datasets>, <backbones>" (the data sets and backbones the plotted arms ran)."""
+    ran = {tuple(tuple(c) for c in v["coords"]) for v in views}
+    datasets = ", ".join(sorted({p.data.dataset for p in exp.points if not views or p.coords in ran}))
     bbs = sorted({b for v in views for b in v.get("backbones") or ()})
     return plotting.title(compare.citation(exp), datasets, bbs if len(bbs) <= 3 else f"{len(bbs)} backbones")
 

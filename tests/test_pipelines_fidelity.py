@@ -175,3 +175,11 @@ def test_index_counts_claims_not_testable(tmp_path):
     write_results_json({"scale": "smoke", "claims": claims, "cells": [], "arms": []}, edir / "results.json")
     assert json.loads((edir / "results.json").read_text())["claims"] == claims
     assert "| 1 / 2 (1 not testable) |" in report.write_index(tmp_path).read_text()
+
+
+def test_figure_title_names_only_the_data_sets_that_ran():
+    exp = registry.get("fedncm-table2")
+    views = [_view("FedNCM", (("dataset", "CIFAR-10"),), {"acc": (50.0, 0.0)}, backbones=["resnet20-cifar10"])]
+    title = report.figure_title(exp, views)
+    assert "cifar10" in title and "resnet20-cifar10" in title
+    assert not any(d in title for d in ("cub", "cars", "flowers102", "eurosat"))
