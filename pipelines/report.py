@@ -228,8 +228,11 @@ def _header_lines(exp: Experiment, plan: dict[str, Any], views: Sequence[dict[st
 def _setting_lines(views: Sequence[dict[str, Any]]) -> list[str]:
     seen, out = set(), []
     for v in views:
+        trainable = (v.get("settings") or {}).get("trainable") if v.get("kind") == "finetune" else None
         for line in (v["data_note"] and f"data ({v['point']}): {v['data_note']}",
-                     v["backbones"] and f"backbones ({v['point']}): {', '.join(v['backbones'])}, {v['backbone_note']}"):
+                     v["backbones"] and f"backbones ({v['point']}): {', '.join(v['backbones'])}, {v['backbone_note']}",
+                     trainable and v["backbones"] and
+                     f"fine-tuned ({v['point']}): {v['backbones'][0]} with --trainable {trainable}"):
             if line and line not in seen:
                 seen.add(line)
                 out.append(f"- {line}")

@@ -183,3 +183,11 @@ def test_figure_title_names_only_the_data_sets_that_ran():
     title = report.figure_title(exp, views)
     assert "cifar10" in title and "resnet20-cifar10" in title
     assert not any(d in title for d in ("cub", "cars", "flowers102", "eurosat"))
+
+
+def test_setting_names_the_cut_a_fine_tuning_arm_trained_from():
+    v = _view("FT", (("dataset", "CIFAR-10"),), {}, kind="finetune", settings={"trainable": "after:stem"},
+              backbones=["digitnet-builtin"], data_note="d")
+    assert "- fine-tuned (dataset=CIFAR-10): digitnet-builtin with --trainable after:stem" in report._setting_lines([v])
+    assert not any("layer2" in n for n in registry.get("fedncm-table2").notes if "cache-first" in n
+                   and "resnet20" not in n)
