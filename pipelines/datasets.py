@@ -13,7 +13,7 @@ import os
 from pathlib import Path
 
 from embedcache.errors import UserError
-from pipelines.spec import Dataset
+from pipelines.spec import DataRecipe, Dataset
 
 _DIGIT_CLASSES = tuple(str(i) for i in range(10))
 # FedPCL's DomainNet subset: the label_dict of the authors' code (lib/data_utils.py, DomainNetDataset)
@@ -134,6 +134,16 @@ def map_domains(dataset: str, paper_domains: tuple[str, ...], available: list[st
                             f"expected layout {ds.layout}")
         out.append((d, hit))
     return out
+
+
+def missing_domains(recipe: DataRecipe, original: bool) -> tuple[str, ...]:
+    """The paper's domains of `recipe` that the offline stand-in has no counterpart for (e.g.
+    Digit-5's SVHN); () with a real copy, a pooled stand-in or a one-domain data set."""
+    ds = DATASETS[recipe.dataset]
+    if original or recipe.standin_domains is not None or len(ds.domains) == 1:
+        return ()
+    m = dict(ds.standin_domains)
+    return tuple(d for d in (recipe.domains or ds.domains) if d in m and m[d] is None)
 
 
 def check_classes(dataset: str, classes: list[str], spec: str) -> None:

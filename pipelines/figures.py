@@ -36,7 +36,7 @@ def lines(series: dict[str, list[tuple[Any, float, float]]], xlabel: str, path: 
     ax.set_xticks([float(x) for x in xs_all], [str(x) for x in xs_all])
     ax.set_xlabel(xlabel)
     ax.set_ylabel("test accuracy (%)")
-    ax.set_title(title, fontsize=10)
+    ax.set_title(wrap_title(title, 5.5, 10), fontsize=10)
     ax.grid(alpha=0.3)
     legend_outside(ax)
     return _save(fig, path)
@@ -107,24 +107,37 @@ def grid(cells: dict[tuple[Any, Any], float], xs: Sequence[Any], ys: Sequence[An
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     fig.colorbar(im, ax=ax, label="accuracy (%)")
-    ax.set_title(title, fontsize=10)
+    ax.set_title(wrap_title(title, 1.2 * len(xs) + 1, 10), fontsize=10)
     return _save(fig, path)
 
 
-def paper_vs_ours(pairs: Sequence[tuple[str, float, float, float]], path: Path, title: str) -> Path:
-    """Ours (y, with std) against the published value (x); the diagonal is agreement."""
+def paper_vs_ours(pairs: Sequence[tuple[str, float, float, float, str]], path: Path, title: str) -> Path:
+    """Ours (y, with std) against the published value (x), one colour per method (legend outside);
+    the diagonal is agreement. The title wraps to the figure's width."""
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(4.8, 4.6))
     x = np.array([p[1] for p in pairs])
     y = np.array([p[2] for p in pairs])
-    s = np.array([p[3] for p in pairs])
-    ax.errorbar(x, y, yerr=s, fmt="o", ms=4, alpha=0.8)
+    methods = list(dict.fromkeys(p[4] for p in pairs))
+    for i, name in enumerate(methods):
+        sel = [p for p in pairs if p[4] == name]
+        ax.errorbar([p[1] for p in sel], [p[2] for p in sel], yerr=[p[3] for p in sel], fmt="o", ms=4, alpha=0.8,
+                    color=color(i), label=name)
     lo, hi = float(min(x.min(), y.min())) - 2, float(max(x.max(), y.max())) + 2
     ax.plot([lo, hi], [lo, hi], color="0.5", lw=1, ls="--")
     ax.set_xlim(lo, hi)
     ax.set_ylim(lo, hi)
     ax.set_xlabel("published (%)")
     ax.set_ylabel("ours (%)")
-    ax.set_title(title, fontsize=10)
+    ax.set_title(wrap_title(title, 4.8, 10), fontsize=10)
     ax.grid(alpha=0.3)
+    legend_outside(ax)
     return _save(fig, path)
+
+
+def wrap_title(title: str, width_in: float, fontsize: float) -> str:
+    """`title` broken into lines that fit `width_in` inches at `fontsize` (about 0.55 em a character)."""
+    import textwrap
+
+    chars = max(20, int(width_in * 72 / (0.55 * fontsize)))
+    return "\n".join(textwrap.wrap(title, chars, break_on_hyphens=False))

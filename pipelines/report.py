@@ -29,8 +29,9 @@ from pipelines import compare, figures, measures, registry, sweep
 from pipelines.spec import Experiment
 
 RESULTS_FORMAT = "pipelines-experiment/1"
-LEGEND = ("n/a: not available (see 'Not run'); ·: not run at this scale; …: pending; "
-          "-: not measured in our setting")
+LEGEND = ("cells: ours / paper (the published value, where the paper prints one); n/a: not available (see "
+          "'Not run'); ·: not run at this scale; …: pending; -: not measured in our setting; †: the paper's mean "
+          "over the domains we have; ‡: not comparable (see below)")
 
 
 def load_views(exp: Experiment, plan: dict[str, Any], cells_dir: Path) -> list[dict[str, Any]]:
@@ -50,19 +51,29 @@ def load_views(exp: Experiment, plan: dict[str, Any], cells_dir: Path) -> list[d
     return views
 
 
-def _cell_text(v: dict[str, Any] | None, metric: str) -> str:
+def _cell_text(v: dict[str, Any] | None, metric: str, pub: dict[str, Any] | None = None) -> str:
+    """Our value, then " / " and the paper's where it prints one ("ours / paper")."""
     if v is None:
-        return "·"
-    if v["unavailable"]:
-        return "n/a"
-    if metric in v["values"]:
-        return measures.fmt(metric, v["values"][metric])
-    return "…" if v["pending"] else "-"
+        ours = "·"
+    elif v["unavailable"]:
+        ours = "n/a"
+    elif metric in v["values"]:
+        ours = measures.fmt(metric, v["values"][metric])
+    else:
+        ours = "…" if v["pending"] else "-"
+    if pub is None or pub.get("paper_printed") is None:
+        return ours
+    if pub.get("paper_basis") and pub.get("paper") is not None:
+        return f"{ours} / {measures.fmt(metric, (pub['paper'], 0.0)).split('(')[0]}†"
+    paper = measures.fmt(metric, (pub["paper_printed"], pub.get("paper_printed_std") or 0.0))
+    return f"{ours} / {paper}" + ("" if pub.get("comparable", True) else "‡")
 
 
-def paper_table(exp: Experiment, views: Sequence[dict[str, Any]]) -> str:
-    """Our numbers laid out as the paper's table (rows / columns from exp.layout)."""
+def paper_table(exp: Experiment, views: Sequence[dict[str, Any]], comps: Sequence[dict[str, Any]] = ()) -> str:
+    """Our numbers laid out as the paper's table (rows / columns from exp.layout), each cell
+    "ours / paper" where the paper prints a value for it."""
     lay = exp.layout
+    pubs = {(c["point"], c["method"], c["metric"]): c for c in comps}
     rows: dict[tuple, dict[tuple, str]] = {}
     cols: list[tuple] = []
     for p in exp.points:
@@ -76,7 +87,7 @@ def paper_table(exp: Experiment, views: Sequence[dict[str, Any]]) -> str:
                 c = tuple(coord.get(k, "") for k in lay.columns)
                 if c not in cols:
                     cols.append(c)
-                rows.setdefault(r, {})[c] = _cell_text(v, metric)
+                rows.setdefault(r, {})[c] = _cell_text(v, metric, pubs.get((p.key(), m.label, metric)))
     head = [k.capitalize() if k == "method" else k for k in lay.rows] + [" / ".join(c) for c in cols]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r, cells in rows.items():
@@ -87,18 +98,28 @@ def paper_table(exp: Experiment, views: Sequence[dict[str, Any]]) -> str:
 def _comparison_table(comps: Sequence[dict[str, Any]]) -> str:
     lines = ["| Published value (paper, table, row, column) | Paper | Ours | Difference |", "|---|---|---|---|"]
     for c in comps:
-        paper = "not readable" if c["paper"] is None else measures.fmt(c["metric"], (c["paper"], c["paper_std"] or 0))
-        if c["paper"] is None:
-            paper += f" ({c['paper_note']})"
+        printed = c.get("paper_printed", c["paper"])
+        if printed is None:
+            paper = f"not readable ({c['paper_note']})"
+        else:
+            paper = measures.fmt(c["metric"], (printed, c.get("paper_printed_std", c["paper_std"]) or 0))
+            if c.get("paper_basis") and c["paper"] is not None:
+                paper = f"{c['paper']:.2f}† (printed {paper})"
+            elif not c.get("comparable", True):
+                paper += "‡"
         ours = c["why_missing"] if c["ours"] is None else measures.fmt(c["metric"], (c["ours"], c["ours_std"] or 0))
-        diff = "-" if c.get("diff") is None else compare._diff(c) + (" **beyond spread**" if c["beyond"] else "")
+        if c.get("diff") is not None:
+            diff = compare._diff(c) + (" **beyond spread**" if c["beyond"] else "")
+        else:
+            diff = "not comparable" if not c.get("comparable", True) and c["ours"] is not None else "-"
         lines.append(f"| {c['provenance']} | {paper} | {ours} | {diff} |")
     return "\n".join(lines)
 
 
 def figure_title(exp: Experiment, views: Sequence[dict[str, Any]]) -> str:
-    """"<paper table/figure>: <datasets>, <backbones>" (the backbones the plotted arms ran)."""
-    datasets = ", ".join(sorted({p.data.dataset for p in exp.points}))
+    """"<paper table/figure>: <datasets>, <backbones>" (the data sets and backbones the plotted arms ran)."""
+    ran = {tuple(tuple(c) for c in v["coords"]) for v in views}
+    datasets = ", ".join(sorted({p.data.dataset for p in exp.points if not views or p.coords in ran}))
     bbs = sorted({b for v in views for b in v.get("backbones") or ()})
     return plotting.title(compare.citation(exp), datasets, bbs if len(bbs) <= 3 else f"{len(bbs)} backbones")
 
@@ -146,12 +167,42 @@ def _figures(exp: Experiment, views: Sequence[dict[str, Any]], comps: Sequence[d
             ys = sorted({y for _, y in cells}, reverse=True)
             figures.grid(cells, xs, ys, xname, yname, edir / f"figure_{i}.png", f"{title}: {key}")
             made.append(f"figure_{i}.png")
-    pairs = [(c["provenance"], c["paper"], c["ours"], c["ours_std"] or 0.0) for c in comps
+    pairs = [(c["provenance"], c["paper"], c["ours"], c["ours_std"] or 0.0, c["method"]) for c in comps
              if c["ours"] is not None and c["paper"] is not None and c["metric"] not in measures.COUNTS + measures.SCIENTIFIC]
     if pairs:
         figures.paper_vs_ours(pairs, edir / "paper_vs_ours.png", title)
         made.append("paper_vs_ours.png")
     return made
+
+
+def _comparison_notes(comps: Sequence[dict[str, Any]]) -> list[str]:
+    out = []
+    for mark, means in (("†", True), ("‡", False)):
+        bases = dict.fromkeys(c["paper_basis"] for c in comps
+                              if c.get("paper_basis") and (c["paper"] is not None) == means)
+        out += [f"{mark} Acc is compared with {b}." if means else f"{mark} {b}." for b in bases]
+    if any(c.get("diff") is not None and not c.get("spread_known", True) for c in comps):
+        out.append("With fewer than 2 seeds our spread is unknown (n=1): no difference is judged against it "
+                   "(only counts, which do not vary over seeds).")
+    return [""] + out if out else []
+
+
+def _no_deviation(comps: Sequence[dict[str, Any]]) -> str:
+    if any(c.get("diff") is not None and not c.get("spread_known", True) for c in comps):
+        return "none judged: fewer than 2 seeds give no spread of ours"
+    return "none"
+
+
+def portable_paths(text: str, edir: Path) -> str:
+    """Paths under the run's output folder relative to the report, the home folder as "~" (a
+    report is shared; the user's absolute paths say nothing to its reader)."""
+    out = Path(edir).resolve().parent
+    for root, rel in ((Path(edir).resolve(), "."), (out, "..")):
+        text = text.replace(f"{root}/", f"{rel}/")
+    home = str(Path.home())
+    if home not in ("/", ""):
+        text = text.replace(f"{home}/", "~/")
+    return text
 
 
 def _header_lines(exp: Experiment, plan: dict[str, Any], views: Sequence[dict[str, Any]]) -> list[str]:
@@ -177,8 +228,11 @@ def _header_lines(exp: Experiment, plan: dict[str, Any], views: Sequence[dict[st
 def _setting_lines(views: Sequence[dict[str, Any]]) -> list[str]:
     seen, out = set(), []
     for v in views:
+        trainable = (v.get("settings") or {}).get("trainable") if v.get("kind") == "finetune" else None
         for line in (v["data_note"] and f"data ({v['point']}): {v['data_note']}",
-                     v["backbones"] and f"backbones ({v['point']}): {', '.join(v['backbones'])}, {v['backbone_note']}"):
+                     v["backbones"] and f"backbones ({v['point']}): {', '.join(v['backbones'])}, {v['backbone_note']}",
+                     trainable and v["backbones"] and
+                     f"fine-tuned ({v['point']}): {v['backbones'][0]} with --trainable {trainable}"):
             if line and line not in seen:
                 seen.add(line)
                 out.append(f"- {line}")
@@ -193,15 +247,16 @@ def write_experiment(exp: Experiment, edir: Path, cells_dir: Path) -> dict[str, 
     plan = json.loads(plan_path.read_text())
     views = load_views(exp, plan, cells_dir)
     comps = compare.comparisons(exp, views)
-    claims = compare.check_claims(exp, views)
+    claims = compare.check_claims(exp, views, plan["scale"])
     devs = compare.deviation_sentences(exp, views, comps, plan["scale"])
     pngs = _figures(exp, views, comps, edir)
     md = _header_lines(exp, plan, views) + ["", "## Setting", ""] + _setting_lines(views)
-    md += ["", "## Our results, in the paper's layout", "", paper_table(exp, views), "", LEGEND]
+    md += ["", "## Our results, in the paper's layout", "", paper_table(exp, views, comps), "", LEGEND]
     if comps:
         md += ["", "## Published values beside ours", "", _comparison_table(comps), "",
                "A difference is *beyond spread* when it exceeds our std over seeds plus the paper's printed std."]
-    md += ["", "## Deviations beyond the seeds' spread", ""] + ([f"- {d}" for d in devs] or ["- none"])
+        md += _comparison_notes(comps)
+    md += ["", "## Deviations beyond the seeds' spread", ""] + ([f"- {d}" for d in devs] or [f"- {_no_deviation(comps)}"])
     if claims:
         md += ["", "## The paper's claims, on our numbers", ""]
         md += [f"- **{c['status']}**: {c['claim']}. {c.get('detail', '')}" for c in claims]
@@ -213,7 +268,7 @@ def write_experiment(exp: Experiment, edir: Path, cells_dir: Path) -> dict[str, 
     if exp.notes:
         md += ["", "## Notes", ""] + [f"- {n}" for n in exp.notes]
     md += [""] + [f"![{p}]({p})" for p in pngs]
-    write_markdown("\n".join(md) + "\n", edir / "report.md")
+    write_markdown(portable_paths("\n".join(md) + "\n", edir), edir / "report.md")
     _write_tables(exp, plan, views, comps, edir)
     write_results_json(_results(exp, plan, views, comps, claims, devs), edir / "results.json")
     return {"done": sum(v["done"] for v in views), "failed": sum(v["failed"] for v in views),
@@ -285,7 +340,9 @@ def write_index(out: Path) -> Path:
             continue
         r = json.loads(res.read_text())
         cl = r.get("claims", [])
-        held = f"{sum(c['status'] == 'holds' for c in cl)} / {len(cl)}" if cl else "-"
+        nt = sum(c["status"] == "not testable" for c in cl)
+        held = (f"{sum(c['status'] == 'holds' for c in cl)} / {len(cl)}" + (f" ({nt} not testable)" if nt else "")
+                if cl else "-")
         done = sum(1 for c in r["cells"] if c["status"] == "done")
         failed = sum(1 for c in r["cells"] if c["status"] == "failed")
         na = sum(1 for a in r["arms"] if a["unavailable"])

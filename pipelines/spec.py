@@ -122,16 +122,27 @@ class Published:
     note: str = ""  # e.g. "garbled in the PDF text; not compared"
 
 
+CLAIM_DIRECTIONS = ("higher", "lower")
+
+
 @dataclass(frozen=True)
 class Claim:
-    """An ordering claim of the paper, checked on our results ("FedPCL above every baseline")."""
+    """A claim of the paper, checked on our results ("FedPCL above every baseline", "by about 15 %").
+
+    The margin is `best` minus its strongest rival ("higher") or the strongest rival minus `best`
+    ("lower", e.g. Variance: the smaller, the fairer), in the metric's units (pp for accuracies);
+    the claim holds when the margin is positive and, where the paper states a size, inside
+    `magnitude`. It is not testable at smoke scale or with fewer than 2 seeds (no spread)."""
 
     text: str
-    best: str  # Method.label expected on top
+    best: str  # Method.label expected on top (or at the bottom, direction "lower")
     over: tuple[str, ...] = ()  # labels it should beat (() = every other method at the point)
     where: tuple[tuple[str, Any], ...] = ()  # coordinate filter (() = every point)
     metric: str = "acc"
     against: tuple[tuple[str, Any], ...] = ()  # compare `best` here with `best` at this other point instead
+    direction: str = "higher"  # "higher" | "lower": which way `best` beats its rivals
+    magnitude: tuple[float, float] | None = None  # the stated margin as a range (lo, hi); None: the sign only
+    quote: str = ""  # the paper's words for the magnitude, with where they are printed
 
 
 @dataclass(frozen=True)
@@ -211,6 +222,11 @@ class Experiment:
         for p in self.points:
             for lab in p.methods or ():
                 self.method(lab)
+        for cl in self.claims:
+            if cl.direction not in CLAIM_DIRECTIONS:
+                raise UserError(f"{self.name}: claim {cl.text!r}: direction {cl.direction!r} not in {CLAIM_DIRECTIONS}")
+            if cl.magnitude is not None and not cl.magnitude[0] <= cl.magnitude[1]:
+                raise UserError(f"{self.name}: claim {cl.text!r}: magnitude {cl.magnitude} is not (lo, hi)")
         for pub in self.published:
             self.method(pub.method)
             if pub.coords not in keys:

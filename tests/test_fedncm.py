@@ -162,3 +162,76 @@ def test_rounds_after_the_first_change_nothing_with_every_client():
     four = engine.run(F.FedNCM(), data, rounds=4, progress=False)
     assert torch.equal(one.server_state.means, four.server_state.means)
     assert torch.equal(one.final_accuracy("main"), four.final_accuracy("main"))
+
+
+def test_authors_code_bias_is_torch_linear_init_for_the_same_seed():
+    for C, D, seed in ((6, 5, 0), (10, 512, 3), (3, 1, 11)):
+        torch.manual_seed(seed)
+        want = torch.nn.Linear(D, C).bias.detach()
+        state = torch.random.get_rng_state()
+        got = F.authors_code_bias(C, D, seed)
+        assert torch.equal(got, want)  # bit for bit, weight drawn first as nn.Linear does
+        assert torch.equal(torch.random.get_rng_state(), state)  # the global RNG is untouched
+    means = torch.tensor([[3.0, 4.0], [0.0, 0.0], [0.0, -2.0]], dtype=torch.float64)
+    present = torch.tensor([True, False, True])
+    h = F.linear_head_init(means, present, bias="authors-code", seed=4)
+    assert torch.equal(h["cls.bias"], F.authors_code_bias(3, 2, 4))
+    assert torch.equal(F.linear_head_init(means, present, bias="random", seed=4)["cls.bias"], h["cls.bias"])
+
+
+def test_authors_code_head_is_their_linear_layer_and_the_paper_head_is_unchanged():
+    clients, C = _federation(seed=3)
+    data = FedData.from_arrays(clients, C)
+    paper = engine.run(F.FedNCM(), data, rounds=1, seed=5, progress=False)
+    ss = paper.server_state
+    # the paper's head: no bias leaf (state files keep their layout), main = the cosine NCM exactly
+    assert ss.bias is None and F.FedNCMConfig().bias == "paper"
+    out = F.FedNCM().predict(paper.client_state, ss, data.x_test, data.m_test)
+    assert set(out) == {"main", *F.RULES}
+    assert torch.equal(out["main"], F.ncm_scores(ss.means, ss.present, data.x_test, "cosine"))
+
+    alg = create_algorithm("fedncm", bias="authors-code")
+    res = engine.run(alg, data, rounds=1, seed=5, progress=False)
+    assert torch.equal(res.server_state.means, ss.means)  # the means do not depend on the head
+    assert torch.equal(res.server_state.bias, F.authors_code_bias(C, data.dim, 5))
+    # the authors' head: nn.Linear(D, C) with weight <- l_c/||l_c||, its random bias kept, on raw features
+    torch.manual_seed(5)
+    lin = torch.nn.Linear(data.dim, C).double()
+    with torch.no_grad():
+        lin.weight.copy_(torch.nn.functional.normalize(ss.means, dim=-1))
+    scores = alg.predict(res.client_state, res.server_state, data.x_test, data.m_test)
+    with torch.no_grad():
+        ref = lin(data.x_test.double()).masked_fill(~ss.present, float("-inf"))
+    close(scores["main"][..., ss.present], ref[..., ss.present], atol=1e-12)
+    assert torch.isinf(scores["main"][..., ~ss.present]).all()
+    # faiss batch prediction (fedheads predict) gives the same labels through prototype_view
+    q, protos, pres, how = alg.prototype_view(res.client_state, res.server_state, data.x_test[:1])
+    pred = inference.predict_features(protos[0].numpy(), pres[0].numpy(), how, q[0].numpy())
+    np.testing.assert_array_equal(scores["main"][0].argmax(-1).numpy(), pred.labels)
+    with pytest.raises(UserError, match="bias=authors-code"):
+        F.FedNCM(F.FedNCMConfig(bias="authors-code", rule="sqeuclidean"))
+    with pytest.raises(UserError, match="bias='learned'"):
+        F.FedNCM(F.FedNCMConfig(bias="learned"))
+
+
+def test_authors_code_head_trains_saves_and_predicts_through_the_cli(tmp_path):
+    """`fedheads train --set bias=authors-code`: the state keeps the bias (one more leaf) and
+    `fedheads predict` (faiss, inner product on [x, 1]) gives the trainer's accuracies."""
+    import csv
+    import json
+
+    from tests.test_fedheads_cli import CLIENTS, _invoke, _write_store
+
+    store = _write_store(tmp_path)
+    run = tmp_path / "run"
+    r = _invoke(["train", "--store", str(store), "--backbones", "synth", "--algorithm", "fedncm", "--set",
+                 "bias=authors-code", "--rounds", "1", "--seeds", "2", "--quiet", "--out", str(run)])
+    assert r.exit_code == 0, r.output
+    out = tmp_path / "pred.csv"
+    r = _invoke(["predict", "--run", str(run), "--store", str(store), "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    rows = list(csv.DictReader(out.open()))
+    res = json.loads((run / "results.json").read_text())
+    for c in CLIENTS:
+        got = [row["label"] == row["prediction"] for row in rows if row["client"] == c]
+        assert 100.0 * np.mean(got) == pytest.approx(res["per_client"][c]["mean"], abs=1e-6), c

@@ -25,8 +25,13 @@ contributions, and a client that has already contributed sends zeros (the engine
 counts that message as traffic).
 
 :func:`linear_head_init` turns the means into the FedNCM+FT head: weight l_c/||l_c||, bias 0
-as in the paper, or ``bias="random"`` as the authors' code does (their head keeps its random
-nn.Linear bias).
+as in the paper, or ``bias="authors-code"`` as the authors' code does (their head keeps the
+random bias of its ``nn.Linear``, drawn exactly as torch draws it: :func:`authors_code_bias`).
+
+``bias`` also picks the FedNCM head itself: ``"paper"`` (default) is the argmax above;
+``"authors-code"`` scores x . l_c/||l_c|| + b_c on the unnormalised features with that random
+bias (GitHub GwenLegate/GuidingLastLayerFLPretrain), the head behind the paper's published
+FedNCM column. The bias is drawn once from the run's seed and kept in the server state.
 """
 
 from __future__ import annotations
@@ -42,6 +47,8 @@ from fedheads.core.protocol import Init, RoundCtx
 from fedheads.data import DataSpec, FedData
 
 RULES = ("cosine", "sqeuclidean")
+BIASES = ("paper", "authors-code")
+_BIAS_ALIASES = {"zero": "paper", "random": "authors-code"}  # the names FedNCM+FT options used first
 _DTYPES = {"float64": torch.float64, "float32": torch.float32}
 
 
@@ -51,6 +58,7 @@ class FedNCMConfig:
 
     rule: str = "cosine"  # "main" prediction rule: "cosine" (paper's head) or "sqeuclidean"
     dtype: str = "float64"  # accumulation and message dtype of the sums: "float64" | "float32"
+    bias: str = "paper"  # head bias: "paper" (b = 0, Sec. 3.2) | "authors-code" (nn.Linear's random bias kept)
 
 
 @dataclass(frozen=True)
@@ -64,6 +72,7 @@ class FedNCMServerState:
     counts: torch.Tensor  # [C] D_c = total training samples of class c
     means: torch.Tensor  # [C, D] l_c = sums / counts (zeros for absent classes)
     present: torch.Tensor  # [C] bool: D_c > 0
+    bias: torch.Tensor | None = None  # [C] authors'-code head: nn.Linear's random bias (None: the paper's b = 0)
 
 
 @dataclass(frozen=True)
@@ -117,26 +126,45 @@ def ncm_scores(means: torch.Tensor, present: torch.Tensor, x: torch.Tensor, rule
     return s.masked_fill(~present.to(s.device), float("-inf"))
 
 
-def linear_head_init(means: torch.Tensor, present: torch.Tensor, bias: str = "zero",
+def head_bias(name: str) -> str:
+    """The canonical bias name ("paper" | "authors-code"); "zero" / "random" are accepted too."""
+    canon = _BIAS_ALIASES.get(name, name)
+    if canon not in BIASES:
+        raise UserError(f"bias={name!r}: must be one of {', '.join(BIASES)}")
+    return canon
+
+
+def authors_code_bias(num_classes: int, dim: int, seed: int) -> torch.Tensor:
+    """The bias [C] of ``torch.manual_seed(seed); nn.Linear(dim, num_classes)``: torch's own
+    initialisation (weight first, then bias ~ U(-1/sqrt(dim), 1/sqrt(dim))), bit for bit. The
+    global RNG is left as it was."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(int(seed))
+        return torch.nn.Linear(dim, num_classes).bias.detach().clone()
+
+
+def linear_head_init(means: torch.Tensor, present: torch.Tensor, bias: str = "paper",
                      seed: int = 0) -> Params:
     """FedNCM head for fine-tuning (Sec. 3.2): {"cls.weight": [D, C], "cls.bias": [C]} in the
     core's layout (weights transposed, no client axis).
 
-    Weight column c = l_c/||l_c|| (zeros for absent classes). ``bias="zero"`` follows the
-    paper; ``bias="random"`` follows the authors' code (nn.Linear's U(+-1/sqrt(D)) init kept),
-    drawn from ``seed``."""
+    Weight column c = l_c/||l_c|| (zeros for absent classes). ``bias="paper"`` is the paper's 0;
+    ``bias="authors-code"`` keeps nn.Linear's random init, as the authors' code does
+    (:func:`authors_code_bias` of ``seed``)."""
     C, D = means.shape
     w = torch.nn.functional.normalize(means.to(torch.float32), dim=-1)
     w = torch.where(present.view(C, 1), w, torch.zeros_like(w))
-    if bias == "zero":
-        b = torch.zeros(C)
-    elif bias == "random":
-        gen = torch.Generator().manual_seed(int(seed))
-        bound = 1.0 / math.sqrt(D)
-        b = ((torch.rand(C, generator=gen, dtype=torch.float64) * 2 - 1) * bound).to(torch.float32)
-    else:
-        raise UserError(f"bias={bias!r}: must be 'zero' or 'random'")
+    b = torch.zeros(C) if head_bias(bias) == "paper" else authors_code_bias(C, D, seed)
     return {"cls.weight": w.T.contiguous(), "cls.bias": b.to(w.device)}
+
+
+def linear_scores(means: torch.Tensor, present: torch.Tensor, bias: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """The authors' head, x . l_c/||l_c|| + b_c on unnormalised x [..., D] -> [..., C]; absent
+    classes -inf (never predicted, as under the paper's rule)."""
+    dt = torch.promote_types(x.dtype, means.dtype)
+    w = torch.nn.functional.normalize(means.to(dt), dim=-1)
+    s = x.to(dt) @ w.T + bias.to(device=x.device, dtype=dt)
+    return s.masked_fill(~present.to(s.device), float("-inf"))
 
 
 class FedNCM:
@@ -151,14 +179,19 @@ class FedNCM:
             raise UserError(f"rule={cfg.rule!r}: must be one of {', '.join(RULES)}")
         if cfg.dtype not in _DTYPES:
             raise UserError(f"dtype={cfg.dtype!r}: must be one of {', '.join(_DTYPES)}")
+        self.bias = head_bias(cfg.bias)
+        if self.bias == "authors-code" and cfg.rule != "cosine":
+            raise UserError(f"bias=authors-code is the authors' linear head (in place of rule=cosine); "
+                            f"it does not combine with rule={cfg.rule!r}")
         self.cfg = cfg
         self.dtype = _DTYPES[cfg.dtype]
 
     def init(self, spec: DataSpec, seed: int) -> Init:
         C, D, dev = spec.num_classes, spec.dim, spec.device
         z = torch.zeros(C, D, dtype=self.dtype, device=dev)
+        bias = authors_code_bias(C, D, seed).to(dev) if self.bias == "authors-code" else None
         ss = FedNCMServerState(z, torch.zeros(C, dtype=torch.int64, device=dev), z.clone(),
-                               torch.zeros(C, dtype=torch.bool, device=dev))
+                               torch.zeros(C, dtype=torch.bool, device=dev), bias)
         cs = FedNCMClientState(torch.zeros(spec.num_clients, dtype=torch.bool, device=dev))
         return Init(cs, ss, FedNCMBroadcast())
 
@@ -176,20 +209,30 @@ class FedNCM:
         sums = ss.sums + msg.sums.sum(0)  # sum of client contributions ...
         counts = ss.counts + msg.counts.sum(0)
         means, present = finalize_means(sums, counts)  # ... then finalize (Alg. 1 line 5)
-        return FedNCMServerState(sums, counts, means, present), FedNCMBroadcast()
+        return FedNCMServerState(sums, counts, means, present, ss.bias), FedNCMBroadcast()
 
     def predict(self, cs: FedNCMClientState, ss: FedNCMServerState, x: torch.Tensor,
                 mask: torch.Tensor) -> dict[str, torch.Tensor]:
         if not bool(ss.present.any()):
             raise UserError("fedncm: no class means yet (run at least one round)")
         out = {r: ncm_scores(ss.means, ss.present, x, r) for r in RULES}
+        if ss.bias is not None:  # the authors' head: its own rule, and the main one
+            out["linear"] = linear_scores(ss.means, ss.present, ss.bias, x)
+            return {"main": out["linear"], **out}
         return {"main": out[self.cfg.rule], **out}
 
     def prototype_view(self, cs: FedNCMClientState, ss: FedNCMServerState, x: torch.Tensor,
                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, str]:
         """For faiss batch prediction (fedheads.predict): the queries are the features
-        themselves and every client shares the server's class means l_c."""
+        themselves and every client shares the server's class means l_c. The authors' head is
+        an inner product of [x, 1] with [l_c/||l_c||, b_c]."""
         M = x.shape[0]
+        if ss.bias is not None:
+            dt = torch.promote_types(x.dtype, ss.means.dtype)
+            q = torch.cat([x.to(dt), torch.ones(*x.shape[:-1], 1, dtype=dt, device=x.device)], -1)
+            w = torch.nn.functional.normalize(ss.means.to(dt), dim=-1)
+            p = torch.cat([w, ss.bias.to(device=w.device, dtype=dt).unsqueeze(-1)], -1)
+            return q, p.unsqueeze(0).expand(M, -1, -1), ss.present.unsqueeze(0).expand(M, -1), "ip"
         return x, ss.means.unsqueeze(0).expand(M, -1, -1), ss.present.unsqueeze(0).expand(M, -1), self.cfg.rule
 
     def trainable_params(self, cs: FedNCMClientState) -> int:

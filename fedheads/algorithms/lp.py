@@ -95,8 +95,8 @@ class LPConfig:
             raise UserError(f"init {self.init!r}: must be one of {', '.join(INITS)}")
         if self.server_opt not in SERVER_OPTS:
             raise UserError(f"server_opt {self.server_opt!r}: must be one of {', '.join(SERVER_OPTS)}")
-        if self.ncm_bias not in ("zero", "random"):
-            raise UserError(f"ncm_bias {self.ncm_bias!r}: must be 'zero' or 'random'")
+        if self.ncm_bias not in ("zero", "random", "paper", "authors-code"):
+            raise UserError(f"ncm_bias {self.ncm_bias!r}: must be 'zero' (paper) or 'random' (authors' code)")
         if any(int(h) < 1 for h in self.hidden) or self.batch_size < 1 or self.local_epochs < 1:
             raise UserError(f"hidden {self.hidden} / batch_size {self.batch_size} / local_epochs "
                             f"{self.local_epochs}: must be >= 1")
