@@ -43,6 +43,7 @@ from embedcache.devices import resolve_device
 from embedcache.errors import UserError
 from embedcache.extract_text import embed_text_chunk, is_text, text_notes
 from embedcache.plugins import import_plugins  # noqa: F401 (workers import it from here)
+from embedcache.store_layout import store_writes
 
 _VIEW_SEED_LOCK = threading.Lock()  # global RNGs: one seeded augmentation at a time
 
@@ -340,20 +341,21 @@ def extract(manifest: Any, cfg: ExtractConfig, *, source: Any = None,
     for msg in check_unchanged(manifest, source):
         report.note(msg)
     fresh = not (Path(cfg.store) / "zarr.json").exists()
-    st.init_store(cfg.store, manifest.classes, manifest.content_hash, [c.name for c in manifest.clients],
-                  source=manifest.source)
-    try:
-        with contextlib.ExitStack() as stack:
-            client = _LazyClient(cfg.scheduler, stack)
-            _extract_all(manifest, cfg, source, backbone_factory, device, client, report)
-    except BaseException:
-        # a store this run created and never got a shard into (unknown backbone, missing
-        # weights...) is removed rather than left behind as an empty "store"
-        if fresh and not any(p.is_dir() for p in Path(cfg.store).iterdir()):
-            shutil.rmtree(cfg.store, ignore_errors=True)
-        raise
-    if report.changed or not st.has_consolidated(cfg.store):
-        st.consolidate(cfg.store)
+    with store_writes(cfg.store):  # disk full, read-only: one line naming the path
+        st.init_store(cfg.store, manifest.classes, manifest.content_hash, [c.name for c in manifest.clients],
+                      source=manifest.source)
+        try:
+            with contextlib.ExitStack() as stack:
+                client = _LazyClient(cfg.scheduler, stack)
+                _extract_all(manifest, cfg, source, backbone_factory, device, client, report)
+        except BaseException:
+            # a store this run created and never got a shard into (unknown backbone, missing
+            # weights...) is removed rather than left behind as an empty "store"
+            if fresh and Path(cfg.store).is_dir() and not any(p.is_dir() for p in Path(cfg.store).iterdir()):
+                shutil.rmtree(cfg.store, ignore_errors=True)
+            raise
+        if report.changed or not st.has_consolidated(cfg.store):
+            st.consolidate(cfg.store)
     report.seconds = time.perf_counter() - t0
     return report
 

@@ -19,6 +19,7 @@ from pathlib import Path
 from PIL import Image, UnidentifiedImageError
 
 from embedcache.errors import UserError
+from embedcache.manifest import locator_problem
 
 CAPTIONS_FILE = "captions.tsv"
 IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".bmp", ".gif", ".tif", ".tiff", ".webp", ".ppm", ".pgm"}
@@ -83,7 +84,7 @@ class ImageFolder:
         return [(d, f"{d}/{c}/{f}", cid[c]) for d, cl in self._layout.items() for c, files in cl.items() for f in files]
 
     def _path(self, locator: str) -> Path:
-        if ".." in Path(locator).parts:
+        if locator_problem(locator):  # absolute or with '..': outside the folder
             raise UserError(f"{locator}: locator escapes {self.root}")
         path = self.root / locator
         if not path.is_file():
@@ -92,7 +93,7 @@ class ImageFolder:
 
     def fingerprint(self, locator: str, kind: str = "stat") -> str:
         if kind == "stat":  # one stat call: this runs for every image on every extract
-            if ".." in locator.split("/"):
+            if locator_problem(locator):
                 raise UserError(f"{locator}: locator escapes {self.root}")
             try:
                 st = os.stat(os.path.join(self.root, locator))
