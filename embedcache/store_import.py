@@ -22,8 +22,8 @@ from embedcache import store as st
 from embedcache.errors import UserError
 from embedcache.import_sources import ImportItem, ImportSource, read_source
 from embedcache.manifest import canonical_json, check_client_name, check_domain
-from embedcache.reader import is_imported, root_metadata, subgroups
-from embedcache.store_layout import BACKUP_PREFIX, case_collision, collides, dir_lock, store_writes
+from embedcache.reader import is_imported, root_metadata
+from embedcache.store_layout import BACKUP_PREFIX, case_collision, collides, dir_lock, other_shards, store_writes
 
 
 def _checked(item: ImportItem, dtype: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -120,23 +120,14 @@ def _extracted_beside(store: Path, specs: list[st.ShardSpec]) -> None:
     an import carries its file's identity, not a model's, so it cannot be shown to come from the
     same weights, and training would use both as one feature space (reader.identity_conflict).
     The shards this import replaces do not count."""
-    replaced = {(st.backbone_key(s.backbone), s.client, s.split) for s in specs}
     for bk in sorted({st.backbone_key(s.backbone) for s in specs}):
-        bdir = store / bk
-        for client in subgroups(bdir):
-            for split in subgroups(bdir / client):
-                if (bk, client, split) in replaced:
-                    continue
-                try:
-                    a = root_metadata(bdir / client / split)["attributes"]
-                except UserError:
-                    continue  # unreadable: `verify` reports it
-                if "cache_key" in a and not is_imported(a.get("preprocess")):
-                    spec = next(s for s in specs if st.backbone_key(s.backbone) == bk)
-                    raise UserError(f"--backbone {spec.backbone}: the store holds features extracted by that backbone "
-                                    f"(weights {str(a.get('weights_sha256'))[:12]}, e.g. {bk}/{client}/{split}); these "
-                                    f"imported ones (file sha256 {spec.weights_sha256[:12]}) cannot be shown to come "
-                                    "from the same weights: import them under another backbone name")
+        mine = [s for s in specs if st.backbone_key(s.backbone) == bk]
+        for path, a in other_shards(store, bk, [(s.client, s.split) for s in mine]):
+            if not is_imported(a.get("preprocess")):
+                raise UserError(f"--backbone {mine[0].backbone}: the store holds features extracted by that backbone "
+                                f"(weights {str(a.get('weights_sha256'))[:12]}, e.g. {path}); these imported ones "
+                                f"(file sha256 {mine[0].weights_sha256[:12]}) cannot be shown to come from the same "
+                                "weights: import them under another backbone name")
 
 
 def _file_sha(src: ImportSource) -> str:

@@ -198,6 +198,19 @@ def check_client_names(store: str | Path, clients: Sequence[str]) -> None:
                                                     "removes the existing one")
 
 
+def other_shards(store: str | Path, bk: str, skip: Iterable[tuple[str, str]] = ()) -> Iterator[tuple[str, dict]]:
+    """(path, attributes) of every readable shard of backbone group `bk` but the (client, split)
+    pairs in `skip` (those a write is about to replace)."""
+    bdir, skipped = Path(store) / bk, set(skip)
+    for client in subgroups(bdir):
+        for split in subgroups(bdir / client):
+            if (client, split) in skipped:
+                continue
+            a = _attrs(bdir / client / split / "zarr.json")
+            if "cache_key" in a:
+                yield f"{bk}/{client}/{split}", a
+
+
 def check_backbone_name(store: str | Path, backbone: str) -> None:
     """Refuse a backbone whose group would collide with another backbone's group."""
     bk, p = backbone_key(backbone), Path(store)

@@ -27,6 +27,7 @@ from typing import Any, Iterable, Sequence
 import torch
 
 from embedcache.errors import UserError
+from embedcache.parsing import loads_json
 from fedheads import __version__, plotting, report, rundir
 from fedheads import resume as resume_mod
 from fedheads.atomic import atomic_path, atomic_torch_save
@@ -75,7 +76,7 @@ def parse_settings(items: Iterable[str]) -> tuple[tuple[str, Any], ...]:
             raise UserError(f"--set {it!r}: expected key=value")
         k, v = it.split("=", 1)
         try:
-            val: Any = json.loads(v)
+            val: Any = loads_json(v, f"--set {k.strip()}")  # a key twice in a JSON value is refused
         except json.JSONDecodeError:
             val = v
         out.append((k.strip().replace("-", "_"), val))

@@ -86,6 +86,14 @@ def test_a_run_config_with_a_key_twice_is_one_line(tmp_path):
     assert_one_line(CliRunner().invoke(fh, ["train", "--config", str(f)]), 2, "c.yaml", "'rounds' appears twice")
 
 
+def test_a_set_value_with_a_key_twice_is_refused():
+    from fedheads.runner import parse_settings
+
+    assert parse_settings(['w={"a": 1}', "x=word"]) == (("w", {"a": 1}), ("x", "word"))
+    with pytest.raises(UserError, match="--set w: key 'a' appears twice"):
+        parse_settings(['w={"a": 1, "a": 2}'])
+
+
 def test_an_export_index_with_a_key_twice_is_refused(tmp_path):
     from embedcache.store_export import EXPORT_INDEX
 
@@ -215,6 +223,17 @@ def test_features_of_another_model_under_an_extracted_backbones_name_are_refused
     # replacing every extracted shard of a name is not mixing: only the shards that stay count
     info = open_store(extracted)
     assert {s.backbone for s in info.shards} == {"tiny", "tiny-other"}
+
+
+def test_extracting_under_a_name_that_holds_imported_features_is_refused(images, tmp_path):
+    store = tmp_path / "s"
+    m = d.make_manifest(images)
+    import_features(store, _other_model(tmp_path), backbone="tiny", client="c-z", split="train",
+                    classes=list(m.classes))
+    with pytest.raises(UserError, match=r"tiny: the store holds imported features under this name \(e.g. "
+                                        r"tiny/c-z/train, from other.npz\)"):
+        _extract(images, store, m)
+    assert {s.backbone for s in open_store(store).shards} == {"tiny"} and len(open_store(store).shards) == 1
 
 
 def test_training_on_two_models_under_one_name_is_one_line(extracted, tmp_path, monkeypatch):
