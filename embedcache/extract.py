@@ -43,6 +43,8 @@ from embedcache.devices import resolve_device
 from embedcache.errors import UserError
 from embedcache.extract_text import embed_text_chunk, is_text, text_notes
 from embedcache.plugins import import_plugins  # noqa: F401 (workers import it from here)
+from embedcache.reader import is_imported
+from embedcache.store_layout import other_shards, store_writes
 
 _VIEW_SEED_LOCK = threading.Lock()  # global RNGs: one seeded augmentation at a time
 
@@ -340,20 +342,21 @@ def extract(manifest: Any, cfg: ExtractConfig, *, source: Any = None,
     for msg in check_unchanged(manifest, source):
         report.note(msg)
     fresh = not (Path(cfg.store) / "zarr.json").exists()
-    st.init_store(cfg.store, manifest.classes, manifest.content_hash, [c.name for c in manifest.clients],
-                  source=manifest.source)
-    try:
-        with contextlib.ExitStack() as stack:
-            client = _LazyClient(cfg.scheduler, stack)
-            _extract_all(manifest, cfg, source, backbone_factory, device, client, report)
-    except BaseException:
-        # a store this run created and never got a shard into (unknown backbone, missing
-        # weights...) is removed rather than left behind as an empty "store"
-        if fresh and not any(p.is_dir() for p in Path(cfg.store).iterdir()):
-            shutil.rmtree(cfg.store, ignore_errors=True)
-        raise
-    if report.changed or not st.has_consolidated(cfg.store):
-        st.consolidate(cfg.store)
+    with store_writes(cfg.store):  # disk full, read-only: one line naming the path
+        st.init_store(cfg.store, manifest.classes, manifest.content_hash, [c.name for c in manifest.clients],
+                      source=manifest.source)
+        try:
+            with contextlib.ExitStack() as stack:
+                client = _LazyClient(cfg.scheduler, stack)
+                _extract_all(manifest, cfg, source, backbone_factory, device, client, report)
+        except BaseException:
+            # a store this run created and never got a shard into (unknown backbone, missing
+            # weights...) is removed rather than left behind as an empty "store"
+            if fresh and Path(cfg.store).is_dir() and not any(p.is_dir() for p in Path(cfg.store).iterdir()):
+                shutil.rmtree(cfg.store, ignore_errors=True)
+            raise
+        if report.changed or not st.has_consolidated(cfg.store):
+            st.consolidate(cfg.store)
     report.seconds = time.perf_counter() - t0
     return report
 
@@ -373,12 +376,25 @@ class _LazyClient:
         return self._client
 
 
+def _no_imports_beside(store: str, name: str, specs: Sequence[st.ShardSpec]) -> None:
+    """Refuse to extract under a backbone name that holds imported features (other than the
+    shards this run rewrites): they cannot be shown to come from this backbone's weights, and
+    training would use both as one feature space (embedcache.reader.identity_conflict)."""
+    if not specs:
+        return
+    for path, a in other_shards(store, st.backbone_key(name), [(s.client, s.split) for s in specs]):
+        if is_imported(a.get("preprocess")):
+            raise UserError(f"{name}: the store holds imported features under this name (e.g. {path}, from "
+                            f"{a['preprocess']['imported_from']}); extract into another store, or `embedcache rm` them")
+
+
 def _extract_all(manifest: Any, cfg: ExtractConfig, src: Any, backbone_factory: Any, device: str,
                  client: _LazyClient, report: ExtractReport) -> None:
     make = backbone_factory or default_factory
     for name in cfg.backbones:
         bb = make(name, cfg.weights_dir, device)
         specs = build_specs(manifest, bb, cfg)
+        _no_imports_beside(cfg.store, name, [spec for spec, _ in specs])
         text = is_text(bb)
         jobs: list[ChunkJob] = []
         todo: list[st.ShardSpec] = []

@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 
 from embedcache.errors import UserError
+from embedcache.parsing import read_json
 from embedcache.store_export import EXPORT_FORMAT, EXPORT_INDEX
 from embedcache.store_layout import backbone_key
 
@@ -134,9 +135,10 @@ def _h5_groups(path: Path, split: str | None) -> ImportSource:
 
 
 def _export_dir(path: Path) -> ImportSource:
-    index = json.loads((path / EXPORT_INDEX).read_text())
-    if index.get("format") not in _EXPORTS:
-        raise UserError(f"{path / EXPORT_INDEX}: format {index.get('format')!r} is not {EXPORT_FORMAT}")
+    index = read_json(path / EXPORT_INDEX)
+    if not isinstance(index, dict) or index.get("format") not in _EXPORTS:
+        got = index.get("format") if isinstance(index, dict) else type(index).__name__
+        raise UserError(f"{path / EXPORT_INDEX}: format {got!r} is not {EXPORT_FORMAT}")
     src = ImportSource(path.name, [path / EXPORT_INDEX], classes=list(index["classes"]), exported=True)
     for key, attrs in sorted(index["shards"].items()):
         bk, client, sp = key.split("/")

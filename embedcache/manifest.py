@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from embedcache.errors import UserError
+from embedcache.parsing import loads_json, loads_yaml
 
 FORMAT = "embedcache-manifest/1"
 _CLIENT_NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
@@ -61,6 +62,49 @@ class Client:
     domain: str
     train: tuple[Sample, ...]
     test: tuple[Sample, ...]
+
+
+# Windows device names: a file or directory so named (with any extension) cannot be created there.
+_RESERVED = frozenset({"CON", "PRN", "AUX", "NUL", *(f"COM{i}" for i in range(1, 10)),
+                       *(f"LPT{i}" for i in range(1, 10))})
+
+
+def client_name_problem(name: Any) -> str | None:
+    """Why `name` cannot be a client name (None: it can). A client name is a directory of the
+    store on every file system: [A-Za-z0-9_.-]+, not starting or ending with '.' ('.' and '..'
+    are directories already, a leading '.' is hidden and the store's own temporary names start
+    with one, Windows drops a trailing one), and not a Windows device name (CON, NUL, COM1...)."""
+    if not isinstance(name, str) or not _CLIENT_NAME.match(name):
+        return "must match [A-Za-z0-9_.-]+"
+    if name.startswith(".") or name.endswith("."):
+        return "must not start or end with '.'"
+    if name.split(".")[0].upper() in _RESERVED:
+        return "is a reserved device name on Windows (CON, PRN, AUX, NUL, COM1-9, LPT1-9)"
+    return None
+
+
+def check_client_name(name: Any, where: str = "") -> None:
+    """UserError naming the client name when client_name_problem finds one."""
+    why = client_name_problem(name)
+    if why is not None:
+        raise UserError(f"{where + ': ' if where else ''}client name {name!r} {why}")
+
+
+def check_domain(domain: Any, where: str = "") -> None:
+    """A domain is a one-line string: it is printed in messages, reports and tables."""
+    if not isinstance(domain, str) or any(ord(ch) < 32 or ord(ch) == 127 for ch in domain):
+        raise UserError(f"{where + ': ' if where else ''}domain {domain!r} must be text without control characters "
+                        "(tabs, line breaks)")
+
+
+def locator_problem(locator: str) -> str | None:
+    """Why `locator` does not name a file inside its source (None: it does). Locators are
+    relative paths: an absolute one or one with '..' would read (and cache) files outside it."""
+    if not locator:
+        return "is empty"
+    if locator.startswith("/") or ".." in locator.split("/"):
+        return "points outside the source (locators are relative paths without '..')"
+    return None
 
 
 def canonical_json(obj: Any) -> str:
@@ -134,8 +178,8 @@ class Manifest:
         seen_clients: dict[str, str] = {}
         seen_ids: set[str] = set()
         for c in self.clients:
-            if not _CLIENT_NAME.match(c.name):
-                raise UserError(f"{where}: client name {c.name!r} must match [A-Za-z0-9_.-]+")
+            check_client_name(c.name, where)
+            check_domain(c.domain, f"{where}: client {c.name}")
             other = seen_clients.get(c.name.casefold())
             if other == c.name:
                 raise UserError(f"{where}: client {c.name} appears twice")
@@ -148,6 +192,9 @@ class Manifest:
                     if not 0 <= s.label < len(self.classes):
                         raise UserError(f"{where}: sample {s.id} ({c.name}/{split}) has label {s.label} "
                                         f"outside the class list 0..{len(self.classes) - 1}")
+                    bad = locator_problem(s.locator)
+                    if bad is not None:
+                        raise UserError(f"{where}: sample {s.id} ({c.name}/{split}) has locator {s.locator!r}, which {bad}")
                     if s.id in seen_ids:
                         raise UserError(f"{where}: sample id {s.id} appears twice")
                     seen_ids.add(s.id)
@@ -203,11 +250,10 @@ def _samples(rows: Any, where: str) -> tuple[Sample, ...]:
                             f"fingerprint] or [id, locator, label, fingerprint, text], got {r!r}")
         if len(r) == 5 and not isinstance(r[4], str):
             raise UserError(f"{where}: sample {r[0]!r} has a text that is not a string: {r[4]!r}")
-        try:
-            out.append(Sample(str(r[0]), str(r[1]), int(r[2]), str(r[3]) if len(r) >= 4 else "",
-                              r[4] if len(r) == 5 else None))
-        except (TypeError, ValueError):
-            raise UserError(f"{where}: sample {r[0]!r} has a non-integer label {r[2]!r}") from None
+        if type(r[2]) is not int:  # not int(): 1.9 and true would both read as 1
+            raise UserError(f"{where}: sample {r[0]!r} has label {r[2]!r}; labels are integer class indices")
+        out.append(Sample(str(r[0]), str(r[1]), r[2], str(r[3]) if len(r) >= 4 else "",
+                          r[4] if len(r) == 5 else None))
     return tuple(out)
 
 
@@ -241,12 +287,9 @@ def load_manifest(path: str | Path) -> Manifest:
     text = path.read_text()
     fmt = SUFFIXES.get(path.suffix.lower(), "JSON")
     try:
-        if fmt == "YAML":
-            import yaml
-
-            data = yaml.safe_load(text)
-        else:
-            data = json.loads(text)
+        data = loads_yaml(text, str(path)) if fmt == "YAML" else loads_json(text, str(path))
+    except UserError:
+        raise
     except Exception as exc:
         raise UserError(f"{path}: not valid {fmt} ({str(exc).splitlines()[0]})") from None
     return manifest_from_dict(data, str(path))

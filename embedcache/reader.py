@@ -23,6 +23,7 @@ import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import zarr
@@ -35,6 +36,10 @@ _SPLITS = ("train", "test")
 DROPPED = "client dropped by the latest manifest"
 OLDER = "extracted under an older manifest"
 
+
+# How to get a store's root metadata back when it is lost or damaged but its shards are intact.
+REBUILD = ("`embedcache verify --repair {store}` rebuilds it from the intact shards (add --manifest "
+           "with the manifest last extracted into it if it cannot recover the class names)")
 
 _NOTED: set[str] = set()
 
@@ -67,6 +72,8 @@ class ShardInfo:
     modality: str = "image"  # attr `modality` ("image" for shards written before it existed)
     token_shape: tuple[int, int] | None = None  # (T, D) of a text token shard: rows T-major, with a mask
     map_shape: tuple[int, ...] | None = None  # (C, H, W) of an image cut map (preprocess.map_shape)
+    weights_sha256: str = ""  # attr `weights_sha256`: the backbone's weights (an import: its file's)
+    preprocess: str = ""  # attr `preprocess` as canonical JSON (an import: {"imported_from": ...})
 
     @property
     def current(self) -> bool:
@@ -139,11 +146,14 @@ def root_metadata(path: str | Path) -> dict:
     """The store root's zarr.json, parsed (UserError when there is no store or it is unreadable)."""
     p = Path(path) / "zarr.json"
     if not p.is_file():
+        if holds_shards(p.parent):  # the root of a store whose shards are still there
+            raise UserError(f"{p}: missing; {REBUILD.format(store=p.parent)}")
         raise UserError(f"{p.parent}: no feature store here (zarr.json missing)")
     try:
         meta = json.loads(p.read_text())
     except (OSError, UnicodeDecodeError, ValueError) as exc:
-        raise UserError(f"{p}: unreadable ({exc}); the store's root metadata is lost") from None
+        fix = REBUILD.format(store=p.parent) if holds_shards(p.parent) else "the metadata is lost"
+        raise UserError(f"{p}: unreadable ({' '.join(str(exc).split())}); {fix}") from None
     if not isinstance(meta, dict) or meta.get("node_type") != "group" or not isinstance(meta.get("attributes"), dict):
         raise UserError(f"{p}: not the metadata of a zarr group")
     return meta
@@ -161,6 +171,11 @@ def disk_shard_paths(path: str | Path) -> set[str]:
     """`<backbone key>/<client>/<split>` of every shard group on disk (a directory listing, no zarr)."""
     p = Path(path)
     return {f"{b}/{c}/{s}" for b in subgroups(p) for c in subgroups(p / b) for s in subgroups(p / b / c)}
+
+
+def holds_shards(d: Path) -> bool:
+    """`d` looks like a store root: it holds <backbone>/<client>/<train|test> groups."""
+    return any(p.rsplit("/", 1)[1] in _SPLITS for p in disk_shard_paths(d))
 
 
 def consolidated_entries(meta: dict) -> dict | str | None:
@@ -232,7 +247,9 @@ def _walk(root: zarr.Group, attrs: dict) -> list[ShardInfo]:
                         cache_key=a["cache_key"], path=f"{bkey}/{client}/{split}", manifest_hash=mh,
                         stale=stale_reason(attrs, client, mh), modality=str(a.get("modality", "image")),
                         token_shape=None if tshape is None else (int(tshape[0]), int(tshape[1])),
-                        map_shape=None if mshape is None else tuple(int(v) for v in mshape)))
+                        map_shape=None if mshape is None else tuple(int(v) for v in mshape),
+                        weights_sha256=str(a.get("weights_sha256", "")),
+                        preprocess=json.dumps(a.get("preprocess"), sort_keys=True, separators=(",", ":"))))
     return shards
 
 
@@ -265,6 +282,51 @@ def open_store(path: str | Path, *, quiet: bool = False) -> StoreInfo:
         backbones=tuple(sorted({s.backbone for s in shards})),
         clients=tuple(sorted(attrs["clients"] if attrs.get("clients") is not None else {s.client for s in shards})),
         shards=tuple(shards), consolidated=use, source=str(attrs.get("source", "")))
+
+
+def is_imported(preprocess: Any) -> bool:
+    """A shard's `preprocess` (a dict, or ShardInfo.preprocess's JSON) says `embedcache import` wrote it."""
+    p = json.loads(preprocess) if isinstance(preprocess, str) else preprocess
+    return isinstance(p, dict) and "imported_from" in p
+
+
+def identity_conflict(held: Sequence[tuple[str, str, Any]]) -> tuple[str, str] | None:
+    """Two holders (shards, or Flower nodes) whose features of one backbone name cannot come from
+    the same model, from their (who, weights_sha256, preprocess) - None when none can be told
+    apart. Extracted features must agree on weights and preprocessing; imported ones carry the
+    identity of their file, not of a model, so several imports may share a name (only their
+    dimension can be checked) but an import beside extracted features cannot be shown to match
+    them. Used by training (`check_backbone_identity`) and the Flower server alike."""
+    extracted: dict[tuple[str, str], str] = {}
+    imported: list[str] = []
+    for who, weights, preprocess in held:
+        if is_imported(preprocess):
+            imported.append(who)
+        else:
+            pkey = json.dumps(json.loads(preprocess) if isinstance(preprocess, str) else preprocess, sort_keys=True)
+            extracted.setdefault((str(weights), pkey), who)
+    if len(extracted) > 1:
+        a, b = list(extracted.values())[:2]
+        return a, b
+    if extracted and imported:
+        return next(iter(extracted.values())), imported[0]
+    return None
+
+
+def check_backbone_identity(info: StoreInfo, backbones: Sequence[str], clients: Sequence[str],
+                            splits: Sequence[str] = _SPLITS) -> None:
+    """UserError when the shards of one backbone name that a run would use hold features of
+    different models (see identity_conflict): they would be trained together as one feature space."""
+    wanted = set(clients)
+    for b in backbones:
+        shards = {s.path: s for s in info.shards if s.backbone == b and s.client in wanted and s.split in splits}
+        pair = identity_conflict([(s.path, s.weights_sha256, s.preprocess) for s in shards.values()])
+        if pair is not None:
+            x, y = shards[pair[0]], shards[pair[1]]
+            how = "one extracted, one imported" if is_imported(y.preprocess) else "extracted differently"
+            raise UserError(f"backbone {b}: shards {x.path} (weights {x.weights_sha256[:12]}) and {y.path} (weights "
+                            f"{y.weights_sha256[:12]}) hold features of different models or preprocessing ({how}); "
+                            f"`embedcache rm` one of them, or import under another backbone name")
 
 
 def _names(info: StoreInfo, backbones: Sequence[str] | str, split: str) -> list[str]:
@@ -337,6 +399,7 @@ def load_split(
     names = _names(info, backbones, split)
     # default: the store's clients (its latest manifest's), never shards a later manifest dropped
     wanted = list(clients) if clients is not None else list(info.clients)
+    check_backbone_identity(info, names, wanted, (split,))
     root = info.root()
     out: dict[str, ClientSplit] = {}
     for client in wanted:

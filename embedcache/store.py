@@ -40,7 +40,7 @@ import zarr
 from embedcache import __version__
 from embedcache.errors import UserError
 from embedcache.manifest import canonical_json
-from embedcache.reader import STORE_FORMAT, root_metadata, subgroups
+from embedcache.reader import REBUILD, STORE_FORMAT, holds_shards, root_metadata, subgroups
 from embedcache.shard_check import chunk_digest, rows_digest
 from embedcache.store_layout import (backbone_key, case_collision, check_backbone_name, check_client_names, collides,
                                      consolidate, dir_lock, has_consolidated, shard_path)  # noqa: F401 (re-exported)
@@ -137,6 +137,7 @@ def init_store(store: str | Path, classes: Sequence[str], manifest_hash: str,
         check_client_names(store, clients)  # before dir_lock creates the directory
     with dir_lock(store):
         if (store / "zarr.json").exists():
+            root_metadata(store)  # a damaged root is one line saying how to rebuild it, not zarr's parse error
             root = _quiet_open(store, "r+", use_consolidated=False)
             _check_root(store, root, classes)
             listed = root.attrs.get("clients")
@@ -152,6 +153,8 @@ def init_store(store: str | Path, classes: Sequence[str], manifest_hash: str,
                 _drop_consolidated(store, have_lock=True)
                 root.attrs["source"] = source
             return
+        if holds_shards(store):  # a store that lost its root metadata
+            raise UserError(f"{store / 'zarr.json'}: missing; {REBUILD.format(store=store)}")
         if any(p.name != "zarr.json" for p in store.iterdir()):
             # Never take over (or wipe) a directory that holds something else.
             raise UserError(f"{store}: directory is not empty and is not an embedcache store")

@@ -21,9 +21,9 @@ import numpy as np
 from embedcache import store as st
 from embedcache.errors import UserError
 from embedcache.import_sources import ImportItem, ImportSource, read_source
-from embedcache.manifest import canonical_json
-from embedcache.reader import root_metadata
-from embedcache.store_layout import BACKUP_PREFIX, case_collision, collides, dir_lock
+from embedcache.manifest import canonical_json, check_client_name, check_domain
+from embedcache.reader import is_imported, root_metadata
+from embedcache.store_layout import BACKUP_PREFIX, case_collision, collides, dir_lock, other_shards, store_writes
 
 
 def _checked(item: ImportItem, dtype: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -31,6 +31,10 @@ def _checked(item: ImportItem, dtype: str) -> tuple[np.ndarray, np.ndarray, np.n
     feats, labels, ids, origin = item.features, item.labels, item.sample_ids, item.origin
     if feats.ndim != 2 or not np.issubdtype(feats.dtype, np.number):
         raise UserError(f"{origin}: features must be a numeric [N, D] array, got shape {feats.shape}")
+    for what, arr in (("features", feats), ("labels", labels), ("views", item.views)):
+        if arr is not None and np.iscomplexobj(arr):  # a cast to float would drop the imaginary part
+            raise UserError(f"{origin}: {what} are complex ({arr.dtype}); import real values (e.g. their "
+                            "magnitude or the real and imaginary parts as separate columns)")
     n = feats.shape[0]
     if labels.shape != (n,):
         raise UserError(f"{origin}: labels has {labels.size} entries for {n} feature rows (use --transpose for [D, N])")
@@ -111,6 +115,21 @@ def _precheck(store: Path, spec: st.ShardSpec, root: dict | None) -> None:
     st.check_feature_dim(store, spec)
 
 
+def _extracted_beside(store: Path, specs: list[st.ShardSpec]) -> None:
+    """Refuse imported features under a backbone name whose shards in the store were extracted:
+    an import carries its file's identity, not a model's, so it cannot be shown to come from the
+    same weights, and training would use both as one feature space (reader.identity_conflict).
+    The shards this import replaces do not count."""
+    for bk in sorted({st.backbone_key(s.backbone) for s in specs}):
+        mine = [s for s in specs if st.backbone_key(s.backbone) == bk]
+        for path, a in other_shards(store, bk, [(s.client, s.split) for s in mine]):
+            if not is_imported(a.get("preprocess")):
+                raise UserError(f"--backbone {mine[0].backbone}: the store holds features extracted by that backbone "
+                                f"(weights {str(a.get('weights_sha256'))[:12]}, e.g. {path}); these imported ones "
+                                f"(file sha256 {mine[0].weights_sha256[:12]}) cannot be shown to come from the same "
+                                "weights: import them under another backbone name")
+
+
 def _file_sha(src: ImportSource) -> str:
     if len(src.files) == 1:
         return hashlib.sha256(src.files[0].read_bytes()).hexdigest()
@@ -171,8 +190,10 @@ def import_many(store: str | Path, source: str | Path, *, backbone: str | None =
     of per-client files. All or nothing: everything is read and checked before the store is
     touched, and a failure while writing undoes every shard written. Returns the written shards."""
     store = Path(store)
-    if client is not None and (not client or any(not (c.isascii() and (c.isalnum() or c in "_.-")) for c in client)):
-        raise UserError(f"client {client!r}: must match [A-Za-z0-9_.-]+")
+    if client is not None:
+        check_client_name(client, "--client")
+    if domain is not None:
+        check_domain(domain, "--domain")
     if split is not None and split not in st.SPLITS:
         raise UserError(f"split {split}: must be train or test")
     if dtype is not None and dtype not in st.DTYPES:
@@ -186,8 +207,9 @@ def import_many(store: str | Path, source: str | Path, *, backbone: str | None =
     if domain is not None and len({i.client for i in src.items}) > 1:
         raise UserError(f"--domain: only for one client ({source} holds several)")
     for item in src.items:
-        if not item.client or any(not (c.isascii() and (c.isalnum() or c in "_.-")) for c in item.client):
-            raise UserError(f"{item.origin}: client {item.client!r} must match [A-Za-z0-9_.-]+")
+        check_client_name(item.client, item.origin)
+        if item.domain is not None:
+            check_domain(item.domain, item.origin)
     dtypes = [dtype or ("float16" if i.features.dtype == np.float16 else "float32") for i in src.items]
     arrays = [_checked(i, dt) for i, dt in zip(src.items, dtypes)]
     file_sha = _file_sha(src)
@@ -207,10 +229,22 @@ def import_many(store: str | Path, source: str | Path, *, backbone: str | None =
             labels=tuple(labels.tolist()), views=1 if item.views is None else item.views.shape[0], dtype=dt,
             chunk_rows=chunk_rows, modality=item.modality, token_shape=item.token_shape))
     _check_batch(specs, [i.origin for i in src.items])
+    if root is not None:
+        _extracted_beside(store, specs)
     for spec in specs:
         _precheck(store, spec, root)
     new_clients = list(dict.fromkeys(s.client for s in specs))
     undos: list[_Undo] = []
+    with store_writes(store):  # disk full, read-only: one line naming the path, after the undo
+        _write_all(store, specs, src, arrays, cls, manifest_hash, root, new_clients, undos)
+    for undo in undos:
+        undo.commit()
+    return specs
+
+
+def _write_all(store: Path, specs: list[st.ShardSpec], src: ImportSource, arrays: list, cls: list[str],
+               manifest_hash: str, root: dict | None, new_clients: list[str], undos: list[_Undo]) -> None:
+    """Write every checked shard; on any failure undo what was written and re-raise."""
     try:
         for n, (spec, item, (feats, _, _)) in enumerate(zip(specs, src.items, arrays)):
             undos.append(_Undo(store, st.backbone_key(spec.backbone), spec.client, spec.split, spec.key))
@@ -225,9 +259,6 @@ def import_many(store: str | Path, source: str | Path, *, backbone: str | None =
         for undo in reversed(undos):
             undo.undo()
         raise
-    for undo in undos:
-        undo.commit()
-    return specs
 
 
 def import_features(store: str | Path, file: str | Path, *, backbone: str, client: str, split: str,

@@ -9,18 +9,21 @@ that no longer matches the files; `inspect` marks every shard current or stale (
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import zarr
 
 from embedcache import store as st
 from embedcache.errors import UserError
-from embedcache.reader import ShardInfo, disk_shard_paths, open_store, root_metadata, subgroups
+from embedcache.reader import (STORE_FORMAT, ShardInfo, disk_shard_paths, holds_shards, open_store, root_metadata,
+                               subgroups)
 from embedcache.store_export import export_h5  # noqa: F401 (historical home of export_h5)
 from embedcache.store_import import import_features  # noqa: F401 (historical home of import_features)
-from embedcache.store_layout import (consolidated_mismatch, disk_clients, quiet_open, remove_shards,
-                                     sweep_import_leftovers)
+from embedcache.store_layout import (consolidated_mismatch, dir_lock, disk_clients, quiet_open, remove_shards,
+                                     store_writes, sweep_import_leftovers, write_json_atomic)
 
 REQUIRED_ATTRS = ("cache_key", "backbone", "weights_sha256", "preprocess", "manifest_hash", "sample_list_hash",
                   "code_version", "dtype", "views", "n", "dim", "domain", "chunk_sha256", "complete")
@@ -168,6 +171,67 @@ def verify_against_manifest(path: str | Path, manifest: object) -> list[str]:
     return probs
 
 
+def _salvaged_attrs(text: str) -> dict | None:
+    """The root's attributes from what is left of a damaged zarr.json: they are written first
+    (before the long consolidated metadata), so a truncated file usually still holds them."""
+    at = text.find('"attributes"')
+    start = text.find("{", at) if at >= 0 else -1
+    if start < 0:
+        return None
+    try:
+        attrs, _ = json.JSONDecoder().raw_decode(text, start)
+    except ValueError:
+        return None
+    ok = isinstance(attrs, dict) and attrs.get("format") == STORE_FORMAT and isinstance(attrs.get("classes"), list)
+    return attrs if ok else None
+
+
+def _disk_shards(path: Path) -> list[tuple[str, dict]]:
+    """(client, attributes) of every shard group on disk whose zarr.json is readable."""
+    out = []
+    for name in sorted(disk_shard_paths(path)):
+        try:
+            a = root_metadata(path / name)["attributes"]
+        except UserError:
+            continue  # `verify` reports it
+        if "cache_key" in a:
+            out.append((name.split("/")[1], a))
+    return out
+
+
+def repair_root(path: str | Path, manifest: Any = None) -> str | None:
+    """Rebuild a store's root zarr.json when it is missing or unreadable but shards are on disk
+    (data is never touched; the consolidated metadata is rewritten afterwards). The attributes
+    come from `manifest` (the one last extracted into the store) when given, else from what is
+    left of the damaged file. Returns what was done, None when the root was fine."""
+    path = Path(path)
+    p = path / "zarr.json"
+    try:
+        root_metadata(path)
+        return None
+    except UserError:
+        if not holds_shards(path):
+            raise
+    shards = _disk_shards(path)
+    old = _salvaged_attrs(p.read_text(errors="replace")) if p.is_file() else None
+    if manifest is not None:
+        mh = manifest.content_hash
+        listed = [c.name for c in manifest.clients]
+        attrs = {"format": STORE_FORMAT, "classes": list(manifest.classes), "manifest_hash": mh,
+                 "clients": listed + sorted({c for c, a in shards if a.get("manifest_hash") == mh} - set(listed)),
+                 "source": manifest.source}
+        how = f"from {len(shards)} shard(s) and the manifest"
+    elif old is not None:
+        attrs = old
+        how = f"from {len(shards)} shard(s) and the attributes left in the damaged file"
+    else:
+        raise UserError(f"{p}: the class names cannot be recovered from the shards; run `embedcache verify "
+                        f"--repair {path} --manifest M` with the manifest last extracted into this store")
+    with store_writes(path, "store"), dir_lock(path):
+        write_json_atomic(p, {"attributes": attrs, "zarr_format": 3, "node_type": "group"})
+    return f"root metadata {p} rebuilt {how}"
+
+
 def repair_consolidated(path: str | Path) -> str | None:
     """Rewrite the consolidated metadata from the hierarchy when it is missing or does not
     match the files (data is never touched). Returns what was wrong, None when nothing was."""
@@ -175,7 +239,8 @@ def repair_consolidated(path: str | Path) -> str | None:
     meta = root_metadata(path)
     wrong = "is missing" if meta.get("consolidated_metadata") is None else consolidated_mismatch(path)
     if wrong:
-        st.consolidate(path)
+        with store_writes(path, "store"):
+            st.consolidate(path)
     return wrong
 
 
@@ -206,8 +271,9 @@ def rm_plan(path: str | Path, backbone: str, client: str | None = None, split: s
 def remove(path: str | Path, shards: list[ShardInfo], *, only_stale: bool = False) -> list[str]:
     """Remove `shards` under the store's locks (see store_layout.remove_shards); with
     `only_stale` (gc), also the shards set aside by killed imports."""
-    done = remove_shards(path, [s.path for s in shards], only_stale=only_stale)
-    return done + (sweep_import_leftovers(path) if only_stale else [])
+    with store_writes(path, "store"):
+        done = remove_shards(path, [s.path for s in shards], only_stale=only_stale)
+        return done + (sweep_import_leftovers(path) if only_stale else [])
 
 
 def import_leftovers(path: str | Path) -> list[str]:

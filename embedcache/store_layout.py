@@ -14,6 +14,7 @@ both (it sorts keys case-insensitively and groups them by parent, which then int
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import json
 import os
@@ -25,6 +26,7 @@ from pathlib import Path
 import zarr
 
 from embedcache.errors import UserError
+from embedcache.manifest import check_client_name
 from embedcache.reader import consolidated_entries, consolidated_problem, root_metadata, stale_reason, subgroups
 
 BACKUP_PREFIX = ".import-backup-"  # a shard an import replaces waits here (no zarr.json: not a node)
@@ -38,6 +40,30 @@ def backbone_key(name: str) -> str:
 def shard_path(store: str | Path, backbone: str, client: str, split: str) -> str:
     """Path of a shard group relative to the store root."""
     return f"{backbone_key(backbone)}/{client}/{split}"
+
+
+_FULL = (errno.ENOSPC, errno.EDQUOT)
+_DENIED = (errno.EACCES, errno.EPERM, errno.EROFS)
+
+
+@contextlib.contextmanager
+def store_writes(store: str | Path, flag: str = "--store") -> Iterator[None]:
+    """Turn a write that the file system refuses (disk full, no permission, read-only) into one
+    line naming the path and what to do; any other OSError, and every other error, passes as is.
+    What was written stays consistent either way (chunks are digested, imports roll back)."""
+    try:
+        yield
+    except OSError as exc:
+        if exc.errno not in _FULL + _DENIED:
+            raise
+        where = exc.filename or store
+        what = os.strerror(exc.errno)
+        if exc.errno in _FULL:
+            raise UserError(f"{where}: cannot write ({what}); free space on that disk (or choose another {flag}) "
+                            "and run the command again") from None
+        todo = (f"the file system is read-only: choose another {flag}" if exc.errno == errno.EROFS
+                else f"fix its permissions or choose another {flag}")
+        raise UserError(f"{where}: cannot write ({what}); {todo}") from None
 
 
 @contextlib.contextmanager
@@ -153,8 +179,11 @@ def disk_clients(store: str | Path) -> set[str]:
 
 
 def check_client_names(store: str | Path, clients: Sequence[str]) -> None:
-    """Refuse client names that collide case-insensitively with each other or with a client
-    already in the store (stale or not: it would share its directory)."""
+    """Refuse client names that cannot be a directory on every file system (manifest.client_name_problem)
+    or that collide case-insensitively with each other or with a client already in the store
+    (stale or not: it would share its directory)."""
+    for c in clients:  # every name before anything is written (a bad one used to fail mid-way)
+        check_client_name(c)
     seen: list[str] = []
     for c in clients:
         other = case_collision(c, seen)
@@ -167,6 +196,19 @@ def check_client_names(store: str | Path, clients: Sequence[str]) -> None:
         if other is not None:
             raise collides("client", c, other, hint=f"; `embedcache rm {store} --backbone B --client {other}` "
                                                     "removes the existing one")
+
+
+def other_shards(store: str | Path, bk: str, skip: Iterable[tuple[str, str]] = ()) -> Iterator[tuple[str, dict]]:
+    """(path, attributes) of every readable shard of backbone group `bk` but the (client, split)
+    pairs in `skip` (those a write is about to replace)."""
+    bdir, skipped = Path(store) / bk, set(skip)
+    for client in subgroups(bdir):
+        for split in subgroups(bdir / client):
+            if (client, split) in skipped:
+                continue
+            a = _attrs(bdir / client / split / "zarr.json")
+            if "cache_key" in a:
+                yield f"{bk}/{client}/{split}", a
 
 
 def check_backbone_name(store: str | Path, backbone: str) -> None:

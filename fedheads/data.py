@@ -331,7 +331,7 @@ def load_fed_data(store: str, backbones: Sequence[str], device: str | torch.devi
     sizes in the store's metadata decide the buckets before a feature is read). `views=True` also loads the
     stored augmented views of the train split (extracted with --views V > 1) into `v_train`
     (through `load_split`: per-client copies); FedPCL's code variant contrasts them."""
-    from embedcache.reader import iter_split_chunks, load_split, open_store  # reader: numpy + zarr only
+    from embedcache.reader import check_backbone_identity, iter_split_chunks, load_split, open_store  # numpy + zarr
 
     info = open_store(store)
     classes = list(getattr(info, "classes"))
@@ -344,6 +344,7 @@ def load_fed_data(store: str, backbones: Sequence[str], device: str | torch.devi
         raise UserError("backbones: at least one is needed")
     dev = resolve_device(device)
     dims = _backbone_dims(info, bbs, names)
+    check_backbone_identity(info, bbs, names)
     sizes: dict[str, list[int]] = {}
     for split in ("train", "test"):
         shards = [info.shard(bbs[0], c, split) for c in names]

@@ -41,7 +41,9 @@ IDENTITY = ("dim", "weights_sha256", "preprocess")  # what a backbone's features
 def _read_json(path: Path) -> dict[str, Any]:
     if not path.is_file():
         raise UserError(f"{path}: missing (not a complete `fedheads train` run directory)")
-    return json.loads(path.read_text())
+    from embedcache.parsing import read_json
+
+    return read_json(path)
 
 
 def note(msg: str) -> None:

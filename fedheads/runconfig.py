@@ -83,8 +83,10 @@ def read_config(ctx: click.Context, param: click.Parameter, value: str | None) -
         return None
     import yaml
 
+    from embedcache.parsing import loads_yaml
+
     try:
-        doc = yaml.safe_load(Path(value).read_text())
+        doc = loads_yaml(Path(value).read_text(), f"--config {value}")
     except OSError as exc:
         raise UserError(f"--config {value}: cannot read ({exc.strerror or exc})") from None
     except yaml.YAMLError as exc:

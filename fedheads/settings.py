@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any, Iterable
 
 from embedcache.errors import UserError
+from embedcache.parsing import loads_json
 
 OPT_FIELD = "optimizer"
 _CITE = re.compile(r"\b(?:Sec(?:tion)?\.?|Tables?|App(?:endix|\.)|Eq(?:s|uation)?\.?|Alg(?:orithm|\.)|Fig(?:ure|\.)?)"
@@ -44,7 +45,7 @@ def parse_settings(items: Iterable[str]) -> tuple[tuple[str, Any], ...]:
             raise UserError(f"--set {it!r}: expected key=value")
         k, v = it.split("=", 1)
         try:
-            val: Any = json.loads(v)
+            val: Any = loads_json(v, f"--set {k.strip()}")  # a key twice in a JSON value is refused
         except json.JSONDecodeError:
             val = v
         out.append((k.strip().replace("-", "_"), val))

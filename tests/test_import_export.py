@@ -166,7 +166,7 @@ def test_a_many_client_import_is_all_or_nothing(tmp_path, monkeypatch):
             raise OSError(28, "No space left on device")
         return real(*a, **k)
     monkeypatch.setattr(store_import.st, "finalize_shard", fail_second)
-    with pytest.raises(OSError, match="No space left"):
+    with pytest.raises(UserError, match="No space left on device.*free space"):
         import_many(store, src, backbone="ext")
     after = {str(p.relative_to(store)): p.read_bytes() for p in sorted(store.rglob("*")) if p.is_file()}
     assert after == before and open_store(store).clients == ("c9",)

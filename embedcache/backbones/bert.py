@@ -14,7 +14,6 @@ unrelated sentences in one padded batch then score cosine 0.77 instead of 0.15.
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -25,6 +24,7 @@ from torch import nn
 
 from embedcache.backbones.staged import StagedNet
 from embedcache.errors import UserError
+from embedcache.parsing import loads_json
 
 
 @dataclass(frozen=True)
@@ -46,7 +46,7 @@ class BertConfig:
     def from_json(cls, path: Path, *, who: str) -> "BertConfig":
         """Read and check config.json: only what this module implements is accepted."""
         try:
-            raw = json.loads(Path(path).read_text())
+            raw = loads_json(Path(path).read_text(), f"{who}: {path}")
         except (OSError, ValueError) as exc:
             raise UserError(f"{who}: cannot read {path} ({exc})") from None
         unsupported = {"hidden_act": "gelu", "position_embedding_type": "absolute", "model_type": "bert"}

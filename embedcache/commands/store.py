@@ -44,7 +44,8 @@ def inspect(store: str, as_json: bool) -> None:
 @click.command(name="verify")
 @click.argument("store")
 @click.option("--repair", is_flag=True,
-              help="First rewrite the consolidated metadata from the files if it is missing or stale (data is never touched).")
+              help="First rebuild the root metadata from the intact shards if it is lost (with --manifest: from that "
+                   "manifest) and rewrite the consolidated metadata if it is missing or stale (data is never touched).")
 @click.option("--manifest", "manifest_path", default=None,
               help="Also check the images against the manifest's fingerprints and every shard's samples against it.")
 def verify(store: str, repair: bool, manifest_path: str | None) -> None:
@@ -52,7 +53,7 @@ def verify(store: str, repair: bool, manifest_path: str | None) -> None:
     and its consolidated metadata matches the files (never trusted: the hierarchy is read);
     with --manifest, also that the images did not change since the manifest was written and
     that every shard holds the manifest's samples."""
-    from embedcache.store_io import repair_consolidated, verify_against_manifest, verify_store
+    from embedcache.store_io import repair_consolidated, repair_root, verify_against_manifest, verify_store
 
     manifest = None
     if manifest_path is not None:
@@ -61,6 +62,9 @@ def verify(store: str, repair: bool, manifest_path: str | None) -> None:
         manifest = load_manifest(manifest_path)
 
     if repair:
+        rebuilt = repair_root(store, manifest)
+        if rebuilt:
+            click.echo(f"repaired: {rebuilt}", err=True)
         wrong = repair_consolidated(store)
         if wrong:
             click.echo(f"repaired: consolidated metadata {wrong}; rewritten from the files", err=True)

@@ -27,6 +27,7 @@ from pathlib import Path
 from PIL import Image, UnidentifiedImageError
 
 from embedcache.errors import UserError
+from embedcache.manifest import locator_problem
 from embedcache.sources import to_rgb8
 
 CAPTIONS_FILE = "captions.tsv"
@@ -107,7 +108,7 @@ class ImageFolder:
 
     def _path(self, locator: str) -> Path:
         self._check_name(locator)
-        if ".." in Path(locator).parts:
+        if locator_problem(locator):  # absolute or with '..': outside the folder
             raise UserError(f"{locator}: locator escapes {self.root}")
         path = self.root / locator
         if not path.is_file():
@@ -117,7 +118,7 @@ class ImageFolder:
     def fingerprint(self, locator: str, kind: str = "sha256") -> str:
         if kind == "stat":  # one stat call: this runs for every image on every extract
             self._check_name(locator)
-            if ".." in locator.split("/"):
+            if locator_problem(locator):
                 raise UserError(f"{locator}: locator escapes {self.root}")
             try:
                 st = os.stat(os.path.join(self.root, locator))

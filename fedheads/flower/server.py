@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from embedcache.errors import UserError
+from embedcache.reader import identity_conflict
 from fedheads.flower import require_flower
 
 require_flower()
@@ -160,15 +161,15 @@ def describe_nodes(grid: Grid, nodes: list[int], cfg: FlowerRunConfig) -> list[t
 
 def _same_backbones(desc: list[tuple[int, dict[str, Any]]]) -> None:
     """Every node extracted with the same weights and preprocessing (features from different
-    weights would be averaged silently). Imported features (`embedcache import`) carry the
-    identity of their file, not of a backbone: only their dimension can be checked."""
+    weights would be averaged silently); the same rule as training on one store
+    (embedcache.reader.identity_conflict): imports of different files may share a name, an
+    import beside extracted features may not."""
     fps = [(str(d["client"]), json.loads(str(d["backbones"]))) for _, d in desc]
     for b in fps[0][1]:
-        seen = {(fp[b]["weights_sha256"], json.dumps(fp[b]["preprocess"], sort_keys=True)): c for c, fp in fps}
-        if len(seen) > 1 and not any("imported_from" in (fp[b]["preprocess"] or {}) for _, fp in fps):
-            a, z = list(seen.values())[:2]
-            raise UserError(f"flower: backbone {b}: nodes {a} and {z} extracted with different weights or "
-                            "preprocessing")
+        pair = identity_conflict([(c, fp[b]["weights_sha256"], fp[b]["preprocess"]) for c, fp in fps])
+        if pair is not None:
+            raise UserError(f"flower: backbone {b}: nodes {pair[0]} and {pair[1]} extracted with different weights or "
+                            "preprocessing (or one imported its features)")
 
 
 def run_federation(grid: Grid, context: Context, cfg: FlowerRunConfig) -> dict[str, Any]:
