@@ -31,8 +31,8 @@ def made(tmp_path) -> tuple[Path, Path, Path]:
     images = d.make_imagefolder(tmp_path / "imgs", per_class=3)
     m = d.make_manifest(images)
     src = d.FolderSource(str(images))  # fingerprinted, as partition writes it (no note about drift)
-    m = replace(m, clients=tuple(replace(c, train=tuple(replace(s, fingerprint=src.fingerprint(s.locator)) for s in c.train),
-                                         test=tuple(replace(s, fingerprint=src.fingerprint(s.locator)) for s in c.test))
+    m = replace(m, recipe={**m.recipe, "fingerprint": "sha256"}, clients=tuple(replace(c, train=tuple(replace(s, fingerprint=src.fingerprint(s.locator, "sha256")) for s in c.train),
+                                         test=tuple(replace(s, fingerprint=src.fingerprint(s.locator, "sha256")) for s in c.test))
                                  for c in m.clients))
     save_manifest(m, tmp_path / "m.json")
     store = tmp_path / "s"
