@@ -36,3 +36,13 @@ def test_custom_backbone_page_registers_and_extracts(tiny_cnn, tmp_path):
     feats = next(iter(train.values())).features
     assert feats.shape[1] == 8 and np.isfinite(feats).all()
     assert first.changed and not again.changed and again.cache_hits == again.shards  # re-run: cache hits
+
+
+README = DOCS.parent / "README.md"
+
+
+def test_readme_is_a_front_door_whose_links_resolve():
+    text = README.read_text()
+    assert len(text.splitlines()) <= 150
+    for link in re.findall(r"\]\(((?:docs|data_manifests)/[^)#]+)", text):
+        assert (README.parent / link).is_file(), f"README links to a missing {link}"
