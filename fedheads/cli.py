@@ -270,10 +270,13 @@ def _flower_config(settings, out, **kw):
 
 
 def _flower_summary(res: dict, out: str) -> None:
+    """One line; the node count is that of the accuracy mean (nodes evaluated), dropped ones named."""
     fl = res.get("flower", {})
-    click.echo(f"{res['algorithm']} over Flower ({res['engine']}): accuracy {res['accuracy_cell']}, "
-               f"{len(fl.get('nodes', {}))} nodes, {fl.get('sent_bytes', 0) + fl.get('received_bytes', 0)} bytes "
-               f"-> {out}/results.json")
+    over = sum(1 for v in res.get("per_client", {}).values() if v.get("mean") is not None)
+    dropped = res.get("clients_dropped") or []
+    click.echo(f"{res['algorithm']} over Flower ({res['engine']}): accuracy {res['accuracy_cell']} over {over} of "
+               f"{len(fl.get('nodes', {}))} nodes" + (f" ({', '.join(dropped)} dropped)" if dropped else "")
+               + f", {fl.get('sent_bytes', 0) + fl.get('received_bytes', 0):,} bytes -> {out}/results.json")
 
 
 @main.command()
