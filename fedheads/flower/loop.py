@@ -14,6 +14,7 @@ from fedheads.core.protocol import RoundCtx
 from fedheads.core.tree import payload_size, tree_cat
 from fedheads.data import DataSpec
 from fedheads.flower import codec
+from fedheads.flower.deploy import round_line
 from fedheads.flower.server import FlowerLog, FlowerRunConfig, _failed, _run_record, _send
 
 from flwr.app import Message, RecordDict  # noqa: E402  (after fedheads.flower: quiet env)
@@ -117,7 +118,7 @@ def federate(grid: Any, context: Any, cfg: FlowerRunConfig, order: list[tuple[in
                                 "eval_dropped": [fed.names[i] for i in eval_dropped],
                                 "sent_bytes": grid.sent_bytes - b0[0], "received_bytes": grid.received_bytes - b0[1],
                                 "train_seconds": t1[0] - t0[0], "eval_seconds": t2[0] - t1[0]})
-        log.info("round %d/%d: %d nodes, %.2f s", r + 1, cfg.rounds, P, t2[0] - t0[0])
+        log.info("%s", round_line(fed.flog.rounds[-1], cfg.rounds))
         _progress(cfg, fed.flog.rounds[-1])
     res.server_state = ss
     t_end = clock(dev)
