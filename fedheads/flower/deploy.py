@@ -222,8 +222,27 @@ def _follow_run(home: Path, log_path: Path, log: Any, deadline: float, progress:
         run_id = found.group(1) if found else run_id
         if proc.returncode == 0 or "SuperLink is unavailable" not in said:
             return
+        if run_id is None:  # the submission may have arrived all the same: never start a second run
+            run_id = _submitted_run(home, log, deadline)
+            if run_id == "":
+                return  # cannot tell: report the first error rather than risk two runs
         if run_id is not None:  # the run goes on in the SuperLink: follow it again
             cmd = [str(scripts_dir() / "flwr"), "log", run_id, "fedheads", "--stream"]
+
+
+def _submitted_run(home: Path, log: Any, deadline: float) -> str | None:
+    """The id of the run this SuperLink holds (None: it holds none, "": the question failed)."""
+    try:
+        res = children.run([str(scripts_dir() / "flwr"), "ls", "fedheads", "--format", "json"], env=flower_env(home),
+                           capture_output=True, text=True, timeout=max(1.0, min(120.0, deadline - time.monotonic())))
+        runs = json.loads(res.stdout).get("runs") if res.returncode == 0 else None
+    except (subprocess.TimeoutExpired, json.JSONDecodeError, AttributeError):
+        runs = None
+    log.write(f"flwr ls: {'failed' if runs is None else len(runs)}\n".encode())
+    log.flush()
+    if runs is None:
+        return ""
+    return str(runs[-1]["run-id"]) if runs else None
 
 
 def serve(run_config: dict[str, Any], out: Path, host: str = "127.0.0.1", port: int = 0,
