@@ -165,7 +165,7 @@ def start_superlink(home: Path, host: str, port: int, tls: dict[str, str] | None
 def round_line(rec: dict[str, Any], rounds: int) -> str:
     """One console line per finished round (from OUT/progress.jsonl)."""
     nodes = len(rec.get("participants", []))
-    dropped = rec.get("dropped") or []
+    dropped = list(dict.fromkeys([*(rec.get("dropped") or []), *(rec.get("eval_dropped") or [])]))
     total = int(rec.get("sent_bytes", 0)) + int(rec.get("received_bytes", 0))
     secs = float(rec.get("train_seconds", 0.0)) + float(rec.get("eval_seconds", 0.0))
     return (f"round {rec.get('round')}/{rounds}: {nodes} node{'s' if nodes != 1 else ''}"
