@@ -10,7 +10,9 @@ store is bitwise identical.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import logging
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -96,21 +98,81 @@ def dask_client(scheduler: str, worker_env: dict[str, str] | None = None) -> Ite
             client = Client(scheduler, timeout="30s")
         except OSError as exc:
             raise UserError(f"scheduler {scheduler}: cannot connect ({exc})") from None
-        with client:
+        with quiet_connection_loss(), client:  # closing after a lost scheduler logs no traceback either
             yield client
     else:
         raise UserError(f"scheduler {scheduler}: want local:N or tcp://HOST:PORT")
 
 
+def scheduler_lost(client: Any, exc: BaseException) -> bool:
+    """Whether `exc` (raised while waiting on `client`'s futures) means the scheduler is gone."""
+    from distributed.comm.core import CommClosedError
+
+    return (client.status != "running"  # closed, or reconnecting after the connection dropped
+            or isinstance(exc, CommClosedError) or "scheduler-connection-lost" in str(exc))
+
+
+class _DropConnectionLoss(logging.Filter):
+    """Drops distributed's own tracebacks about a lost scheduler connection: the caller reports
+    the loss in one line (`scheduler_lost`), and the rest is noise the user cannot act on."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if exc is None:
+            return True
+        from distributed.comm.core import CommClosedError
+
+        return not isinstance(exc, (asyncio.CancelledError, CommClosedError, OSError))
+
+
+@contextlib.contextmanager
+def quiet_connection_loss() -> Iterator[None]:
+    """While the block runs, distributed's client logs no traceback for a lost connection."""
+    filt = _DropConnectionLoss()
+    loggers = [logging.getLogger(n) for n in ("distributed.client", "distributed.utils", "distributed.core")]
+    for lg in loggers:
+        lg.addFilter(filt)
+    try:
+        yield
+    finally:
+        for lg in loggers:
+            lg.removeFilter(filt)
+
+
+def cancel_quietly(client: Any, futures: Any) -> None:
+    """Cancel what is left (nothing to cancel with when the scheduler is gone)."""
+    if futures and client.status == "running":
+        try:
+            client.cancel(list(futures))
+        except Exception:  # noqa: BLE001  the connection dropped meanwhile: nothing runs for us there
+            pass
+
+
 def run_dask(jobs: Sequence[ChunkJob], client: Any, bar: tqdm) -> None:
-    """Run every job on the cluster; re-raise the first failure (a UserError stays one)."""
+    """Run every job on the cluster; re-raise the first failure (a UserError stays one). A lost
+    scheduler is one line: the chunks written so far stay, and a re-run computes only the rest."""
     if not jobs:
         return
     from distributed import as_completed
 
     futures = client.map(run_chunk_job, list(jobs), pure=False)
+    done = 0
     try:
-        for fut in as_completed(futures):
-            bar.update(fut.result())
+        with quiet_connection_loss():
+            for fut in as_completed(futures):
+                bar.update(fut.result())
+                done += 1
+    except Exception as exc:
+        if isinstance(exc, UserError) or not scheduler_lost(client, exc):
+            raise
+        raise UserError(f"scheduler {_address(client)}: connection lost after {done} of {len(jobs)} chunks; "
+                        "the chunks written are kept: start the scheduler again and re-run to compute the rest") from None
     finally:
-        client.cancel(futures)
+        cancel_quietly(client, futures)
+
+
+def _address(client: Any) -> str:
+    try:
+        return str(client.scheduler.address)
+    except Exception:  # noqa: BLE001
+        return "(unknown address)"

@@ -331,10 +331,13 @@ def _flower_config(settings, out, **kw):
 
 
 def _flower_summary(res: dict, out: str) -> None:
+    """One line; the node count is that of the accuracy mean (nodes evaluated), dropped ones named."""
     fl = res.get("flower", {})
-    click.echo(f"{res['algorithm']} over Flower ({res['engine']}): accuracy {res['accuracy_cell']}, "
-               f"{len(fl.get('nodes', {}))} nodes, {fl.get('sent_bytes', 0) + fl.get('received_bytes', 0)} bytes "
-               f"-> {out}/results.json")
+    over = sum(1 for v in res.get("per_client", {}).values() if v.get("mean") is not None)
+    dropped = res.get("clients_dropped") or []
+    click.echo(f"{res['algorithm']} over Flower ({res['engine']}): accuracy {res['accuracy_cell']} over {over} of "
+               f"{len(fl.get('nodes', {}))} nodes" + (f" ({', '.join(dropped)} dropped)" if dropped else "")
+               + f", {fl.get('sent_bytes', 0) + fl.get('received_bytes', 0):,} bytes -> {out}/results.json")
 
 
 @main.command()
@@ -343,10 +346,16 @@ def _flower_summary(res: dict, out: str) -> None:
 @_flower_options
 def simulate(store, clients, **kw) -> None:
     """Run an algorithm over Flower's simulation runtime in this process (same results as `train`)."""
-    cfg = _flower_config(clients=clients, **kw)
-    from fedheads.flower.sim import simulate_store
+    from fedheads import rundir
+    from fedheads.flower.sim import flower_logs, simulate_store
 
-    simulate_store(cfg, store, [c for c in clients.split(",") if c] or None)
+    cfg = _flower_config(clients=clients, **kw)
+    if cfg.out:  # before flower.log is written there: an existing run is refused untouched
+        rundir.refuse_existing(Path(cfg.out), overwrite=cfg.overwrite)
+        with flower_logs(Path(cfg.out) / "flower.log", lambda m: click.echo(m, err=True)):
+            simulate_store(cfg, store, [c for c in clients.split(",") if c] or None)
+    else:
+        simulate_store(cfg, store, [c for c in clients.split(",") if c] or None)
     _flower_summary(json.loads((Path(cfg.out) / "results.json").read_text()), cfg.out)
 
 
@@ -383,7 +392,9 @@ def serve(nodes, host, port, wait, ssl_certfile, ssl_keyfile, ssl_ca_certfile, *
 @click.option("--weights-dir", default="", help="Backbone weights for the extraction.")
 @click.option("--port", default=0, help="Local port of the node's ClientApp API (default: a free one).")
 @click.option("--root-certificates", default=None, help="CA certificate of a TLS SuperLink (default: insecure).")
-def join(superlink, store, client, manifest, device, weights_dir, port, root_certificates) -> None:
+@click.option("--log", "log_path", default="", help="Where the SuperNode's output goes (default: STORE with the suffix "
+              ".flower.log beside it; '-': this console).")
+def join(superlink, store, client, manifest, device, weights_dir, port, root_certificates, log_path) -> None:
     """Run a Flower SuperNode for this node's own data until the SuperLink goes away."""
     import os
 
@@ -394,7 +405,15 @@ def join(superlink, store, client, manifest, device, weights_dir, port, root_cer
     cmd, env = join_command(superlink, node, Path(store).resolve().parent / f".{Path(store).name}.flower", port,
                             insecure=root_certificates is None, root_certificates=root_certificates)
     Path(node["store"]).parent.mkdir(parents=True, exist_ok=True)
-    click.echo(f"joining {superlink} as {client or Path(store).name} (SuperNode, this PID)", err=True)
+    log = None if log_path == "-" else Path(log_path or Path(store).with_suffix(".flower.log"))
+    click.echo(f"joining {superlink} as {client or Path(store).name} (SuperNode, this PID"
+               + (f"; its log: {log})" if log else ")"), err=True)
+    if log is not None:  # the SuperNode's connection retries and per-message lines go to its log
+        log.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+        os.close(fd)
     os.execve(cmd[0], cmd, env)  # the SuperNode takes this process over: signals reach it directly
 
 

@@ -211,6 +211,7 @@ def write_results_json(result: Mapping[str, Any], path: str | Path) -> Path:
 
 
 NO_TEST = "n/a (0 test)"
+DROPPED = "n/a (dropped)"  # a Flower node that left before the last evaluation
 
 
 def mean_std_cell(mean: float, std: float | None, n_seeds: int | None) -> str:
@@ -253,17 +254,22 @@ def relative_paths(text: str, run_dir: str | os.PathLike) -> str:
 def _cell(d: Mapping[str, Any] | None, n_seeds: int | None = None) -> str:
     if d is None:
         return "-"
-    return NO_TEST if d["mean"] is None else mean_std_cell(d["mean"], d["std"], n_seeds)
+    if d["mean"] is None:
+        return DROPPED if d.get("dropped") else NO_TEST
+    return mean_std_cell(d["mean"], d["std"], n_seeds)
 
 
 def _no_test_note(results: Sequence[Mapping[str, Any]]) -> str:
     """The footnote naming clients without test samples ("" when there are none)."""
-    names = sorted({c for r in results for c, v in r["per_client"].items() if v.get("mean") is None})
-    if not names:
+    names = sorted({c for r in results for c, v in r["per_client"].items() if v.get("mean") is None and not v.get("dropped")})
+    gone = sorted({c for r in results for c, v in r["per_client"].items() if v.get("mean") is None and v.get("dropped")})
+    if not names and not gone:
         return ""
-    n = len({c for r in results for c in r["per_client"]}) - len(names)
-    return (f"{NO_TEST}: {', '.join(names)} {'has' if len(names) == 1 else 'have'} no test samples; "
-            f"Avg and fairness are over the {n} client{'s' if n != 1 else ''} with test samples.")
+    n = len({c for r in results for c in r["per_client"]}) - len(names) - len(gone)
+    parts = [f"{NO_TEST}: {', '.join(names)} {'has' if len(names) == 1 else 'have'} no test samples"] if names else []
+    parts += [f"{DROPPED}: {', '.join(gone)} left the federation before the last evaluation"] if gone else []
+    return "; ".join(parts) + f"; Avg and fairness are over the {n} client{'s' if n != 1 else ''} " + \
+        ("with test samples." if not gone else "that were evaluated.")
 
 
 def _int(v: Any) -> str:

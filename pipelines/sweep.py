@@ -144,33 +144,56 @@ def run_cells(cells: Iterable[dict[str, Any]], cells_dir: str | Path, scheduler:
 
 def _run_dask(todo: list[dict[str, Any]], cells_dir: Path, client: Any, records: dict[str, dict[str, Any]],
               bar: _Bar) -> None:
-    """One task per cell, keyed by its hash; results are taken as they come."""
-    from distributed import wait
+    """One task per cell, keyed by its hash; results are taken as they come. A lost scheduler is
+    one line (the cells finished so far are on disk, and a re-run skips them)."""
+    from embedcache.distributed import cancel_quietly, quiet_connection_loss, scheduler_lost
 
     by_key = {f"cell-{c['hash']}": c for c in todo}
+    address = str(getattr(client.scheduler, "address", None) or "(unknown address)")
     futures = {client.submit(run_cell, c, str(cells_dir), key=k, pure=False): k for k, c in by_key.items()}
     pending = set(futures)
-    last_poll = 0.0
     try:
-        while pending:
-            try:
-                done, pending = wait(pending, timeout=1.0, return_when="FIRST_COMPLETED")
-            except TimeoutError:  # nothing finished within the second: refresh the running count
-                done = set()
-            for fut in done:
-                cell = by_key[futures[fut]]
-                try:
-                    rec = fut.result()
-                except Exception as exc:  # the worker died (KilledWorker) or the task was lost
-                    rec = _failure(cell, cells_dir, f"{type(exc).__name__}: {exc}")
-                records[cell["hash"]] = rec
-                bar.finished(rec)
-            if time.monotonic() - last_poll > 1.0:  # tasks being computed right now, ours only
-                last_poll = time.monotonic()
-                try:
-                    proc = client.processing()
-                    bar.set_running(sum(1 for ks in proc.values() for k in ks if k in by_key))
-                except Exception:  # noqa: BLE001 - a count on the bar is not worth a failed sweep
-                    pass
+        with quiet_connection_loss():
+            _take_results(futures, pending, by_key, cells_dir, client, records, bar)
+    except Exception as exc:  # the scheduler died or went away: one line, the finished cells stay on disk
+        if isinstance(exc, UserError) or not scheduler_lost(client, exc):
+            raise
+        left = sum(1 for c in todo if c["hash"] not in records)
+        raise UserError(f"scheduler {address}: connection lost with {left} of {len(todo)} cells unfinished; the "
+                        f"finished cells are kept in {cells_dir}: start the scheduler again and re-run to do the "
+                        "rest") from None
     finally:
-        client.cancel(list(pending))
+        cancel_quietly(client, pending)
+
+
+def _take_results(futures: dict[Any, str], pending: set[Any], by_key: dict[str, dict[str, Any]], cells_dir: Path,
+                  client: Any, records: dict[str, dict[str, Any]], bar: _Bar) -> None:
+    """Record each cell's result as it comes (a failed task is recorded as the cell's failure)."""
+    from distributed import wait
+
+    from embedcache.distributed import scheduler_lost
+
+    last_poll = 0.0
+    while pending:
+        try:
+            done, rest = wait(pending, timeout=1.0, return_when="FIRST_COMPLETED")
+        except TimeoutError:  # nothing finished within the second: refresh the running count
+            done, rest = set(), pending
+        pending.intersection_update(rest)  # the caller cancels what is left
+        for fut in done:
+            cell = by_key[futures[fut]]
+            try:
+                rec = fut.result()
+            except Exception as exc:  # the worker died (KilledWorker) or the task was lost
+                if scheduler_lost(client, exc):
+                    raise
+                rec = _failure(cell, cells_dir, f"{type(exc).__name__}: {exc}")
+            records[cell["hash"]] = rec
+            bar.finished(rec)
+        if time.monotonic() - last_poll > 1.0:  # tasks being computed right now, ours only
+            last_poll = time.monotonic()
+            try:
+                proc = client.processing()
+                bar.set_running(sum(1 for ks in proc.values() for k in ks if k in by_key))
+            except Exception:  # noqa: BLE001 - a count on the bar is not worth a failed sweep
+                pass

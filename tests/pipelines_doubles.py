@@ -95,3 +95,14 @@ def sweep_experiment(name: str = "test-sweep", seeds: tuple[int, ...] = (0, 1), 
 _register()
 registry.register(sweep_experiment())
 registry.register(sweep_experiment("test-sweep-many", seeds=tuple(range(8)), rounds=4))
+
+
+def slow_cell(cell: dict, cells_dir: str) -> dict:
+    """`run_cell`, then a pause: a sweep stays mid-way long enough to be interrupted."""
+    import time
+
+    from pipelines.cells import run_cell
+
+    rec = run_cell(cell, cells_dir)
+    time.sleep(3.0)
+    return rec

@@ -160,7 +160,7 @@ def test_cli_feddra(paired, tmp_path):
     env = kill_helpers.subprocess_env()
     p = subprocess.run([sys.executable, "-m", "fedheads.cli", "feddra", "--manifest", str(root / "m.json"),
                         "--image-encoder", "digitnet-builtin", "--text-encoder", "no-such-encoder",
-                        "--out", str(tmp_path / "x")], capture_output=True, text=True, env=env, timeout=120)
+                        "--out", str(tmp_path / "x")], capture_output=True, text=True, env=env, timeout=300)
     assert p.returncode == 2 and p.stderr.strip().count("\n") == 0 and "no-such-encoder" in p.stderr
 
 

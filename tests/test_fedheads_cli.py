@@ -255,7 +255,7 @@ def test_fedheads_never_imports_backbone_or_cluster_libraries(store, tmp_path):
         "print(sorted(m for m in ('timm', 'torchvision', 'dask', 'distributed', 'flwr', 'embedcache.sources', "
         "'embedcache.backbones') if m in sys.modules))\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=300)
     assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout
 
 

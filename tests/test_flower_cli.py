@@ -19,7 +19,7 @@ FAKE_RELEASE = ("import importlib.metadata as md, sys, types\n"
 
 def _cli(prelude: str, args: list[str]) -> subprocess.CompletedProcess:
     code = prelude + f"from fedheads.cli import main\nmain({args!r})\n"
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
 
 
 @pytest.fixture(scope="module")

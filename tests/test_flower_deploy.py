@@ -1,12 +1,15 @@
 """Real processes on loopback: `fedheads serve` (a Flower SuperLink + the ServerApp) and three
 `fedheads join` (SuperNodes), each node with its own small store or manifest. Everything binds
-127.0.0.1, every wait has a timeout, and every process is stopped by its PID (process group)."""
+127.0.0.1, every wait is on readiness (a line in a log, a file) and has a timeout sized for a
+loaded 2-core machine, and every process is stopped by its PID (process group); the children also
+get SIGTERM if this test process dies (fedheads.children)."""
 
 from __future__ import annotations
 
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -22,10 +25,13 @@ pytestmark = pytest.mark.slow
 
 from flower_helpers import CLIENTS, write_store  # noqa: E402
 
-from fedheads.flower.deploy import free_port  # noqa: E402
+from fedheads import children  # noqa: E402
+from fedheads.flower.deploy import first_error, free_port  # noqa: E402
 from fedheads.flower.secure import error_bound  # noqa: E402
 
-RUN_LIMIT = 420  # seconds for one whole deployment (a loaded 2-core machine: every message starts a process)
+# seconds; a load of 10 on 2 cores: every Flower message starts a process (~10x its idle time)
+RUN_LIMIT = 900  # one whole deployment
+READY_S = 240  # one process up and answering
 
 
 def _cli(*args: str) -> list[str]:
@@ -45,15 +51,6 @@ def _kill(proc: subprocess.Popen) -> None:
             proc.wait(15)
 
 
-def _die_with_parent() -> None:
-    """Linux: SIGTERM this child when the test process dies, even by SIGKILL (a killed or timed-out
-    pytest run skips every teardown; the nodes must not outlive it). Kept across `join`'s execve."""
-    if sys.platform.startswith("linux"):
-        import ctypes
-
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG = 1
-
-
 class Deployment:
     """serve + nodes, stopped by PID whatever happens."""
 
@@ -63,13 +60,14 @@ class Deployment:
         logs = tmp / "logs"
         logs.mkdir(exist_ok=True)
         self.serve = self._start(_cli("serve", "--nodes", str(len(nodes)), "--port", str(self.port), "--host", "127.0.0.1",
-                                      "--wait", "240", "--out", str(self.out), *serve_args), logs / "serve.log")
+                                      "--wait", str(READY_S), "--out", str(self.out), *serve_args), logs / "serve.log")
+        _wait_for_line(self.serve, logs / "serve.log", "SuperLink on ", READY_S)  # ready before the nodes dial
         self.nodes = [self._start(_cli("join", "--superlink", f"127.0.0.1:{self.port}", *n), logs / f"node{i}.log")
                       for i, n in enumerate(nodes)]
 
     def _start(self, cmd: list[str], log: Path) -> subprocess.Popen:
-        p = subprocess.Popen(cmd, stdout=open(log, "wb"), stderr=subprocess.STDOUT, start_new_session=True,
-                             preexec_fn=_die_with_parent)
+        with open(log, "wb") as f:  # SIGTERM to the child if this process dies (kept across join's execve)
+            p = children.popen(cmd, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
         self.procs.append(p)
         return p
 
@@ -78,7 +76,10 @@ class Deployment:
             rc = self.serve.wait(RUN_LIMIT)
         except subprocess.TimeoutExpired:
             rc = -1
-        return rc, (self.tmp / "logs" / "serve.log").read_text(errors="replace")
+        log = (self.tmp / "logs" / "serve.log").read_text(errors="replace")
+        if rc == -1:
+            log += f"\n(serve did not finish within {RUN_LIMIT} s; Flower's log says: {first_error(self.out / 'flower.log')})"
+        return rc, log
 
     def close(self) -> None:
         for p in reversed(self.procs):
@@ -89,6 +90,19 @@ class Deployment:
                 os.killpg(int(pid_file.read_text()), signal.SIGKILL)
             except (ProcessLookupError, PermissionError):
                 pass
+
+
+def _wait_for_line(proc: subprocess.Popen, log: Path, text: str, limit: float) -> None:
+    """Until `log` holds `text`; one clear failure when `proc` exits first or `limit` s pass."""
+    deadline = time.monotonic() + limit
+    while time.monotonic() < deadline:
+        said = log.read_text(errors="replace") if log.is_file() else ""
+        if text in said:
+            return
+        if proc.poll() is not None:
+            raise AssertionError(f"{log.name}: the process exited ({proc.returncode}) before {text!r}: {said[-2000:]}")
+        time.sleep(0.5)
+    raise AssertionError(f"{log.name}: no {text!r} within {limit:.0f} s (a loaded machine?): {first_error(log)}")
 
 
 @pytest.fixture
@@ -183,3 +197,49 @@ def test_a_node_that_dies_mid_run_is_reported_and_the_run_refused(tmp_path, node
     line = log.strip().splitlines()[-1]
     assert line.startswith("error: round ") and "node c2" in line and "refused" in line, line
     assert not (dep.out / "results.json").exists() and (dep.out / "failed.json").exists()
+
+
+def _flower_pids(home: Path) -> dict[int, str]:
+    """{pid: command line} of the live processes whose environment names FLWR_HOME=`home`: every
+    Flower process `serve` started, and the ones they started."""
+    want = f"FLWR_HOME={home}".encode()
+    found = {}
+    for p in Path("/proc").iterdir():
+        if p.name.isdigit():
+            try:
+                if want in (p / "environ").read_bytes().split(b"\0"):
+                    found[int(p.name)] = (p / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")[:200]
+            except OSError:  # gone meanwhile, or a zombie
+                pass
+    return found
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG and /proc are Linux's")
+def test_serve_killed_by_sigkill_takes_its_superlink_and_flwr_run_with_it(tmp_path):
+    """kill -9 skips serve's own clean-up: its children must still stop, and free the port."""
+    port, out, logs = free_port(), tmp_path / "run", tmp_path / "serve.log"
+    home = tmp_path / ".run.flower"
+    with open(logs, "wb") as f:
+        serve = subprocess.Popen(_cli("serve", "--nodes", "1", "--wait", str(RUN_LIMIT), "--port", str(port), "--host",
+                                      "127.0.0.1", "--algorithm", "fedncm", "--backbones", "synth", "--out", str(out)),
+                                 stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        # ready: the SuperLink answers and `flwr run` has submitted the run (the ServerApp waits for a node)
+        _wait_for_line(serve, out / "flower.log", "Successfully started run", READY_S)
+        assert len(_flower_pids(home)) >= 2, _flower_pids(home)  # the SuperLink and `flwr run`, at least
+        os.kill(serve.pid, signal.SIGKILL)
+        serve.wait(30)
+        deadline = time.monotonic() + 120
+        while _flower_pids(home) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert not _flower_pids(home), f"still running 120 s after serve was killed: {_flower_pids(home)}"
+        with socket.socket() as s:  # the port is free again (TIME_WAIT aside)
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind(("127.0.0.1", port))
+    finally:
+        _kill(serve)
+        for pid in _flower_pids(home):  # what this test started, should any be left
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass

@@ -99,17 +99,21 @@ def test_under_secagg_the_server_never_receives_a_secure_field_in_the_clear(stor
 
 
 class FailingNode:
-    """The real ClientApp, except that `client` fails its update in `round_` (0-based)."""
+    """The real ClientApp, except that `client` fails its update in `round_` (0-based); `dead`:
+    it fails every update and evaluation from that round on (a node that went away)."""
 
-    def __init__(self, client: str, round_: int) -> None:
+    def __init__(self, client: str, round_: int, dead: bool = False) -> None:
         from fedheads.flower.node import app
 
-        self.app, self.client, self.round = app, client, round_
+        self.app, self.client, self.round, self.dead = app, client, round_, dead
 
     def __call__(self, message, context):
         run_cfg = message.content.config_records.get("fh.run")
-        if (message.metadata.message_type == "train.update" and context.node_config["client"] == self.client
-                and json.loads(str(run_cfg["json"]))["round"] == self.round):
+        kind, mine = message.metadata.message_type, context.node_config["client"] == self.client
+        r = json.loads(str(run_cfg["json"])).get("round", -1) if run_cfg is not None else -1
+        if mine and kind == "train.update" and (r == self.round or (self.dead and r >= self.round)):
+            raise RuntimeError("node lost its disk")
+        if mine and self.dead and kind == "evaluate" and r >= self.round:
             raise RuntimeError("node lost its disk")
         return self.app(message=message, context=context)
 
@@ -132,6 +136,55 @@ def test_on_dropout_continue_completes_the_round_from_the_others_and_says_so(sto
     assert torch.allclose(out["server_state"].means, ref.means, rtol=0, atol=1e-6 if secagg else 0)
     res = json.loads((tmp_path / "run" / "results.json").read_text())
     assert res["flower"]["rounds"][0]["dropped"] == ["c1"] and res["flower"]["rounds"][0]["participants"] == ["c0", "c2"]
+
+
+def test_a_node_gone_under_continue_is_filed_as_dropped_and_the_headline_counts_the_mean(store, tmp_path, capsys):
+    """Not a client without test samples: it has them, it left. The mean is over the other two,
+    and the one-line summary says so."""
+    from fedheads.cli import _flower_summary
+
+    cfg = FlowerRunConfig(algorithm="fedncm", backbones="synth", rounds=1, timeout=60, on_dropout="continue",
+                          out=str(tmp_path / "run"))
+    simulate_store(cfg, store, client_app=FailingNode("c1", 0, dead=True))
+    res = json.loads((tmp_path / "run" / "results.json").read_text())
+    assert res["clients_without_test"] == [] and res["clients_dropped"] == ["c1"]
+    assert res["per_client"]["c1"] == {"mean": None, "std": None, "n_test": 30, "dropped": True}
+    kept = [res["per_client"][c]["mean"] for c in ("c0", "c2")]
+    assert res["accuracy"]["mean"] == pytest.approx(sum(kept) / 2)
+    assert res["flower"]["rounds"][0]["eval_dropped"] == ["c1"]
+    summary = (tmp_path / "run" / "summary.md").read_text()
+    assert "n/a (dropped)" in summary and "no test samples" not in summary
+    _flower_summary(res, str(tmp_path / "run"))
+    line = capsys.readouterr().out.strip()
+    assert "over 2 of 3 nodes (c1 dropped)" in line, line
+
+
+def test_summary_counts_the_bytes_flower_sent(store, tmp_path):
+    """Under SecAgg+ no value goes in the clear, but bytes do: the run directory's byte totals
+    are what Flower moved (the console's figure), never 0."""
+    sim(store, "fedncm", 1, secagg=True, out=str(tmp_path / "run"))
+    res = json.loads((tmp_path / "run" / "results.json").read_text())
+    fl, comm = res["flower"], res["communication"]
+    assert fl["sent_bytes"] > 0 and fl["received_bytes"] > 0
+    assert comm["upload_bytes_total"] == fl["received_bytes"] and comm["download_bytes_total"] == fl["sent_bytes"]
+    summary = (tmp_path / "run" / "summary.md").read_text()
+    assert f"| upload_bytes_total | {fl['received_bytes']:,} |" in summary
+    assert f"| download_bytes_total | {fl['sent_bytes']:,} |" in summary
+
+
+def test_simulate_prints_one_line_per_round_and_logs_flower_to_the_run_dir(store, tmp_path):
+    from click.testing import CliRunner
+
+    from fedheads.cli import main
+
+    out = tmp_path / "run"
+    r = CliRunner().invoke(main, ["simulate", "--store", str(store), "--backbones", "synth", "--algorithm", "fedncm",
+                                  "--rounds", "2", "--secagg", "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    lines = r.output.strip().splitlines()
+    assert [ln.split(":")[0] for ln in lines[:2]] == ["round 1/2", "round 2/2"] and len(lines) == 3, lines
+    assert "3 nodes" in lines[0] and "bytes" in lines[0]
+    assert "Secure aggregation commencing" in (out / "flower.log").read_text()
 
 
 def test_run_directory_matches_fedheads_train(store, tmp_path):
@@ -184,6 +237,6 @@ def test_importing_fedheads_flower_turns_flower_offline(tmp_path):
             "print(t.FLWR_TELEMETRY_ENABLED, t.create_event(t.EventType.PING, {}))\n")
     env = {**__import__("os").environ, "FLWR_TELEMETRY_ENABLED": "1", "FLWR_DISABLE_UPDATE_CHECK": "0",
            "FLWR_HOME": str(tmp_path)}
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["0", "disabled"]

@@ -201,7 +201,7 @@ def test_cli_finetune_prints_one_line_errors(setup, tmp_path):
     env = kill_helpers.subprocess_env()
     p = subprocess.run([sys.executable, "-m", "fedheads.cli", "finetune", "--manifest", str(root / "manifest.json"),
                         "--store", str(root / "s.zarr"), "--backbone", "no-such-backbone", "--out", str(tmp_path / "x")],
-                       capture_output=True, text=True, env=env, timeout=120)
+                       capture_output=True, text=True, env=env, timeout=300)
     assert p.returncode == 2 and p.stderr.strip().count("\n") == 0 and "no-such-backbone" in p.stderr
 
 

@@ -95,28 +95,78 @@ def _stop(procs: list[subprocess.Popen]) -> None:
             p.wait(timeout=10)
 
 
-def test_tcp_scheduler_on_loopback_gives_the_serial_cells(serial, tmp_path):
-    root, copy, _ = serial
+READY_S = 180  # a process start (python + dask imports) on a loaded 2-core machine
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests")])}
+
+
+def _tcp_cluster(tmp_path: Path, procs: list[subprocess.Popen]) -> str:
+    """A dask scheduler and one worker on loopback (appended to `procs`, stopped by the caller);
+    returns the scheduler's address once the worker has registered."""
+    from distributed import Client
+
     dask = Path(sys.executable).with_name("dask")
     if not dask.exists():
         pytest.skip("the dask command is not installed beside this python")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests")])}
     sfile = tmp_path / "scheduler.json"
-    procs = [subprocess.Popen([str(dask), "scheduler", "--host", "127.0.0.1", "--port", "0", "--no-dashboard",
-                               "--scheduler-file", str(sfile)], env=env, stdout=subprocess.DEVNULL,
-                              stderr=subprocess.DEVNULL)]
+    procs.append(subprocess.Popen([str(dask), "scheduler", "--host", "127.0.0.1", "--port", "0", "--no-dashboard",
+                                   "--scheduler-file", str(sfile)], env=_env(), stdout=subprocess.DEVNULL,
+                                  stderr=subprocess.DEVNULL))
+    deadline = time.monotonic() + READY_S
+    while not sfile.is_file() and time.monotonic() < deadline and procs[0].poll() is None:
+        time.sleep(0.2)
+    assert sfile.is_file(), f"the dask scheduler did not start within {READY_S} s (exit code {procs[0].poll()})"
+    address = json.loads(sfile.read_text())["address"]
+    assert address.startswith("tcp://127.0.0.1:")
+    procs.append(subprocess.Popen([str(dask), "worker", "--scheduler-file", str(sfile), "--host", "127.0.0.1",
+                                   "--nworkers", "1", "--nthreads", "1", "--no-dashboard"], env=_env(),
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+    with Client(address, timeout=f"{READY_S}s") as c:  # ready: the worker has registered
+        c.wait_for_workers(1, timeout=READY_S)
+    return address
+
+
+def test_tcp_scheduler_on_loopback_gives_the_serial_cells(serial, tmp_path):
+    root, copy, _ = serial
+    procs: list[subprocess.Popen] = []
     try:
-        deadline = time.monotonic() + 60
-        while not sfile.is_file() and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert sfile.is_file(), "the dask scheduler did not start within 60 s"
-        address = json.loads(sfile.read_text())["address"]
-        assert address.startswith("tcp://127.0.0.1:")
-        procs.append(subprocess.Popen([str(dask), "worker", "--scheduler-file", str(sfile), "--host", "127.0.0.1",
-                                       "--nworkers", "1", "--nthreads", "1", "--no-dashboard"], env=env,
-                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        address = _tcp_cluster(tmp_path, procs)
         res = _run(root / "tcp", root / "cache", copy, "--scheduler", address)
         assert res.exit_code == 1, res.output
         assert _accuracies(root / "tcp") == _accuracies(root / "serial") != {}
     finally:
         _stop(procs)
+
+
+def test_a_killed_scheduler_is_one_line_and_keeps_the_finished_cells(serial, tmp_path):
+    """kill -9 the scheduler once a cell has finished: one `error:` line (no traceback, no list of
+    futures), exit 2, the finished cell's file kept; a re-run would skip it."""
+    root, copy, _ = serial
+    out = root / "killed"
+    args = ["run", "test-sweep", "--plugin", "pipelines_doubles", "--source", f"office10=imagefolder:{copy}",
+            "--out", str(out), "--cache", str(root / "cache"), "--quiet"]
+    procs: list[subprocess.Popen] = []
+    try:
+        address = _tcp_cluster(tmp_path, procs)
+        code = ("import pipelines.sweep as s, pipelines_doubles as d\ns.run_cell = d.slow_cell\n"
+                f"from pipelines.cli import main\nmain({[*args, '--scheduler', address]!r})\n")
+        procs.append(subprocess.Popen([sys.executable, "-c", code], env=_env(), stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True))
+        driver = procs[-1]
+        deadline = time.monotonic() + READY_S
+        while not list((out / "cells").glob("*.json")) and time.monotonic() < deadline and driver.poll() is None:
+            time.sleep(0.2)
+        assert driver.poll() is None and list((out / "cells").glob("*.json")), \
+            f"no cell finished within {READY_S} s, or the sweep ended first: {driver.poll()}"
+        procs[0].kill()  # the scheduler, mid-sweep
+        _, err = driver.communicate(timeout=READY_S)
+    finally:
+        _stop(procs)
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert driver.returncode == 2, err[-3000:]
+    assert "Traceback" not in err and all(len(ln) < 400 for ln in lines), err[-3000:]
+    assert lines[-1].startswith("error: scheduler tcp://127.0.0.1:") and "connection lost" in lines[-1], lines[-1]
+    assert "finished cells are kept" in lines[-1]
+    assert list((out / "cells").glob("*.json"))

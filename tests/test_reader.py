@@ -68,5 +68,5 @@ def test_reader_imports_no_torch_timm_dask():
     code = ("import sys, embedcache.reader; bad = [m for m in ('torch', 'timm', 'dask', 'distributed', 'torchvision')"
             " if m in sys.modules]; print(bad); sys.exit(1 if bad else 0)")
     res = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
-                         env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"})
+                         env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"}, timeout=300)
     assert res.returncode == 0, res.stdout + res.stderr

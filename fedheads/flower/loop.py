@@ -14,6 +14,7 @@ from fedheads.core.protocol import RoundCtx
 from fedheads.core.tree import payload_size, tree_cat
 from fedheads.data import DataSpec
 from fedheads.flower import codec
+from fedheads.flower.deploy import round_line
 from fedheads.flower.server import FlowerLog, FlowerRunConfig, _failed, _run_record, _send
 
 from flwr.app import Message, RecordDict  # noqa: E402  (after fedheads.flower: quiet env)
@@ -105,18 +106,19 @@ def federate(grid: Any, context: Any, cfg: FlowerRunConfig, order: list[tuple[in
         t1 = clock(dev)
         down_v, down_b = payload_size(bc, per_client=False)
         P = len(alive)
-        acc, t2 = None, t1
+        acc, t2, eval_dropped = None, t1, []
         if r == cfg.rounds - 1 or (cfg.eval_every and (r + 1) % cfg.eval_every == 0):
-            acc = _evaluate(fed, ss, r, part)
+            acc, eval_dropped = _evaluate(fed, ss, r, part)
             t2 = clock(dev)
         res.history.append(RoundRecord(r, tuple(alive), CommRecord(up_v * P, up_b * P, down_v * P, down_b * P), acc,
                                        t1[0] - t0[0], t1[1] - t0[1], t2[0] - t1[0], t2[1] - t1[1]))
         res.upload_values_per_client = up_v
         fed.flog.rounds.append({"round": r + 1, "participants": [fed.names[i] for i in alive],
                                 "dropped": [fed.names[i] for i in dropped],
+                                "eval_dropped": [fed.names[i] for i in eval_dropped],
                                 "sent_bytes": grid.sent_bytes - b0[0], "received_bytes": grid.received_bytes - b0[1],
                                 "train_seconds": t1[0] - t0[0], "eval_seconds": t2[0] - t1[0]})
-        log.info("round %d/%d: %d nodes, %.2f s", r + 1, cfg.rounds, P, t2[0] - t0[0])
+        log.info("%s", round_line(fed.flog.rounds[-1], cfg.rounds))
         _progress(cfg, fed.flog.rounds[-1])
     res.server_state = ss
     t_end = clock(dev)
@@ -166,12 +168,13 @@ def _secure_round(fed: Federation, ss: Any, replies: dict[int, Message], alive: 
     return ss, bc, got, extra
 
 
-def _evaluate(fed: Federation, ss: Any, r: int, part: list[int]) -> dict[str, torch.Tensor]:
-    """Per-client accuracy [M] per rule (NaN where a node dropped out under on-dropout=continue)."""
+def _evaluate(fed: Federation, ss: Any, r: int, part: list[int]) -> tuple[dict[str, torch.Tensor], list[int]]:
+    """Per-client accuracy [M] per rule (NaN where a node dropped out under on-dropout=continue),
+    and the indices of the nodes that did not evaluate."""
     M = len(fed.node_ids)
-    replies, _ = fed.exchange(list(range(M)), r, part, "evaluate", "fh.server_state", ss, "evaluation")
+    replies, failed = fed.exchange(list(range(M)), r, part, "evaluate", "fh.server_state", ss, "evaluation")
     rules: dict[str, torch.Tensor] = {}
     for i, m in replies.items():
         for k, v in dict(m.content.metric_records["fh.accuracy"]).items():
             rules.setdefault(k, torch.full((M,), float("nan"), dtype=torch.float64))[i] = float(v)
-    return rules
+    return rules, failed

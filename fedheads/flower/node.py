@@ -20,7 +20,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -81,7 +80,9 @@ def ensure_features(cfg: dict[str, str], backbones: list[str]) -> None:
            "--backbones", ",".join(backbones), "--device", cfg.get("device", "cpu"), "--quiet"]
     if cfg.get("weights-dir"):
         cmd += ["--weights-dir", cfg["weights-dir"]]
-    res = subprocess.run(cmd, capture_output=True, text=True, env=os.environ.copy())
+    from fedheads import children
+
+    res = children.run(cmd, capture_output=True, text=True, env=os.environ.copy())
     if res.returncode != 0:
         last = (res.stderr.strip() or res.stdout.strip() or "failed").splitlines()[-1]
         raise UserError(f"node {cfg.get('client') or cfg['store']}: embedcache extract: {last}")

@@ -33,6 +33,12 @@ def write_run(cfg: Any, out: dict[str, Any]) -> dict[str, Any]:
     res, names, desc = out["result"], out["names"], out["desc"]
     n_test = [int(d["n_test"]) for d in desc]
     per_seed = [report.seed_result_from_run(res, cfg.seed, names, n_test=n_test)]
+    # a node that dropped out of the last evaluation has test samples but no accuracy: filed as
+    # dropped, not as a client without test samples (the mean is over the nodes that evaluated)
+    last_eval = [r for r in out["log"].rounds if "eval_dropped" in r and r["round"] == len(res.history)]
+    gone = set(last_eval[-1]["eval_dropped"]) if last_eval else set()
+    dropped = [c for c in per_seed[0]["clients_without_test"] if c in gone and n_test[names.index(c)] > 0]
+    per_seed[0]["clients_without_test"] = [c for c in per_seed[0]["clients_without_test"] if c not in dropped]
     dims = [int(v["dim"]) for v in json.loads(str(desc[0]["backbones"])).values()]
     flog = out["log"]
     extra = {"training_rounds": cfg.rounds - out["collect_rounds"], "clients": names,
@@ -51,6 +57,14 @@ def write_run(cfg: Any, out: dict[str, Any]) -> dict[str, Any]:
     result = report.summarise_runs(per_seed, algorithm=cfg.algorithm, backbones=cfg.backbone_list(), rounds=cfg.rounds,
                                    feature_dims=dims, num_classes=int(desc[0]["num_classes"]), fraction=cfg.fraction,
                                    extra=extra)
+    # bytes as sent over the network (every record Flower serialised, SecAgg+ stages included), not
+    # the engine's count of the values in the clear (0 uploaded under SecAgg+: its sums go masked)
+    result["communication"]["upload_bytes_total"] = float(extra["flower"]["received_bytes"])
+    result["communication"]["download_bytes_total"] = float(extra["flower"]["sent_bytes"])
+    for c in dropped:  # still listed: a client never silently leaves a report
+        result["per_client"][c] = {"mean": None, "std": None, "n_test": n_test[names.index(c)], "dropped": True}
+    result["per_client"] = dict(sorted(result["per_client"].items()))
+    result["clients_dropped"] = dropped
     if cfg.overwrite:
         rundir.clear_run(run_dir)
     save_server_state(run_dir / "state" / f"seed{cfg.seed}.server.pt", out["server_state"])

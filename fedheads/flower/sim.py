@@ -9,10 +9,13 @@ virtual node gets its own node config (its store and client), exactly as a Super
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import logging
 import secrets
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 from embedcache.errors import UserError
@@ -125,6 +128,50 @@ def simulate(main: Callable[[Any, Context], Any], node_configs: list[dict[str, A
     if "value" not in outcome:
         raise UserError("flower simulation: the server stopped without a result")
     return outcome["value"]
+
+
+class _RoundLines(logging.Handler):
+    """Passes the round loop's one line per round (fedheads.flower, "round r/R: ...") to `echo`."""
+
+    def __init__(self, echo: Callable[[str], None]) -> None:
+        super().__init__(logging.INFO)
+        self.echo = echo
+
+    def emit(self, record: logging.LogRecord) -> None:
+        msg = record.getMessage()
+        if record.levelno == logging.INFO and msg.startswith("round "):
+            self.echo(msg)
+
+
+@contextlib.contextmanager
+def flower_logs(path: Path, echo: Callable[[str], None]) -> Iterator[None]:
+    """While the block runs, Flower's own log lines (the "flwr" logger) and fedheads.flower's go
+    to the file `path`, not the console; `echo` gets one line per round."""
+    flwr_logger, own = logging.getLogger("flwr"), logging.getLogger("fedheads.flower")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    to_file = logging.FileHandler(path, mode="w", encoding="utf-8")
+    to_file.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+    to_file.setLevel(logging.INFO)  # what Flower's console handler shows
+    saved, level, propagate = list(flwr_logger.handlers), own.level, own.propagate
+    rounds = _RoundLines(echo)
+    for h in saved:
+        flwr_logger.removeHandler(h)
+    flwr_logger.addHandler(to_file)
+    own.addHandler(to_file)
+    own.addHandler(rounds)
+    own.setLevel(logging.INFO)
+    own.propagate = False
+    try:
+        yield
+    finally:
+        flwr_logger.removeHandler(to_file)
+        for h in saved:
+            flwr_logger.addHandler(h)
+        own.removeHandler(to_file)
+        own.removeHandler(rounds)
+        own.setLevel(level)
+        own.propagate = propagate
+        to_file.close()
 
 
 def simulate_store(cfg: Any, store: str, clients: list[str] | None = None, client_app: ClientApp | None = None) -> Any:
