@@ -14,7 +14,8 @@ from flower_helpers import write_store
 BLOCK_FLWR = "import sys\nsys.modules['flwr'] = None  # import flwr -> ImportError, as without the extra\n"
 FAKE_RELEASE = ("import importlib.metadata as md, sys, types\n"
                 "sys.modules['flwr'] = types.ModuleType('flwr')\n"
-                "md.version = lambda name: '1.99.0' if name == 'flwr' else md.version(name)\n")
+                "_version = md.version  # the real one, for every other package\n"
+                "md.version = lambda name: '1.99.0' if name == 'flwr' else _version(name)\n")
 
 
 def _cli(prelude: str, args: list[str]) -> subprocess.CompletedProcess:
