@@ -37,3 +37,9 @@ def test_write_json_records_command_and_commit(tmp_path, monkeypatch):
     assert re.fullmatch(r"[0-9a-f]{12}(\+dirty)?|unknown", d["commit"])
     write_json({"command": "mine", "commit": "abc"}, tmp_path / "y.json")  # a benchmark's own wins
     assert json.loads((tmp_path / "y.json").read_text())["command"] == "mine"
+
+
+def test_benchmarks_page_lists_every_result_with_its_command():
+    page = (BENCH.parent / "docs" / "benchmarks.md").read_text()
+    for path in RESULTS:
+        assert f"`{json.loads(path.read_text())['command']}`" in page, f"docs/benchmarks.md: {path.name} missing"
