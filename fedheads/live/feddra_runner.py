@@ -11,8 +11,20 @@
 
 Several `--baseline` values write one directory each under RUN_DIR plus a combined results.json
 and summary.md (the layout of `fedheads compare`). Presets (FedDRA Table 2 / Table 3):
-feddra (all parts), fedavg (rho = 0, mu = 0), fedprox (fedavg + proximal term), no-two-stage,
-no-constraint (mu = 0), no-dro (rho = 0); each keeps every other option.
+feddra (all parts); fedavg, the paper's FedAvg baseline (Sec. 5.1.3, McMahan et al. 2017): plain
+one-stage averaging, i.e. rho = 0, mu = 0 and no two-stage schedule (the schedule is one of FedDRA's
+own components, Sec. 4.2, ablated in Table 3); fedavg-two-stage (rho = 0, mu = 0 with FedDRA's
+two-stage schedule kept: what `fedavg` meant before); fedprox (fedavg + proximal term; the
+two-stage variant is `fedavg-two-stage --prox-mu 0.01`); no-two-stage, no-constraint (mu = 0),
+no-dro (rho = 0); each keeps every other option.
+
+Budget of the one-stage baselines: the same R rounds of E local steps per client as every method,
+E being the paper's "50 batches per round" (Sec. 5.1.1), all of them on every parameter (FedDRA's
+stage 2 alone, as the Table 3 "w/o two-stage" row). FedDRA under the per-stage reading of E runs E
+more steps per round on the alignment modules only (stage 1, encoders frozen): one-stage FedAvg
+gets the same rounds, the same full-model steps and the same data per stage-2 pass, not FedDRA's
+extra module-only steps. Every preset averages with Alg. 1's 1/N unless `aggregation = "samples"`
+(n_i / sum_j n_j weights, FedDRAConfig.aggregation).
 """
 
 from __future__ import annotations
@@ -46,8 +58,9 @@ from fedheads.machine import machine
 
 BASELINES: dict[str, dict[str, Any]] = {
     "feddra": {},
-    "fedavg": {"mu": 0.0, "rho": 0.0},
-    "fedprox": {"mu": 0.0, "rho": 0.0},  # + prox_mu 0.01 unless given (Li et al. 2020's grid has 0.01)
+    "fedavg": {"mu": 0.0, "rho": 0.0, "two_stage": False},  # the paper's FedAvg: one stage (see the docstring)
+    "fedavg-two-stage": {"mu": 0.0, "rho": 0.0},  # FedDRA's schedule without L_C and DRO
+    "fedprox": {"mu": 0.0, "rho": 0.0, "two_stage": False},  # + prox_mu 0.01 unless given (Li et al. 2020's grid has 0.01)
     "no-two-stage": {"two_stage": False},
     "no-constraint": {"mu": 0.0},
     "no-dro": {"rho": 0.0},
