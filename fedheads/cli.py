@@ -190,8 +190,13 @@ def _live_run_options(f):
               help="Stage 1, comma-separated for a comparison: fedncm (FedNCM+FT) | lp (LP+FT) | random (FT).")
 @click.option("--head-rounds", default=5, show_default=True, help="LP rounds of stage 1 (FedNCM App. C.2: 5, 10).")
 @click.option("--rounds", default=10, show_default=True, help="Fine-tuning rounds.")
-@click.option("--server", default="fedavg", show_default=True, type=click.Choice(["fedavg", "fedprox", "fedadam"]))
+@click.option("--server", default="fedavg", show_default=True,
+              type=click.Choice(["fedavg", "fedprox", "fedadam", "fedavgm"]))
 @click.option("--server-lr", type=float, default=None, help="Server lr (default 1.0; FedAdam 1e-3).")
+@click.option("--server-momentum", type=float, default=0.9, show_default=True,
+              help="FedAvgM's server momentum (--server fedavgm; FLSim's FedAvgWithLR).")
+@click.option("--server-buffers", type=click.Choice(["average", "flsim"]), default="average", show_default=True,
+              help="BatchNorm buffers under fedadam/fedavgm: their mean change, or kept as FLSim does.")
 @click.option("--prox-mu", type=float, default=0.01, show_default=True, help="FedProx mu.")
 @click.option("--lr", type=float, default=0.1, show_default=True, help="Client SGD lr (top of the FedNCM App. B grid).")
 @click.option("--warmup-rounds", default=0, show_default=True,
@@ -209,7 +214,8 @@ def _live_run_options(f):
 @click.option("--no-augment", is_flag=True, help="Live images without training augmentation.")
 @_live_run_options
 @with_config
-def finetune(manifest_path, store, backbone, heads, head_rounds, rounds, server, server_lr, prox_mu, lr,
+def finetune(manifest_path, store, backbone, heads, head_rounds, rounds, server, server_lr, server_momentum,
+             server_buffers, prox_mu, lr,
              warmup_rounds, momentum, weight_decay, local_epochs, batch_size, fraction, trainable, bn, live_prefix,
              no_pretrained, no_augment, seeds, eval_every, device, num_workers, weights_dir, resume,
              overwrite, quiet, out) -> None:
@@ -226,7 +232,8 @@ def finetune(manifest_path, store, backbone, heads, head_rounds, rounds, server,
                        live_prefix=live_prefix, pretrained=not no_pretrained, augment=not no_augment,
                        seeds=_seeds(seeds), eval_every=eval_every, device=device, num_workers=num_workers,
                        weights_dir=weights_dir, resume=resume, overwrite=overwrite, progress=not quiet,
-                       warmup_rounds=warmup_rounds)
+                       warmup_rounds=warmup_rounds, server_momentum=server_momentum,
+                       server_buffers=server_buffers)
     for r in res.get("algorithms", {"": res}).values():
         click.echo(f"{r['algorithm']}: accuracy {r['accuracy_cell']} after {r['rounds']} rounds "
                    f"(round 0: {r['figure1'][0]['accuracy']:.2f})")
