@@ -22,8 +22,9 @@ Budget of the one-stage baselines: the same R rounds of E local steps per client
 E being the paper's "50 batches per round" (Sec. 5.1.1), all of them on every parameter (FedDRA's
 stage 2 alone, as the Table 3 "w/o two-stage" row). FedDRA under the per-stage reading of E runs E
 more steps per round on the alignment modules only (stage 1, encoders frozen): one-stage FedAvg
-gets the same rounds, the same full-model steps and the same data per stage-2 pass, not FedDRA's
-extra module-only steps. Every preset averages with Alg. 1's 1/N unless `aggregation = "samples"`
+gets the same rounds and the same E full-model steps per client and round (the paper's budget for
+every method), not FedDRA's extra module-only steps; a step-matched FedAvg (2E full-model steps) is
+`--baseline fedavg --steps-per-stage 2E`, run on its own. Every preset averages with Alg. 1's 1/N unless `aggregation = "samples"`
 (n_i / sum_j n_j weights, FedDRAConfig.aggregation).
 """
 
