@@ -78,7 +78,8 @@ FEDPROX_MU = 0.01
 # R@5 40.4 % (worst 31.6 %) against chance 1.56 % / 7.8 % (batches of 64), from 1.2 % at round 0;
 # 11.3 minutes wall under that load (round 1, the only one reading the cache: 1.5 minutes).
 # The same preset, seed 0, all methods (benchmarks/results/feddra.json): t2i R@1 mean / worst client
-# FedDRA 10.1 / 6.3, FedAvg 14.3 / 7.8, no-two-stage 8.8 / 6.3, no-constraint 12.7 / 10.9, no-dro 10.6 / 5.0:
+# FedDRA 10.1 / 6.3, FedAvg with FedDRA's two-stage schedule 14.3 / 7.8 (the paper's one-stage FedAvg: 11.2 / 7.6,
+# re-run 2026-11-27), no-two-stage 8.8 / 6.3, no-constraint 12.7 / 10.9, no-dro 10.6 / 5.0:
 # at 20 local steps FedDRA does NOT beat FedAvg (L_C with mu = 5 slows a short run); `quick` shows the
 # method learns, it does not reproduce the paper's comparison (that needs the paper preset).
 PRESETS: dict[str, dict[str, Any]] = {
