@@ -14,7 +14,9 @@ after layer.5 (32 x 384); writes benchmarks/results/feddra.json.
   speed-paper-sized  the stage-1 comparison with encoders of the paper's sizes (ResNet-50 at 224
            px, a BERT-base-sized text encoder at 128 tokens), random weights and inputs.
   methods  FedDRA vs FedAvg vs the three Table 3 ablations (no-two-stage, no-constraint, no-dro)
-           at `fedheads feddra --preset quick`, seeds 0,1,2: text->image R@1/R@5 mean over
+           at `fedheads feddra --preset quick`, seeds 0,1,2 (FedAvg = the paper's one-stage FedAvg;
+           `--methods fedavg-two-stage` is mu = rho = 0 with FedDRA's two-stage schedule, the
+           `fedavg` of results recorded before 2026-11-27): text->image R@1/R@5 mean over
            clients and worst client (percent, {mean, std} over seeds), chance and the class-only
            retriever, final lambda, wall minutes; with --probe also the few-shot linear probe on
            webcam + dslr (1 and 5 shots per class, 5 draws) of the aligned z, the trained image

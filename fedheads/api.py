@@ -269,7 +269,7 @@ def finetune(manifest: Any, store: str | Path, backbone: str, out: str | Path, *
              pretrained: bool = True, augment: bool = True, seeds: Sequence[int] | int = (0,),
              eval_every: int = 1, device: str = "auto", num_workers: int = 2, weights_dir: str | None = None,
              resume: bool = False, overwrite: bool = False, progress: bool = False,
-             warmup_rounds: int = 0) -> Result:
+             warmup_rounds: int = 0, server_momentum: float = 0.9, server_buffers: str = "average") -> Result:
     """Fine-tune `backbone` federatedly from a stage-1 head computed on the store, as `fedheads
     finetune` (FedNCM+FT with heads="fedncm", LP+FT with "lp", FT with "random"; several heads:
     a comparison). `manifest`: the manifest the store was extracted from (path or Manifest).
@@ -279,7 +279,7 @@ def finetune(manifest: Any, store: str | Path, backbone: str, out: str | Path, *
 
     ft = FTConfig(server=server, server_lr=server_lr, prox_mu=prox_mu, lr=lr, momentum=momentum,
                   weight_decay=weight_decay, batch_size=batch_size, local_epochs=local_epochs,
-                  warmup_rounds=warmup_rounds)
+                  warmup_rounds=warmup_rounds, server_momentum=server_momentum, server_buffers=server_buffers)
     names = tuple(h.strip() for h in heads.split(",")) if isinstance(heads, str) else tuple(heads)
     opts = FinetuneOptions(heads=names, head_rounds=head_rounds, rounds=rounds, ft=ft, trainable=trainable,
                            bn=bn, live_prefix=live_prefix, pretrained=pretrained, augment=augment,

@@ -242,8 +242,13 @@ def _live_run_options(f):
               help="Stage 1, comma-separated for a comparison: fedncm (FedNCM+FT) | lp (LP+FT) | random (FT).")
 @click.option("--head-rounds", default=5, show_default=True, help="LP rounds of stage 1 (FedNCM App. C.2: 5, 10).")
 @click.option("--rounds", default=10, show_default=True, help="Fine-tuning rounds.")
-@click.option("--server", default="fedavg", show_default=True, type=click.Choice(["fedavg", "fedprox", "fedadam"]))
+@click.option("--server", default="fedavg", show_default=True,
+              type=click.Choice(["fedavg", "fedprox", "fedadam", "fedavgm"]))
 @click.option("--server-lr", type=float, default=None, help="Server lr (default 1.0; FedAdam 1e-3).")
+@click.option("--server-momentum", type=float, default=0.9, show_default=True,
+              help="FedAvgM's server momentum (--server fedavgm; FLSim's FedAvgWithLR).")
+@click.option("--server-buffers", type=click.Choice(["average", "flsim"]), default="average", show_default=True,
+              help="BatchNorm buffers under fedadam/fedavgm: their mean change, or kept as FLSim does.")
 @click.option("--prox-mu", type=float, default=0.01, show_default=True, help="FedProx mu.")
 @click.option("--lr", type=float, default=0.1, show_default=True, help="Client SGD lr (top of the FedNCM App. B grid).")
 @click.option("--warmup-rounds", default=0, show_default=True,
@@ -261,7 +266,8 @@ def _live_run_options(f):
 @click.option("--no-augment", is_flag=True, help="Live images without training augmentation.")
 @_live_run_options
 @with_config
-def finetune(manifest_path, store, backbone, heads, head_rounds, rounds, server, server_lr, prox_mu, lr,
+def finetune(manifest_path, store, backbone, heads, head_rounds, rounds, server, server_lr, server_momentum,
+             server_buffers, prox_mu, lr,
              warmup_rounds, momentum, weight_decay, local_epochs, batch_size, fraction, trainable, bn, live_prefix,
              no_pretrained, no_augment, seeds, eval_every, device, num_workers, weights_dir, resume,
              overwrite, quiet, out) -> None:
@@ -282,7 +288,8 @@ def finetune(manifest_path, store, backbone, heads, head_rounds, rounds, server,
                        live_prefix=live_prefix, pretrained=not no_pretrained, augment=not no_augment,
                        seeds=_seeds(seeds), eval_every=eval_every, device=device, num_workers=num_workers,
                        weights_dir=weights_dir, resume=resume, overwrite=overwrite, progress=not quiet,
-                       warmup_rounds=warmup_rounds)
+                       warmup_rounds=warmup_rounds, server_momentum=server_momentum,
+                       server_buffers=server_buffers)
     for r in res.get("algorithms", {"": res}).values():
         click.echo(f"{r['algorithm']}: accuracy {r['accuracy_cell']} after {r['rounds']} rounds "
                    f"(round 0: {r['figure1'][0]['accuracy']:.2f})")
@@ -427,7 +434,8 @@ def join(superlink, store, client, manifest, device, weights_dir, port, root_cer
 @click.option("--text-encoder", required=True, help="Text backbone, e.g. minilm-l6-v2:32 (T = 32 tokens).")
 @click.option("--text-cut", default=None, help="Text token states after this stage (default: its last layer, layer.5).")
 @click.option("--baseline", "baselines", default="feddra", show_default=True,
-              help="Comma-separated presets: feddra, fedavg, fedprox, no-two-stage, no-constraint, no-dro.")
+              help="Comma-separated presets: feddra, fedavg (the paper's: one stage), fedavg-two-stage, fedprox, "
+                   "no-two-stage, no-constraint, no-dro.")
 @click.option("--preset", type=click.Choice(["paper", "quick"]), default="paper", show_default=True,
               help="Defaults of the options not given: paper (25 rounds x 50 steps, both encoders train) or quick "
                    "(4 rounds x 5 steps at batch 32, text encoder frozen: minutes on 2 CPU cores).")
@@ -448,6 +456,8 @@ def join(superlink, store, client, manifest, device, weights_dir, port, root_cer
 @click.option("--encoder-lr", type=float, default=2e-5, show_default=True, help="AdamW lr of the encoders in stage 2 (paper).")
 @click.option("--weight-decay", type=float, default=0.01, show_default=True)
 @click.option("--step-scaling", type=click.Choice(["n_lambda", "lambda"]), default="n_lambda", show_default=True)
+@click.option("--aggregation", type=click.Choice(["uniform", "samples"]), default="uniform", show_default=True,
+              help="Server mean: 1/N as Alg. 1, or n_i (training pairs) weights as McMahan et al.'s FedAvg.")
 @click.option("--dro-loss", type=click.Choice(["infonce", "local"]), default="infonce", show_default=True)
 @click.option("--dro-model", type=click.Choice(["local", "global"]), default="local", show_default=True)
 @click.option("--dro-batches", default=4, show_default=True, help="Fixed batches per client for v_i.")
@@ -468,7 +478,7 @@ def join(superlink, store, client, manifest, device, weights_dir, port, root_cer
 def feddra(ctx, dump_config, manifest_path, store, image_encoder, image_cut, text_encoder, text_cut, baselines, preset, schedule,
            stage1_rounds,
            no_two_stage, rounds, steps, batch_size, rho, divergence, radius_convention, gamma, mu, tau, lr, encoder_lr,
-           weight_decay, step_scaling, dro_loss, dro_model, dro_batches, prox_mu, image_trainable, text_trainable, bn,
+           weight_decay, step_scaling, aggregation, dro_loss, dro_model, dro_batches, prox_mu, image_trainable, text_trainable, bn,
            stage1_inputs, no_augment, probe_manifest, probe_shots, probe_draws, seeds, eval_every, device, num_workers,
            weights_dir, resume, overwrite, quiet, out) -> None:
     """FedDRA (federated distributionally robust vision-language alignment) and its baselines.
@@ -496,7 +506,7 @@ def feddra(ctx, dump_config, manifest_path, store, image_encoder, image_cut, tex
     rounds, steps, batch_size, text_trainable = p["rounds"], p["steps"], p["batch_size"], p["text_trainable"]
     fd = FedDRAConfig(mu=mu, tau=tau, rounds=rounds, schedule=schedule, stage1_rounds=stage1_rounds,
                       two_stage=not no_two_stage, steps=steps, batch_size=batch_size, lr=lr, encoder_lr=encoder_lr,
-                      weight_decay=weight_decay, step_scaling=step_scaling, prox_mu=prox_mu,
+                      weight_decay=weight_decay, step_scaling=step_scaling, aggregation=aggregation, prox_mu=prox_mu,
                       dro=DROConfig(rho=rho, divergence=divergence, radius_convention=radius_convention, gamma=gamma),
                       dro_loss=dro_loss, dro_model=dro_model, dro_batches=dro_batches)
     names = tuple(_csv(baselines, "--baseline"))

@@ -40,6 +40,8 @@ def _m(label: str, preset: str, missing: str = "") -> Method:
     return Method(label, preset, kind="feddra", requires=req, paper_rounds=25)
 
 
+# FedAvg is the paper's plain one-stage averaging (Sec. 5.1.3): the `fedavg` preset, not FedDRA's two-stage
+# schedule with mu = rho = 0 (`fedavg-two-stage`); a cell's hash covers what its preset sets (plan.cells)
 FEDDRA, FEDAVG = _m("FedDRA (Ours)", "feddra"), _m("FedAvg", "fedavg")
 _T2_ROWS = """
 ConVIRT | FedEMA | 82.8 83.1 79.2 86.5 70.9 73.6 24.0 67.0 21.9 62.4

@@ -273,6 +273,10 @@ def cells(arm: Arm, ctx: RunContext) -> list[dict[str, Any]]:
             "threads": ctx.threads}
     if m.kind == "head" and m.algorithm in RESEEDED and float(options["fraction"]) >= 1.0:
         base["client_seeds"] = "global-id"
+    if m.kind == "feddra":  # what the preset sets is part of the cell: a preset whose meaning changes
+        from fedheads.live.feddra_runner import BASELINES  # (fedavg became one-stage) is never served stale
+
+        base["preset"] = BASELINES.get(m.algorithm)
     out = []
     for seed in arm.seeds:
         cfg = {**base, "seed": int(seed)}

@@ -65,10 +65,11 @@ def _close(a, b, **tol):
         torch.testing.assert_close(a[k], b[k], **tol)
 
 
-def _plain_fedavg(cfg, clients, make, seed=0):
+def _plain_fedavg(cfg, clients, make, seed=0, weights=None):
     """FedAvg written out by hand: every client starts from the global model, AdamW on the
     two-way InfoNCE L_MI (test_info_nce_by_hand), then the global model moves by the mean client change (McMahan et al. 2017,
-    equal weights as Alg. 1 lines 7/12), summed in client order."""
+    equal weights as Alg. 1 lines 7/12), summed in client order; `weights` (one per client): the
+    mean weighted by them instead, sum_i w_i (x_i - g) / sum_i w_i."""
     net = make()
     g = {k: v.clone() for k, v in net.state(2).items()}
     for r in range(1, cfg.rounds + 1):
@@ -93,10 +94,14 @@ def _plain_fedavg(cfg, clients, make, seed=0):
                         opt.step()
                     local.append({k: v.clone() for k, v in net.state(st).items()})
             for k in local[0]:
-                total = local[0][k] - g[k]
-                for x in local[1:]:
-                    total = total + (x[k] - g[k])
-                g[k] = g[k] + total / float(len(local))
+                if weights is None:
+                    total = local[0][k] - g[k]
+                    for x in local[1:]:
+                        total = total + (x[k] - g[k])
+                    g[k] = g[k] + total / float(len(local))
+                else:
+                    total = sum(w * (x[k].double() - g[k].double()) for w, x in zip(weights, local))
+                    g[k] = (g[k].double() + total / float(sum(weights))).to(g[k].dtype)
     return g
 
 
@@ -115,6 +120,87 @@ def test_rho0_mu0_is_fedavg(paired):
     for other in (dataclasses.replace(cfg, mu=5.0), dataclasses.replace(cfg, dro=DROConfig(rho=1.0))):
         got = _state(_run(other, clients, make, stage1_inputs="live"))
         assert max(float((got[k] - want[k]).abs().max()) for k in want) > 1e-4
+
+
+def test_fedavg_preset_is_the_papers_one_stage_fedavg(paired):
+    """`fedavg` is plain one-stage averaging (FedDRA Sec. 5.1.3): no stage 1, R rounds of E steps on
+    everything, equal to FedAvg by hand bit for bit; `fedavg-two-stage` is the old preset (rho = 0,
+    mu = 0 with FedDRA's two-stage schedule), equal bit for bit to that configuration's run."""
+    m, _ = paired
+    clients, make = _world(m)
+    base = FedDRAConfig(rounds=2, steps=2, batch_size=4, lr=1e-2, encoder_lr=1e-2)  # mu 5, rho 0.1: FedDRA's
+    one = apply_baseline(base, "fedavg")
+    assert one.plan() == [(2,)] * 2 and (one.mu, one.dro.rho, one.steps, one.rounds) == (0.0, 0.0, 2, 2)
+    assert apply_baseline(FedDRAConfig(rounds=5, schedule="sequential"), "fedavg").plan() == [(2,)] * 5
+    assert apply_baseline(base, "fedprox").plan() == [(2,)] * 2
+    two = apply_baseline(base, "fedavg-two-stage")
+    old = dataclasses.replace(base, mu=0.0, dro=dataclasses.replace(base.dro, rho=0.0))  # the old `fedavg` preset
+    assert two == old and two.plan() == [(1, 2)] * 2
+    run_one = _run(one, clients, make, stage1_inputs="live")
+    assert [rec.stages for rec in run_one.rounds[1:]] == [[2], [2]]
+    got, want = _state(run_one), _plain_fedavg(one, clients, make)
+    assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want)
+    got_two, got_old = (_state(_run(c, clients, make, stage1_inputs="live")) for c in (two, old))
+    assert all(torch.equal(got_two[k], got_old[k]) for k in got_old)
+    assert max(float((got_two[k] - got[k]).abs().max()) for k in got) > 1e-4  # the schedules differ
+
+
+def test_sample_weighted_aggregation_by_hand(paired):
+    """Alg. 1 averages with 1/N; aggregation "samples" weights client i by its n_i training pairs."""
+    alg, alg_n = FedDRA(FedDRAConfig()), FedDRA(FedDRAConfig(aggregation="samples"))
+    from fedheads.algorithms.pfl_common import GlobalModel
+    from fedheads.live.feddra import FDServerState
+
+    ss = FDServerState(GlobalModel({"psi/w": torch.zeros(2)}, {}), torch.full((2,), 0.5, dtype=torch.float64))
+    deltas, n = (torch.tensor([4.0, 0.0]), torch.tensor([8.0, 2.0])), (1.0, 3.0)
+
+    def fin(a, w):
+        sums = a.sums_init(ss)
+        for i in range(2):
+            sums = a.sums_add(sums, FDMessage({"psi/w": deltas[i][None]}, {}, torch.tensor([w[i]], dtype=torch.float64),
+                                              torch.tensor([0.0], dtype=torch.float64), torch.tensor([i])))
+        return a.server_finalize(ss, sums).model.params["psi/w"]
+    assert fin(alg, (1.0, 1.0)).tolist() == [6.0, 1.0]  # (4 + 8) / 2, (0 + 2) / 2
+    assert fin(alg_n, n).tolist() == [7.0, 1.5]  # (1 * 4 + 3 * 8) / 4, (1 * 0 + 3 * 2) / 4
+    with pytest.raises(UserError, match="--aggregation"):
+        FedDRAConfig(aggregation="size")
+    # through the driver: the clients' n_i reach the server (clients of different sizes)
+    m, _ = paired
+    clients, make = _world(m)
+    cfg = apply_baseline(FedDRAConfig(rounds=1, steps=2, batch_size=4, lr=1e-2, encoder_lr=1e-2,
+                                      aggregation="samples"), "fedavg")
+    sizes = [float(c.n_train) for c in clients]
+    want = _plain_fedavg(cfg, clients, make, weights=sizes)
+    got = _state(_run(cfg, clients, make, stage1_inputs="live"))
+    _close(got, want, rtol=1e-5, atol=1e-6)
+    if len(set(sizes)) > 1:  # the weights matter on this data
+        uni = _plain_fedavg(cfg, clients, make)
+        assert max(float((got[k] - uni[k]).abs().max()) for k in got) > 1e-5
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
+def test_weight_decay_is_not_scaled_by_the_dro_step_scale(paired, monkeypatch, optimizer):
+    """s_i = N lambda_i scales the gradient step only (Sec. 4.3's update has no decay): with a zero
+    gradient, E steps shrink every trained weight by (1 - lr wd)^E at any s_i."""
+    import fedheads.live.feddra as fd
+
+    monkeypatch.setattr(fd, "l_mi", lambda zx, zy, cfg: 0.0 * (zx.sum() + zy.sum()))  # gradient exactly 0
+    m, _ = paired
+    clients, make = _world(m)
+    cfg = FedDRAConfig(steps=3, batch_size=4, mu=0.0, lr=1e-2, weight_decay=2.0, optimizer=optimizer)
+    alg, net = FedDRA(cfg), make()
+    ss = alg.init(net, 3)
+    c = clients[0]
+    out = {}
+    for scale in (1.0, 2.0, 0.5):
+        rows = step_rows(c.n_train, c.index, cfg.batch_size, cfg.steps, 0, 0, 1)
+        msg = alg.client_update(1, ss.model, c.batches("train", rows, CPU), scale, c.index, net, None)
+        out[scale] = msg.delta
+    shrink = (1 - cfg.lr * cfg.weight_decay) ** cfg.steps - 1
+    for k, d in out[1.0].items():
+        torch.testing.assert_close(d[0], ss.model.params[k] * shrink, rtol=1e-5, atol=1e-7)
+        for scale in (2.0, 0.5):
+            torch.testing.assert_close(out[scale][k], d, rtol=1e-5, atol=1e-7)
 
 
 def test_stage1_from_cache_equals_live_frozen_encoders(paired):
@@ -203,7 +289,8 @@ def test_stages_train_what_the_paper_says(paired):
     assert FedDRAConfig(rounds=5, schedule="sequential").plan() == [(1,)] * 3 + [(2,)] * 2
     assert FedDRAConfig(rounds=3, two_stage=False).plan() == [(2,)] * 3
     base = FedDRAConfig(mu=5.0, dro=DROConfig(rho=0.3), steps=7)
-    assert set(BASELINES) == {"feddra", "fedavg", "fedprox", "no-two-stage", "no-constraint", "no-dro"}
+    assert set(BASELINES) == {"feddra", "fedavg", "fedavg-two-stage", "fedprox", "no-two-stage", "no-constraint",
+                              "no-dro"}
     fa = apply_baseline(base, "fedavg")
     assert (fa.mu, fa.dro.rho, fa.steps, fa.prox_mu) == (0.0, 0.0, 7, 0.0)
     assert apply_baseline(base, "fedprox").prox_mu == 0.01

@@ -127,6 +127,39 @@ def test_sums_then_finalize_equal_the_stacked_server_step():
             torch.testing.assert_close(streamed.model.params["w"], want)
 
 
+def test_fedavgm_server_equals_torch_sgd_momentum_and_flsim_buffers():
+    """--server fedavgm: two rounds of server momentum equal torch.optim.SGD(momentum) stepping on
+    the pseudo-gradient -Delta (FLSim's FedAvgWithLR); server_buffers "flsim" keeps the BatchNorm
+    buffers under fedadam/fedavgm (FLSim steps parameters only) and averages them under fedavg."""
+    from fedheads.algorithms.pfl_common import DeltaMessage, GlobalModel
+    from fedheads.core.protocol import RoundCtx
+
+    g = torch.Generator().manual_seed(1)
+    start = GlobalModel({"w": torch.randn(3, 2, generator=g)}, {"bn": torch.rand(2, generator=g)})
+    msgs = [DeltaMessage({"w": torch.randn(2, 3, 2, generator=g)}, {"bn": torch.randn(2, 2, generator=g)},
+                         torch.tensor([1.0, 3.0], dtype=torch.float64)) for _ in range(2)]
+    ctx = RoundCtx(0, 0, torch.arange(2), 2)
+    alg = FineTune(FTConfig(server="fedavgm", server_lr=0.5, server_momentum=0.8))
+    ss = alg.init(start)
+    ref = torch.nn.Parameter(start.params["w"].clone())
+    opt = torch.optim.SGD([ref], lr=0.5, momentum=0.8)
+    w = torch.tensor([0.25, 0.75])
+    for msg in msgs:
+        ss, _ = alg.server_aggregate(ss, msg, ctx)
+        ref.grad = -(w.view(-1, 1, 1) * msg.delta["w"]).sum(0)
+        opt.step()
+    torch.testing.assert_close(ss.model.params["w"], ref.detach())
+    for server, kept in (("fedavgm", True), ("fedadam", True), ("fedavg", False)):
+        alg = FineTune(FTConfig(server=server, server_buffers="flsim"))
+        got, _ = alg.server_aggregate(alg.init(start), msgs[0], ctx)
+        want = start.buffers["bn"] if kept else start.buffers["bn"] + (w.view(-1, 1) * msgs[0].buffer_delta["bn"]).sum(0)
+        torch.testing.assert_close(got.model.buffers["bn"], want)
+    with pytest.raises(UserError, match="--server-buffers"):
+        FTConfig(server_buffers="keep")
+    with pytest.raises(UserError, match="server_momentum"):
+        FineTune(FTConfig(server="fedavgm", server_momentum=1.0))
+
+
 def test_resume_continues_to_the_same_weights(setup, tmp_path):
     root, _ = setup
     args = (root / "manifest.json", str(root / "s.zarr"), "tiny-staged")

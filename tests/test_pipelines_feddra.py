@@ -89,3 +89,19 @@ def test_each_cell_is_a_feddra_command_line(monkeypatch, tmp_path):
     assert r1 == pytest.approx({"rho=0.01": 22.1, "rho=0.1": 23.0, "rho=1.0": 32.0})  # mean client R@1
     assert {a["point"]: a["values"]["r5"]["mean"] for a in results["arms"]} == \
         pytest.approx({"rho=0.01": 50.01, "rho=0.1": 50.1, "rho=1.0": 51.0})
+
+
+def test_a_cell_hash_follows_what_its_preset_sets(monkeypatch):
+    """A FedDRA cell's hash covers what its --baseline preset sets, so a preset that changes meaning
+    (fedavg: two-stage, then the paper's one stage) never reuses the cells of the old one."""
+    from fedheads.live import feddra_runner
+    from pipelines.prepare import Prepared
+
+    exp = registry.get("feddra-table2")
+    ctx = plan.RunContext(scale="smoke")
+    arm = next(a for a in plan.arms(exp, ctx) if a.method.algorithm == "fedavg")
+    arm.prepared = Prepared(manifest_path=Path("m.json"), manifest_hash="0" * 64, store=None, features={}, clients=[])
+    now = plan.cells(arm, ctx)[0]
+    assert now["config"]["preset"] == {"mu": 0.0, "rho": 0.0, "two_stage": False}
+    monkeypatch.setitem(feddra_runner.BASELINES, "fedavg", {"mu": 0.0, "rho": 0.0})  # the old meaning
+    assert plan.cells(arm, ctx)[0]["hash"] != now["hash"]

@@ -16,7 +16,9 @@ AAAI 2022, on the FedPCL head (projection FC-ReLU-BN(256)-L2 = z, then a local c
   plus the prototype regulariser; MSE is the mean over the d dimensions as torch.nn.MSELoss does,
   and a sample whose class has no global prototype yet contributes 0 to the regulariser, which
   is how the authors' code fills it). Round 0 therefore trains with CE only.
-- Inference: "main" = the local classifier (as the FedPCL paper evaluates FedProto);
+- Inference: "main" = the local classifier. The FedPCL paper compares against FedProto (Sec. 5.1,
+  Tables 2-3, 11-13) and gives every baseline a projection network followed by a classifier, but
+  it does not say which of FedProto's predictions it reports: the classifier is our reading;
   "global_protos" = nearest global prototype by squared L2 (FedProto's prototype inference);
   "local_protos" = nearest local prototype."""
 

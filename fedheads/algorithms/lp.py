@@ -77,7 +77,7 @@ class LPConfig:
     hidden: tuple[int, ...] = ()  # widths of hidden ReLU layers before the linear classifier; () = LP
     init: str = "random"  # "random" (nn.Linear init) or "fedncm" (round 0 = FedNCM, last layer from class means)
     ncm_bias: str = "zero"  # bias of the FedNCM-initialised layer: "zero" (paper) or "random" (authors' code)
-    server_opt: str = "fedavg"  # "fedavg" | "fedprox" | "fedadam"
+    server_opt: str = "fedavg"  # "fedavg" | "fedprox" | "fedadam" | "fedavgm" (server momentum 0.9)
     server_lr: float | None = None  # server step size; None = 1.0 (fedavg/fedprox) or 1e-3 (fedadam)
     prox_mu: float = 0.01  # FedProx mu (used only with server_opt="fedprox")
     adam_flavour: str = "flsim"  # FedAdam: "flsim" (torch Adam, FedNCM's library) or "reddi" (Alg. 2)

@@ -6,6 +6,11 @@ and applies one of (config field ``server_opt``):
 - ``"fedavg"``  (McMahan et al. 2017): w <- w + eta * Delta with eta = 1 (core.ServerSGD).
 - ``"fedprox"`` (Li et al., MLSys 2020, Eq. 2): the server is FedAvg's; the clients add the
   proximal term mu/2 ||w_i - w||^2 to their loss (done by the algorithm, not here).
+- ``"fedavgm"`` (Hsu et al. 2019, "Measuring the Effects of Non-Identical Data Distribution"):
+  server SGD with momentum beta on the pseudo-gradient g = -Delta, v <- beta v + Delta,
+  w <- w + eta v (core.ServerSGD(momentum=beta)); the same as torch.optim.SGD(lr=eta,
+  momentum=beta, dampening 0) stepping on g, which is FLSim's FedAvgWithLR server optimiser, the
+  one the FedNCM authors' code offers. Defaults eta = 1, beta = 0.9 (Hsu et al.'s usual value).
 - ``"fedadam"``: server Adam on the pseudo-gradient g = -Delta, in one of two flavours
   (``FedAdam.flavour``):
 
@@ -40,7 +45,8 @@ from embedcache.errors import UserError
 from fedheads.core.server_opt import ServerOptimizer, ServerSGD
 
 Params = dict[str, torch.Tensor]
-SERVER_OPTS = ("fedavg", "fedprox", "fedadam")
+SERVER_OPTS = ("fedavg", "fedprox", "fedadam", "fedavgm")
+MOMENTUM_SERVERS = ("fedadam", "fedavgm")  # server optimisers with state (FLSim steps model parameters only)
 
 
 FLAVOURS = ("flsim", "reddi")
@@ -100,9 +106,11 @@ class FedAdam:
 
 def make_server_optimizer(name: str, lr: float | None = None, beta1: float = 0.9,
                           beta2: float | None = None, tau: float | None = None,
-                          flavour: str = "flsim", weight_decay: float | None = None) -> ServerOptimizer:
-    """The server side of ``name`` in SERVER_OPTS; ``lr`` None = 1.0 (FedAvg/FedProx) or 1e-3
-    (FedAdam); beta2 / tau / weight_decay None = the flavour's defaults (module docstring)."""
+                          flavour: str = "flsim", weight_decay: float | None = None,
+                          momentum: float = 0.9) -> ServerOptimizer:
+    """The server side of ``name`` in SERVER_OPTS; ``lr`` None = 1.0 (FedAvg/FedProx/FedAvgM) or 1e-3
+    (FedAdam); beta2 / tau / weight_decay None = the flavour's defaults (module docstring);
+    ``momentum``: FedAvgM's beta (fedavgm only)."""
     if name not in SERVER_OPTS:
         raise UserError(f"server_opt {name!r}: must be one of {', '.join(SERVER_OPTS)}")
     if name == "fedadam":
@@ -110,4 +118,8 @@ def make_server_optimizer(name: str, lr: float | None = None, beta1: float = 0.9
     lr = 1.0 if lr is None else lr
     if lr <= 0:
         raise UserError(f"server_lr {lr}: must be > 0")
+    if name == "fedavgm":
+        if not 0 < momentum < 1:
+            raise UserError(f"server_momentum {momentum}: FedAvgM needs a momentum in (0, 1)")
+        return ServerSGD(lr=lr, momentum=momentum)
     return ServerSGD(lr=lr)

@@ -20,10 +20,16 @@ Objective (Sec. 4.1): L_local = L_MI + mu L_C                                   
         L2-normalised z (Lemma 1); z* from a frozen copy of the global model received at the start
         of the stage, on the same batch, no gradient.
 Step scaling (Sec. 4.3: theta_i -= eta lambda_i grad): [R] s_i = N lambda_i^r multiplies the
-client's LEARNING RATE (AdamW ignores the scale of the loss), so rho = 0, mu = 0 is FedAvg.
+client's LEARNING RATE (AdamW ignores the scale of the loss), so rho = 0, mu = 0 is FedAvg's update
+(with FedDRA's two-stage schedule unless two_stage = False). The paper's update has no weight decay:
+the decay we add (AdamW's decoupled lr * wd * w per step, or SGD's L2 term) is NOT scaled by s_i,
+so a client's weight loss per step is the same at every lambda and only the gradient step follows s_i.
 
-Aggregation is the unweighted mean of Alg. 1 lines 7/12, written as sums of client deltas (weight
-1 each) and a finalize: Theta <- Theta + (1/N) sum_i (Theta_i - Theta).
+Aggregation is the unweighted mean of Alg. 1 lines 7/12 (1/N, whatever the clients' sizes), written
+as sums of client deltas (weight 1 each) and a finalize: Theta <- Theta + (1/N) sum_i (Theta_i - Theta).
+`aggregation = "samples"` weights client i by its training pairs n_i instead (Theta += sum_i n_i
+(Theta_i - Theta) / sum_j n_j, FedAvg's weights in McMahan et al. 2017): an option for the baselines,
+not Alg. 1.
 """
 
 from __future__ import annotations
@@ -46,6 +52,7 @@ from fedheads.live.finetune import AMP, _amp, optimizer_step
 from fedheads.live.pairs import PairBatch
 
 SCHEDULES = ("interleaved", "sequential")
+AGGREGATIONS = ("uniform", "samples")
 OPTIMIZERS = ("adamw", "sgd")
 
 
@@ -74,7 +81,8 @@ class FedDRAConfig:
     lr: float = 1e-3  # alignment modules (CPU; trained from scratch, the paper's 2e-5 is for pre-trained blocks)
     encoder_lr: float = 2e-5  # encoders in stage 2 (paper: 2e-5)
     weight_decay: float = 0.01  # AdamW's decoupled weight decay (torch default)
-    step_scaling: str = "n_lambda"  # s_i = N lambda_i [R] | "lambda" (literal Sec. 4.3)
+    step_scaling: str = "n_lambda"  # s_i = N lambda_i [R] | "lambda" (literal Sec. 4.3); never scales the decay
+    aggregation: str = "uniform"  # client weights of the server mean: 1/N (Alg. 1 lines 7, 12) | "samples" n_i
     prox_mu: float = 0.0  # FedProx proximal term mu/2 ||w - w^r||^2 (Li et al. 2020 Eq. 2), baseline only
     # DRO (Sec. 4.3, Eq. 2)
     dro: dro.DROConfig = field(default_factory=dro.DROConfig)
@@ -91,6 +99,7 @@ class FedDRAConfig:
                   (self.constraint_on in ("normalized", "raw"), f"constraint_on {self.constraint_on!r}: use normalized or raw"),
                   (self.optimizer in OPTIMIZERS, f"--optimizer {self.optimizer!r}: use {' or '.join(OPTIMIZERS)}"),
                   (self.step_scaling in ("n_lambda", "lambda"), f"--step-scaling {self.step_scaling!r}: use n_lambda or lambda"),
+                  (self.aggregation in AGGREGATIONS, f"--aggregation {self.aggregation!r}: use {' or '.join(AGGREGATIONS)}"),
                   (self.dro_loss in ("infonce", "local"), f"--dro-loss {self.dro_loss!r}: use infonce or local"),
                   (self.dro_model in ("local", "global"), f"--dro-model {self.dro_model!r}: use local or global"),
                   (self.amp in AMP, f"amp {self.amp!r}: use one of {', '.join(AMP)}"),
@@ -123,7 +132,8 @@ class FDServerState:
 @dataclass(frozen=True)
 class FDMessage:
     """Client -> server after one stage (client axis of 1): the change of what it trained, its
-    aggregation weight (1: Alg. 1's unweighted mean) and v_i (NaN when not measured)."""
+    aggregation weight (1: Alg. 1's unweighted mean; n_i with aggregation "samples") and v_i (NaN
+    when not measured)."""
 
     delta: Params
     buffer_delta: Params
@@ -262,16 +272,22 @@ class FedDRA:
 
     def client_update(self, stage: int, bc: GlobalModel, batches: Iterable[PairBatch], scale: float, client: int,
                       net: DualEncoder, anchor: DualEncoder | None,
-                      value_batches: Iterable[PairBatch] | None = None) -> FDMessage:
+                      value_batches: Iterable[PairBatch] | None = None, weight: float = 1.0) -> FDMessage:
         """E local steps of stage 1 (Alg. 2: Theta only) or stage 2 (Alg. 3: all parameters) from
-        the broadcast, learning rates times s_i; then v_i when `value_batches` are given. `net`
-        is the one workspace network: its state is overwritten."""
+        the broadcast, learning rates times s_i (the weight decay's product lr * wd kept at the
+        unscaled lr's: the decay is ours, not the paper's, and must not follow lambda); then v_i when
+        `value_batches` are given. `weight` is the client's aggregation weight (1, or n_i).
+        `net` is the one workspace network: its state is overwritten."""
         cfg = self.cfg
         net.load_state({**bc.params, **bc.buffers})
         net.set_mode(stage)
         named = net.named_trained(stage)
-        groups = [{"params": [p for k, p in named if is_module_key(k)], "lr": cfg.lr * scale},
-                  {"params": [p for k, p in named if not is_module_key(k)], "lr": cfg.encoder_lr * scale}]
+        # torch applies lr * weight_decay per step (AdamW: w *= 1 - lr wd; SGD: lr (g + wd w)), so the
+        # group's decay is wd / s_i: the decay per step stays lr * wd at any s_i (exactly wd at s_i = 1)
+        wd = cfg.weight_decay / scale if scale > 0 else 0.0
+        groups = [{"params": [p for k, p in named if is_module_key(k)], "lr": cfg.lr * scale, "weight_decay": wd},
+                  {"params": [p for k, p in named if not is_module_key(k)], "lr": cfg.encoder_lr * scale,
+                   "weight_decay": wd}]
         groups = [g for g in groups if g["params"]]
         if cfg.optimizer == "adamw":
             opt = torch.optim.AdamW(groups, weight_decay=cfg.weight_decay)
@@ -291,10 +307,10 @@ class FedDRA:
         now = net.state(stage)
         send = self.sent_keys(stage, net)
         dev = next(iter(bc.params.values())).device
-        one = torch.ones(1, dtype=torch.float64, device=dev)
+        w = torch.full((1,), float(weight), dtype=torch.float64, device=dev)
         return FDMessage({k: (now[k] - bc.params[k]).unsqueeze(0) for k in send if k in bc.params},
                          {k: (now[k] - bc.buffers[k]).unsqueeze(0) for k in send if k in bc.buffers},
-                         one, torch.tensor([v], dtype=torch.float64, device=dev),
+                         w, torch.tensor([v], dtype=torch.float64, device=dev),
                          torch.tensor([client], dtype=torch.int64, device=dev))
 
     def sent_keys(self, stage: int, net: DualEncoder) -> tuple[str, ...]:
@@ -322,7 +338,8 @@ class FedDRA:
         return FDSums(sums.delta, sums.buffer_delta, sums.weight + msg.weight.sum(), v)
 
     def server_finalize(self, ss: FDServerState, sums: FDSums) -> FDServerState:
-        """w <- w + S / N over the keys the clients sent (Alg. 1 lines 7 and 12)."""
+        """w <- w + S / W over the keys the clients sent, W the sum of the clients' weights: N with
+        Alg. 1's weights of 1 (lines 7 and 12), sum_j n_j with aggregation "samples"."""
         if float(sums.weight) <= 0:
             return ss
         n = sums.weight

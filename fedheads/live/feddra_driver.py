@@ -221,7 +221,8 @@ def run_feddra(alg: FedDRA, net: DualEncoder, glob: DualEncoder, clients: Sequen
                     vb = c.batches("train", vrows, device, img=vi, txt=vt)
                     rec.compute_F += 0 if (vi is not None and vt is not None) else sum(len(x) for x in vrows)
                 with seeded(_seed(seed, r - 1, c.index, st)):  # dropout etc.: a function of (seed, round, client, stage)
-                    msg = alg.client_update(st, ss.model, batches, float(scales[c.index]), c.index, net, glob, vb)
+                    msg = alg.client_update(st, ss.model, batches, float(scales[c.index]), c.index, net, glob, vb,
+                                            weight=float(c.n_train) if cfg.aggregation == "samples" else 1.0)
                 uv, ub = payload_size((msg.delta, msg.buffer_delta), per_client=True)
                 cs["up_values"] += uv + (1 if value_here else 0)
                 cs["up_bytes"] += ub + (8 if value_here else 0)

@@ -7,14 +7,19 @@ the participants start from the global model (w, v) broadcast by the server, run
 epochs of client SGD on the cross-entropy, and send the change of the trainable state with
 weight n_k; the server forms the n_k-weighted mean change as a SUM of client contributions
 followed by a finalize (so it can run under secure aggregation), then applies a server
-optimiser (McMahan et al. 2017 FedAvg; Li et al. 2020 FedProx; Reddi et al. 2021 FedAdam):
+optimiser (McMahan et al. 2017 FedAvg; Li et al. 2020 FedProx; Reddi et al. 2021 FedAdam; Hsu et
+al. 2019 FedAvgM, server momentum as FLSim's FedAvgWithLR):
 
     sums:      S = sum_k n_k (theta_k - theta),   N = sum_k n_k
     finalize:  Delta = S / N;  theta <- ServerOpt(theta, Delta)
 
 FedProx adds mu/2 ||theta_k - theta||^2 to each client's loss (Li et al. 2020, Eq. 2). BatchNorm
 running statistics (trained with `bn="train"`) move by their plain weighted mean change, as the
-head engines' FedAvg baselines do; only parameters go through the server optimiser.
+head engines' FedAvg baselines do; only parameters go through the server optimiser. FLSim (the
+FedNCM authors' library) differs under FedAdam and FedAvgM: its server optimisers step the model's
+parameters only, so the global BatchNorm buffers never move from the pre-trained ones;
+`server_buffers="flsim"` does that (under fedadam/fedavgm only; the default "average" keeps the mean
+change under every server optimiser).
 
 The starting head (stage 1, HeadTune) comes from the feature store (fedheads.live.heads):
 FedNCM (Sec. 3.2: l_c/||l_c||, bias 0), K rounds of LP (App. C.2, Table 6) or a random head (FT).
@@ -45,7 +50,7 @@ import torch.nn.functional as F
 from embedcache.errors import UserError
 from fedheads.checks import check_finite
 from fedheads.algorithms.pfl_common import DeltaMessage, GlobalModel
-from fedheads.algorithms.server_opt import SERVER_OPTS, make_server_optimizer
+from fedheads.algorithms.server_opt import MOMENTUM_SERVERS, SERVER_OPTS, make_server_optimizer
 from fedheads.core.protocol import RoundCtx
 from fedheads.live.model import LiveNet, Params
 
@@ -68,8 +73,10 @@ def optimizer_step(opt: torch.optim.Optimizer, scaler: Any, loss: torch.Tensor) 
 class FTConfig:
     """Fine-tuning hyper-parameters (FedNCM paper Sec. 4 and App. B; sources in the module doc)."""
 
-    server: str = "fedavg"  # server optimiser: "fedavg" | "fedprox" | "fedadam"
-    server_lr: float | None = None  # None: 1.0 for fedavg/fedprox, 1e-3 for fedadam (App. B grid)
+    server: str = "fedavg"  # server optimiser: "fedavg" | "fedprox" | "fedadam" | "fedavgm"
+    server_lr: float | None = None  # None: 1.0 for fedavg/fedprox/fedavgm, 1e-3 for fedadam (App. B grid)
+    server_momentum: float = 0.9  # FedAvgM's server momentum beta (server="fedavgm" only)
+    server_buffers: str = "average"  # BN buffers: mean change always | "flsim": kept under fedadam/fedavgm
     prox_mu: float = 0.01  # FedProx mu (server="fedprox" only)
     adam_flavour: str = "flsim"  # FedAdam: "flsim" (torch Adam, the paper's runs) | "reddi" (Reddi et al. Alg. 2)
     lr: float = 0.1  # client SGD learning rate (top of the App. B FedAvg grid; measured, module doc)
@@ -93,6 +100,8 @@ class FTConfig:
         check_finite(self)
         if self.server not in SERVER_OPTS:
             raise UserError(f"--server {self.server!r}: use one of {', '.join(SERVER_OPTS)}")
+        if self.server_buffers not in ("average", "flsim"):
+            raise UserError(f"--server-buffers {self.server_buffers!r}: use average or flsim")
         if self.lr <= 0 or self.batch_size < 1 or self.local_epochs < 1:
             raise UserError(f"--lr {self.lr} / --batch-size {self.batch_size} / --local-epochs "
                             f"{self.local_epochs}: must be positive")
@@ -128,13 +137,14 @@ def split_state(net: LiveNet) -> GlobalModel:
 
 
 class FineTune:
-    """FT under FedAvg / FedProx / FedAdam; clients run on one workspace network."""
+    """FT under FedAvg / FedProx / FedAdam / FedAvgM; clients run on one workspace network."""
 
     name = "ft"
 
     def __init__(self, cfg: FTConfig = FTConfig()) -> None:
         self.cfg = cfg
-        self.server_opt = make_server_optimizer(cfg.server, cfg.server_lr, flavour=cfg.adam_flavour)
+        self.server_opt = make_server_optimizer(cfg.server, cfg.server_lr, flavour=cfg.adam_flavour,
+                                                momentum=cfg.server_momentum)
 
     def init(self, start: GlobalModel) -> FTServerState:
         """Server state from the starting model (pre-trained stages + the stage-1 head)."""
@@ -183,13 +193,17 @@ class FineTune:
         return DeltaSums(sums.delta, sums.buffer_delta, sums.weight + w.sum())
 
     def server_finalize(self, ss: FTServerState, sums: DeltaSums, ctx: RoundCtx) -> tuple[FTServerState, GlobalModel]:
-        """Delta = S / N, then the server optimiser on the parameters; buffers move by their mean."""
+        """Delta = S / N, then the server optimiser on the parameters; buffers move by their mean
+        (or, with server_buffers "flsim" under fedadam/fedavgm, stay: FLSim steps parameters only)."""
         if float(sums.weight) <= 0:
             return ss, ss.model  # no participant trained: nothing changes
         n = sums.weight
         delta = {k: (v / n.to(v.dtype)) for k, v in sums.delta.items()}
         params, opt = self.server_opt.step(ss.model.params, delta, ss.opt)
-        buffers = {k: ss.model.buffers[k] + v / n.to(v.dtype) for k, v in sums.buffer_delta.items()}
+        if self.cfg.server_buffers == "flsim" and self.cfg.server in MOMENTUM_SERVERS:
+            buffers = dict(ss.model.buffers)
+        else:
+            buffers = {k: ss.model.buffers[k] + v / n.to(v.dtype) for k, v in sums.buffer_delta.items()}
         model = GlobalModel(params, buffers)
         return FTServerState(model, opt), model
 
