@@ -29,8 +29,9 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import click
 import torch
@@ -42,9 +43,10 @@ if str(REPO / "benchmarks") not in sys.path:
     sys.path.insert(0, str(REPO / "benchmarks"))
 
 import assets  # noqa: E402  (sibling modules: benchmarks/ is on sys.path)
-from embedcache.errors import UserError  # noqa: E402
 from live_fedpcl import LiveConfig, LiveResult, run_live  # noqa: E402
 from machine_info import cpu_model, write_json  # noqa: E402
+
+from embedcache.errors import UserError  # noqa: E402
 
 OUT = REPO / "benchmarks" / "results" / "cached_vs_live.json"
 BACKBONES = ("resnet20-cifar10", "resnet56-cifar10")

@@ -33,10 +33,10 @@ from pathlib import Path
 
 import click
 import torch
-
 from assets import data_dir, display, weights_dir  # sibling module (benchmarks/ is on sys.path)
-from fedheads.machine import machine
 from machine_info import write_json  # sibling module
+
+from fedheads.machine import machine
 
 OUT = Path(__file__).resolve().parent / "results" / "finetune.json"
 

@@ -24,7 +24,6 @@ import tempfile
 from pathlib import Path
 
 import numpy as np
-
 from bench_memory import write_store  # sibling modules
 from machine_info import machine, write_json
 

@@ -38,7 +38,6 @@ import time
 from pathlib import Path
 
 import numpy as np
-
 from bench_memory import CHILD_PRELUDE, write_store  # sibling module: the same measured process and store
 from machine_info import machine, write_json
 

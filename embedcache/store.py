@@ -42,8 +42,17 @@ from embedcache.errors import UserError
 from embedcache.manifest import canonical_json
 from embedcache.reader import REBUILD, STORE_FORMAT, holds_shards, root_metadata, subgroups
 from embedcache.shard_check import chunk_digest, rows_digest
-from embedcache.store_layout import (backbone_key, case_collision, check_backbone_name, check_client_names, collides,
-                                     consolidate, dir_lock, has_consolidated, shard_path)  # noqa: F401 (re-exported)
+from embedcache.store_layout import (
+    backbone_key,
+    case_collision,
+    check_backbone_name,
+    check_client_names,
+    collides,
+    consolidate,  # noqa: F401 (re-exported)
+    dir_lock,
+    has_consolidated,  # noqa: F401 (re-exported)
+    shard_path,
+)
 from embedcache.store_layout import drop_consolidated as _drop_consolidated
 from embedcache.store_layout import quiet_open as _quiet_open
 

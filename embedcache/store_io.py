@@ -18,12 +18,19 @@ import zarr
 
 from embedcache import store as st
 from embedcache.errors import UserError
-from embedcache.reader import (STORE_FORMAT, ShardInfo, disk_shard_paths, holds_shards, open_store, root_metadata,
-                               subgroups)
+from embedcache.reader import STORE_FORMAT, ShardInfo, disk_shard_paths, holds_shards, open_store, root_metadata, subgroups
 from embedcache.store_export import export_h5  # noqa: F401 (historical home of export_h5)
 from embedcache.store_import import import_features  # noqa: F401 (historical home of import_features)
-from embedcache.store_layout import (consolidated_mismatch, dir_lock, disk_clients, quiet_open, remove_shards,
-                                     store_writes, sweep_import_leftovers, write_json_atomic)
+from embedcache.store_layout import (
+    consolidated_mismatch,
+    dir_lock,
+    disk_clients,
+    quiet_open,
+    remove_shards,
+    store_writes,
+    sweep_import_leftovers,
+    write_json_atomic,
+)
 
 REQUIRED_ATTRS = ("cache_key", "backbone", "weights_sha256", "preprocess", "manifest_hash", "sample_list_hash",
                   "code_version", "dtype", "views", "n", "dim", "domain", "chunk_sha256", "complete")

@@ -27,8 +27,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from embedcache.errors import UserError
 from embedcache.callable_module import make_callable
+from embedcache.errors import UserError
 from fedheads import api, inference
 from fedheads.algorithms import create_algorithm
 from fedheads.core.tree import tree_index

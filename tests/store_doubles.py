@@ -100,7 +100,7 @@ class TinyBackbone:
         with torch.inference_mode():
             return torch.relu(self.conv(batch)).mean(dim=(2, 3)) * self.scale
 
-    def to(self, device: str) -> "TinyBackbone":
+    def to(self, device: str) -> TinyBackbone:
         return self
 
 

@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+from backbone_doubles import TIMM_EXTRA
+from test_backbones import NAMES, built, env  # noqa: F401  (module-scoped fixtures)
+from text_doubles import check_text_staged
 from torch import nn
 
-from backbone_doubles import TIMM_EXTRA
 from embedcache.backbones import list_backbones
 from embedcache.backbones.staged import StagedNet, staged_from_module
 from embedcache.errors import UserError
-from test_backbones import NAMES, built, env  # noqa: F401  (module-scoped fixtures)
-from text_doubles import check_text_staged
 
 ALL = NAMES + [f"timm:{m}" for m in TIMM_EXTRA]
 LAYOUTS = {  # the cut points users type (contract 3a table)

@@ -10,10 +10,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import store_doubles as d
 import yaml
 from click.testing import CliRunner
-
-import store_doubles as d
 from store_doubles import assert_one_line
 
 from embedcache import store_import

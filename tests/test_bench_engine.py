@@ -8,8 +8,8 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from fed_tiny import tiny_fed
+
 from fedheads.algorithms.fedavg import FedAvg, FedAvgConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))

@@ -7,13 +7,16 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
+import live_doubles  # noqa: F401  (registers tiny-staged)
 import numpy as np
 import pytest
 import torch
 from click.testing import CliRunner
 from PIL import Image
+from store_doubles import make_imagefolder, make_manifest
+from test_live_finetune import _opts as live_opts
+from test_live_finetune import setup  # noqa: F401  (the fine-tuning tests' images, manifest and store)
 
-import live_doubles  # noqa: F401  (registers tiny-staged)
 from embedcache.backbones import create_backbone, list_backbones, register_backbone
 from embedcache.backbones.base import TorchBackbone, state_dict_sha256
 from embedcache.backbones.cifar_resnet import PREPROCESS, CifarResNet
@@ -24,9 +27,6 @@ from embedcache.manifest import save_manifest
 from embedcache.reader import load_split
 from fedheads.live.model import LiveNet, Trainable
 from fedheads.live.runner import FinetuneOptions, finetune_run
-from store_doubles import make_imagefolder, make_manifest
-from test_live_finetune import _opts as live_opts
-from test_live_finetune import setup  # noqa: F401  (the fine-tuning tests' images, manifest and store)
 
 
 def _resnet8(weights_dir=None, device: str = "cpu") -> TorchBackbone:
@@ -208,6 +208,7 @@ def test_text_encoder_checkpoint_is_a_text_backbone(tmp_path):
     """FedDRA's trained text encoder as `ckpt:`: the base's tokenizer, the file's weights, token
     states as B@CUT, and a re-export names the registry base (not the ckpt: file)."""
     import text_plugin  # noqa: F401  (registers tinytext)
+
     from embedcache.backbones.ckpt import read_backbone_checkpoint
 
     base = create_backbone("tinytext")

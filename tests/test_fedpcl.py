@@ -8,9 +8,9 @@ import math
 import numpy as np
 import pytest
 import torch
+from fed_tiny import tiny_fed
 
 from embedcache.errors import UserError
-from fed_tiny import tiny_fed
 from fedheads.algorithms.fedpcl import FedPCL, FedPCLConfig, FedPCLMessage, code_supcon, contrast_terms
 from fedheads.core import RoundCtx, heads, payload_size, run
 from fedheads.data import FedData

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from fed_tiny import tiny_fed
+
 from fedheads.algorithms import create_algorithm
 from fedheads.algorithms.fedproto import FedProto, FedProtoBroadcast, FedProtoConfig, FedProtoMessage
 from fedheads.core import OptimizerConfig, RoundCtx, heads, run

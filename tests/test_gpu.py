@@ -12,18 +12,17 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
-from click.testing import CliRunner
-
 import store_doubles as d
+import torch
 from backbone_doubles import write_sur_checkpoint
+from click.testing import CliRunner
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 
 def test_cuda_extraction_matches_cpu(tmp_path):
     from embedcache.extract import ExtractConfig, extract
-    from embedcache.reader import load_split, shard_attributes, open_store
+    from embedcache.reader import load_split, open_store, shard_attributes
     from embedcache.store_io import verify_store
 
     root = d.make_imagefolder(tmp_path / "img", domains=("a", "b"), per_class=4, size=40)

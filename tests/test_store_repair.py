@@ -11,9 +11,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from click.testing import CliRunner
-
 import store_doubles as d
+from click.testing import CliRunner
 from store_doubles import assert_one_line
 
 from embedcache import store as st

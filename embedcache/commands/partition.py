@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-
 import click
 
 LIST_CAP = 10  # per-client warning lines before "... and N more"

@@ -6,8 +6,9 @@ where `factory(**kwargs) -> Algorithm` builds the algorithm from its config fiel
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from fedheads.core.protocol import Algorithm
 

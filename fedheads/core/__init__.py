@@ -6,8 +6,16 @@ optimisers with a per-client active mask (optim.py), deterministic per-client ba
 (batching.py), the shared local step loop (train.py), counter-based randomness (rng.py),
 stacked-tree helpers (tree.py) and pluggable server optimisers (server_opt.py)."""
 
-from fedheads.core.engine import (CommRecord, ParamCounts, RoundRecord, RunResult, count_parameters, evaluate, run,
-                                  select_participants)
+from fedheads.core.engine import (
+    CommRecord,
+    ParamCounts,
+    RoundRecord,
+    RunResult,
+    count_parameters,
+    evaluate,
+    run,
+    select_participants,
+)
 from fedheads.core.heads import HeadSpec, Params, count_params, init_head
 from fedheads.core.optim import OptimizerConfig, OptState, opt_init, opt_step
 from fedheads.core.protocol import Algorithm, Init, RoundCtx

@@ -8,13 +8,13 @@ gradient, bias-corrected Adam; checked against torch for M=1 in tests/test_core_
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 import torch
 
-from fedheads.core.heads import Params
 from embedcache.errors import UserError
+from fedheads.core.heads import Params
 
 
 @dataclass(frozen=True)

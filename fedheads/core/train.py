@@ -17,7 +17,7 @@ that order already (FedData.by_size) need neither the reordering copies nor thei
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

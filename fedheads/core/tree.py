@@ -6,7 +6,8 @@ Non-tensor leaves (ints, strings, None) are passed through unchanged."""
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Iterable, Sequence, TypeVar
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, TypeVar
 
 import torch
 
