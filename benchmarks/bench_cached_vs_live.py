@@ -263,8 +263,8 @@ def main(rounds: int, live_rounds: int, seed: int, train_per_class: int, source:
     result = {
         "command": " ".join(["python", "benchmarks/bench_cached_vs_live.py"] + sys.argv[1:]),
         "benchmark": "FedPCL cached features vs live frozen backbones (authors' per-round loop)",
-        "data": {"source": assets.display_source(source), "scheme": "feature-shift", "train_per_class": train_per_class, "seed": seed,
-                 "clients": cached["clients"], "n_train": cached["n_train"], "n_test": cached["n_test"]},
+        "data": {"source": assets.display_source(source), "scheme": "feature-shift", "train_per_class": train_per_class,
+                 "seed": seed, "clients": cached["clients"], "n_train": cached["n_train"], "n_test": cached["n_test"]},
         "backbones": list(names), "feature_dim": cached["feature_dim"], "rounds": rounds,
         "algorithm": {"name": "fedpcl", "variant": "paper", "batch_size": 32, "local_epochs": 1,
                       "optimizer": "adam lr 1e-3 wd 1e-4"},

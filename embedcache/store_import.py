@@ -2,9 +2,9 @@
 many clients at once (an HDF5 file with a group per client, a directory of per-client files)
 become normal complete shards (docs/contracts.md, sections 4 and 4a; reading: `import_sources`).
 
-A failed import leaves the store as it was, all or nothing for an import of many shards. Everything that can be checked is checked before
-the store is touched (file, shapes, labels, dtype, classes, names, feature dimension); if the
-write still fails (disk full, Ctrl-C), `_Undo` removes what the import created and restores
+A failed import leaves the store as it was, all or nothing for an import of many shards. Everything
+that can be checked is checked before the store is touched (file, shapes, labels, dtype, classes,
+names, feature dimension); if the write still fails (disk full, Ctrl-C), `_Undo` removes what the import created and restores
 what it replaced, including the root's client list and consolidated metadata.
 """
 

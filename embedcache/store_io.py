@@ -79,7 +79,8 @@ def _chunk_problems(name: str, shard: zarr.Group, a: dict) -> list[str]:
     probs = []
     for chunk in range(n_chunks):
         got = st.stored_digests(shard, chunk)
-        if got.chunk != lists["chunk_sha256"][chunk] or got.features != lists.get("features_sha256", [got.features] * n_chunks)[chunk]:
+        want_features = lists.get("features_sha256", [got.features] * n_chunks)[chunk]
+        if got.chunk != lists["chunk_sha256"][chunk] or got.features != want_features:
             probs.append(f"{name}: chunk {chunk} sha256 mismatch")
         if "rows_sha256" in lists and got.rows != lists["rows_sha256"][chunk]:
             probs.append(f"{name}: chunk {chunk} labels or sample ids changed (rows sha256 mismatch)")

@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar, Union
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -189,7 +189,7 @@ class FedData:
         return build.finish(ntr, nte, num_classes, names, doms, binarize)  # type: ignore[return-value]
 
 
-Federation = Union[FedData, BucketedFedData]  # the two layouts (fedheads/layout.py)
+Federation = FedData | BucketedFedData  # the two layouts (fedheads/layout.py)
 
 
 def largest_first(data: Federation) -> tuple[Federation, tuple[int, ...]]:
@@ -306,7 +306,7 @@ class _Builder:
                     vtr.sign_()
             dev = xtr.device
             a, t = [ntr[i] for i in ms], [nte[i] for i in ms]
-            mk = lambda ns, n: torch.arange(n, device=dev).view(1, n) < torch.tensor(ns, device=dev).view(-1, 1)  # noqa: E731
+            mk = lambda ns, n, dev=dev: torch.arange(n, device=dev).view(1, n) < torch.tensor(ns, device=dev).view(-1, 1)  # noqa: E731
             parts.append(FedData(
                 x_train=xtr, y_train=ytr, m_train=mk(a, xtr.shape[1]), x_test=xte, y_test=yte,
                 m_test=mk(t, xte.shape[1]), n_train=tuple(a), n_test=tuple(t), num_classes=int(num_classes),
@@ -350,7 +350,7 @@ def load_fed_data(store: str, backbones: Sequence[str], device: str | torch.devi
     for split in ("train", "test"):
         shards = [info.shard(bbs[0], c, split) for c in names]
         sizes[split] = [0 if sh is None else sh.n for sh in shards]
-    for c, n_te in zip(names, sizes["test"]):
+    for c in names:
         if info.shard(bbs[0], c, "train") is not None and info.shard(bbs[0], c, "test") is None:
             raise UserError(f"{c}: client has a train split but no test split")
     for c, n in zip(names, sizes["train"]):

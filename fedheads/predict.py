@@ -290,7 +290,8 @@ def prepare(run: str | Path, store: str | Path | None = None, *, images: str | N
         return tr, str(store), store_parts(tr, str(store), info, split, client or "all"), k
     from fedheads.live.predict_inputs import ExtractOptions, extract_images, extract_manifest
 
-    opts = ExtractOptions(str(Path(run) / "predict-cache" if cache is None else cache), device, batch_size, num_workers, weights_dir, tuple(plugins), progress)
+    opts = ExtractOptions(str(Path(run) / "predict-cache" if cache is None else cache), device, batch_size, num_workers,
+                          weights_dir, tuple(plugins), progress)
     if images is not None:
         if client is not None and client != "all":
             tr.client_index(client)

@@ -153,7 +153,7 @@ def _finetuned(out: Path, trainable: str, num_classes: int) -> torch.nn.Module:
 
 
 @pytest.mark.parametrize("trainable", ["all", "after:stem"])
-def test_finetune_exports_a_backbone_that_extract_caches(setup, tmp_path, trainable):
+def test_finetune_exports_a_backbone_that_extract_caches(setup, tmp_path, trainable):  # noqa: F811 (fixture imported from test_live_finetune)
     root, m = setup
     out = tmp_path / "run"
     finetune_run(root / "manifest.json", str(root / "s.zarr"), "tiny-staged", out, _opts(trainable=trainable))
@@ -186,7 +186,7 @@ def test_finetune_exports_a_backbone_that_extract_caches(setup, tmp_path, traina
             np.testing.assert_allclose(got[c.name].features, ref, rtol=1e-6, atol=1e-6)
 
 
-def test_no_export_when_only_the_head_trains(setup, tmp_path):
+def test_no_export_when_only_the_head_trains(setup, tmp_path):  # noqa: F811 (fixture imported from test_live_finetune)
     root, _ = setup
     out = tmp_path / "head"
     finetune_run(root / "manifest.json", str(root / "s.zarr"), "tiny-staged", out,

@@ -57,7 +57,7 @@ def _store(root: Path) -> Path:
     rng = np.random.default_rng(0)
     means = rng.normal(size=(4, 16)) * 3.0  # well separated: accuracies do not hinge on the last bit
     store = root / "st.zarr"
-    for ci, c in enumerate(("c0", "c1", "c2")):
+    for c in ("c0", "c1", "c2"):
         for split, n in (("train", 40), ("test", 30)):
             y = rng.integers(0, 4, n)
             f = root / f"{c}-{split}.npz"

@@ -102,7 +102,7 @@ def test_seed_result_from_engine_run():
 
     rng = np.random.default_rng(0)
     clients = []
-    for k in range(3):
+    for _ in range(3):
         y = np.array([0, 1, 2, 0, 1, 2])
         x = (np.eye(3)[y] * 4 + rng.normal(size=(6, 3)) * 0.1).astype(np.float32)
         clients.append((x, y, x[:4], y[:4]))

@@ -217,7 +217,8 @@ def test_iter_split_chunks_reads_each_stored_chunk_once_across_misaligned_blocks
     got = list(iter_split_chunks(store, "bb", "train", "c0", chunk_rows=5))
     want = load_split(store, "bb", "train")["c0"]
     np.testing.assert_array_equal(np.concatenate([g[0] for g in got]), want.features)
-    assert [len(g[1]) for g in got] == [5, 5, 5, 5, 1] and np.concatenate([g[2] for g in got]).tolist() == want.sample_ids.tolist()
+    assert [len(g[1]) for g in got] == [5, 5, 5, 5, 1]
+    assert np.concatenate([g[2] for g in got]).tolist() == want.sample_ids.tolist()
     stream = calls[:-1]  # the last call is load_split's
     assert [c for a, b in stream for c in range(a, b)] == list(range(6))  # every chunk once, in order
 

@@ -59,7 +59,7 @@ def caption(sample_id: str, label_name: str, domain: str) -> str:
 def captioned(m: Manifest) -> Manifest:
     clients = []
     for c in m.clients:
-        fix = lambda ss: tuple(dataclasses.replace(s, text=caption(s.id, m.classes[s.label], c.domain)) for s in ss)  # noqa: E731
+        fix = lambda ss, c=c: tuple(dataclasses.replace(s, text=caption(s.id, m.classes[s.label], c.domain)) for s in ss)  # noqa: E731
         clients.append(dataclasses.replace(c, train=fix(c.train), test=fix(c.test)))
     return Manifest(m.source, m.classes, tuple(clients))
 

@@ -226,8 +226,8 @@ class FedPCL:
         M, C, d, dev = spec.num_clients, spec.num_classes, self.cfg.hidden, spec.device
         # each client owns its projection network: independent seeded initialisations
         p, b = heads.init_head(self.spec, heads.client_seeds(spec, seed), dev)
-        cs = FedPCLClientState(p, b, opt_initial(self.cfg.optimizer, p, self.cfg.reset_optimizer), torch.zeros(M, C, d, device=dev),
-                               torch.zeros(M, C, dtype=torch.bool, device=dev))
+        cs = FedPCLClientState(p, b, opt_initial(self.cfg.optimizer, p, self.cfg.reset_optimizer),
+                               torch.zeros(M, C, d, device=dev), torch.zeros(M, C, dtype=torch.bool, device=dev))
         ss = FedPCLServerState(torch.zeros(M, C, d, device=dev), torch.zeros(M, C, dtype=torch.bool, device=dev),
                                torch.zeros(M, dtype=torch.bool, device=dev), torch.zeros(C, d, device=dev),
                                torch.zeros(C, dtype=torch.bool, device=dev))
@@ -382,4 +382,5 @@ def _factory(**kw: object) -> FedPCL:
 
 from fedheads.algorithms import register_algorithm  # noqa: E402
 
-register_algorithm("fedpcl", _factory, description="FedPCL (Tan et al. NeurIPS 2022), paper Eq. 5-10; variant='code' = authors' code")
+register_algorithm("fedpcl", _factory,
+                   description="FedPCL (Tan et al. NeurIPS 2022), paper Eq. 5-10; variant='code' = authors' code")

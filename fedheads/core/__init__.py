@@ -24,7 +24,8 @@ from fedheads.core.train import local_train
 from fedheads.core.tree import payload_size, tree_cat, tree_index, tree_map, tree_scatter, tree_where
 
 __all__ = [
-    "Algorithm", "CommRecord", "ParamCounts", "count_parameters", "HeadSpec", "Init", "OptState", "OptimizerConfig", "Params", "RoundCtx",
+    "Algorithm", "CommRecord", "ParamCounts", "count_parameters", "HeadSpec", "Init", "OptState", "OptimizerConfig", "Params",
+    "RoundCtx",
     "RoundRecord", "RunResult", "ServerOptimizer", "ServerSGD", "count_params", "evaluate", "init_head",
     "local_train", "opt_init", "opt_step", "payload_size", "run", "select_participants", "tree_cat",
     "tree_index", "tree_map", "tree_scatter", "tree_where",
