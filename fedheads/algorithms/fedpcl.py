@@ -304,9 +304,8 @@ class FedPCL:
         cfg = self.cfg
         p, b, opt = cs.params, cs.buffers, cs.opt
         if not bc.collect_only or cfg.variant == "code":  # the code also "trains" in round 0 (docstring)
-            if cfg.reset_optimizer:
-                opt = None
-            p, b, opt = local_train(p, b, opt, cfg.optimizer, self._loss_fn(bc), self._train_data(data), ctx,
+            p, b, opt = local_train(p, b, None if cfg.reset_optimizer else opt, cfg.optimizer, self._loss_fn(bc),
+                                    self._train_data(data), ctx,
                                     cfg.batch_size, cfg.local_epochs, drop_last=cfg.drops_last,
                                     keep_opt=not cfg.reset_optimizer, rowwise=True)
         with torch.no_grad():  # Eq. 5 over the full training set, eval mode (in row chunks)

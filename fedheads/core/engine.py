@@ -184,7 +184,8 @@ def eval_client_state(algorithm: Algorithm, client_state: Any, server_state: Any
         groups = data.groups()
         if len(groups) == 1:
             return adapt(client_state, server_state, data)
-        parts, order = [], []
+        parts: list[Any] = []
+        order: list[int] = []
         for ms, bucket in groups:
             parts.append(adapt(tree_rows(client_state, ms, data.device), server_state, bucket))
             order += ms
@@ -250,6 +251,7 @@ def client_updates(algorithm: Algorithm, client_state: Any, broadcast: Any, data
     part, M, dev = ctx.participants, data.num_clients, data.device
     groups = data.groups()
     if len(groups) == 1:
+        assert isinstance(data, FedData), "a one-group federation is a padded FedData (layout.to_layout)"
         pidx = part.to(dev)
         everyone = len(part) == M
         sub = data if everyone else data.select(part)

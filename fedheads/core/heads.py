@@ -112,7 +112,10 @@ def embedding_class_sums(spec: HeadSpec, params: Params, buffers: Params, x: tor
         z, _ = embed(spec, params, buffers, transform(xs) if transform is not None else xs, mask[:, a:a + rows],
                      train=False)
         s, c = ops.class_sums(z, y[:, a:a + rows], mask[:, a:a + rows], num_classes)
-        sums, counts = (s, c) if sums is None else (sums.add_(s), counts.add_(c))
+        if sums is None or counts is None:
+            sums, counts = s, c
+        else:
+            sums.add_(s), counts.add_(c)
     assert sums is not None and counts is not None
     return sums, counts
 

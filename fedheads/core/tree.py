@@ -34,7 +34,12 @@ def tree_map(fn: Callable[..., Any], tree: T, *rest: Any) -> T:
 def tree_leaves(tree: Any) -> list[torch.Tensor]:
     """All tensor leaves, in a deterministic order."""
     out: list[torch.Tensor] = []
-    tree_map(lambda t: out.append(t) or t, tree)
+
+    def collect(t: torch.Tensor) -> torch.Tensor:
+        out.append(t)
+        return t
+
+    tree_map(collect, tree)
     return out
 
 
