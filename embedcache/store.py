@@ -203,12 +203,6 @@ def store_root(store: str | Path) -> dict | None:
     return dict(attrs)
 
 
-def store_classes(store: str | Path) -> list[str] | None:
-    """The class list of an existing store, or None when there is no store yet."""
-    attrs = store_root(store)
-    return None if attrs is None else list(attrs.get("classes", []))
-
-
 def _shard_attrs(spec: ShardSpec) -> dict:
     return {
         "cache_key": spec.key,
@@ -409,11 +403,6 @@ def stored_digests(shard: zarr.Group, chunk: int) -> StoredDigests:
     features = chunk_digest(key, feats, None, msk).hex()
     return StoredDigests(features if vws is None else chunk_digest(key, feats, vws, msk).hex(), features,
                          rows_digest(key, read(shard, "labels", rows), ids).hex())
-
-
-def stored_chunk_digest(shard: zarr.Group, chunk: int) -> str:
-    """Recompute a chunk's digest (chunk_sha256) from what is on disk."""
-    return stored_digests(shard, chunk).chunk
 
 
 def finalize_shard(store: str | Path, spec: ShardSpec) -> None:

@@ -29,7 +29,6 @@ from torch import nn
 from embedcache.errors import UserError
 
 Params = dict[str, torch.Tensor]
-MODES = ("all", "after", "head")
 BN_MODES = ("train", "frozen")
 
 
