@@ -23,7 +23,6 @@ import time
 from pathlib import Path
 
 import torch
-
 from machine_info import machine_facts, write_json  # sibling module (benchmarks/ is on sys.path)
 
 from embedcache.backbones import create_backbone

@@ -29,8 +29,9 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import click
 import torch
@@ -42,9 +43,10 @@ if str(REPO / "benchmarks") not in sys.path:
     sys.path.insert(0, str(REPO / "benchmarks"))
 
 import assets  # noqa: E402  (sibling modules: benchmarks/ is on sys.path)
-from embedcache.errors import UserError  # noqa: E402
 from live_fedpcl import LiveConfig, LiveResult, run_live  # noqa: E402
 from machine_info import cpu_model, write_json  # noqa: E402
+
+from embedcache.errors import UserError  # noqa: E402
 
 OUT = REPO / "benchmarks" / "results" / "cached_vs_live.json"
 BACKBONES = ("resnet20-cifar10", "resnet56-cifar10")
@@ -261,8 +263,8 @@ def main(rounds: int, live_rounds: int, seed: int, train_per_class: int, source:
     result = {
         "command": " ".join(["python", "benchmarks/bench_cached_vs_live.py"] + sys.argv[1:]),
         "benchmark": "FedPCL cached features vs live frozen backbones (authors' per-round loop)",
-        "data": {"source": assets.display_source(source), "scheme": "feature-shift", "train_per_class": train_per_class, "seed": seed,
-                 "clients": cached["clients"], "n_train": cached["n_train"], "n_test": cached["n_test"]},
+        "data": {"source": assets.display_source(source), "scheme": "feature-shift", "train_per_class": train_per_class,
+                 "seed": seed, "clients": cached["clients"], "n_train": cached["n_train"], "n_test": cached["n_test"]},
         "backbones": list(names), "feature_dim": cached["feature_dim"], "rounds": rounds,
         "algorithm": {"name": "fedpcl", "variant": "paper", "batch_size": 32, "local_epochs": 1,
                       "optimizer": "adam lr 1e-3 wd 1e-4"},

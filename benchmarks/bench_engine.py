@@ -30,19 +30,19 @@ from __future__ import annotations
 import math
 import os
 import statistics
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import click
 import numpy as np
 import torch
+from machine_info import machine, write_json  # sibling module (benchmarks/ is on sys.path)
 
 from fedheads.algorithms.fedavg import FedAvg, FedAvgConfig
 from fedheads.algorithms.fedpcl import FedPCL, FedPCLConfig
 from fedheads.core import run
 from fedheads.core.engine import clock
 from fedheads.data import FedData, resolve_device
-from machine_info import machine, write_json  # sibling module (benchmarks/ is on sys.path)
 
 OUT = Path(__file__).resolve().parent / "results" / "engine.json"
 ENGINES = ("vectorized", "loop")

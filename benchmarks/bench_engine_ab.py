@@ -19,7 +19,6 @@ import tempfile
 from pathlib import Path
 
 import click
-
 from machine_info import machine, write_json  # sibling module (benchmarks/ is on sys.path)
 
 HERE = Path(__file__).resolve().parent

@@ -31,9 +31,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-import torch
-
 import assets  # sibling modules (benchmarks/ is on sys.path)
+import torch
 from machine_info import cpu_model, write_json
 
 from embedcache.backbones import create_backbone

@@ -31,6 +31,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from machine_info import cpu_model, write_json  # sibling module (benchmarks/ is on sys.path)
 
 from embedcache import store as S
 from embedcache.reader import load_split, open_store
@@ -39,7 +40,6 @@ from fedheads.core import engine
 from fedheads.core.protocol import RoundCtx
 from fedheads.core.tree import tree_cat
 from fedheads.data import FedData, load_fed_data
-from machine_info import cpu_model, write_json  # sibling module (benchmarks/ is on sys.path)
 
 HERE = Path(__file__).resolve().parent
 

@@ -33,10 +33,10 @@ from pathlib import Path
 
 import click
 import torch
-
 from assets import data_dir, display, weights_dir  # sibling module (benchmarks/ is on sys.path)
-from fedheads.machine import machine
 from machine_info import write_json  # sibling module
+
+from fedheads.machine import machine
 
 OUT = Path(__file__).resolve().parent / "results" / "finetune.json"
 
@@ -123,7 +123,8 @@ def part_speed(man: Path, m: object, work: Path, rounds: int, quick: bool) -> di
         store = work / f"{bb}.zarr"
         cuts = ["layer1", "layer2"]
         ex = _extract(m, store, [bb] + [f"{bb}@{c}" for c in cuts])
-        case: dict = {"flops": _train_flops(bb, cuts), "extract_seconds": ex, "cached_bytes": {n: _du(store / n) for n in [bb] + [f"{bb}@{c}" for c in cuts]}}
+        case: dict = {"flops": _train_flops(bb, cuts), "extract_seconds": ex,
+                      "cached_bytes": {n: _du(store / n) for n in [bb] + [f"{bb}@{c}" for c in cuts]}}
         for mode in ["all", *(f"after:{c}" for c in cuts), "head"]:
             d = work / "runs" / bb / mode.replace(":", "_")
             r = _run(man, store, bb, d, heads=("fedncm",), rounds=rounds, eval_every=0, seeds=(0,), trainable=mode)
@@ -182,7 +183,8 @@ def main(part: str, rounds: int, speed_rounds: int, seeds: str, work: str | None
             bb = "efficientnet-lite0:160"
             store = tmp / "lite0.zarr"
             ex = _extract(m, store, [bb, f"{bb}@blocks.4"])
-            results["lite0"] = {"flops": _train_flops(bb, ["blocks.4"]), "extract_seconds": ex, **_curves(man, store, bb, tmp, rounds, seed_t, "after:blocks.4")}
+            results["lite0"] = {"flops": _train_flops(bb, ["blocks.4"]), "extract_seconds": ex,
+                                **_curves(man, store, bb, tmp, rounds, seed_t, "after:blocks.4")}
     finally:
         results["load_average_at_end"] = os.getloadavg()
         if not work:

@@ -29,9 +29,9 @@ import tempfile
 from pathlib import Path
 
 import numpy as np
+from machine_info import machine_facts, write_json  # sibling module (benchmarks/ is on sys.path)
 
 from embedcache.store_io import import_features
-from machine_info import machine_facts, write_json  # sibling module (benchmarks/ is on sys.path)
 
 HERE = Path(__file__).resolve().parent
 

@@ -24,7 +24,6 @@ import tempfile
 from pathlib import Path
 
 import numpy as np
-
 from bench_memory import write_store  # sibling modules
 from machine_info import machine, write_json
 
@@ -90,8 +89,8 @@ def _report(runs: dict[str, list[dict]], fed: dict, a: argparse.Namespace) -> No
     write_json(out, a.out)
     for m in ("on", "off"):
         s = summary[m]
-        print(f"policy {m:3s}: train CPU {s['train_cpu_seconds']['median']:.1f} s, wall {s['train_wall_seconds']['median']:.1f} s, "
-              f"peak RSS {s['peak_rss_bytes']['median'] / 2**30:.2f} GiB")
+        print(f"policy {m:3s}: train CPU {s['train_cpu_seconds']['median']:.1f} s, "
+              f"wall {s['train_wall_seconds']['median']:.1f} s, peak RSS {s['peak_rss_bytes']['median'] / 2**30:.2f} GiB")
 
 
 if __name__ == "__main__":

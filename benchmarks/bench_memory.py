@@ -32,9 +32,9 @@ from pathlib import Path
 from statistics import NormalDist
 
 import numpy as np
+from machine_info import machine, write_json  # sibling module (benchmarks/ is on sys.path)
 
 from embedcache import store as S
-from machine_info import machine, write_json  # sibling module (benchmarks/ is on sys.path)
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent

@@ -100,9 +100,9 @@ def main() -> None:
     rows = []
     for rule in RULES:
         for k in (1, 5):
-            tf = bench(lambda: predict_features(protos, present, rule, x, k=k,
+            tf = bench(lambda rule=rule, k=k: predict_features(protos, present, rule, x, k=k,
                                                 chunk_rows=a.chunk_rows, use_gpu=False), a.repeats)
-            tn = bench(lambda: numpy_predict(protos, present, rule, x, k, a.chunk_rows), a.repeats)
+            tn = bench(lambda rule=rule, k=k: numpy_predict(protos, present, rule, x, k, a.chunk_rows), a.repeats)
             got = predict_features(protos, present, rule, x, k=k, chunk_rows=a.chunk_rows,
                                    use_gpu=False).topk_labels
             ref = numpy_predict(protos, present, rule, x, k, a.chunk_rows)
@@ -113,7 +113,7 @@ def main() -> None:
                          "speedup_faiss_over_numpy": round(tn / tf, 3),
                          "top1_agreement": float(np.mean(got[:, 0] == ref[:, 0]))})
             if gpu:
-                tg = bench(lambda: predict_features(protos, present, rule, x, k=k,
+                tg = bench(lambda rule=rule, k=k: predict_features(protos, present, rule, x, k=k,
                                                     chunk_rows=a.chunk_rows, use_gpu=True), a.repeats)
                 on_gpu = predict_features(protos, present, rule, x, k=k, chunk_rows=a.chunk_rows,
                                           use_gpu=True).topk_labels

@@ -117,10 +117,10 @@ def main() -> None:
         kw = dict(images=f"imagefolder:{tmp / 'new'}", device=a.device, weights_dir=weights, out=tmp / "p.csv")
         cold, warm, acc = [], [], None
         for r in range(repeats):
-            secs, done = timed(lambda: fedheads.predict(tmp / "run", cache=tmp / f"cache{r}", **kw))
+            secs, done = timed(lambda r=r: fedheads.predict(tmp / "run", cache=tmp / f"cache{r}", **kw))
             cold.append(secs)
             acc = done.per_client["(global)"]["accuracy"]
-            warm.append(timed(lambda: fedheads.predict(tmp / "run", cache=tmp / f"cache{r}", **kw))[0])
+            warm.append(timed(lambda r=r: fedheads.predict(tmp / "run", cache=tmp / f"cache{r}", **kw))[0])
             shutil.rmtree(tmp / f"cache{r}")
     result = {
         "benchmark": "fedheads predict --images end to end (extract + classify + write)",

@@ -38,7 +38,6 @@ import time
 from pathlib import Path
 
 import numpy as np
-
 from bench_memory import CHILD_PRELUDE, write_store  # sibling module: the same measured process and store
 from machine_info import machine, write_json
 
@@ -147,7 +146,7 @@ def main() -> None:
             t0 = time.perf_counter()
             fed = write_store(store, n_rows, a.dim, a.classes, seed=0)
             fed.update(federation(n_rows, a.dim, a.classes), store_write_seconds=round(time.perf_counter() - t0, 1),
-                       sizes="Pareto alpha=2 at quantiles (i+0.5)/M, mean %d rows, 80/20 train/test" % mean)
+                       sizes=f"Pareto alpha=2 at quantiles (i+0.5)/M, mean {mean} rows, 80/20 train/test")
             result["federations"][str(M)] = fed
             print(f"M={M}: {fed['feature_bytes'] / 1e9:.2f} GB features, largest {fed['rows_max']} rows, padded floor "
                   f"{fed['padded_floor_multiple']}x, {fed['buckets']} buckets ({fed['bucketed_floor_multiple']}x)", flush=True)
@@ -155,8 +154,8 @@ def main() -> None:
             for alg in a.algorithms.split(","):
                 for layout in a.layouts.split(","):
                     if layout == "padded" and fed["padded_bytes"] > limit:
-                        runs.setdefault(alg, {})[layout] = {"skipped": f"padded features alone {fed['padded_bytes'] / 1e9:.1f} GB "
-                                                                       f"> limit {limit / 1e9:.1f} GB"}
+                        runs.setdefault(alg, {})[layout] = {
+                            "skipped": f"padded features alone {fed['padded_bytes'] / 1e9:.1f} GB > limit {limit / 1e9:.1f} GB"}
                         print(f"  {alg:7s} {layout:9s} skipped (padded features {fed['padded_bytes'] / 1e9:.1f} GB)", flush=True)
                         continue
                     runs.setdefault(alg, {})[layout] = {"repeats": []}

@@ -30,10 +30,10 @@ from pathlib import Path
 
 import numpy as np
 import zarr
+from machine_info import cpu_model, write_json  # sibling module (benchmarks/ is on sys.path)
 
 from embedcache import store as S
 from embedcache.reader import load_split, open_store
-from machine_info import cpu_model, write_json  # sibling module (benchmarks/ is on sys.path)
 
 HERE = Path(__file__).resolve().parent
 

@@ -28,7 +28,6 @@ import sys
 from pathlib import Path
 
 import torch
-
 from bench_backbone_speed import _rate as rate  # sibling modules (benchmarks/ is on sys.path)
 from machine_info import machine_facts, write_json
 

@@ -25,8 +25,9 @@ import shlex
 import subprocess
 import sys
 import xml.etree.ElementTree as ET
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
@@ -117,7 +118,6 @@ def section_install(device: str, work: Path) -> dict[str, Any]:
 
 def section_env(device: str, work: Path) -> dict[str, Any]:
     import torch
-
     from machine_info import cpu_model
 
     env: dict[str, Any] = {"python": platform.python_version(), "machine": platform.machine(),
@@ -230,10 +230,10 @@ def _extract_plan(device: str, work: Path) -> tuple[list[str], dict[str, Any]]:
     """bench_extract arguments: Office-Caltech-10 when the assets have it, else builtin:digits;
     a torchvision model with seeded random weights (throughput only: the features mean
     nothing) and, when its weights are found, resnet20-cifar10."""
+    import assets
     import torch
     import torchvision
 
-    import assets
     from embedcache.backbones import list_backbones
 
     s = settings(device)

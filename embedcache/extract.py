@@ -114,7 +114,8 @@ def view_seed(sample_id: str, view: int) -> int:
     return int.from_bytes(digest[:8], "little") & (2**63 - 1)
 
 
-def decode_sample(backbone: Any, source: Any, sample_id: str, locator: str, views: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
+def decode_sample(backbone: Any, source: Any, sample_id: str, locator: str,
+                  views: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """Load one image and preprocess it: the clean view plus V seeded augmented views."""
     try:
         img = source.load(locator)

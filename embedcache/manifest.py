@@ -166,7 +166,7 @@ class Manifest:
         rows = [s.row() for s in self.samples(client, split)]
         return hashlib.sha256(canonical_json([self.source, rows]).encode()).hexdigest()
 
-    def validate(self, where: str = "manifest") -> "Manifest":
+    def validate(self, where: str = "manifest") -> Manifest:
         """UserError naming the offending item: bad client names (also names equal but for
         case: they would share one directory on a case-insensitive file system), duplicate ids,
         labels outside the class list, duplicate class names, an unknown fingerprint kind."""

@@ -31,8 +31,9 @@ from __future__ import annotations
 
 import re
 from collections import defaultdict
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -96,7 +97,7 @@ class Recipe:
             del d["captions"]
         return d
 
-    def resolved(self) -> "Recipe":
+    def resolved(self) -> Recipe:
         """Checked, with the scheme's defaults filled in: UserError for an unknown scheme, an
         option this scheme would ignore, or a value out of range."""
         if self.scheme not in SCHEMES:

@@ -113,7 +113,8 @@ class ShardReader:
             if chunk_digest(self.key, raw[s:e], None if rv is None else rv[:, s:e],
                             None if mask is None else mask[s:e]).hex() != self.digests[c]:
                 return False
-            return self.rows_digests is None or rows_digest(self.key, labels[s:e], ids[s:e].tolist()).hex() == self.rows_digests[c]
+            return (self.rows_digests is None
+                    or rows_digest(self.key, labels[s:e], ids[s:e].tolist()).hex() == self.rows_digests[c])
 
         chunks = range(c0, c1)
         workers = min(os.cpu_count() or 1, 8, len(chunks) // 4)

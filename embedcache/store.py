@@ -33,6 +33,7 @@ import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import zarr
@@ -42,8 +43,21 @@ from embedcache.errors import UserError
 from embedcache.manifest import canonical_json
 from embedcache.reader import REBUILD, STORE_FORMAT, holds_shards, root_metadata, subgroups
 from embedcache.shard_check import chunk_digest, rows_digest
-from embedcache.store_layout import (backbone_key, case_collision, check_backbone_name, check_client_names, collides,
-                                     consolidate, dir_lock, has_consolidated, shard_path)  # noqa: F401 (re-exported)
+from embedcache.store_layout import (
+    OpenMode,
+    array,
+    attr,
+    backbone_key,
+    case_collision,
+    check_backbone_name,
+    check_client_names,
+    collides,
+    consolidate,  # noqa: F401 (re-exported)
+    dir_lock,
+    has_consolidated,  # noqa: F401 (re-exported)
+    read,
+    shard_path,
+)
 from embedcache.store_layout import drop_consolidated as _drop_consolidated
 from embedcache.store_layout import quiet_open as _quiet_open
 
@@ -117,9 +131,9 @@ class ShardSpec:
 
 
 def _check_root(store: Path, root: zarr.Group, classes: Sequence[str] | None) -> None:
-    if root.attrs.get("format") != STORE_FORMAT:
-        raise UserError(f"{store}: not an embedcache store (format={root.attrs.get('format')!r})")
-    old = list(root.attrs.get("classes", []))
+    if attr(root, "format") != STORE_FORMAT:
+        raise UserError(f"{store}: not an embedcache store (format={attr(root, 'format')!r})")
+    old = list(attr(root, "classes", []))
     if classes is not None and old != list(classes):
         raise UserError(f"{store}: store classes {old} differ from {list(classes)}; use a new store")
 
@@ -140,16 +154,16 @@ def init_store(store: str | Path, classes: Sequence[str], manifest_hash: str,
             root_metadata(store)  # a damaged root is one line saying how to rebuild it, not zarr's parse error
             root = _quiet_open(store, "r+", use_consolidated=False)
             _check_root(store, root, classes)
-            listed = root.attrs.get("clients")
-            if clients is not None and listed is not None and root.attrs.get("manifest_hash") == manifest_hash:
+            listed = attr(root, "clients")
+            if clients is not None and listed is not None and attr(root, "manifest_hash") == manifest_hash:
                 clients = [*clients, *(c for c in listed if c not in clients)]
-            if root.attrs.get("manifest_hash") != manifest_hash:
+            if attr(root, "manifest_hash") != manifest_hash:
                 _drop_consolidated(store, have_lock=True)
                 root.attrs["manifest_hash"] = manifest_hash
             if clients is not None and list(listed or []) != list(clients):
                 _drop_consolidated(store, have_lock=True)
                 root.attrs["clients"] = list(clients)
-            if source is not None and root.attrs.get("source") != source:
+            if source is not None and attr(root, "source") != source:
                 _drop_consolidated(store, have_lock=True)
                 root.attrs["source"] = source
             return
@@ -170,7 +184,7 @@ def add_client(store: str | Path, client: str) -> None:
     """Make an imported client part of a store that keeps a client list (no-op otherwise)."""
     with dir_lock(store):
         root = _quiet_open(store, "r+", use_consolidated=False)
-        listed = root.attrs.get("clients")
+        listed = attr(root, "clients")
         if listed is not None and client not in listed:
             other = case_collision(client, listed)
             if other is not None:
@@ -187,12 +201,6 @@ def store_root(store: str | Path) -> dict | None:
     if attrs.get("format") != STORE_FORMAT:
         raise UserError(f"{store}: not an embedcache store (format={attrs.get('format')!r})")
     return dict(attrs)
-
-
-def store_classes(store: str | Path) -> list[str] | None:
-    """The class list of an existing store, or None when there is no store yet."""
-    attrs = store_root(store)
-    return None if attrs is None else list(attrs.get("classes", []))
 
 
 def _shard_attrs(spec: ShardSpec) -> dict:
@@ -217,13 +225,13 @@ def _shard_attrs(spec: ShardSpec) -> dict:
 
 def _matches(shard: zarr.Group, spec: ShardSpec) -> bool:
     try:
-        feats = shard["features"]
-        done = shard["done"]
-        mask_ok = spec.token_shape is None or shard["mask"].shape == (spec.n, spec.token_shape[0])
-    except KeyError:
+        feats = array(shard, "features")
+        done = array(shard, "done")
+        mask_ok = spec.token_shape is None or array(shard, "mask").shape == (spec.n, spec.token_shape[0])
+    except (KeyError, UserError):  # missing, or a group where an array belongs: not resumable
         return False
     return (
-        shard.attrs.get("cache_key") == spec.key
+        attr(shard, "cache_key") == spec.key
         and feats.shape == (spec.n, spec.feature_dim)
         and feats.chunks[0] == spec.chunk_rows
         and done.shape == (spec.n_chunks, _DIGEST)
@@ -265,13 +273,13 @@ def prepare_shard(store: str | Path, spec: ShardSpec) -> bool:
         root = _quiet_open(store, "r+", use_consolidated=False)
         check_feature_dim(store, spec)
         bgroup = root.require_group(bk)
-        battrs = {"backbone": spec.backbone, "weights_sha256": spec.weights_sha256,
+        battrs: dict[str, Any] = {"backbone": spec.backbone, "weights_sha256": spec.weights_sha256,
                   "preprocess": spec.preprocess, "feature_dim": spec.feature_dim}
         if dict(bgroup.attrs) != battrs:
             _drop_consolidated(store)
             bgroup.attrs.update(battrs)
         cgroup = bgroup.require_group(spec.client)
-        if cgroup.attrs.get("domain") != spec.domain:
+        if attr(cgroup, "domain") != spec.domain:
             _drop_consolidated(store)
             cgroup.attrs["domain"] = spec.domain
         if spec.split in cgroup:
@@ -280,10 +288,10 @@ def prepare_shard(store: str | Path, spec: ShardSpec) -> bool:
                 # a cache hit under a new manifest: the features stand, the provenance moves on
                 # (neither attribute is in the cache key or the chunk digests)
                 fresh = {"domain": spec.domain, "manifest_hash": spec.manifest_hash}
-                if any(shard.attrs.get(k) != v for k, v in fresh.items()):
+                if any(attr(shard, k) != v for k, v in fresh.items()):
                     _drop_consolidated(store)
                     shard.attrs.update(fresh)
-                return bool(shard.attrs.get("complete", False))
+                return bool(attr(shard, "complete", False))
         _drop_consolidated(store)
         shutil.rmtree(client_dir / spec.split, ignore_errors=True)
         _create(cgroup, spec)
@@ -310,20 +318,23 @@ def _create(cgroup: zarr.Group, spec: ShardSpec) -> None:
     shard.attrs.update(_shard_attrs(spec))
 
 
-def open_shard(store: str | Path, backbone: str, client: str, split: str, mode: str = "r+") -> zarr.Group:
+def open_shard(store: str | Path, backbone: str, client: str, split: str, mode: OpenMode = "r+") -> zarr.Group:
     """The shard group, opened through the root so that its `.path` names it in messages."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         root = _quiet_open(store, mode, use_consolidated=False)
         try:
-            return root[shard_path(store, backbone, client, split)]
+            shard = root[shard_path(store, backbone, client, split)]
         except KeyError:
             raise UserError(f"{shard_path(store, backbone, client, split)}: no such shard in {store}") from None
+    if not isinstance(shard, zarr.Group):
+        raise UserError(f"{shard_path(store, backbone, client, split)}: an array where a shard group was expected")
+    return shard
 
 
 def missing_chunks(shard: zarr.Group) -> list[int]:
     """Chunks whose digest has not been recorded yet (all-zero row in `done`)."""
-    done = shard["done"][...]
+    done = read(shard, "done")
     return [int(i) for i in np.flatnonzero(~done.any(axis=1))]
 
 
@@ -333,8 +344,8 @@ def write_chunk(
 ) -> None:
     """Write the features (and views, or the token mask of a token shard) of one chunk, then its
     digest. Idempotent."""
-    attrs = shard.attrs
-    start = chunk * shard["features"].chunks[0]
+    attrs: dict[str, Any] = dict(shard.attrs)
+    start = chunk * array(shard, "features").chunks[0]
     stop = start + features.shape[0]
     dtype = np.dtype(attrs["dtype"])
     if features.shape != (stop - start, attrs["dim"]) or stop > attrs["n"]:
@@ -345,7 +356,7 @@ def write_chunk(
     if not np.isfinite(feats).all():
         raise UserError(f"chunk {chunk} of {attrs['backbone']}: features contain NaN/inf "
                         f"(rows {start}:{stop}{', float16 overflow?' if dtype == np.float16 else ''})")
-    shard["features"][start:stop] = feats
+    array(shard, "features")[start:stop] = feats
     vws = None
     if attrs["views"] > 1:
         if views is None or views.shape != (attrs["views"], stop - start, attrs["dim"]):
@@ -355,18 +366,18 @@ def write_chunk(
             vws = views.astype(dtype, copy=False)
         if not np.isfinite(vws).all():
             raise UserError(f"chunk {chunk} of {attrs['backbone']}: views contain NaN/inf")
-        shard["views"][:, start:stop] = vws
+        array(shard, "views")[:, start:stop] = vws
     msk = None
     if attrs.get("token_shape") is not None:
         t = int(attrs["token_shape"][0])
         if mask is None or mask.shape != (stop - start, t):
             raise UserError(f"chunk {chunk}: mask shape {None if mask is None else mask.shape} != ({stop - start}, {t})")
         msk = np.asarray(mask, dtype=np.bool_)
-        shard["mask"][start:stop] = msk
+        array(shard, "mask")[start:stop] = msk
     elif mask is not None:
         raise UserError(f"chunk {chunk} of {attrs['backbone']}: a mask was given to a shard without token_shape")
     digest = chunk_digest(attrs["cache_key"], feats, vws, msk)
-    shard["done"][chunk] = np.frombuffer(digest, dtype=np.uint8)
+    array(shard, "done")[chunk] = np.frombuffer(digest, dtype=np.uint8)
 
 
 @dataclass(frozen=True)
@@ -380,21 +391,18 @@ class StoredDigests:
 
 def stored_digests(shard: zarr.Group, chunk: int) -> StoredDigests:
     """Recompute every digest of one chunk from what is on disk (one read of each array)."""
-    cr = shard["features"].chunks[0]
-    key = shard.attrs["cache_key"]
-    start, stop = chunk * cr, min((chunk + 1) * cr, shard.attrs["n"])
-    feats = shard["features"][start:stop]
-    vws = shard["views"][:, start:stop] if "views" in shard else None
-    msk = shard["mask"][start:stop] if shard.attrs.get("token_shape") is not None else None
-    ids = np.asarray(shard["sample_ids"][start:stop]).tolist()
+    cr = array(shard, "features").chunks[0]
+    attrs: dict[str, Any] = dict(shard.attrs)
+    key = attrs["cache_key"]
+    start, stop = chunk * cr, min((chunk + 1) * cr, attrs["n"])
+    rows = slice(start, stop)
+    feats = read(shard, "features", rows)
+    vws = read(shard, "views", (slice(None), rows)) if "views" in shard else None
+    msk = read(shard, "mask", rows) if attr(shard, "token_shape") is not None else None
+    ids = read(shard, "sample_ids", rows).tolist()
     features = chunk_digest(key, feats, None, msk).hex()
     return StoredDigests(features if vws is None else chunk_digest(key, feats, vws, msk).hex(), features,
-                         rows_digest(key, shard["labels"][start:stop], ids).hex())
-
-
-def stored_chunk_digest(shard: zarr.Group, chunk: int) -> str:
-    """Recompute a chunk's digest (chunk_sha256) from what is on disk."""
-    return stored_digests(shard, chunk).chunk
+                         rows_digest(key, read(shard, "labels", rows), ids).hex())
 
 
 def finalize_shard(store: str | Path, spec: ShardSpec) -> None:
@@ -403,19 +411,19 @@ def finalize_shard(store: str | Path, spec: ShardSpec) -> None:
     store = Path(store)
     with dir_lock(store / backbone_key(spec.backbone) / spec.client):
         shard = open_shard(store, spec.backbone, spec.client, spec.split)
-        if shard.attrs.get("cache_key") != spec.key:
+        if attr(shard, "cache_key") != spec.key:
             raise UserError(f"{shard_path(store, spec.backbone, spec.client, spec.split)}: replaced by a "
                             "concurrent extract with other settings; run extract again")
-        if shard.attrs.get("complete"):
+        if attr(shard, "complete"):
             return
-        done = shard["done"][...]
+        done = read(shard, "done")
         digests, feature_digests, row_digests = [], [], []
         for chunk in range(spec.n_chunks):
             want = bytes(done[chunk]).hex()
             got = stored_digests(shard, chunk)
             if got.chunk != want:
                 # A digest that is missing or disagrees with the data: the chunk is not done.
-                shard["done"][chunk] = np.zeros(_DIGEST, dtype=np.uint8)
+                array(shard, "done")[chunk] = np.zeros(_DIGEST, dtype=np.uint8)
                 raise UserError(f"{shard.path} chunk {chunk}: sha256 of the stored data does not match "
                                 "its record; run extract again to rewrite it")
             a, b = spec.rows(chunk)

@@ -2,9 +2,9 @@
 many clients at once (an HDF5 file with a group per client, a directory of per-client files)
 become normal complete shards (docs/contracts.md, sections 4 and 4a; reading: `import_sources`).
 
-A failed import leaves the store as it was, all or nothing for an import of many shards. Everything that can be checked is checked before
-the store is touched (file, shapes, labels, dtype, classes, names, feature dimension); if the
-write still fails (disk full, Ctrl-C), `_Undo` removes what the import created and restores
+A failed import leaves the store as it was, all or nothing for an import of many shards. Everything
+that can be checked is checked before the store is touched (file, shapes, labels, dtype, classes,
+names, feature dimension); if the write still fails (disk full, Ctrl-C), `_Undo` removes what the import created and restores
 what it replaced, including the root's client list and consolidated metadata.
 """
 
@@ -88,12 +88,12 @@ class _Undo:
                 shutil.rmtree(p) if p.is_dir() else p.unlink()
             return
         for d in self.dirs:  # deepest first
+            meta = self.meta[d]
             if not self.existed[d]:
                 shutil.rmtree(d, ignore_errors=True)
-            elif self.meta[d] is not None and (not (d / "zarr.json").is_file()
-                                               or (d / "zarr.json").read_bytes() != self.meta[d]):
+            elif meta is not None and (not (d / "zarr.json").is_file() or (d / "zarr.json").read_bytes() != meta):
                 tmp = d / f".zarr.json.{os.getpid()}.undo"
-                tmp.write_bytes(self.meta[d])
+                tmp.write_bytes(meta)
                 os.replace(tmp, d / "zarr.json")
         if self.backup is not None:
             os.rename(self.backup / self.split, self.dirs[0])
@@ -221,8 +221,11 @@ def import_many(store: str | Path, source: str | Path, *, backbone: str | None =
         # The manifest's formula (sha256 of [source, [[id, locator, label], ...]]), the file as source.
         sample_list_hash = hashlib.sha256(canonical_json(
             [f"import:{src.name}", [[i, i, int(y)] for i, y in zip(ids.tolist(), labels.tolist())]]).encode()).hexdigest()
+        item_backbone = item.backbone if src.exported else backbone
+        if item_backbone is None:  # checked above for a plain file; an export names each shard's
+            raise UserError(f"{item.origin}: names no backbone; give --backbone")
         specs.append(st.ShardSpec(
-            backbone=item.backbone if src.exported else backbone,
+            backbone=item_backbone,
             weights_sha256=file_sha, preprocess={"imported_from": src.name}, feature_dim=feats.shape[1],
             client=item.client, split=item.split, domain=domain or item.domain or item.client,
             manifest_hash=manifest_hash, sample_list_hash=sample_list_hash, sample_ids=tuple(ids.tolist()),

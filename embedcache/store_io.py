@@ -13,17 +13,25 @@ import json
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import zarr
 
 from embedcache import store as st
 from embedcache.errors import UserError
-from embedcache.reader import (STORE_FORMAT, ShardInfo, disk_shard_paths, holds_shards, open_store, root_metadata,
-                               subgroups)
+from embedcache.reader import STORE_FORMAT, ShardInfo, disk_shard_paths, holds_shards, open_store, root_metadata, subgroups
 from embedcache.store_export import export_h5  # noqa: F401 (historical home of export_h5)
 from embedcache.store_import import import_features  # noqa: F401 (historical home of import_features)
-from embedcache.store_layout import (consolidated_mismatch, dir_lock, disk_clients, quiet_open, remove_shards,
-                                     store_writes, sweep_import_leftovers, write_json_atomic)
+from embedcache.store_layout import (
+    array,
+    consolidated_mismatch,
+    dir_lock,
+    disk_clients,
+    quiet_open,
+    read,
+    remove_shards,
+    store_writes,
+    sweep_import_leftovers,
+    write_json_atomic,
+)
 
 REQUIRED_ATTRS = ("cache_key", "backbone", "weights_sha256", "preprocess", "manifest_hash", "sample_list_hash",
                   "code_version", "dtype", "views", "n", "dim", "domain", "chunk_sha256", "complete")
@@ -63,8 +71,8 @@ def _shard_groups(path: Path) -> tuple[list[tuple[str, zarr.Group]], list[str]]:
     return out, probs
 
 
-def _chunk_problems(name: str, shard: zarr.Group, a: dict) -> list[str]:
-    n_chunks = shard["done"].shape[0]
+def _chunk_problems(name: str, shard: zarr.Group, a: dict[str, Any]) -> list[str]:
+    n_chunks = array(shard, "done").shape[0]
     lists = {k: a[k] for k in ("chunk_sha256", "rows_sha256", "features_sha256") if k in a}
     for k, v in lists.items():
         if not isinstance(v, list) or len(v) != n_chunks:
@@ -72,7 +80,8 @@ def _chunk_problems(name: str, shard: zarr.Group, a: dict) -> list[str]:
     probs = []
     for chunk in range(n_chunks):
         got = st.stored_digests(shard, chunk)
-        if got.chunk != lists["chunk_sha256"][chunk] or got.features != lists.get("features_sha256", [got.features] * n_chunks)[chunk]:
+        want_features = lists.get("features_sha256", [got.features] * n_chunks)[chunk]
+        if got.chunk != lists["chunk_sha256"][chunk] or got.features != want_features:
             probs.append(f"{name}: chunk {chunk} sha256 mismatch")
         if "rows_sha256" in lists and got.rows != lists["rows_sha256"][chunk]:
             probs.append(f"{name}: chunk {chunk} labels or sample ids changed (rows sha256 mismatch)")
@@ -81,7 +90,7 @@ def _chunk_problems(name: str, shard: zarr.Group, a: dict) -> list[str]:
 
 def verify_shard(name: str, shard: zarr.Group, n_classes: int) -> list[str]:
     """Problems of one shard (empty list: complete and consistent)."""
-    a = dict(shard.attrs)
+    a: dict[str, Any] = dict(shard.attrs)
     missing = [k for k in REQUIRED_ATTRS if k not in a]
     if missing:
         return [f"{name}: attributes missing: {', '.join(missing)}"]
@@ -93,16 +102,19 @@ def verify_shard(name: str, shard: zarr.Group, n_classes: int) -> list[str]:
     for arr, shape in (("features", (n, d)), ("labels", (n,)), ("sample_ids", (n,)), ("done", None)) + (
             (("views", (v, n, d)),) if v > 1 else ()) + (
             (("mask", (n, int(token_shape[0]))),) if token_shape is not None else ()):
-        if arr not in shard:
+        found = shard.get(arr)
+        if found is None:
             probs.append(f"{name}: array {arr} missing")
-        elif shape is not None and shard[arr].shape != shape:
-            probs.append(f"{name}: {arr} shape {shard[arr].shape} != {shape}")
+        elif not isinstance(found, zarr.Array):
+            probs.append(f"{name}: {arr} is a group, not an array")
+        elif shape is not None and found.shape != shape:
+            probs.append(f"{name}: {arr} shape {found.shape} != {shape}")
     if probs:
         return probs
-    labels = shard["labels"][...]
+    labels = read(shard, "labels")
     if n and (labels.min() < 0 or labels.max() >= n_classes):
         probs.append(f"{name}: labels outside 0..{n_classes - 1}")
-    if len(set(np.asarray(shard["sample_ids"][...]).tolist())) != n:
+    if len(set(read(shard, "sample_ids").tolist())) != n:
         probs.append(f"{name}: sample ids not unique")
     return probs + _chunk_problems(name, shard, a)
 

@@ -22,7 +22,9 @@ import shutil
 import warnings
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
+from typing import Any, Literal
 
+import numpy as np
 import zarr
 
 from embedcache.errors import UserError
@@ -81,7 +83,28 @@ def dir_lock(path: str | Path) -> Iterator[None]:
         os.close(fd)
 
 
-def quiet_open(path: str | Path, mode: str = "r+", **kw) -> zarr.Group:
+OpenMode = Literal["r", "r+", "a", "w", "w-"]
+
+
+def attr(node: zarr.Group, key: str, default: Any = None) -> Any:
+    """A group's attribute as the JSON it was written as (zarr types it as any JSON value)."""
+    return node.attrs.get(key, default)
+
+
+def array(group: zarr.Group, key: str) -> zarr.Array:
+    """`group[key]` typed as the array a shard holds there; one clear line when it is a group."""
+    found = group[key]
+    if not isinstance(found, zarr.Array):
+        raise UserError(f"{group.path}/{key}: a group where an array was expected")
+    return found
+
+
+def read(group: zarr.Group, key: str, selection: Any = Ellipsis) -> np.ndarray:
+    """`group[key][selection]` as an ndarray (zarr types reads as array-or-scalar)."""
+    return np.asarray(array(group, key)[selection])
+
+
+def quiet_open(path: str | Path, mode: OpenMode = "r+", **kw) -> zarr.Group:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return zarr.open_group(str(path), mode=mode, zarr_format=3, **kw)

@@ -14,8 +14,9 @@ into each client's bucket): the padding is the only memory beyond the features t
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Iterator, Sequence, TypeVar, Union
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -88,7 +89,7 @@ class FedData:
 
     layout = "padded"
 
-    def groups(self) -> tuple[tuple[tuple[int, ...], "FedData"], ...]:
+    def groups(self) -> tuple[tuple[tuple[int, ...], FedData], ...]:
         """(client positions, FedData) per vectorised call: here all clients in one."""
         return ((tuple(range(self.num_clients)), self),)
 
@@ -97,7 +98,7 @@ class FedData:
         oh = torch.nn.functional.one_hot(self.y_train, self.num_classes) * self.m_train.unsqueeze(-1)
         return oh.sum(1)
 
-    def select(self, idx: Sequence[int] | torch.Tensor) -> "FedData":
+    def select(self, idx: Sequence[int] | torch.Tensor) -> FedData:
         """Sub-federation of clients `idx` (positions in this FedData), padding trimmed."""
         ids = [int(i) for i in (idx.tolist() if isinstance(idx, torch.Tensor) else idx)]
         t = torch.tensor(ids, dtype=torch.int64, device=self.device)
@@ -115,7 +116,7 @@ class FedData:
             v_train=None if self.v_train is None else self.v_train.index_select(0, t)[:, :, :a],
         )
 
-    def by_size(self) -> tuple["FedData", tuple[int, ...]]:
+    def by_size(self) -> tuple[FedData, tuple[int, ...]]:
         """(these clients in order of training size, largest first (stable), that order as
         positions in this FedData). Local steps then compute only a prefix of the stacked clients
         without reordering them each round (core/train.py): the same results per client, up to the
@@ -123,7 +124,7 @@ class FedData:
         order = tuple(sorted(range(self.num_clients), key=lambda i: -self.n_train[i]))
         return (self, order) if order == tuple(range(self.num_clients)) else (self.select(order), order)
 
-    def client_range(self, a: int, b: int) -> "FedData":
+    def client_range(self, a: int, b: int) -> FedData:
         """Clients a..b-1 as views (no copy): the test padding trimmed to their largest test split,
         the train arrays as they are (evaluation reads only the test split)."""
         t = max(max(self.n_test[a:b]), 1)
@@ -139,7 +140,7 @@ class FedData:
                     num_classes: int, client_names: Sequence[str] | None = None,
                     domains: Sequence[str] | None = None, device: str | torch.device = "cpu",
                     binarize: bool = False, train_views: Sequence[np.ndarray] | None = None,
-                    layout: "str | LayoutConfig" = "padded") -> "Federation":
+                    layout: str | LayoutConfig = "padded") -> Federation:
         """Stack per-client (x_train, y_train, x_test, y_test) numpy arrays (and optionally each
         client's augmented train views [V, N, D], same V for all clients). The default layout
         gives a FedData; `layout` "bucketed" / "auto" may give a BucketedFedData (layout.py).
@@ -188,7 +189,7 @@ class FedData:
         return build.finish(ntr, nte, num_classes, names, doms, binarize)  # type: ignore[return-value]
 
 
-Federation = Union[FedData, BucketedFedData]  # the two layouts (fedheads/layout.py)
+Federation = FedData | BucketedFedData  # the two layouts (fedheads/layout.py)
 
 
 def largest_first(data: Federation) -> tuple[Federation, tuple[int, ...]]:
@@ -293,7 +294,7 @@ class _Builder:
         self.views[b][p, :, : v.shape[1]] = torch.as_tensor(v).to(self.views[b].device)  # type: ignore[index]
 
     def finish(self, ntr: Sequence[int], nte: Sequence[int], num_classes: int, names: tuple[str, ...],
-               doms: tuple[str, ...], binarize: bool) -> "Federation":
+               doms: tuple[str, ...], binarize: bool) -> Federation:
         parts = []
         for b, ms in enumerate(self.plan):
             (xtr, ytr), (xte, yte) = self.stacks[b]["train"].finish(), self.stacks[b]["test"].finish()
@@ -305,7 +306,7 @@ class _Builder:
                     vtr.sign_()
             dev = xtr.device
             a, t = [ntr[i] for i in ms], [nte[i] for i in ms]
-            mk = lambda ns, n: torch.arange(n, device=dev).view(1, n) < torch.tensor(ns, device=dev).view(-1, 1)  # noqa: E731
+            mk = lambda ns, n, dev=dev: torch.arange(n, device=dev).view(1, n) < torch.tensor(ns, device=dev).view(-1, 1)  # noqa: E731
             parts.append(FedData(
                 x_train=xtr, y_train=ytr, m_train=mk(a, xtr.shape[1]), x_test=xte, y_test=yte,
                 m_test=mk(t, xte.shape[1]), n_train=tuple(a), n_test=tuple(t), num_classes=int(num_classes),
@@ -334,7 +335,7 @@ def load_fed_data(store: str, backbones: Sequence[str], device: str | torch.devi
     from embedcache.reader import check_backbone_identity, iter_split_chunks, load_split, open_store  # numpy + zarr
 
     info = open_store(store)
-    classes = list(getattr(info, "classes"))
+    classes = list(info.classes)
     bbs = list(backbones)
     names = list(clients) if clients is not None else list(info.clients)
     if views:
@@ -349,7 +350,7 @@ def load_fed_data(store: str, backbones: Sequence[str], device: str | torch.devi
     for split in ("train", "test"):
         shards = [info.shard(bbs[0], c, split) for c in names]
         sizes[split] = [0 if sh is None else sh.n for sh in shards]
-    for c, n_te in zip(names, sizes["test"]):
+    for c in names:
         if info.shard(bbs[0], c, "train") is not None and info.shard(bbs[0], c, "test") is None:
             raise UserError(f"{c}: client has a train split but no test split")
     for c, n in zip(names, sizes["train"]):

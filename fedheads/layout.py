@@ -18,8 +18,9 @@ feature is read), so the loader writes every client straight into its bucket."""
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Sequence, Union
+from typing import TYPE_CHECKING, Any, Union
 
 import torch
 
@@ -139,7 +140,7 @@ class BucketedFedData:
             out[list(ms)] = b.client_index
         return out
 
-    def spec(self) -> "DataSpec":
+    def spec(self) -> DataSpec:
         from fedheads.data import DataSpec
 
         ids = [0] * self.num_clients  # each position's global id, from its bucket (as FedData.spec)
@@ -175,7 +176,7 @@ class BucketedFedData:
         return _concat([self.buckets[where[i][0]].select([where[i][1]]) for i in ids])
 
 
-def _concat(parts: Sequence["FedData"]) -> "FedData":
+def _concat(parts: Sequence[FedData]) -> FedData:
     """One-client FedDatas stacked into one, padded to the largest (cross-bucket selections)."""
     from fedheads.data import FedData
 
@@ -193,7 +194,7 @@ def _concat(parts: Sequence["FedData"]) -> "FedData":
         v_train=torch.cat([vpad(p.v_train) for p in parts]) if has_v else None)  # type: ignore[arg-type]
 
 
-def to_layout(data: "Federation", layout: str | LayoutConfig) -> "Federation":
+def to_layout(data: Federation, layout: str | LayoutConfig) -> Federation:
     """`data` in another layout (a copy of the rows; the same clients, order and global ids)."""
     from fedheads.data import FedData
 
@@ -205,7 +206,7 @@ def to_layout(data: "Federation", layout: str | LayoutConfig) -> "Federation":
                            tuple(data.n_test), data.num_classes, tuple(data.client_names), tuple(data.domains))
 
 
-def layout_info(data: "Federation") -> dict[str, Any]:
+def layout_info(data: Federation) -> dict[str, Any]:
     """What results.json records about the layout that ran (docs/contracts.md section 6)."""
     real = (sum(data.n_train) + sum(data.n_test)) * data.dim * 4
     held = sum(b.x_train.numel() + b.x_test.numel() for _, b in data.groups()) * 4

@@ -27,8 +27,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from embedcache.errors import UserError
 from embedcache.callable_module import make_callable
+from embedcache.errors import UserError
 from fedheads import api, inference
 from fedheads.algorithms import create_algorithm
 from fedheads.core.tree import tree_index
@@ -290,7 +290,8 @@ def prepare(run: str | Path, store: str | Path | None = None, *, images: str | N
         return tr, str(store), store_parts(tr, str(store), info, split, client or "all"), k
     from fedheads.live.predict_inputs import ExtractOptions, extract_images, extract_manifest
 
-    opts = ExtractOptions(str(Path(run) / "predict-cache" if cache is None else cache), device, batch_size, num_workers, weights_dir, tuple(plugins), progress)
+    opts = ExtractOptions(str(Path(run) / "predict-cache" if cache is None else cache), device, batch_size, num_workers,
+                          weights_dir, tuple(plugins), progress)
     if images is not None:
         if client is not None and client != "all":
             tr.client_index(client)

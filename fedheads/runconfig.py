@@ -14,8 +14,9 @@ command it was written for). Unknown keys and values of the wrong type are one `
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import click
 

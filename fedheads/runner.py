@@ -21,26 +21,26 @@ import io
 import json
 import os
 import platform
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any
 
 import torch
 
 from embedcache.errors import UserError
 from fedheads import __version__, comm, plotting, report, rundir
 from fedheads import resume as resume_mod
+from fedheads.algorithms import create_algorithm
 from fedheads.atomic import atomic_path
 from fedheads.checkpoint import load_sealed, save_sealed
 from fedheads.checks import check_finite, check_seeds
-from fedheads.algorithms import create_algorithm
 from fedheads.core.engine import RunResult, clock, run, to_device
 from fedheads.core.tree import tree_leaves
-from fedheads.data import (DataSpec, FedData, Federation, in_store_order, largest_first, layout_info, load_fed_data,
-                           resolve_device)
+from fedheads.data import DataSpec, FedData, Federation, in_store_order, largest_first, layout_info, load_fed_data, resolve_device
 from fedheads.heap import reusing_freed_blocks
-from fedheads.settings import parse_settings  # noqa: F401 (fedheads.runner.parse_settings, as before)
 from fedheads.machine import machine
+from fedheads.settings import parse_settings  # noqa: F401 (fedheads.runner.parse_settings, as before)
 
 STATE_FORMAT = "fedheads-state/1"
 

@@ -15,8 +15,9 @@ import io
 import json
 import re
 import tokenize
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any
 
 from embedcache.errors import UserError
 from embedcache.parsing import loads_json

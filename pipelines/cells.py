@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 RESULT_FORMAT = "pipelines-cell-result/1"
-_DATA: "OrderedDict[tuple, Any]" = OrderedDict()  # per process: the last feature sets loaded
+_DATA: OrderedDict[tuple, Any] = OrderedDict()  # per process: the last feature sets loaded
 _DATA_SLOTS = 2
 
 

@@ -12,8 +12,7 @@ extraction and each cell that cannot be read reliably is recorded as missing wit
 
 from __future__ import annotations
 
-from pipelines.spec import (BackboneSet, Claim, DataRecipe, Experiment, Layout, Method, Point, ScaleSpec,
-                            published_rows)
+from pipelines.spec import BackboneSet, Claim, DataRecipe, Experiment, Layout, Method, Point, ScaleSpec, published_rows
 
 SQUEEZENET = BackboneSet(
     "SqueezeNet (ImageNet)", paper=("tv:squeezenet1_0",), standin=("resnet20-cifar10",), fallback=("digitnet-builtin",),

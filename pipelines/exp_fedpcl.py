@@ -11,8 +11,7 @@ batch 16 (the scripts' --local_bs 16).
 
 from __future__ import annotations
 
-from pipelines.spec import (BackboneSet, Claim, DataRecipe, Experiment, Layout, Method, Point,
-                            published_rows)
+from pipelines.spec import BackboneSet, Claim, DataRecipe, Experiment, Layout, Method, Point, published_rows
 
 PAPER_NOTES = (
     "Rounds follow the authors' scripts (FedAvg 200, Solo 100, FedPCL 100; 100 for baselines the scripts do "

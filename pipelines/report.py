@@ -263,8 +263,10 @@ def write_experiment(exp: Experiment, edir: Path, cells_dir: Path) -> dict[str, 
     not_run = [v for v in views if v["unavailable"] or v["failed"]]
     if not_run:
         md += ["", "## Not run", ""]
-        md += [f"- {v['point']} / {v['method']}: {v['unavailable'] or str(v['failed']) + ' cell(s) failed: ' + '; '.join(sorted({r['error'] for r in v['records'] if r and r['status'] == 'failed'}))}"
-               for v in not_run]
+        def why(v: dict) -> str:
+            errors = sorted({r["error"] for r in v["records"] if r and r["status"] == "failed"})
+            return v["unavailable"] or f"{v['failed']} cell(s) failed: " + "; ".join(errors)
+        md += [f"- {v['point']} / {v['method']}: {why(v)}" for v in not_run]
     if exp.notes:
         md += ["", "## Notes", ""] + [f"- {n}" for n in exp.notes]
     md += [""] + [f"![{p}]({p})" for p in pngs]

@@ -206,7 +206,7 @@ class Experiment:
                 return m
         raise UserError(f"{self.name}: no method {label!r}")
 
-    def check(self) -> "Experiment":
+    def check(self) -> Experiment:
         """Internal consistency (run by the registry test): labels unique, references resolve."""
         if not re.fullmatch(r"[a-z0-9][a-z0-9-]*", self.name):
             raise UserError(f"experiment {self.name!r}: use lower-case letters, digits and '-'")

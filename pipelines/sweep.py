@@ -24,7 +24,6 @@ from fedheads.atomic import atomic_path
 from fedheads.heap import reuse_env, reusing_freed_blocks
 from pipelines.cells import RESULT_FORMAT, result_path, run_cell
 
-
 # Local workers keep freed large blocks for reuse inside a cell (run_cell gives them back at its
 # end): a cell re-makes same-sized tensors every round. Workers of a `tcp://` scheduler keep the
 # environment they were started with (the README says how to start them the same way).

@@ -86,9 +86,10 @@ def make_staged_store(root):
     of "tiny-staged" and its stem maps, extracted on the CPU: under CUDA extraction runs in bf16,
     and the tests compare float32 arithmetic. Returns the manifest (files under `root`:
     img/, manifest.json, s.zarr)."""
+    from store_doubles import make_imagefolder, make_manifest
+
     from embedcache.extract import ExtractConfig, extract
     from embedcache.manifest import save_manifest
-    from store_doubles import make_imagefolder, make_manifest
 
     make_imagefolder(root / "img", domains=("a", "b", "c"), classes=("cat", "dog", "emu"), per_class=9, size=10)
     m = make_manifest(root / "img", test_every=3)

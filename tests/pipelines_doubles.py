@@ -12,8 +12,7 @@ from PIL import Image
 
 from embedcache.backbones.registry import register_backbone
 from pipelines import registry
-from pipelines.spec import (BackboneSet, Claim, DataRecipe, Experiment, Layout, Method, Point, Published,
-                            ScaleSpec)
+from pipelines.spec import BackboneSet, Claim, DataRecipe, Experiment, Layout, Method, Point, Published, ScaleSpec
 
 TINY = ("pl-tiny-a", "pl-tiny-b", "pl-tiny-c")
 # every offline stand-in of the registry -> a tiny double (`--backbone NAME=OTHER`)

@@ -1,6 +1,7 @@
 """Small test doubles for the store/extract tests: a tiny image folder, a source that can be
 made to fail when touched, a fixed-split manifest and tiny torch backbones (contract 3).
-Module-level so that dask worker processes can unpickle them by reference. Also usable as `--plugin store_doubles` from the CLI (registers the tiny backbones)."""
+Module-level so that dask worker processes can unpickle them by reference. Also usable as
+`--plugin store_doubles` from the CLI (registers the tiny backbones)."""
 
 from __future__ import annotations
 
@@ -100,7 +101,7 @@ class TinyBackbone:
         with torch.inference_mode():
             return torch.relu(self.conv(batch)).mean(dim=(2, 3)) * self.scale
 
-    def to(self, device: str) -> "TinyBackbone":
+    def to(self, device: str) -> TinyBackbone:
         return self
 
 

@@ -89,7 +89,7 @@ def test_train_on_arrays_in_memory_writes_nothing(tmp_path, monkeypatch):
     assert res.accuracy["mean"] > 90 and res["accuracy"] == res.accuracy
     assert set(res.states) == {0, 1} and json.loads(res.to_json())["algorithm"] == "fedncm"
     with pytest.raises(AttributeError, match="no field 'nope'"):
-        res.nope
+        _ = res.nope
 
 
 def test_arrays_written_run_equals_in_memory(tmp_path):

@@ -8,14 +8,13 @@ import re
 
 import pytest
 import torch
-from PIL import Image
-
 from backbone_doubles import TIMM_MODEL, TINY_RECIPE, TV_MODEL, build_weights_dir
 from conftest import shared_dir
-from embedcache.backbones import Backbone, create_backbone, list_backbones, registered_names
-from embedcache.backbones import digitnet
-from embedcache.backbones.base import TorchBackbone
+from PIL import Image
 from text_doubles import check_text_backbone
+
+from embedcache.backbones import Backbone, create_backbone, digitnet, list_backbones, registered_names
+from embedcache.backbones.base import TorchBackbone
 
 NAMES = registered_names() + [f"timm:{TIMM_MODEL}", f"tv:{TV_MODEL}"]
 

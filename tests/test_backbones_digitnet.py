@@ -8,8 +8,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-
 from backbone_doubles import TINY_RECIPE
+
 from embedcache.backbones import create_backbone
 from embedcache.backbones import digitnet as D
 from embedcache.errors import UserError

@@ -47,8 +47,9 @@ def test_lukemelas_keys_map_onto_timm_strictly(wheel_file):
     swapped = list(items)
     i, j = list(src).index("_blocks.1._expand_conv.weight"), list(src).index("_blocks.1._depthwise_conv.weight")
     swapped[i], swapped[j] = swapped[j], swapped[i]
-    renumbered = [(k.replace("_blocks.2.", "_blocks.X.").replace("_blocks.3.", "_blocks.2.").replace("_blocks.X.", "_blocks.3."), v)
-                  for k, v in items]
+    def swap_23(k: str) -> str:
+        return k.replace("_blocks.2.", "_blocks.X.").replace("_blocks.3.", "_blocks.2.").replace("_blocks.X.", "_blocks.3.")
+    renumbered = [(swap_23(k), v) for k, v in items]
     reshaped = [(k, torch.zeros(95, 16, 1, 1) if k == "_blocks.1._expand_conv.weight" else v) for k, v in items]
     cases = {"295 tensors in the file, 296": items[:-1], "does not correspond": swapped,
              "do not map one to one": renumbered, r"\(95, 16, 1, 1\) vs": reshaped}

@@ -9,8 +9,8 @@ import threading
 
 import pytest
 import timm
-
 from backbone_doubles import TIMM_MODEL, write_timm_checkpoint
+
 from embedcache.backbones import create_backbone
 from embedcache.backbones import weights as W
 from embedcache.errors import UserError

@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from backbone_doubles import TIMM_MODEL, TV_MODEL, write_sur_checkpoint, write_timm_checkpoint, write_tv_checkpoint
 from click.testing import CliRunner
 from PIL import Image
 
-from backbone_doubles import TIMM_MODEL, TV_MODEL, write_sur_checkpoint, write_timm_checkpoint, write_tv_checkpoint
 from embedcache.backbones import create_backbone, default_backbones, default_backbones_with_reason
 from embedcache.backbones import weights as W
 from embedcache.backbones.cifar_resnet import CHECKPOINTS

@@ -14,10 +14,11 @@ from click.testing import CliRunner
 pytest.importorskip("tokenizers")
 pytest.importorskip("safetensors")
 
+from text_doubles import check_text_backbone, check_text_staged, tiny_text_backbone  # noqa: E402
+
 from embedcache.backbones import create_backbone, list_backbones  # noqa: E402
 from embedcache.backbones import minilm as M  # noqa: E402
 from embedcache.errors import UserError  # noqa: E402
-from text_doubles import check_text_backbone, check_text_staged, tiny_text_backbone  # noqa: E402
 
 # sentence-transformers 6.2.0 (SentenceTransformer(<wheel model dir>).encode, CPU), measured once:
 # cosine of each pair, and the first four values of the first sentence's embedding.

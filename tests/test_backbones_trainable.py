@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+from backbone_doubles import TIMM_EXTRA
+from test_backbones import NAMES, built, env  # noqa: F401  (module-scoped fixtures)
+from text_doubles import check_text_staged
 from torch import nn
 
-from backbone_doubles import TIMM_EXTRA
 from embedcache.backbones import list_backbones
 from embedcache.backbones.staged import StagedNet, staged_from_module
 from embedcache.errors import UserError
-from test_backbones import NAMES, built, env  # noqa: F401  (module-scoped fixtures)
-from text_doubles import check_text_staged
 
 ALL = NAMES + [f"timm:{m}" for m in TIMM_EXTRA]
 LAYOUTS = {  # the cut points users type (contract 3a table)
@@ -39,7 +39,7 @@ def _same_format(bb, net: StagedNet, x: torch.Tensor) -> tuple[StagedNet, torch.
 
 
 @pytest.fixture(params=ALL)
-def pair(request, built):
+def pair(request, built):  # noqa: F811 (fixture imported from test_backbones)
     """(backbone, its fresh StagedNet); the StagedNet is None for a backbone listed as not
     trainable, after checking that asking for one is a one-line error."""
     bb = built(request.param)
@@ -57,7 +57,8 @@ def test_staged_forward_equals_embed_bitwise(pair):
     bb, net = pair
     if net is None:
         return
-    if getattr(bb, "modality", "image") == "text":  # forward needs the mask (contract 3d); deep copy and gradients checked there too
+    # forward needs the mask (contract 3d); deep copy and gradients checked there too
+    if getattr(bb, "modality", "image") == "text":
         return check_text_staged(bb)
     name = bb.name
     assert isinstance(net, StagedNet) and net.name == name and net.feature_dim == bb.feature_dim
@@ -127,7 +128,7 @@ def test_staged_is_a_trainable_deep_copy(pair):
     assert torch.equal(bb.embed(x), before), "training the StagedNet changed the frozen backbone"
 
 
-def test_bad_stage_names_are_one_line(built):
+def test_bad_stage_names_are_one_line(built):  # noqa: F811 (fixture imported from test_backbones)
     net = built("digitnet-builtin").trainable()
     for kwargs, match in ((dict(stop="block9"), "no stage 'block9'; stages: block1, block2, block3, block4, pool"),
                           (dict(start="pool"), "no cut point 'pool'; cut points: block1, block2, block3, block4"),
@@ -162,7 +163,7 @@ def test_a_split_that_does_not_reproduce_the_model_becomes_one_stage():
         net(x, start="features")
 
 
-def test_speed_benchmark_runs(env, monkeypatch):
+def test_speed_benchmark_runs(env, monkeypatch):  # noqa: F811 (fixture imported from test_backbones)
     """benchmarks/bench_backbone_speed.py on a tiny timm network (numbers are not checked)."""
     import sys
     from pathlib import Path
@@ -179,7 +180,7 @@ def test_speed_benchmark_runs(env, monkeypatch):
 
 @pytest.mark.parametrize("name", ["resnet20-cifar10", "resnet18-quickdraw", "digitnet-builtin", "timm:test_resnet",
                                   "timm:test_efficientnet", "timm:test_vit", "tv:mobilenet_v3_small"])
-def test_channels_last_and_autocast_run_every_range(name, built):
+def test_channels_last_and_autocast_run_every_range(name, built):  # noqa: F811 (fixture imported from test_backbones)
     """The CUDA recipe (channels-last weights and input, autocast) on the CPU with bfloat16:
     no stage may depend on the memory format or dtype, and stored (NCHW, flattened) maps go in."""
     bb = built(name)

@@ -10,10 +10,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import store_doubles as d
 import yaml
 from click.testing import CliRunner
-
-import store_doubles as d
 from store_doubles import assert_one_line
 
 from embedcache import store_import
@@ -124,7 +123,8 @@ def test_the_image_folder_refuses_an_absolute_locator_like_a_dotdot_one(images, 
     outside.write_bytes((images / "a" / "cat" / "img_0.png").read_bytes())
     src = open_source(f"imagefolder:{images}")
     for loc in (str(outside), "../secret.png"):
-        for call in (lambda: src.load(loc), lambda: src.fingerprint(loc), lambda: src.fingerprint(loc, "sha256")):
+        for call in (lambda loc=loc: src.load(loc), lambda loc=loc: src.fingerprint(loc),
+                     lambda loc=loc: src.fingerprint(loc, "sha256")):
             with pytest.raises(UserError, match="locator escapes"):
                 call()
 

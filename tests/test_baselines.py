@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from fed_tiny import tiny_fed
 
 from embedcache.errors import UserError
 from fedheads.algorithms import create_algorithm
@@ -24,9 +25,8 @@ from fedheads.algorithms.pfedme import PFedMe, PFedMeConfig
 from fedheads.algorithms.server_opt import FedAdam, make_server_optimizer
 from fedheads.algorithms.solo import Solo, SoloConfig
 from fedheads.core import OptimizerConfig, RoundCtx, ServerSGD, payload_size, run
-from fedheads.core.tree import tree_index, tree_leaves
+from fedheads.core.tree import tree_index
 from fedheads.data import FedData
-from fed_tiny import tiny_fed
 
 SGD = lambda lr: OptimizerConfig("sgd", lr=lr, weight_decay=0.0)  # noqa: E731
 

@@ -10,9 +10,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from click.testing import CliRunner
-
 import store_doubles as d
+from click.testing import CliRunner
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))

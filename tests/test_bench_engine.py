@@ -7,9 +7,10 @@ import statistics
 import sys
 from pathlib import Path
 
+import click
 import pytest
-
 from fed_tiny import tiny_fed
+
 from fedheads.algorithms.fedavg import FedAvg, FedAvgConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
@@ -39,5 +40,5 @@ def test_time_case_reports_ratio_of_medians_and_its_spread() -> None:
 def test_thread_settings() -> None:
     assert bench.parse_threads("1,1") == [1]
     assert bench.parse_threads("all")[0] >= 1
-    with pytest.raises(Exception):
+    with pytest.raises(click.BadParameter):
         bench.parse_threads("-2")

@@ -10,9 +10,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import store_doubles as d
 import torch
 
-import store_doubles as d
 from fedheads.algorithms.fedpcl import FedPCL, FedPCLConfig
 from fedheads.core.engine import run
 from fedheads.data import FedData

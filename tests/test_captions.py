@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 from PIL import Image
+from store_doubles import make_imagefolder
 
 from embedcache.cli import main
 from embedcache.errors import UserError
@@ -20,7 +21,6 @@ from embedcache.manifest import load_manifest, manifest_to_json
 from embedcache.partition import Recipe, partition
 from embedcache.sources import open_source
 from embedcache.sources.captions import CAPTION_VERSION, TEMPLATES, attributes, caption_for, synonyms
-from store_doubles import make_imagefolder
 
 
 def _img(w: int, h: int, border: tuple, centre: tuple, noise: bool = False) -> Image.Image:

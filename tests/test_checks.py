@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import kill_helpers
+
 from embedcache import backbone_names
 from fedheads import checks
 

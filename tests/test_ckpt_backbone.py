@@ -7,13 +7,16 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
+import live_doubles  # noqa: F401  (registers tiny-staged)
 import numpy as np
 import pytest
 import torch
 from click.testing import CliRunner
 from PIL import Image
+from store_doubles import make_imagefolder, make_manifest
+from test_live_finetune import _opts as live_opts
+from test_live_finetune import setup  # noqa: F401  (the fine-tuning tests' images, manifest and store)
 
-import live_doubles  # noqa: F401  (registers tiny-staged)
 from embedcache.backbones import create_backbone, list_backbones, register_backbone
 from embedcache.backbones.base import TorchBackbone, state_dict_sha256
 from embedcache.backbones.cifar_resnet import PREPROCESS, CifarResNet
@@ -24,9 +27,6 @@ from embedcache.manifest import save_manifest
 from embedcache.reader import load_split
 from fedheads.live.model import LiveNet, Trainable
 from fedheads.live.runner import FinetuneOptions, finetune_run
-from store_doubles import make_imagefolder, make_manifest
-from test_live_finetune import _opts as live_opts
-from test_live_finetune import setup  # noqa: F401  (the fine-tuning tests' images, manifest and store)
 
 
 def _resnet8(weights_dir=None, device: str = "cpu") -> TorchBackbone:
@@ -153,7 +153,7 @@ def _finetuned(out: Path, trainable: str, num_classes: int) -> torch.nn.Module:
 
 
 @pytest.mark.parametrize("trainable", ["all", "after:stem"])
-def test_finetune_exports_a_backbone_that_extract_caches(setup, tmp_path, trainable):
+def test_finetune_exports_a_backbone_that_extract_caches(setup, tmp_path, trainable):  # noqa: F811 (fixture imported from test_live_finetune)
     root, m = setup
     out = tmp_path / "run"
     finetune_run(root / "manifest.json", str(root / "s.zarr"), "tiny-staged", out, _opts(trainable=trainable))
@@ -186,7 +186,7 @@ def test_finetune_exports_a_backbone_that_extract_caches(setup, tmp_path, traina
             np.testing.assert_allclose(got[c.name].features, ref, rtol=1e-6, atol=1e-6)
 
 
-def test_no_export_when_only_the_head_trains(setup, tmp_path):
+def test_no_export_when_only_the_head_trains(setup, tmp_path):  # noqa: F811 (fixture imported from test_live_finetune)
     root, _ = setup
     out = tmp_path / "head"
     finetune_run(root / "manifest.json", str(root / "s.zarr"), "tiny-staged", out,
@@ -208,6 +208,7 @@ def test_text_encoder_checkpoint_is_a_text_backbone(tmp_path):
     """FedDRA's trained text encoder as `ckpt:`: the base's tokenizer, the file's weights, token
     states as B@CUT, and a re-export names the registry base (not the ckpt: file)."""
     import text_plugin  # noqa: F401  (registers tinytext)
+
     from embedcache.backbones.ckpt import read_backbone_checkpoint
 
     base = create_backbone("tinytext")

@@ -116,6 +116,7 @@ def test_fedpcl_measured_traffic_is_the_convention_plus_counts_and_flags():
     # the convention are the uploads' float32 counts + bool flags (250 x 50 B) and the
     # downloads' presence flags (245 x (5+1) x 10 B)
     from fed_tiny import tiny_fed
+
     from fedheads.algorithms.fedpcl import FedPCL, FedPCLConfig
     from fedheads.core import run
 

@@ -295,9 +295,10 @@ def test_fused_inplace_optimizer_matches_functional_with_diverged_step_counts() 
 
 
 def test_local_train_without_kept_optimizer_returns_only_the_counter() -> None:
+    from fed_tiny import tiny_fed
+
     from fedheads.core.protocol import RoundCtx
     from fedheads.core.train import local_train
-    from fed_tiny import tiny_fed
 
     data = tiny_fed()
     M = data.num_clients
@@ -366,11 +367,12 @@ def test_rowwise_local_train_computes_only_stepping_clients_and_changes_nothing(
     same weights, buffers and optimiser state, in the data's order, as the padded step that
     computes every client (Adam carried over from a round before, with unequal counters; BN-style
     buffers)."""
+    from fed_tiny import tiny_fed
+
     from fedheads.core.batching import make_schedule
     from fedheads.core.protocol import RoundCtx
     from fedheads.core.train import local_train, order_by_steps
     from fedheads.core.tree import tree_leaves
-    from fed_tiny import tiny_fed
 
     data = tiny_fed(M=5, seed=2)
     if presorted:
@@ -411,9 +413,10 @@ def test_rowwise_local_train_passes_each_steps_rows_of_consts() -> None:
     """`consts` (per-client tensors the loss reads, FedRep's personal head): the rowwise run, which
     reorders the clients and computes a prefix of them per step, gives the loss the consts' rows of
     the same clients, so it ends where the padded run reading the full tensor from its closure does."""
+    from fed_tiny import tiny_fed
+
     from fedheads.core.protocol import RoundCtx
     from fedheads.core.train import local_train
-    from fed_tiny import tiny_fed
 
     data = tiny_fed(M=5, seed=2)
     M = data.num_clients

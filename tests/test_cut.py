@@ -10,9 +10,10 @@ import numpy as np
 import pytest
 import store_doubles as d
 import torch
-from click.testing import CliRunner
-
 from backbone_doubles import TINY_RECIPE
+from click.testing import CliRunner
+from test_extract import assert_stores_equal
+
 from embedcache import store as st
 from embedcache.backbones import create_backbone, digitnet, list_backbones, register_backbone
 from embedcache.backbones.cut import with_cut
@@ -21,7 +22,6 @@ from embedcache.errors import UserError
 from embedcache.extract import ExtractConfig, extract
 from embedcache.manifest import save_manifest
 from embedcache.reader import load_split, open_store
-from test_extract import assert_stores_equal
 
 BASE, CUT = "digitnet-builtin", "block2"
 

@@ -6,8 +6,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from fed_tiny import tiny_fed
+from tolerances import assert_mostly_close
 
 from fedheads.algorithms.fedavg import FedAvg, FedAvgConfig
+from fedheads.algorithms.fedncm import FedNCM
 from fedheads.algorithms.fedpcl import FedPCL, FedPCLConfig
 from fedheads.algorithms.fedproto import FedProto, FedProtoConfig
 from fedheads.algorithms.fedrep import FedRep, FedRepConfig
@@ -17,13 +20,9 @@ from fedheads.algorithms.perfedavg import PerFedAvg, PerFedAvgConfig
 from fedheads.algorithms.pfedme import PFedMe, PFedMeConfig
 from fedheads.algorithms.solo import Solo, SoloConfig
 from fedheads.core import OptimizerConfig, run, select_participants
-from fedheads.algorithms.fedncm import FedNCM
 from fedheads.core.tree import row_range, tree_leaves
 from fedheads.data import BucketedFedData, to_layout
 from fedheads.layout import LayoutConfig
-from tolerances import assert_mostly_close
-from fed_tiny import tiny_fed
-
 
 SGD = lambda lr: OptimizerConfig("sgd", lr=lr, weight_decay=0.0)  # noqa: E731
 

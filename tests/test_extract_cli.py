@@ -82,9 +82,9 @@ def test_cli_bad_input_one_line_exit_2(tmp_path):
 
 
 def test_backbones_default_is_what_embedcache_backbones_prints(tmp_path, monkeypatch):
-    import embedcache.backbones as B
     import store_doubles as d
 
+    import embedcache.backbones as B
     from embedcache.commands.extract import _expand_default
     from embedcache.reader import open_store
 

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import torch
+from fed_tiny import tiny_fed
 
 from fedheads.algorithms import create_algorithm, list_algorithms
 from fedheads.algorithms.fedavg import FedAvg, FedAvgConfig, FedAvgMessage, FedAvgServerState
 from fedheads.core import RoundCtx, ServerSGD, payload_size
-from fed_tiny import tiny_fed
 
 
 def test_server_weighted_average_by_hand() -> None:

@@ -43,7 +43,7 @@ def test_kl_projection_matches_slsqp():
         ours = dro.project_kl(lt, r)
         assert ours.min() >= 0 and abs(ours.sum() - 1) < 1e-12
         assert dro.kl_to_uniform(ours) <= r + 1e-12  # feasible
-        ref = _slsqp(lambda x: _kl(x, lt), lambda x: r - dro.kl_to_uniform(x), n, dro.uniform(n))
+        ref = _slsqp(lambda x, lt=lt: _kl(x, lt), lambda x, r=r: r - dro.kl_to_uniform(x), n, dro.uniform(n))
         assert dro.kl_to_uniform(ref) <= r + 1e-7
         assert _kl(ours, lt) <= _kl(ref, lt) + 1e-6  # never worse than the generic solver
         assert abs(_kl(ours, lt) - _kl(ref, lt)) <= 1e-6
@@ -67,7 +67,8 @@ def test_chi2_projection_matches_slsqp(in_simplex):
         ours = dro.project_chi2(lt, R)
         assert ours.min() >= 0 and abs(ours.sum() - 1) < 1e-12
         assert np.linalg.norm(ours - u) <= R + 1e-12
-        ref = _slsqp(lambda x: float(np.sum((x - lt) ** 2)), lambda x: R ** 2 - float(np.sum((x - u) ** 2)), n, u)
+        ref = _slsqp(lambda x, lt=lt: float(np.sum((x - lt) ** 2)), lambda x, R=R, u=u: R ** 2 - float(np.sum((x - u) ** 2)),
+                     n, u)
         obj = float(np.sum((ours - lt) ** 2))
         ref_obj = float(np.sum((ref - lt) ** 2))
         assert obj <= ref_obj + 1e-6 and abs(obj - ref_obj) <= 1e-6
@@ -81,7 +82,7 @@ def test_simplex_projection_matches_slsqp():
         n = int(rng.integers(2, 11))
         y = rng.normal(0, 1, n)
         ours = dro.project_simplex(y)
-        ref = _slsqp(lambda x: float(np.sum((x - y) ** 2)), lambda x: 1.0, n, dro.uniform(n))
+        ref = _slsqp(lambda x, y=y: float(np.sum((x - y) ** 2)), lambda x: 1.0, n, dro.uniform(n))
         assert abs(ours.sum() - 1) < 1e-12 and ours.min() >= 0
         assert np.sum((ours - y) ** 2) <= np.sum((ref - y) ** 2) + 1e-6
 

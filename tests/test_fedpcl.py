@@ -8,9 +8,9 @@ import math
 import numpy as np
 import pytest
 import torch
+from fed_tiny import tiny_fed
 
 from embedcache.errors import UserError
-from fed_tiny import tiny_fed
 from fedheads.algorithms.fedpcl import FedPCL, FedPCLConfig, FedPCLMessage, code_supcon, contrast_terms
 from fedheads.core import RoundCtx, heads, payload_size, run
 from fedheads.data import FedData
@@ -28,7 +28,8 @@ def _two_client_messages() -> FedPCLMessage:
 
 def _aggregate(agg: str):
     alg = FedPCL(FedPCLConfig(hidden=2, aggregation=agg))
-    init = alg.init(FedData.from_arrays([(np.zeros((1, 2), "f4"), np.zeros(1, int), np.zeros((0, 2), "f4"), np.zeros(0, int))] * 2, 3).spec(), 0)
+    empty = (np.zeros((1, 2), "f4"), np.zeros(1, int), np.zeros((0, 2), "f4"), np.zeros(0, int))
+    init = alg.init(FedData.from_arrays([empty] * 2, 3).spec(), 0)
     return alg.server_aggregate(init.server_state, _two_client_messages(), RoundCtx(0, 0, torch.tensor([0, 1]), 2))
 
 
@@ -83,7 +84,7 @@ def test_paper_loss_is_mean_of_lg_plus_average_lp() -> None:
     total = 0.0
     for n in range(5):  # Eq. 8-10 literally, with Python loops
         zn, yn = z[0, n], int(data.y_train[0, n])
-        def term(P: torch.Tensor) -> float:
+        def term(P: torch.Tensor, zn: torch.Tensor = zn, yn: int = yn) -> float:
             num = float(zn @ P[yn]) / cfg.tau
             den = sum(math.exp(float(zn @ P[a]) / cfg.tau) for a in range(3) if a != yn)
             return -(num - math.log(den))

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from fed_tiny import tiny_fed
+
+from embedcache.errors import UserError
 from fedheads.algorithms import create_algorithm
 from fedheads.algorithms.fedproto import FedProto, FedProtoBroadcast, FedProtoConfig, FedProtoMessage
 from fedheads.core import OptimizerConfig, RoundCtx, heads, run
@@ -82,5 +83,5 @@ def test_learns_and_reports_three_rules() -> None:
 def test_registry_and_bad_config() -> None:
     alg = create_algorithm("fedproto", lam=0.5, lr=0.01)
     assert alg.cfg.lam == 0.5 and alg.cfg.optimizer.lr == 0.01
-    with pytest.raises(Exception):
+    with pytest.raises(UserError, match="lam >= 0"):
         FedProtoConfig(lam=-1.0)

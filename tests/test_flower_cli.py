@@ -8,7 +8,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from flower_helpers import write_store
 
 BLOCK_FLWR = "import sys\nsys.modules['flwr'] = None  # import flwr -> ImportError, as without the extra\n"

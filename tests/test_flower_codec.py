@@ -7,7 +7,6 @@ import dataclasses
 
 import pytest
 import torch
-
 from flower_helpers import FLOWER_MISSING  # noqa: E402
 
 pytest.importorskip("flwr", reason=FLOWER_MISSING)

@@ -17,7 +17,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from flower_helpers import FLOWER_MISSING  # noqa: E402
 
 pytest.importorskip("flwr", reason=FLOWER_MISSING)

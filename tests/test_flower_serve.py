@@ -11,7 +11,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from flower_helpers import FLOWER_MISSING
 
 pytest.importorskip("flwr", reason=FLOWER_MISSING)

@@ -14,7 +14,6 @@ import sys
 
 import pytest
 import torch
-
 from flower_helpers import FLOWER_MISSING  # noqa: E402
 
 pytest.importorskip("flwr", reason=FLOWER_MISSING)

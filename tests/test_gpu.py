@@ -12,18 +12,17 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
-from click.testing import CliRunner
-
 import store_doubles as d
+import torch
 from backbone_doubles import write_sur_checkpoint
+from click.testing import CliRunner
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 
 def test_cuda_extraction_matches_cpu(tmp_path):
     from embedcache.extract import ExtractConfig, extract
-    from embedcache.reader import load_split, shard_attributes, open_store
+    from embedcache.reader import load_split, open_store, shard_attributes
     from embedcache.store_io import verify_store
 
     root = d.make_imagefolder(tmp_path / "img", domains=("a", "b"), per_class=4, size=40)
@@ -58,7 +57,7 @@ def _store(root: Path) -> Path:
     rng = np.random.default_rng(0)
     means = rng.normal(size=(4, 16)) * 3.0  # well separated: accuracies do not hinge on the last bit
     store = root / "st.zarr"
-    for ci, c in enumerate(("c0", "c1", "c2")):
+    for c in ("c0", "c1", "c2"):
         for split, n in (("train", 40), ("test", 30)):
             y = rng.integers(0, 4, n)
             f = root / f"{c}-{split}.npz"

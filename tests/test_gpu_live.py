@@ -8,18 +8,18 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import live_doubles
 import pytest
 import torch
-
-import live_doubles
 import vl_doubles
+from tolerances import assert_mostly_close
+
 from embedcache.manifest import save_manifest
 from fedheads.live.dro import DROConfig
 from fedheads.live.feddra import FedDRAConfig
 from fedheads.live.feddra_runner import FedDRAOptions, feddra_run
 from fedheads.live.finetune import FTConfig
 from fedheads.live.runner import FinetuneOptions, finetune_run
-from tolerances import assert_mostly_close
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 GPU, CPU = "cuda", "cpu"

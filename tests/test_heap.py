@@ -104,10 +104,11 @@ def test_training_reuses_freed_blocks_for_padded_data_only(monkeypatch):
     not on size buckets (a large federation: memory first)."""
     import contextlib
 
+    from fed_tiny import tiny_fed
+
     import fedheads.runner as runner
     from fedheads.data import FedData, to_layout
     from fedheads.layout import LayoutConfig
-    from fed_tiny import tiny_fed
 
     entered = []
 

@@ -15,14 +15,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from fed_tiny import tiny_fed
 
 from embedcache.store_io import import_features
-from fed_tiny import tiny_fed
 from fedheads.core import engine
 from fedheads.core.tree import tree_leaves
 from fedheads.data import FedData, in_store_order, largest_first, load_fed_data
 from fedheads.layout import to_layout
 from fedheads.runner import TrainOptions, build_algorithm, compare_runs, load_state, train_run, trains_largest_first
+
 
 class _Plain:
     """A plugin algorithm that does not say which server-state fields hold a row per client."""

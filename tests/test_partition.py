@@ -69,7 +69,7 @@ def test_dirichlet_split_is_a_partition():
     by_class = {k: [f"x{k}_{i}" for i in range(50)] for k in range(4)}
     parts = dirichlet_split(by_class, 5, 0.5, np.random.default_rng(0), 2, {})
     flat = [loc for p in parts for loc, _ in p]
-    assert sorted(flat) == sorted(l for v in by_class.values() for l in v)
+    assert sorted(flat) == sorted(loc for v in by_class.values() for loc in v)
     # small alpha concentrates each class on few clients
     skew = dirichlet_split(by_class, 5, 0.05, np.random.default_rng(0), 0, {})
     top = [max(Counter(lab for _, lab in p).values(), default=0) / max(len(p), 1) for p in skew if p]

@@ -8,7 +8,6 @@ import collections
 
 import pytest
 import torch
-
 from fed_tiny import tiny_fed
 
 

@@ -8,12 +8,11 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-import numpy as np
+import pipelines_doubles as pd
 import pytest
 from PIL import Image
 from scipy.io import loadmat
 
-import pipelines_doubles as pd
 from embedcache.errors import UserError
 from embedcache.manifest import load_manifest
 from pipelines import datasets, plan, registry

@@ -7,9 +7,9 @@ import os
 from pathlib import Path
 
 import numpy as np
+import pipelines_doubles as pd
 import pytest
 
-import pipelines_doubles as pd
 from embedcache.extract import ExtractConfig, extract
 from embedcache.manifest import load_manifest
 from embedcache.reader import load_split, open_store

@@ -7,12 +7,12 @@ import json
 
 import pytest
 from click.testing import CliRunner
+from store_doubles import assert_one_line
 
 from embedcache.errors import UserError
 from pipelines import plan, registry
 from pipelines.cli import main
 from pipelines.spec import parse_cell
-from store_doubles import assert_one_line
 
 
 def _pub(name: str, method: str, metric: str = "acc", **coords) -> tuple[float | None, float | None]:

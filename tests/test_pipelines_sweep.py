@@ -12,10 +12,10 @@ import sys
 import time
 from pathlib import Path
 
+import pipelines_doubles as pd
 import pytest
 from click.testing import CliRunner
 
-import pipelines_doubles as pd
 from pipelines.cli import main
 
 REPO = Path(__file__).resolve().parents[1]

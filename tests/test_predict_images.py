@@ -198,8 +198,9 @@ def test_a_backbone_that_is_not_trainings_is_refused(trained, tmp_path, field, n
 
 def test_a_backbone_whose_weights_changed_since_training_is_refused(trained, tmp_path):
     """The same name, other weights (a re-registered or updated backbone): refused, not used."""
-    from embedcache.backbones import register_backbone
     from store_doubles import tiny_factory
+
+    from embedcache.backbones import register_backbone
 
     register_backbone("tiny", lambda wd, dev: TinyBackbone("tiny", seed=1), description="test double tiny")
     try:

@@ -102,7 +102,7 @@ def test_seed_result_from_engine_run():
 
     rng = np.random.default_rng(0)
     clients = []
-    for k in range(3):
+    for _ in range(3):
         y = np.array([0, 1, 2, 0, 1, 2])
         x = (np.eye(3)[y] * 4 + rng.normal(size=(6, 3)) * 0.1).astype(np.float32)
         clients.append((x, y, x[:4], y[:4]))
@@ -181,11 +181,11 @@ def test_paths_in_reports_are_relative_to_the_run_directory(tmp_path):
 def test_a_comparison_report_names_no_absolute_path(tmp_path):
     """The store's source is an image folder given by its absolute path: the report written into
     the run directory shows it relative to that directory."""
-    import embedcache
-    from embedcache.manifest import save_manifest
     from store_doubles import make_imagefolder, make_manifest
 
+    import embedcache
     import fedheads
+    from embedcache.manifest import save_manifest
 
     images = make_imagefolder(tmp_path / "data" / "img", per_class=3)
     save_manifest(make_manifest(images), tmp_path / "m.json")

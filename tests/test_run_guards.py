@@ -11,15 +11,15 @@ import sys
 import time
 from pathlib import Path
 
+import kill_helpers
 import numpy as np
 import pytest
 from click.testing import CliRunner
-
-import kill_helpers
-from embedcache.errors import UserError
-from fedheads.cli import main
 from store_doubles import assert_one_line
 from test_fedheads_cli import _write_store
+
+from embedcache.errors import UserError
+from fedheads.cli import main
 
 WAIT = 300.0  # seconds: a bound on every wait for another process, ample at a load of 10 on 2 cores
 
@@ -129,6 +129,7 @@ def test_a_diverged_run_is_reported_failed_and_not_complete(store, tmp_path):
 
 def test_a_diverged_finetune_is_reported_failed(tmp_path_factory, tmp_path):
     import live_doubles
+
     from fedheads.live.finetune import FTConfig
     from fedheads.live.runner import FinetuneOptions, finetune_run
 

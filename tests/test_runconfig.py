@@ -10,13 +10,13 @@ from pathlib import Path
 import pytest
 import yaml
 from click.testing import CliRunner
+from store_doubles import assert_one_line
+from test_fedheads_cli import _write_store
 
 from fedheads.algorithms import create_algorithm, list_algorithms
 from fedheads.cli import main
 from fedheads.runconfig import OPERATIONAL, key_of
 from fedheads.settings import resolved_settings
-from store_doubles import assert_one_line
-from test_fedheads_cli import _write_store
 
 
 @pytest.fixture(scope="module")

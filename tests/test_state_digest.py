@@ -15,11 +15,11 @@ from pathlib import Path
 import pytest
 import torch
 from click.testing import CliRunner
+from test_fedheads_cli import _write_store
 
 from embedcache.errors import UserError
 from fedheads import checkpoint
 from fedheads.cli import main
-from test_fedheads_cli import _write_store
 
 
 def flip_tensor_bit(path: Path) -> None:
@@ -211,6 +211,7 @@ def test_ckpt_backbone_file_is_sealed(tmp_path):
 
 def test_finetune_resume_refuses_a_corrupt_checkpoint(tmp_path_factory, tmp_path):
     import live_doubles
+
     from fedheads.live.finetune import FTConfig
     from fedheads.live.runner import FinetuneOptions, finetune_run
 

@@ -217,7 +217,8 @@ def test_iter_split_chunks_reads_each_stored_chunk_once_across_misaligned_blocks
     got = list(iter_split_chunks(store, "bb", "train", "c0", chunk_rows=5))
     want = load_split(store, "bb", "train")["c0"]
     np.testing.assert_array_equal(np.concatenate([g[0] for g in got]), want.features)
-    assert [len(g[1]) for g in got] == [5, 5, 5, 5, 1] and np.concatenate([g[2] for g in got]).tolist() == want.sample_ids.tolist()
+    assert [len(g[1]) for g in got] == [5, 5, 5, 5, 1]
+    assert np.concatenate([g[2] for g in got]).tolist() == want.sample_ids.tolist()
     stream = calls[:-1]  # the last call is load_split's
     assert [c for a, b in stream for c in range(a, b)] == list(range(6))  # every chunk once, in order
 
@@ -231,3 +232,20 @@ def test_the_read_check_benchmark_runs(tmp_path):
     assert res.returncode == 0, res.stderr
     out = json.loads(res.stdout)
     assert out["ratio_checked_over_unchecked"] > 0 and out["feature_bytes"] == 2 * 2000 * 64 * 4
+
+
+def test_a_group_where_an_array_belongs_is_a_problem_not_a_crash(tmp_path):
+    """verify names a shard whose labels array was replaced by a group; the writer's readers
+    refuse it with one line instead of an AttributeError deep in zarr."""
+    import zarr
+
+    from embedcache.store_layout import read
+
+    store = _store(tmp_path, clients=("c0",))
+    shard_dir = store / "bb" / "c0" / "train"
+    shutil.rmtree(shard_dir / "labels")
+    zarr.open_group(str(shard_dir / "labels"), mode="w", zarr_format=3)
+    assert "bb/c0/train: labels is a group, not an array" in verify_store(store)
+    shard = st.open_shard(store, "bb", "c0", "train", mode="r")
+    with pytest.raises(UserError, match="labels: a group where an array was expected"):
+        read(shard, "labels")

@@ -11,9 +11,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from click.testing import CliRunner
-
 import store_doubles as d
+from click.testing import CliRunner
 from store_doubles import assert_one_line
 
 from embedcache import store as st
@@ -31,9 +30,10 @@ def made(tmp_path) -> tuple[Path, Path, Path]:
     images = d.make_imagefolder(tmp_path / "imgs", per_class=3)
     m = d.make_manifest(images)
     src = d.FolderSource(str(images))  # fingerprinted, as partition writes it (no note about drift)
-    m = replace(m, recipe={**m.recipe, "fingerprint": "sha256"}, clients=tuple(replace(c, train=tuple(replace(s, fingerprint=src.fingerprint(s.locator, "sha256")) for s in c.train),
-                                         test=tuple(replace(s, fingerprint=src.fingerprint(s.locator, "sha256")) for s in c.test))
-                                 for c in m.clients))
+    def printed(samples: tuple) -> tuple:
+        return tuple(replace(s, fingerprint=src.fingerprint(s.locator, "sha256")) for s in samples)
+    m = replace(m, recipe={**m.recipe, "fingerprint": "sha256"},
+                clients=tuple(replace(c, train=printed(c.train), test=printed(c.test)) for c in m.clients))
     save_manifest(m, tmp_path / "m.json")
     store = tmp_path / "s"
     cfg = ExtractConfig(backbones=("tiny",), store=str(store), progress=False, num_workers=1, batch_size=2)

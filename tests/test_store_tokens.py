@@ -10,9 +10,10 @@ import hashlib
 import numpy as np
 import pytest
 import store_doubles as d
-import torch
 
 pytest.importorskip("tokenizers")
+
+from text_doubles import WORDS, tiny_text_factory  # noqa: E402
 
 from embedcache import store as st  # noqa: E402
 from embedcache.errors import UserError  # noqa: E402
@@ -21,7 +22,6 @@ from embedcache.manifest import Client, Manifest, Sample  # noqa: E402
 from embedcache.reader import iter_split_chunks, load_split, open_store  # noqa: E402
 from embedcache.shard_check import chunk_digest  # noqa: E402
 from embedcache.store_io import export_h5, verify_store  # noqa: E402
-from text_doubles import WORDS, tiny_text_factory  # noqa: E402
 
 TOK = "tinytext@layer.1"
 

@@ -9,9 +9,9 @@ from pathlib import Path
 import numpy as np
 import torch
 from click.testing import CliRunner
+from fed_tiny import tiny_fed
 
 from embedcache.store_io import import_features
-from fed_tiny import tiny_fed
 from fedheads.algorithms.fedavg import FedAvg, FedAvgConfig
 from fedheads.cli import main
 from fedheads.core import run

@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-
-from fedheads.cli import main
 from store_doubles import assert_one_line
 from test_fedheads_cli import _write_store
+
+from fedheads.cli import main
 
 
 def _scalars(folder: Path) -> dict[str, dict[int, float]]:

@@ -8,19 +8,19 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import kill_helpers
 import pytest
 import torch
 from click.testing import CliRunner
-
-import kill_helpers
-from embedcache.errors import UserError
 from fed_tiny import tiny_fed
+from test_fedheads_cli import _write_store
+
+from embedcache.errors import UserError
 from fedheads import resume
 from fedheads.algorithms import list_algorithms
 from fedheads.cli import main
 from fedheads.core.tree import tree_leaves
 from fedheads.runner import TrainOptions, train_data
-from test_fedheads_cli import _write_store
 
 
 class _Stop(Exception):

@@ -3,8 +3,9 @@ tests run `embedcache extract --backbones tinytext@layer.1` like a user runs min
 
 from __future__ import annotations
 
-from embedcache.backbones import register_backbone
 from text_doubles import tiny_text_factory
+
+from embedcache.backbones import register_backbone
 
 register_backbone("tinytext", lambda wd, dev: tiny_text_factory("tinytext", wd, dev), modality="text",
                   cut_points=("embeddings", "layer.0", "layer.1"), feature_dim=16,

@@ -12,12 +12,13 @@ from pathlib import Path
 
 import live_doubles  # noqa: F401  (registers tiny-staged)
 import text_plugin  # noqa: F401  (registers tinytext)
+from store_doubles import make_imagefolder, make_manifest
+from text_doubles import tiny_text_backbone
+
 from embedcache.backbones.registry import register_backbone
 from embedcache.errors import UserError
 from embedcache.extract import ExtractConfig, extract
 from embedcache.manifest import Manifest
-from store_doubles import make_imagefolder, make_manifest
-from text_doubles import tiny_text_backbone
 
 TEXT = "tinytext"
 TEXT_TOKENS = "tinytext@layer.1"  # the last layer: the default --text-cut
@@ -58,7 +59,7 @@ def caption(sample_id: str, label_name: str, domain: str) -> str:
 def captioned(m: Manifest) -> Manifest:
     clients = []
     for c in m.clients:
-        fix = lambda ss: tuple(dataclasses.replace(s, text=caption(s.id, m.classes[s.label], c.domain)) for s in ss)  # noqa: E731
+        fix = lambda ss, c=c: tuple(dataclasses.replace(s, text=caption(s.id, m.classes[s.label], c.domain)) for s in ss)  # noqa: E731
         clients.append(dataclasses.replace(c, train=fix(c.train), test=fix(c.test)))
     return Manifest(m.source, m.classes, tuple(clients))
 

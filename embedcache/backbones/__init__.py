@@ -9,7 +9,6 @@ checkpoint layout and preprocessing it assumes; ``Backbone.trainable()`` gives a
 """
 
 from embedcache.backbones.base import Backbone
-from embedcache.backbones.staged import StagedNet
 from embedcache.backbones.registry import (
     BackboneInfo,
     create_backbone,
@@ -19,6 +18,7 @@ from embedcache.backbones.registry import (
     register_backbone,
     registered_names,
 )
+from embedcache.backbones.staged import StagedNet
 from embedcache.backbones.weights import resolve_weights_dir
 
 __all__ = [

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import contextlib
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING, Any, Mapping
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
 import torch
 from PIL import Image
@@ -42,10 +43,10 @@ class Backbone(ABC):
         """``[B, C, H, W]`` -> ``[B, D]`` float32 on the CPU."""
 
     @abstractmethod
-    def to(self, device: str) -> "Backbone":
+    def to(self, device: str) -> Backbone:
         """Move to ``device`` ("cpu", "cuda", "cuda:1"); returns self."""
 
-    def trainable(self) -> "StagedNet":
+    def trainable(self) -> StagedNet:
         """A fresh trainable deep copy of the network as ordered stages (contract 3a); train/eval
         is the caller's. Backbones without trainable torch weights say why in one line."""
         raise UserError(f"{self.name}: cannot be fine-tuned (not a torch network with trainable weights)")
@@ -187,7 +188,7 @@ class TorchBackbone(Backbone):
     def module(self) -> torch.nn.Module:
         return self._module
 
-    def trainable(self) -> "StagedNet":
+    def trainable(self) -> StagedNet:
         """A deep copy of the module as a StagedNet (CPU, eval mode, every parameter trainable)."""
         from embedcache.backbones.staged import staged_from_module
 
@@ -202,7 +203,7 @@ class TorchBackbone(Backbone):
             out = self._tf_cache[train](img)
         return out.to(torch.float32)
 
-    def to(self, device: str) -> "TorchBackbone":
+    def to(self, device: str) -> TorchBackbone:
         dev = check_device(device, who=self.name)
         self._module.to(dev)
         if dev.type == "cuda":
@@ -232,7 +233,7 @@ class CpuChannelsLastBackbone(TorchBackbone):
 
     cpu_channels_last: bool = False
 
-    def to(self, device: str) -> "CpuChannelsLastBackbone":
+    def to(self, device: str) -> CpuChannelsLastBackbone:
         super().to(device)
         if self.cpu_channels_last:
             self._module.to(memory_format=torch.channels_last)

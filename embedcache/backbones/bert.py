@@ -43,7 +43,7 @@ class BertConfig:
     attention_probs_dropout_prob: float = 0.1
 
     @classmethod
-    def from_json(cls, path: Path, *, who: str) -> "BertConfig":
+    def from_json(cls, path: Path, *, who: str) -> BertConfig:
         """Read and check config.json: only what this module implements is accepted."""
         try:
             raw = loads_json(Path(path).read_text(), f"{who}: {path}")

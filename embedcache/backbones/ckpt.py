@@ -21,8 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from embedcache.backbones.base import (Backbone, CpuChannelsLastBackbone, TorchBackbone, load_strict,
-                                       state_dict_sha256)
+from embedcache.backbones.base import Backbone, CpuChannelsLastBackbone, TorchBackbone, load_strict, state_dict_sha256
 from embedcache.backbones.cut import _BoundTransform
 from embedcache.errors import UserError
 

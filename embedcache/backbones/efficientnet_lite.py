@@ -13,7 +13,8 @@ shared cat photo is ImageNet class 285 "Egyptian cat" (p = 0.46 at 224 px; "tige
 "tabby" next), after which the classifier is dropped. Zero-shot on Office-Caltech-10 with the
 ImageNet classes mapped onto the 8 of its classes that have synsets (6 random images per class
 and domain, 192 in all): 91% (amazon 85, caltech 94, dslr 90, webcam 96), in line with the
-project's FedDRA design notes (89-94%); ImageNet's mean/std instead of (x-127)/128 also gives 91%, but a less confident cat (p = 0.37), so the TF Lite normalisation stays.
+project's FedDRA design notes (89-94%); ImageNet's mean/std instead of (x-127)/128 also gives 91%,
+but a less confident cat (p = 0.37), so the TF Lite normalisation stays.
 
 Architecture: timm ``tf_efficientnet_lite0`` (TF "same" padding, BatchNorm eps 1e-3, ReLU6). The
 file's lukemelas keys (``_blocks.3._expand_conv.weight``) are mapped onto timm's

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 from embedcache.backbones.base import Backbone
 from embedcache.errors import UserError

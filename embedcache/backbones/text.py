@@ -100,7 +100,7 @@ class TextBackbone(Backbone):
         return [len(e.ids) for e in self._tok_full.encode_batch(list(texts))]
 
     # ---------------------------------------------------------------- inference
-    def to(self, device: str) -> "TextBackbone":
+    def to(self, device: str) -> TextBackbone:
         dev = check_device(device, who=self.name)
         self._net.to(dev)
         self._device = dev
@@ -169,7 +169,7 @@ class TextBackbone(Backbone):
     def base_name(self) -> str:
         return self.name.rsplit("@", 1)[0] if self.cut is not None else self.name
 
-    def cut_backbone(self, cut: str, *, device: str | None = None) -> "TextBackbone":
+    def cut_backbone(self, cut: str, *, device: str | None = None) -> TextBackbone:
         """``<name>@<cut>``: the token states after ``cut``; shares this backbone's frozen weights
         on its device (another ``device`` gets a copy, so this backbone stays where it is)."""
         if self.cut is not None:

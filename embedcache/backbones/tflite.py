@@ -107,7 +107,7 @@ class TFLiteBackbone(Backbone):
     def transform(self, img: Image.Image, *, train: bool = False) -> torch.Tensor:
         return self._tf[train](img)
 
-    def to(self, device: str) -> "TFLiteBackbone":
+    def to(self, device: str) -> TFLiteBackbone:
         # LiteRT runs on the CPU whatever the device; accepting "cuda" keeps pipelines uniform.
         check_device(device, who=self.name)
         return self

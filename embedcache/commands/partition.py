@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-
 import click
 
 LIST_CAP = 10  # per-client warning lines before "... and N more"
@@ -26,7 +25,8 @@ LIST_CAP = 10  # per-client warning lines before "... and N more"
 @click.option("--domains", default=None, help="Comma-separated subset of domains.")
 @click.option("--train-fraction", type=float, default=None,
               help="Label shift: training share per client [0.1]; feature shift: share per class and domain.")
-@click.option("--min-samples", type=int, default=None, help="Label shift: fewest samples (before the train/test split) per client; re-draws below it [2].")
+@click.option("--min-samples", type=int, default=None,
+              help="Label shift: fewest samples (before the train/test split) per client; re-draws below it [2].")
 @click.option("--fingerprint", type=click.Choice(["sha256", "stat"]), default="sha256", show_default=True,
               help="How images are fingerprinted so that extract never serves features of a changed image: "
                    "sha256 of the file's bytes (reads every file: a few percent of decoding it; the same on every "

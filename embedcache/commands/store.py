@@ -8,7 +8,6 @@ import sys
 import click
 
 
-
 def _size(n: int) -> str:
     for unit in ("B", "KiB", "MiB", "GiB"):
         if n < 1024 or unit == "GiB":

@@ -50,7 +50,7 @@ _FONT_FILES: tuple[str, ...] = (
 _GLYPH_PX = 96  # glyphs are rasterised large once, then shrunk by the affine map
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _glyphs() -> tuple[tuple[np.ndarray, ...], ...]:
     """Tight-cropped float32 ink masks in [0, 1], indexed [font][digit]."""
     import matplotlib
@@ -259,7 +259,7 @@ def _build_cached(domain: str) -> tuple[np.ndarray, np.ndarray]:
     return images, labels
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def domain_arrays(domain: str) -> tuple[np.ndarray, np.ndarray]:
     """(images uint8 [N, 32, 32, 3], labels int64 [N]) of one domain, built once per machine
     (disk cache) and held once per process."""

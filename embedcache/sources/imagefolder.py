@@ -21,8 +21,8 @@ from __future__ import annotations
 import functools
 import hashlib
 import os
-from stat import S_ISREG
 from pathlib import Path
+from stat import S_ISREG
 
 from PIL import Image, UnidentifiedImageError
 

@@ -6,8 +6,9 @@ where `factory(**kwargs) -> Algorithm` builds the algorithm from its config fiel
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from fedheads.core.protocol import Algorithm
 
@@ -23,7 +24,6 @@ _REGISTRY: dict[str, AlgorithmInfo] = {}
 # modules imported lazily so that one broken/absent algorithm file does not break the others
 _MODULES = tuple(f"fedheads.algorithms.{m}" for m in (
     "fedavg", "fedpcl", "fedproto", "fedncm", "fedrep", "pfedme", "perfedavg", "solo", "lp", "mlp"))
-_extra_modules: list[str] = []
 
 
 def register_algorithm(name: str, factory: Callable[..., Algorithm], *, description: str) -> None:
@@ -31,14 +31,8 @@ def register_algorithm(name: str, factory: Callable[..., Algorithm], *, descript
     _REGISTRY[name] = AlgorithmInfo(name, description, factory)
 
 
-def register_module(module: str) -> None:
-    """Ask the registry to import `module` (which calls register_algorithm) on first use."""
-    if module not in _extra_modules:
-        _extra_modules.append(module)
-
-
 def _load() -> None:
-    for mod in (*_MODULES, *_extra_modules):
+    for mod in _MODULES:
         try:
             importlib.import_module(mod)
         except ModuleNotFoundError as e:

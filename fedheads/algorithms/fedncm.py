@@ -36,7 +36,6 @@ FedNCM column. The bias is drawn once from the run's seed and kept in the server
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch

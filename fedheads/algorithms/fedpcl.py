@@ -226,8 +226,8 @@ class FedPCL:
         M, C, d, dev = spec.num_clients, spec.num_classes, self.cfg.hidden, spec.device
         # each client owns its projection network: independent seeded initialisations
         p, b = heads.init_head(self.spec, heads.client_seeds(spec, seed), dev)
-        cs = FedPCLClientState(p, b, opt_initial(self.cfg.optimizer, p, self.cfg.reset_optimizer), torch.zeros(M, C, d, device=dev),
-                               torch.zeros(M, C, dtype=torch.bool, device=dev))
+        cs = FedPCLClientState(p, b, opt_initial(self.cfg.optimizer, p, self.cfg.reset_optimizer),
+                               torch.zeros(M, C, d, device=dev), torch.zeros(M, C, dtype=torch.bool, device=dev))
         ss = FedPCLServerState(torch.zeros(M, C, d, device=dev), torch.zeros(M, C, dtype=torch.bool, device=dev),
                                torch.zeros(M, dtype=torch.bool, device=dev), torch.zeros(C, d, device=dev),
                                torch.zeros(C, dtype=torch.bool, device=dev))
@@ -304,9 +304,8 @@ class FedPCL:
         cfg = self.cfg
         p, b, opt = cs.params, cs.buffers, cs.opt
         if not bc.collect_only or cfg.variant == "code":  # the code also "trains" in round 0 (docstring)
-            if cfg.reset_optimizer:
-                opt = None
-            p, b, opt = local_train(p, b, opt, cfg.optimizer, self._loss_fn(bc), self._train_data(data), ctx,
+            p, b, opt = local_train(p, b, None if cfg.reset_optimizer else opt, cfg.optimizer, self._loss_fn(bc),
+                                    self._train_data(data), ctx,
                                     cfg.batch_size, cfg.local_epochs, drop_last=cfg.drops_last,
                                     keep_opt=not cfg.reset_optimizer, rowwise=True)
         with torch.no_grad():  # Eq. 5 over the full training set, eval mode (in row chunks)
@@ -382,4 +381,5 @@ def _factory(**kw: object) -> FedPCL:
 
 from fedheads.algorithms import register_algorithm  # noqa: E402
 
-register_algorithm("fedpcl", _factory, description="FedPCL (Tan et al. NeurIPS 2022), paper Eq. 5-10; variant='code' = authors' code")
+register_algorithm("fedpcl", _factory,
+                   description="FedPCL (Tan et al. NeurIPS 2022), paper Eq. 5-10; variant='code' = authors' code")

@@ -33,8 +33,16 @@ from dataclasses import dataclass, field
 import torch
 
 from embedcache.errors import UserError
-from fedheads.algorithms.pfl_common import (DeltaMessage, GlobalModel, apply_mean_delta, config_from_kwargs, delta_message, expand, expand_view,
-                                            salted)
+from fedheads.algorithms.pfl_common import (
+    DeltaMessage,
+    GlobalModel,
+    apply_mean_delta,
+    config_from_kwargs,
+    delta_message,
+    expand,
+    expand_view,
+    salted,
+)
 from fedheads.core import heads, ops
 from fedheads.core.heads import HeadSpec, Params
 from fedheads.core.optim import OptimizerConfig

@@ -35,15 +35,30 @@ from dataclasses import dataclass, field
 import torch
 
 from embedcache.errors import UserError
-from fedheads.algorithms.pfl_common import (DeltaMessage, GlobalModel, apply_mean_delta, config_from_kwargs, delta_message,
-                                            expand, expand_view, grads, in_data_order, order_by_steps,
-                                            personal_and_global_scores, prefix_len, rows, salted, schedule, step_batch,
-                                            step_buffers)
+from fedheads.algorithms.pfl_common import (
+    DeltaMessage,
+    GlobalModel,
+    apply_mean_delta,
+    config_from_kwargs,
+    delta_message,
+    expand,
+    expand_view,
+    grads,
+    in_data_order,
+    order_by_steps,
+    personal_and_global_scores,
+    prefix_len,
+    rows,
+    salted,
+    schedule,
+    step_batch,
+    step_buffers,
+)
 from fedheads.core import heads, ops
 from fedheads.core.heads import HeadSpec, Params
 from fedheads.core.optim import InPlaceOptimizer, OptimizerConfig
-from fedheads.core.train import fresh_opt_state
 from fedheads.core.protocol import Init, RoundCtx
+from fedheads.core.train import fresh_opt_state
 from fedheads.data import DataSpec, FedData
 
 
@@ -162,4 +177,5 @@ def _factory(**kw: object) -> PerFedAvg:
 
 from fedheads.algorithms import register_algorithm  # noqa: E402
 
-register_algorithm("perfedavg", _factory, description="Per-FedAvg (Fallah et al. 2020), first-order MAML, one-step personalised eval")
+register_algorithm("perfedavg", _factory,
+                   description="Per-FedAvg (Fallah et al. 2020), first-order MAML, one-step personalised eval")

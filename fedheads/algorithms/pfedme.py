@@ -33,13 +33,27 @@ from dataclasses import dataclass
 import torch
 
 from embedcache.errors import UserError
-from fedheads.algorithms.pfl_common import (DeltaMessage, GlobalModel, apply_mean_delta, config_from_kwargs, delta_message,
-                                            expand, expand_view, grads, in_data_order, order_by_steps,
-                                            personal_and_global_scores, prefix_len, rows, schedule, step_batch,
-                                            step_buffers)
-from fedheads.core.optim import id_runs
+from fedheads.algorithms.pfl_common import (
+    DeltaMessage,
+    GlobalModel,
+    apply_mean_delta,
+    config_from_kwargs,
+    delta_message,
+    expand,
+    expand_view,
+    grads,
+    in_data_order,
+    order_by_steps,
+    personal_and_global_scores,
+    prefix_len,
+    rows,
+    schedule,
+    step_batch,
+    step_buffers,
+)
 from fedheads.core import heads, ops
 from fedheads.core.heads import HeadSpec, Params
+from fedheads.core.optim import id_runs
 from fedheads.core.protocol import Init, RoundCtx
 from fedheads.data import DataSpec, FedData
 

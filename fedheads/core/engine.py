@@ -17,8 +17,9 @@ times the number of participants."""
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, Protocol, Sequence
+from typing import Any, Protocol
 
 import torch
 from tqdm.auto import tqdm
@@ -27,8 +28,18 @@ from embedcache.errors import UserError
 from fedheads.core import ops, rng
 from fedheads.core.ops import masked_accuracy
 from fedheads.core.protocol import Algorithm, Init, RoundCtx
-from fedheads.core.tree import (payload_size, tree_cat, tree_index, tree_leaves, tree_map, tree_put_rows_, tree_rows,
-                                tree_scatter, tree_scatter_, unshared)
+from fedheads.core.tree import (
+    payload_size,
+    tree_cat,
+    tree_index,
+    tree_leaves,
+    tree_map,
+    tree_put_rows_,
+    tree_rows,
+    tree_scatter,
+    tree_scatter_,
+    unshared,
+)
 from fedheads.data import FedData, Federation
 from fedheads.heap import release_free_heap
 
@@ -86,7 +97,7 @@ class RunResult:
         return CommRecord(sum(r.comm.up_values for r in h), sum(r.comm.up_bytes for r in h),
                           sum(r.comm.down_values for r in h), sum(r.comm.down_bytes for r in h))
 
-    def in_client_order(self, order: Sequence[int] | None, server_fields: Sequence[str] = ()) -> "RunResult":
+    def in_client_order(self, order: Sequence[int] | None, server_fields: Sequence[str] = ()) -> RunResult:
         """This run of clients stacked in `order` (the positions in another federation of its
         clients, as FedData.by_size gives them) with the client axis put back in that federation's
         order: of the client state, of every round's accuracies and of the server-state fields
@@ -173,7 +184,8 @@ def eval_client_state(algorithm: Algorithm, client_state: Any, server_state: Any
         groups = data.groups()
         if len(groups) == 1:
             return adapt(client_state, server_state, data)
-        parts, order = [], []
+        parts: list[Any] = []
+        order: list[int] = []
         for ms, bucket in groups:
             parts.append(adapt(tree_rows(client_state, ms, data.device), server_state, bucket))
             order += ms
@@ -239,6 +251,7 @@ def client_updates(algorithm: Algorithm, client_state: Any, broadcast: Any, data
     part, M, dev = ctx.participants, data.num_clients, data.device
     groups = data.groups()
     if len(groups) == 1:
+        assert isinstance(data, FedData), "a one-group federation is a padded FedData (layout.to_layout)"
         pidx = part.to(dev)
         everyone = len(part) == M
         sub = data if everyone else data.select(part)

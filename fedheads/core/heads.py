@@ -31,16 +31,6 @@ class HeadSpec:
     normalize: bool = True  # L2-normalise the projection output z
 
 
-def _uniform(shape: tuple[int, ...], bound: float, gen: torch.Generator) -> torch.Tensor:
-    return torch.empty(shape, dtype=torch.float32).uniform_(-bound, bound, generator=gen)
-
-
-def _init_linear(din: int, dout: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    # torch.nn.Linear default: kaiming_uniform(a=sqrt(5)) == U(+-1/sqrt(fan_in)) for W and b.
-    bound = 1.0 / math.sqrt(din)
-    return _uniform((din, dout), bound, gen), _uniform((dout,), bound, gen)
-
-
 def client_seeds(spec: Any, seed: int) -> list[int]:
     """One initialisation seed per client of `spec` (a DataSpec), from the run seed and the
     client's global id: a client starts from the same head whatever its place in the stack
@@ -112,7 +102,10 @@ def embedding_class_sums(spec: HeadSpec, params: Params, buffers: Params, x: tor
         z, _ = embed(spec, params, buffers, transform(xs) if transform is not None else xs, mask[:, a:a + rows],
                      train=False)
         s, c = ops.class_sums(z, y[:, a:a + rows], mask[:, a:a + rows], num_classes)
-        sums, counts = (s, c) if sums is None else (sums.add_(s), counts.add_(c))
+        if sums is None or counts is None:
+            sums, counts = s, c
+        else:
+            sums.add_(s), counts.add_(c)
     assert sums is not None and counts is not None
     return sums, counts
 

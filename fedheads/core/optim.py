@@ -8,13 +8,13 @@ gradient, bias-corrected Adam; checked against torch for M=1 in tests/test_core_
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 import torch
 
-from fedheads.core.heads import Params
 from embedcache.errors import UserError
+from fedheads.core.heads import Params
 
 
 @dataclass(frozen=True)
@@ -181,8 +181,10 @@ def opt_step(cfg: OptimizerConfig, params: Params, grads: Params, state: OptStat
         if all_active:
             new_p[k], m, v = _update(cfg, p, grads[k], m_old, v_old, step)
         elif rows is not None:
-            sel = lambda t: None if t is None else t.index_select(0, rows)  # noqa: E731
-            pr, m, v = _update(cfg, sel(p), sel(grads[k]), sel(m_old), sel(v_old), step.index_select(0, rows))
+            def sel(t: torch.Tensor | None) -> torch.Tensor | None:
+                return None if t is None else t.index_select(0, rows)
+            pr, m, v = _update(cfg, p.index_select(0, rows), grads[k].index_select(0, rows), sel(m_old), sel(v_old),
+                               step.index_select(0, rows))
             new_p[k] = p.index_copy(0, rows, pr)
             m = None if m is None else m_old.index_copy(0, rows, m)  # type: ignore[union-attr]
             v = None if v is None else v_old.index_copy(0, rows, v)  # type: ignore[union-attr]
@@ -190,8 +192,9 @@ def opt_step(cfg: OptimizerConfig, params: Params, grads: Params, state: OptStat
             pr, m, v = _update(cfg, p, grads[k], m_old, v_old, step.clamp_min(1.0))
             act = _bcast(active, p)
             new_p[k] = torch.where(act, pr, p)
-            m = None if m is None else torch.where(act, m, m_old)
-            v = None if v is None else torch.where(act, v, v_old)
+            # _update returns a moment only for a moment it was given
+            m = None if m is None or m_old is None else torch.where(act, m, m_old)
+            v = None if v is None or v_old is None else torch.where(act, v, v_old)
         if m is not None:
             new_m[k] = m
         if v is not None:

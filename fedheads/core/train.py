@@ -17,7 +17,7 @@ that order already (FedData.by_size) need neither the reordering copies nor thei
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -30,7 +30,8 @@ from fedheads.core.tree import tree_where
 from fedheads.data import FedData
 
 # loss_fn(params, buffers, x [M,B,D], y [M,B], valid [M,B][, consts]) -> (loss per client [M], new buffers)
-LossFn = Callable[[Params, Params, torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, Params]]
+# Callable[..., ...]: the sixth argument is there only when local_train is given `consts`.
+LossFn = Callable[..., tuple[torch.Tensor, Params]]
 
 
 def gather_rows(x: torch.Tensor, index: torch.Tensor, clients: torch.Tensor | None = None) -> torch.Tensor:

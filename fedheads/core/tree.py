@@ -6,7 +6,8 @@ Non-tensor leaves (ints, strings, None) are passed through unchanged."""
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Iterable, Sequence, TypeVar
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, TypeVar
 
 import torch
 
@@ -33,7 +34,12 @@ def tree_map(fn: Callable[..., Any], tree: T, *rest: Any) -> T:
 def tree_leaves(tree: Any) -> list[torch.Tensor]:
     """All tensor leaves, in a deterministic order."""
     out: list[torch.Tensor] = []
-    tree_map(lambda t: out.append(t) or t, tree)
+
+    def collect(t: torch.Tensor) -> torch.Tensor:
+        out.append(t)
+        return t
+
+    tree_map(collect, tree)
     return out
 
 

@@ -47,8 +47,9 @@ quiet_environment()
 def require_flower() -> None:
     """One clear line when the optional extra is missing or is another release."""
     try:
-        import flwr  # noqa: F401
         from importlib.metadata import version
+
+        import flwr  # noqa: F401
     except ImportError:
         raise UserError("flower: not installed; install the extra: pip install 'fedfrozen[flower]'") from None
     found = version("flwr")

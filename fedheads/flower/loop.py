@@ -7,6 +7,7 @@ import logging
 from typing import Any
 
 import torch
+from flwr.app import Message, RecordDict  # noqa: E402  (after fedheads.flower: quiet env)
 
 from embedcache.errors import UserError
 from fedheads.core.engine import CommRecord, RoundRecord, RunResult, clock, select_participants
@@ -16,8 +17,6 @@ from fedheads.data import DataSpec
 from fedheads.flower import codec
 from fedheads.flower.deploy import round_line
 from fedheads.flower.server import FlowerLog, FlowerRunConfig, _failed, _run_record, _send
-
-from flwr.app import Message, RecordDict  # noqa: E402  (after fedheads.flower: quiet env)
 
 log = logging.getLogger("fedheads.flower")
 

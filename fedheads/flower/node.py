@@ -30,8 +30,8 @@ from fedheads.flower import require_flower
 require_flower()
 
 from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict  # noqa: E402
-from flwr.clientapp import ClientApp  # noqa: E402
 from flwr.client.mod import secaggplus_mod  # noqa: E402
+from flwr.clientapp import ClientApp  # noqa: E402
 
 # torch (through the codec) is imported by the handlers that need it: SecAgg+'s key stages run
 # in ClientApp processes of their own and never need it

@@ -25,8 +25,9 @@ P = 3). Integer fields (counts) are rounded back and are exact while 4 P max|v| 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import torch

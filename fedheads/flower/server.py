@@ -30,7 +30,6 @@ require_flower()
 from flwr.app import ConfigRecord, Context, Message, RecordDict  # noqa: E402
 from flwr.serverapp import Grid, ServerApp  # noqa: E402
 
-from fedheads.flower import codec  # noqa: E402
 from fedheads.flower.grid import AuditGrid  # noqa: E402
 
 log = logging.getLogger("fedheads.flower")
@@ -73,7 +72,7 @@ class FlowerRunConfig:
             raise UserError("backbones: at least one is needed")
 
     @classmethod
-    def from_run_config(cls, rc: Any) -> "FlowerRunConfig":
+    def from_run_config(cls, rc: Any) -> FlowerRunConfig:
         known = {f.name: f for f in fields(cls)}
         kw: dict[str, Any] = {}
         for key, value in dict(rc).items():

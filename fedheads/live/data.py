@@ -23,9 +23,9 @@ from __future__ import annotations
 
 import contextlib
 import random
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -184,7 +184,7 @@ class LiveClient:
 
 
 def shared_loader(manifest: Any, source: Any, transform: Callable[..., torch.Tensor], num_workers: int = 0,
-                  device: torch.device | None = None) -> tuple["ImageLoader", list[tuple[np.ndarray, np.ndarray]]]:
+                  device: torch.device | None = None) -> tuple[ImageLoader, list[tuple[np.ndarray, np.ndarray]]]:
     """ONE loader over every client's train then test images (one worker pool for the whole run),
     and each client's (train rows, test rows) in it, in manifest order."""
     locators: list[str] = []

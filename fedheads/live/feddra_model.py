@@ -150,7 +150,7 @@ class DualEncoder(nn.Module):
         """(zx, zy) before normalisation, from token states."""
         return self.psi(img, img_mask), self.phi(txt, txt_mask)
 
-    def set_mode(self, stage: int) -> "DualEncoder":
+    def set_mode(self, stage: int) -> DualEncoder:
         """Stage 1: modules train, encoders eval (frozen). Stage 2: the trained encoder stages
         train too (BatchNorm per `bn`); frozen stages stay in eval mode."""
         self.eval()

@@ -23,9 +23,9 @@ import torch
 
 from embedcache.errors import UserError
 from fedheads import comm
-from fedheads.checks import FINETUNE_HEADS
 from fedheads.algorithms import create_algorithm
 from fedheads.algorithms.fedncm import linear_head_init
+from fedheads.checks import FINETUNE_HEADS
 from fedheads.core.engine import run
 from fedheads.data import load_fed_data
 

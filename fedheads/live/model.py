@@ -29,7 +29,6 @@ from torch import nn
 from embedcache.errors import UserError
 
 Params = dict[str, torch.Tensor]
-MODES = ("all", "after", "head")
 BN_MODES = ("train", "frozen")
 
 
@@ -41,7 +40,7 @@ class Trainable:
     cut: str | None = None  # the last frozen stage for mode "after"
 
     @staticmethod
-    def parse(spec: str) -> "Trainable":
+    def parse(spec: str) -> Trainable:
         kind, _, cut = spec.partition(":")
         if kind == "after" and cut:
             return Trainable("after", cut)
@@ -49,7 +48,7 @@ class Trainable:
             return Trainable(kind)
         raise UserError(f"--trainable {spec!r}: use all, head or after:BLOCK (e.g. after:layer2)")
 
-    def check(self, staged: nn.Module) -> "Trainable":
+    def check(self, staged: nn.Module) -> Trainable:
         """UserError naming the cut points when the backbone has no such cut."""
         if self.mode == "after" and self.cut not in staged.cut_points():
             raise UserError(f"--trainable after:{self.cut}: {staged.name} has no cut {self.cut!r} "
@@ -101,7 +100,7 @@ class LiveNet(nn.Module):
     def takes_images(self) -> bool:
         return self.start is None or self.live_prefix
 
-    def train_mode(self) -> "LiveNet":
+    def train_mode(self) -> LiveNet:
         """Frozen stages in eval mode; trainable stages per `bn`; the head has no mode."""
         self.train()
         for name in self.frozen_stages:

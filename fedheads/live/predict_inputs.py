@@ -130,7 +130,6 @@ def extract_images(tr: Trained, spec: str, by: tuple[str | None, ...], opts: Ext
     """`imagefolder:PATH` as cache shards (test split), one per top-level folder and labelled or
     not (image_labels); an input where some or all images have no label says so in one note."""
     from embedcache.sources.imagefolder import IMAGE_SUFFIXES, ImageFolder
-
     from fedheads.predict import note
 
     kind, sep, path = spec.partition(":")

@@ -18,7 +18,6 @@ communication, vs computation, one curve per method).
 
 from __future__ import annotations
 
-import copy
 import csv
 import io
 import json
@@ -37,13 +36,13 @@ from fedheads.atomic import atomic_path
 from fedheads.checks import FINETUNE_HEADS, check_choices, check_finite, check_seeds
 from fedheads.data import resolve_device
 from fedheads.live import plots
-from fedheads.machine import machine
-from fedheads.runner import check_trained_state
 from fedheads.live.data import cached_clients, image_clients
 from fedheads.live.driver import Checkpoint, FTRun, run_finetune, seed_timing
 from fedheads.live.finetune import FineTune, FTConfig, split_state
 from fedheads.live.heads import HeadResult, check_store, head_from_store
 from fedheads.live.model import LiveNet, Trainable, count_values, reinitialise
+from fedheads.machine import machine
+from fedheads.runner import check_trained_state
 
 METHOD_NAMES = {"fedncm": "fedncm+ft", "lp": "lp+ft", "random": "ft"}
 
