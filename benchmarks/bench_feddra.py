@@ -43,7 +43,6 @@ from pathlib import Path
 
 import click
 import torch
-
 from assets import REPO, data_dir, weights_dir  # sibling module (benchmarks/ is on sys.path)
 from machine_info import machine_facts, write_json
 
@@ -255,7 +254,8 @@ def part_methods(store: str, seeds: tuple[int, ...], quick: bool, work: Path,
     for name, r in runs.items():
         ret = r["retrieval"]
         out["methods"][name] = {
-            m: {"mean": ret[m]["mean"], "worst": ret[m]["worst"]} for m in ("t2i_r1", "t2i_r5", "i2t_r1", "chance_r1", "class_r1")}
+            m: {"mean": ret[m]["mean"], "worst": ret[m]["worst"]}
+            for m in ("t2i_r1", "t2i_r5", "i2t_r1", "chance_r1", "class_r1")}
         out["methods"][name]["wall_minutes"] = r["timing"]["wall_seconds"] / 60
         out["methods"][name]["final_lambda"] = r["lambda"]["final_mean"]
         run_dir = work / "methods" / name if "algorithms" in res else work / "methods"

@@ -197,7 +197,8 @@ def compare(store, backbones, algorithms, out, overwrite, resume, dump_config, *
 @click.option("--seed", type=int, default=None, help="Which seed's state (default: the run's first).")
 @click.option("--top-k", default=1, show_default=True, help="Also write the k nearest classes (capped at the classes).")
 @click.option("--chunk-rows", default=65536, show_default=True, help="Rows per streamed chunk (bounded memory).")
-@click.option("--device", default="cpu", show_default=True, help="Where extraction and the head run (faiss uses the GPU when it can).")
+@click.option("--device", default="cpu", show_default=True,
+              help="Where extraction and the head run (faiss uses the GPU when it can).")
 @click.option("--batch-size", type=int, default=None, help="Extraction batch (default: the training store's).")
 @click.option("--num-workers", default=2, show_default=True, help="Image decoding threads.")
 @click.option("--weights-dir", default=None, help="Where backbone weights are looked up first.")
@@ -312,7 +313,8 @@ def _flower_options(f):
         click.option("--set", "settings", multiple=True, metavar="KEY=VALUE", help="Algorithm config field (repeatable)."),
         click.option("--secagg", is_flag=True, help="SecAgg+ for the sum-shaped server steps (fedncm, fedproto, fedpcl)."),
         click.option("--secagg-shares", default=1.0, show_default=True, help="SecAgg+ shares, fraction of the participants."),
-        click.option("--secagg-threshold", default=0.67, show_default=True, help="SecAgg+ reconstruction threshold, fraction of the shares."),
+        click.option("--secagg-threshold", default=0.67, show_default=True,
+                     help="SecAgg+ reconstruction threshold, fraction of the shares."),
         click.option("--on-dropout", type=click.Choice(["refuse", "continue"]), default="refuse", show_default=True,
                      help="A node failing a round: stop the run, or complete the round from the others (recorded)."),
         click.option("--timeout", default=600.0, show_default=True, help="Seconds a round's messages may take."),
@@ -478,7 +480,8 @@ def join(superlink, store, client, manifest, device, weights_dir, port, root_cer
 def feddra(ctx, dump_config, manifest_path, store, image_encoder, image_cut, text_encoder, text_cut, baselines, preset, schedule,
            stage1_rounds,
            no_two_stage, rounds, steps, batch_size, rho, divergence, radius_convention, gamma, mu, tau, lr, encoder_lr,
-           weight_decay, step_scaling, aggregation, dro_loss, dro_model, dro_batches, prox_mu, image_trainable, text_trainable, bn,
+           weight_decay, step_scaling, aggregation, dro_loss, dro_model, dro_batches, prox_mu, image_trainable,
+           text_trainable, bn,
            stage1_inputs, no_augment, probe_manifest, probe_shots, probe_draws, seeds, eval_every, device, num_workers,
            weights_dir, resume, overwrite, quiet, out) -> None:
     """FedDRA (federated distributionally robust vision-language alignment) and its baselines.
@@ -566,7 +569,8 @@ def algorithms_cmd(name: str | None, show: bool, as_json: bool) -> None:
 @click.option("--out", type=click.Path(dir_okay=False), default=None, help="table.md or table.csv (default: Markdown on stdout).")
 def summarize(runs: tuple[str, ...], out: str | None) -> None:
     """One table across RUN_DIRs (train, compare, finetune): accuracy, fairness, upload, time."""
-    from fedheads.summarize import summarize as gather, to_markdown, write_table
+    from fedheads.summarize import summarize as gather
+    from fedheads.summarize import to_markdown, write_table
 
     if out is not None and not out.lower().endswith((".md", ".csv")):
         raise UserError(f"--out {out}: must end in .md or .csv")

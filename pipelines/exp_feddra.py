@@ -15,8 +15,7 @@ split unambiguously.
 
 from __future__ import annotations
 
-from pipelines.spec import (BackboneSet, Claim, DataRecipe, Experiment, Layout, Method, Point, ScaleSpec,
-                            published_rows)
+from pipelines.spec import BackboneSet, Claim, DataRecipe, Experiment, Layout, Method, Point, ScaleSpec, published_rows
 
 RUNNER = "command:fedheads feddra"  # the public command; absent from a build: one line says so
 ENCODERS = BackboneSet(

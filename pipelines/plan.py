@@ -13,7 +13,7 @@ import dataclasses
 import hashlib
 import importlib.util
 from dataclasses import dataclass, field
-from functools import lru_cache
+from functools import cache, lru_cache
 from typing import Any
 
 from embedcache.errors import UserError
@@ -77,7 +77,7 @@ def _module_exists(name: str) -> bool:
         return False
 
 
-@lru_cache(maxsize=None)
+@cache
 def _has_field(algorithm: str, name: str) -> bool:
     from fedheads.algorithms import create_algorithm
 

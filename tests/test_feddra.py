@@ -14,13 +14,12 @@ import dataclasses
 import numpy as np
 import pytest
 import torch
-import torch.nn.functional as F
-
 import vl_doubles
+
 from embedcache.errors import UserError
+from fedheads.live.data import seeded
 from fedheads.live.dro import DROConfig
 from fedheads.live.feddra import FDMessage, FedDRA, FedDRAConfig, info_nce, l_c, l_mi
-from fedheads.live.data import seeded
 from fedheads.live.feddra_driver import _seed, run_feddra
 from fedheads.live.feddra_eval import retrieval
 from fedheads.live.feddra_model import DualEncoder, ModuleShape, is_module_key

@@ -8,11 +8,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import kill_helpers
 import pytest
 import torch
-
-import kill_helpers
 import vl_doubles
+
 from embedcache.errors import UserError
 from embedcache.manifest import save_manifest
 from fedheads.live.dro import DROConfig

@@ -9,17 +9,17 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-import torch
-
 import kill_helpers
 import live_doubles  # noqa: F401  (registers tiny-staged)
+import pytest
+import torch
+from store_doubles import make_manifest
+
 from embedcache.errors import UserError
 from embedcache.extract import ExtractConfig, extract
 from embedcache.manifest import save_manifest
 from fedheads.live.finetune import FineTune, FTConfig
 from fedheads.live.runner import FinetuneOptions, finetune_run
-from store_doubles import make_manifest
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -8,10 +8,10 @@ import json
 from pathlib import Path
 
 import click
+import pipelines_doubles as pd
 import pytest
 from click.testing import CliRunner
 
-import pipelines_doubles as pd
 from fedheads.cli import main as fedheads_main
 from pipelines import plan, registry
 from pipelines.cells import FEDDRA_MISSING

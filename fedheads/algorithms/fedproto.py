@@ -98,8 +98,8 @@ class FedProto:
         self.spec = HeadSpec(spec.dim, self.cfg.hidden, spec.num_classes, True, self.cfg.normalize)
         M, C, d, dev = spec.num_clients, spec.num_classes, self.cfg.hidden, spec.device
         p, b = heads.init_head(self.spec, heads.client_seeds(spec, seed), dev)
-        cs = FedProtoClientState(p, b, opt_initial(self.cfg.optimizer, p, self.cfg.reset_optimizer), torch.zeros(M, C, d, device=dev),
-                                 torch.zeros(M, C, dtype=torch.bool, device=dev))
+        cs = FedProtoClientState(p, b, opt_initial(self.cfg.optimizer, p, self.cfg.reset_optimizer),
+                                 torch.zeros(M, C, d, device=dev), torch.zeros(M, C, dtype=torch.bool, device=dev))
         ss = FedProtoServerState(torch.zeros(C, d, device=dev), torch.zeros(C, dtype=torch.bool, device=dev))
         return Init(cs, ss, FedProtoBroadcast(ss.global_protos, ss.global_present))
 

@@ -85,7 +85,8 @@ class LPConfig:
     adam_beta2: float | None = None  # FedAdam beta2; None = 0.999 (flsim) / 0.99 (reddi)
     adam_tau: float | None = None  # FedAdam eps (flsim, 1e-8) / tau (reddi, 1e-3); None = the flavour's
     adam_weight_decay: float | None = None  # FedAdam L2 on the server step; None = 1e-5 (flsim) / 0 (reddi)
-    optimizer: OptimizerConfig = field(default_factory=lambda: OptimizerConfig("sgd", lr=0.1, weight_decay=0.0))  # client SGD, App. B grid top
+    # client SGD, App. B grid top
+    optimizer: OptimizerConfig = field(default_factory=lambda: OptimizerConfig("sgd", lr=0.1, weight_decay=0.0))
     batch_size: int = 32  # local mini-batch size
     local_epochs: int = 1  # E
     reset_optimizer: bool = True  # fresh client optimiser every round (FLSim builds one per round)
@@ -236,4 +237,5 @@ def _factory(**kw: object) -> HeadTuning:
 
 from fedheads.algorithms import register_algorithm  # noqa: E402
 
-register_algorithm("lp", _factory, description="Linear probe (FedNCM paper) with FedAvg / FedProx / FedAdam, optional FedNCM init")
+register_algorithm("lp", _factory,
+                   description="Linear probe (FedNCM paper) with FedAvg / FedProx / FedAdam, optional FedNCM init")

@@ -77,30 +77,37 @@ class FedAdam:
         for name, default in zip(("beta2", "tau", "weight_decay"), _FLAVOUR_DEFAULTS[self.flavour]):
             if getattr(self, name) is None:
                 object.__setattr__(self, name, default)  # frozen: resolve the flavour's default once
-        if self.lr <= 0 or self.tau <= 0 or not (0 <= self.beta1 < 1) or not (0 <= self.beta2 < 1):
-            raise UserError(f"fedadam lr={self.lr} tau={self.tau} betas=({self.beta1}, {self.beta2}): "
+        beta2, tau, wd = self.resolved()
+        if self.lr <= 0 or tau <= 0 or not (0 <= self.beta1 < 1) or not (0 <= beta2 < 1):
+            raise UserError(f"fedadam lr={self.lr} tau={tau} betas=({self.beta1}, {beta2}): "
                             "need lr, tau > 0 and betas in [0, 1)")
-        if self.weight_decay < 0 or (self.weight_decay and self.flavour == "reddi"):
-            raise UserError(f"adam_weight_decay {self.weight_decay}: must be >= 0, and 0 for 'reddi'")
+        if wd < 0 or (wd and self.flavour == "reddi"):
+            raise UserError(f"adam_weight_decay {wd}: must be >= 0, and 0 for 'reddi'")
+
+    def resolved(self) -> tuple[float, float, float]:
+        """(beta2, tau, weight_decay), the flavour's defaults filled in by __post_init__."""
+        assert self.beta2 is not None and self.tau is not None and self.weight_decay is not None
+        return self.beta2, self.tau, self.weight_decay
 
     def init(self, params: Params) -> FedAdamState:
-        v0 = 0.0 if self.flavour == "flsim" else self.tau ** 2
+        v0 = 0.0 if self.flavour == "flsim" else self.resolved()[1] ** 2
         return FedAdamState({k: torch.zeros_like(v) for k, v in params.items()},
                             {k: torch.full_like(v, v0) for k, v in params.items()})
 
     def step(self, params: Params, delta: Params, state: FedAdamState) -> tuple[Params, FedAdamState]:
+        beta2, tau, wd = self.resolved()
         if self.flavour == "reddi":
             m = {k: self.beta1 * state.m[k] + (1 - self.beta1) * delta[k] for k in params}
-            v = {k: self.beta2 * state.v[k] + (1 - self.beta2) * delta[k] ** 2 for k in params}
-            new = {k: params[k] + self.lr * m[k] / (v[k].sqrt() + self.tau) for k in params}
+            v = {k: beta2 * state.v[k] + (1 - beta2) * delta[k] ** 2 for k in params}
+            new = {k: params[k] + self.lr * m[k] / (v[k].sqrt() + tau) for k in params}
             return new, FedAdamState(m, v, state.t + 1)
         t = state.t + 1
-        g = {k: self.weight_decay * params[k] - delta[k] for k in params}  # pseudo-gradient + L2
+        g = {k: wd * params[k] - delta[k] for k in params}  # pseudo-gradient + L2
         m = {k: torch.lerp(state.m[k], g[k], 1 - self.beta1) for k in params}
-        v = {k: state.v[k] * self.beta2 + (1 - self.beta2) * g[k] * g[k] for k in params}
+        v = {k: state.v[k] * beta2 + (1 - beta2) * g[k] * g[k] for k in params}
         step = self.lr / (1 - self.beta1 ** t)
-        bc2 = math.sqrt(1 - self.beta2 ** t)
-        new = {k: params[k] - step * m[k] / (v[k].sqrt() / bc2 + self.tau) for k in params}
+        bc2 = math.sqrt(1 - beta2 ** t)
+        new = {k: params[k] - step * m[k] / (v[k].sqrt() / bc2 + tau) for k in params}
         return new, FedAdamState(m, v, t)
 
 

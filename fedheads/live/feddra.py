@@ -37,15 +37,14 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
 from embedcache.errors import UserError
-from fedheads.checks import check_finite
 from fedheads.algorithms.pfl_common import GlobalModel
+from fedheads.checks import check_finite
 from fedheads.live import dro
 from fedheads.live.feddra_model import DualEncoder, Params, is_module_key
 from fedheads.live.finetune import AMP, _amp, optimizer_step
@@ -106,7 +105,8 @@ class FedDRAConfig:
                   (self.rounds >= 1 and self.steps >= 1 and self.batch_size >= 2 and self.dro_batches >= 1,
                    "--rounds, --steps-per-stage, --dro-batches must be >= 1 and --batch-size >= 2"),
                   (self.mu >= 0 and self.prox_mu >= 0 and self.tau > 0, "--mu, --prox-mu must be >= 0, tau > 0"),
-                  (self.lr > 0 and self.encoder_lr >= 0 and self.weight_decay >= 0, "--lr > 0, --encoder-lr >= 0, weight decay >= 0"),
+                  (self.lr > 0 and self.encoder_lr >= 0 and self.weight_decay >= 0,
+                   "--lr > 0, --encoder-lr >= 0, weight decay >= 0"),
                   (self.stage1_rounds is None or 0 <= self.stage1_rounds <= self.rounds,
                    f"--stage1-rounds {self.stage1_rounds}: must be between 0 and --rounds {self.rounds}")]
         for ok, msg in checks:

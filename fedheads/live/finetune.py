@@ -41,16 +41,17 @@ grid {1e-3 ... 1e-6}).
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from embedcache.errors import UserError
-from fedheads.checks import check_finite
 from fedheads.algorithms.pfl_common import DeltaMessage, GlobalModel
 from fedheads.algorithms.server_opt import MOMENTUM_SERVERS, SERVER_OPTS, make_server_optimizer
+from fedheads.checks import check_finite
 from fedheads.core.protocol import RoundCtx
 from fedheads.live.model import LiveNet, Params
 
