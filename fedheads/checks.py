@@ -10,28 +10,19 @@ imported: the registry itself is then asked (it is loaded by then anyway)."""
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import math
 import sys
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from embedcache.errors import UserError
+from embedcache.errors import UserError, unknown_name
 
 # fedheads.algorithms registry (fedheads/algorithms/*.py)
 ALGORITHMS = ("fedavg", "fedavg-linear", "fedncm", "fedpcl", "fedproto", "fedrep", "lp", "mlp", "perfedavg",
               "pfedme", "solo")
 FINETUNE_HEADS = ("fedncm", "lp", "random")  # fedheads finetune --head (fedheads.live.heads.HEADS)
-FEDDRA_BASELINES = ("feddra", "fedavg", "fedprox", "no-two-stage", "no-constraint",
+FEDDRA_BASELINES = ("feddra", "fedavg", "fedavg-two-stage", "fedprox", "no-two-stage", "no-constraint",
                     "no-dro")  # fedheads feddra --baseline (fedheads.live.feddra_runner.BASELINES)
-
-
-def unknown_name(name: str, known: Iterable[str], what: str) -> UserError:
-    """One line: `name` is not a known `what`, the closest known name, and the known ones."""
-    known = sorted(set(known))
-    near = difflib.get_close_matches(name, known, n=1)
-    hint = f"; did you mean {near[0]}?" if near else ""
-    return UserError(f"unknown {what} {name!r}{hint} (known: {', '.join(known)})")
 
 
 def known_algorithms() -> list[str]:

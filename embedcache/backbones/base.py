@@ -16,7 +16,7 @@ import torch
 from PIL import Image
 
 from embedcache.errors import UserError
-from embedcache.sources import to_rgb8
+from embedcache.pixels import to_rgb8
 from embedcache.tensor_digest import state_dict_sha256  # noqa: F401 - where the backbones import it from
 
 if TYPE_CHECKING:

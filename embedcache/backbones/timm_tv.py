@@ -29,7 +29,7 @@ from embedcache.backbones import weights as W
 from embedcache.backbones.base import TorchBackbone, load_strict, state_dict_sha256, strip_prefix
 from embedcache.backbones.registry import BackboneInfo
 from embedcache.errors import UserError
-from embedcache.sources import to_rgb8
+from embedcache.pixels import to_rgb8
 
 _EXTS = (".safetensors", ".pth")
 # The random view used for train=True (multi-view extraction), milder than ImageNet training.

@@ -28,7 +28,7 @@ from PIL import Image, UnidentifiedImageError
 
 from embedcache.errors import UserError
 from embedcache.manifest import locator_problem
-from embedcache.sources import to_rgb8
+from embedcache.pixels import to_rgb8
 
 CAPTIONS_FILE = "captions.tsv"
 IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".bmp", ".gif", ".tif", ".tiff", ".webp", ".ppm", ".pgm"}

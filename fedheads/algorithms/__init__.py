@@ -49,7 +49,7 @@ def create_algorithm(name: str, **kwargs: Any) -> Algorithm:
     """Build a registered algorithm from its config fields (UserError on unknown name)."""
     _load()
     if name not in _REGISTRY:
-        from fedheads.checks import unknown_name
+        from embedcache.errors import unknown_name
 
         raise unknown_name(name, _REGISTRY, "algorithm")
     return _REGISTRY[name].factory(**kwargs)
