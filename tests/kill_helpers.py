@@ -45,13 +45,15 @@ def run_script(code: str, timeout: float = 600) -> subprocess.CompletedProcess:
                           timeout=timeout)
 
 
-def kill_at(code: str, marker: str, occurrence: int = 1, deadline: float = 300) -> None:
-    """Run `code` and kill -9 its process group once it has printed `marker` `occurrence` times
-    (or `deadline` seconds have passed); every wait is bounded."""
+def kill_at(code: str, marker: str, occurrence: int = 1, deadline: float = 900) -> None:
+    """Run `code` and kill -9 its process group once it has printed `marker` `occurrence` times.
+    Every wait is bounded: a run that has not got there within `deadline` seconds (a loaded machine)
+    is killed too, and the test fails saying so, instead of going on from the wrong point."""
     proc = subprocess.Popen([sys.executable, "-c", code], env=subprocess_env(), stdout=subprocess.PIPE, text=True,
                             start_new_session=True)
+    seen = 0
     try:
-        end, seen = time.monotonic() + deadline, 0
+        end = time.monotonic() + deadline
         for line in proc.stdout:  # type: ignore[union-attr]
             seen += line.startswith(marker)
             if seen >= occurrence or time.monotonic() > end:
@@ -60,3 +62,4 @@ def kill_at(code: str, marker: str, occurrence: int = 1, deadline: float = 300) 
     finally:
         proc.wait(timeout=30)
         proc.stdout.close()  # type: ignore[union-attr]
+    assert seen >= occurrence, f"{marker!r} printed {seen} of {occurrence} times before the run ended or {deadline:.0f} s passed"

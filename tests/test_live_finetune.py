@@ -195,7 +195,7 @@ def test_kill_minus_9_then_resume_is_identical(setup, tmp_path):
                                 resume=resume)
 
     assert "DONE" in kill_helpers.run_script(script(tmp_path / "ref", False, 0.0), timeout=300).stdout
-    kill_helpers.kill_at(script(tmp_path / "killed", False, 30.0), "ROUND 2", deadline=120)
+    kill_helpers.kill_at(script(tmp_path / "killed", False, 30.0), "ROUND 2")
     assert not (tmp_path / "killed" / "results.json").exists()
     done = kill_helpers.run_script(script(tmp_path / "killed", True, 0.0), timeout=300)
     assert "DONE" in done.stdout, done.stderr[-2000:]
