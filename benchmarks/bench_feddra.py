@@ -8,7 +8,7 @@ after layer.5 (32 x 384); writes benchmarks/results/feddra.json.
            (images decoded and transformed, ResNet-20 to layer3 and MiniLM to layer.5, run once and
            read by the trained model and by the anchor of L_C, as the live path runs them; also the
            older path that ran them again for the anchor); timed alternately in one process, the
-           ratio is of their medians (issue 7 target >= 20x on this CPU); the FLOPs of each step
+           ratio is of their medians (target >= 20x on this CPU); the FLOPs of each step
            (torch FlopCounterMode: the compute-bound ceiling of the ratio); stage 2 as the quick
            preset runs it (image encoder trained, text frozen) and as the paper does (both trained).
   speed-paper-sized  the stage-1 comparison with encoders of the paper's sizes (ResNet-50 at 224

@@ -1,4 +1,4 @@
-"""Wall time of the reproduction pipelines (issue 8, "Benchmarks and figures"): each experiment run
+"""Wall time of the reproduction pipelines: each experiment run
 with `python -m pipelines run NAME --scale SCALE --scheduler SCHED`, first cold (partition and
 extraction into the run's cache included), then again with `--force` from the warm cache (every
 cell re-trained, features read from the store): prepare seconds, sweep seconds and the sum of the

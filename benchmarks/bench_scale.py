@@ -1,7 +1,7 @@
 """Peak memory and seconds per round of `fedheads train` on a skewed federation: the padded layout
 (every client padded to the largest: "before") against size buckets ("after", fedheads/layout.py).
 
-Federation (issue 8, "Scale"): M in {100, 300, 1000} clients whose sizes follow a Pareto law with
+Federation: M in {100, 300, 1000} clients whose sizes follow a Pareto law with
 shape alpha = 2 (a power law: P(N > n) ~ n^-2), taken at the quantiles (i + 0.5) / M so the
 sizes are deterministic, rescaled to a mean of 1,000 rows (at least 10), in a seeded random
 client order; 80 % train / 20 % test per client; 512-d float32 features of 10 Gaussian class

@@ -1,6 +1,6 @@
 """Where the peak memory of `fedheads train` goes, stage by stage, on bench_scale.py's federation
 (Pareto client sizes, mean 1,000 rows, 512-d): the resident size (RSS) above the baseline at the
-start of each stage and its peak during it, as multiples of the feature bytes (issue 8's "Scale":
+start of each stage and its peak during it, as multiples of the feature bytes (the scale target:
 at most 1.5x). Stages: the store's load, each algorithm's `init`, every round's client updates
 (each algorithm `client_update` call inside), server aggregation, evaluation and checkpoint.
 RSS is sampled every 10 ms by a thread of the measured subprocess (a diagnosis, not the peak

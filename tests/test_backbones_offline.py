@@ -1,4 +1,4 @@
-"""timm / torchvision weights on a machine without network (issue 10.6): one clear error as
+"""timm / torchvision weights on a machine without network: one clear error as
 soon as the hub is known to be out of reach (no minute of client retries), and a model already
 in the Hugging Face cache still loads with no network at all."""
 

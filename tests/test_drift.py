@@ -1,5 +1,5 @@
 """Fingerprints: images that change after `embedcache partition` are never served from the
-cache (issue 10.1): extract refuses naming them, a re-partition re-extracts them."""
+cache: extract refuses naming them, a re-partition re-extracts them."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
 """`embedcache partition` options: every option is honoured or refused (never ignored), the
-output format follows --out, and clients left without test samples are said at partition time
-(issues 10.3, 10.6, 11.1)."""
+output format follows --out, and clients left without test samples are said at partition time."""
 
 from __future__ import annotations
 

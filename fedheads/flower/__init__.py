@@ -1,4 +1,4 @@
-"""fedheads over Flower (issue 9): the algorithms of `fedheads.algorithms`, unchanged, as a
+"""fedheads over Flower: the algorithms of `fedheads.algorithms`, unchanged, as a
 Flower ServerApp / ClientApp, each client node caching its own features with embedcache.
 
 Layout (docs/contracts.md section 8 is the contract):
