@@ -6,10 +6,9 @@ the registry itself is asked then (torch is loaded by then anyway)."""
 
 from __future__ import annotations
 
-import difflib
 import sys
 
-from embedcache.errors import UserError
+from embedcache.errors import UserError, did_you_mean
 
 BUILTIN = ("digitnet-builtin", "efficientnet-lite0", "minilm-l6-v2", "mobilenet-v1-embed-tflite",
            "mobilenet-v2-tflite", "resnet18-aircraft", "resnet18-birds", "resnet18-quickdraw", "resnet20-cifar10",
@@ -21,9 +20,7 @@ SIZED = ("efficientnet-lite0:", "minilm-l6-v2:")  # <name>:<px> / <name>:<tokens
 def unknown_backbone(name: str, known: list[str]) -> UserError:
     """The one line for a backbone name nothing registers, with the nearest known name."""
     known = sorted(known)
-    near = difflib.get_close_matches(name, known, n=1)
-    hint = f"; did you mean {near[0]}?" if near else ""
-    return UserError(f"{name}: unknown backbone{hint} (known: {', '.join(known)}, timm:<model>, tv:<model>, "
+    return UserError(f"{name}: unknown backbone{did_you_mean(name, known)} (known: {', '.join(known)}, timm:<model>, tv:<model>, "
                      "ckpt:<path>)")
 
 

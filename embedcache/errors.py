@@ -15,11 +15,15 @@ class StoreWarning(UserWarning):
     one `note: ...` line."""
 
 
-def unknown_name(name: str, known: Iterable[str], what: str) -> UserError:
-    """One line: `name` is not a known `what`, the closest known name, and the known ones."""
+def did_you_mean(name: str, known: Iterable[str]) -> str:
+    """"; did you mean X?" with the known name nearest to `name`, or "" when none is near."""
     import difflib
 
+    near = difflib.get_close_matches(name, sorted(set(known)), n=1)
+    return f"; did you mean {near[0]}?" if near else ""
+
+
+def unknown_name(name: str, known: Iterable[str], what: str) -> UserError:
+    """One line: `name` is not a known `what`, the closest known name, and the known ones."""
     known = sorted(set(known))
-    near = difflib.get_close_matches(name, known, n=1)
-    hint = f"; did you mean {near[0]}?" if near else ""
-    return UserError(f"unknown {what} {name!r}{hint} (known: {', '.join(known)})")
+    return UserError(f"unknown {what} {name!r}{did_you_mean(name, known)} (known: {', '.join(known)})")

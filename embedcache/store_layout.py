@@ -48,6 +48,11 @@ _FULL = (errno.ENOSPC, errno.EDQUOT)
 _DENIED = (errno.EACCES, errno.EPERM, errno.EROFS)
 
 
+def _inside(path: str | bytes | os.PathLike, store: str | Path) -> bool:
+    root = os.path.abspath(store)
+    return os.path.commonpath([os.path.abspath(os.fsdecode(path)), root]) == root
+
+
 @contextlib.contextmanager
 def store_writes(store: str | Path, flag: str = "--store") -> Iterator[None]:
     """Turn a write that the file system refuses (disk full, no permission, read-only) into one
@@ -56,8 +61,8 @@ def store_writes(store: str | Path, flag: str = "--store") -> Iterator[None]:
     try:
         yield
     except OSError as exc:
-        if exc.errno not in _FULL + _DENIED:
-            raise
+        if exc.errno not in _FULL + _DENIED or (exc.filename and not _inside(exc.filename, store)):
+            raise  # another error, or a file outside the store (a weights file, a cache): not the store's
         where = exc.filename or store
         what = os.strerror(exc.errno)
         if exc.errno in _FULL:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import sys
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from embedcache.errors import UserError, unknown_name
@@ -67,11 +67,12 @@ def _pairs(obj: Any) -> bool:
         isinstance(p, (list, tuple)) and len(p) == 2 and isinstance(p[0], str) for p in obj)
 
 
-def first_non_finite(obj: Any, path: tuple[str, ...] = ()) -> tuple[tuple[str, ...], float] | None:
-    """(path, value) of the first float in `obj` (dataclasses, mappings, sequences, (key, value)
-    pairs, walked in order) that is NaN or infinite; None when all are finite."""
-    if isinstance(obj, float):
-        return None if math.isfinite(obj) else (path, obj)
+def first_leaf(obj: Any, test: Callable[[Any], Any], path: tuple[str, ...] = ()) -> tuple[tuple[str, ...], Any] | None:
+    """(path, test(leaf)) of the first leaf of `obj` (dataclasses, mappings, (key, value) pairs and
+    sequences, walked in order) for which `test` is not None; None when there is none."""
+    found = test(obj)
+    if found is not None:
+        return path, found
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         items: Iterable[tuple[str, Any]] = ((f.name, getattr(obj, f.name)) for f in dataclasses.fields(obj))
     elif isinstance(obj, Mapping):
@@ -83,10 +84,35 @@ def first_non_finite(obj: Any, path: tuple[str, ...] = ()) -> tuple[tuple[str, .
     else:
         return None
     for k, v in items:
-        found = first_non_finite(v, (*path, k))
-        if found is not None:
-            return found
+        hit = first_leaf(v, test, (*path, k))
+        if hit is not None:
+            return hit
     return None
+
+
+def first_non_finite(obj: Any, path: tuple[str, ...] = ()) -> tuple[tuple[str, ...], float] | None:
+    """(path, value) of the first float in `obj` that is NaN or infinite; None when all are finite."""
+    return first_leaf(obj, lambda v: v if isinstance(v, float) and not math.isfinite(v) else None, path)
+
+
+def check_trained_state(states: dict[str, Any], algorithm: str, seed: int) -> None:
+    """A run whose final state ({name: tree}) holds NaN or infinite values failed (it diverged:
+    too large a learning rate, say); it is refused in one line naming the seed and the first such
+    field, before anything marks the run directory complete."""
+    import torch  # only here: the rest of this module runs before torch is imported
+
+    def bad(t: Any) -> tuple[int, int] | None:
+        if not isinstance(t, torch.Tensor) or not (t.is_floating_point() or t.is_complex()):
+            return None
+        n = int((~torch.isfinite(t)).sum())
+        return (n, t.numel()) if n else None
+
+    found = first_leaf(states, bad)
+    if found is not None:
+        path, (n, total) = found
+        raise UserError(f"{algorithm}, seed {seed}: training diverged, the trained state is not finite "
+                        f"({'.'.join(path)}: {n} of {total} values NaN or infinite); no results written "
+                        "(a smaller --lr?)")
 
 
 def check_finite(obj: Any, set_fields: Sequence[str] = ("settings", "lp_settings")) -> None:

@@ -22,13 +22,24 @@ from typing import Any
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
+def _load_prctl() -> Any:
+    """libc's prctl, looked up once in the parent: between fork and exec a child of a threaded
+    process may only make async-signal-safe calls, and dlopen is not one."""
+    if not sys.platform.startswith("linux"):
+        return None
+    import ctypes
+
+    return ctypes.CDLL(None, use_errno=True).prctl
+
+
+_PRCTL = _load_prctl()
+
+
 def die_with_parent(parent: int, sig: int = signal.SIGTERM) -> None:
     """In the child, between fork and exec: ask for `sig` when the parent thread exits (and
     take it now if the parent `parent` already died before the request was made)."""
-    if sys.platform.startswith("linux"):
-        import ctypes
-
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
+    if _PRCTL is not None:
+        _PRCTL(PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
         if os.getppid() != parent:
             os.kill(os.getpid(), sig)
 

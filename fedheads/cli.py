@@ -74,8 +74,7 @@ def _check_plain(ctx: click.Context, backbones: Sequence[str] = (),
     for b in backbones:
         check_backbone_name(b)
     if store_backbones is not None:
-        import difflib
-
+        from embedcache.errors import did_you_mean
         from embedcache.reader import open_store
 
         store, names = store_backbones
@@ -84,9 +83,8 @@ def _check_plain(ctx: click.Context, backbones: Sequence[str] = (),
         info = open_store(store)
         for b in names:
             if b not in info.backbones:
-                near = difflib.get_close_matches(b, info.backbones, n=1)
-                hint = f"; did you mean {near[0]}?" if near else ""
-                raise UserError(f"backbone {b!r}: not in store {info.path}{hint} (has: {', '.join(info.backbones)})")
+                raise UserError(f"backbone {b!r}: not in store {info.path}{did_you_mean(b, info.backbones)} "
+                                f"(has: {', '.join(info.backbones)})")
 
 
 def _train_options(f):
@@ -359,12 +357,11 @@ def simulate(store, clients, **kw) -> None:
     from fedheads.flower.sim import flower_logs, simulate_store
 
     cfg = _flower_config(clients=clients, **kw)
-    if cfg.out:  # before flower.log is written there: an existing run is refused untouched
+    with rundir.locked(Path(cfg.out)):  # one run writes --out at a time, as for `train`
+        # before flower.log is written there: an existing run is refused untouched
         rundir.refuse_existing(Path(cfg.out), overwrite=cfg.overwrite)
         with flower_logs(Path(cfg.out) / "flower.log", lambda m: click.echo(m, err=True)):
             simulate_store(cfg, store, [c for c in clients.split(",") if c] or None)
-    else:
-        simulate_store(cfg, store, [c for c in clients.split(",") if c] or None)
     _flower_summary(json.loads((Path(cfg.out) / "results.json").read_text()), cfg.out)
 
 
@@ -387,8 +384,11 @@ def serve(nodes, host, port, wait, ssl_certfile, ssl_keyfile, ssl_ca_certfile, *
         if not all((ssl_certfile, ssl_keyfile, ssl_ca_certfile)):
             raise UserError("--ssl-certfile/--ssl-keyfile/--ssl-ca-certfile: give all three (or none: insecure)")
         tls = {"certfile": ssl_certfile, "keyfile": ssl_keyfile, "ca": ssl_ca_certfile}
-    res = run_serve(cfg.to_run_config(), Path(cfg.out), host=host, port=port, tls=tls,
-                    timeout=wait + cfg.timeout * (cfg.rounds + 2), echo=lambda m: click.echo(m, err=True))
+    from fedheads import rundir
+
+    with rundir.locked(Path(cfg.out)):  # one run writes --out at a time, as for `train`
+        res = run_serve(cfg.to_run_config(), Path(cfg.out), host=host, port=port, tls=tls,
+                        timeout=wait + cfg.timeout * (cfg.rounds + 2), echo=lambda m: click.echo(m, err=True))
     _flower_summary(res, cfg.out)
 
 
@@ -401,8 +401,8 @@ def serve(nodes, host, port, wait, ssl_certfile, ssl_keyfile, ssl_ca_certfile, *
 @click.option("--weights-dir", default="", help="Backbone weights for the extraction.")
 @click.option("--port", default=0, help="Local port of the node's ClientApp API (default: a free one).")
 @click.option("--root-certificates", default=None, help="CA certificate of a TLS SuperLink (default: insecure).")
-@click.option("--log", "log_path", default="", help="Where the SuperNode's output goes (default: STORE with the suffix "
-              ".flower.log beside it; '-': this console).")
+@click.option("--log", "log_path", default="", help="Where the SuperNode's output goes (default: STORE.flower.log "
+              "beside the store; '-': this console).")
 def join(superlink, store, client, manifest, device, weights_dir, port, root_certificates, log_path) -> None:
     """Run a Flower SuperNode for this node's own data until the SuperLink goes away."""
     import os
@@ -414,12 +414,15 @@ def join(superlink, store, client, manifest, device, weights_dir, port, root_cer
     cmd, env = join_command(superlink, node, Path(store).resolve().parent / f".{Path(store).name}.flower", port,
                             insecure=root_certificates is None, root_certificates=root_certificates)
     Path(node["store"]).parent.mkdir(parents=True, exist_ok=True)
-    log = None if log_path == "-" else Path(log_path or Path(store).with_suffix(".flower.log"))
+    log = None if log_path == "-" else Path(log_path or Path(store).with_name(Path(store).name + ".flower.log"))
     click.echo(f"joining {superlink} as {client or Path(store).name} (SuperNode, this PID"
                + (f"; its log: {log})" if log else ")"), err=True)
     if log is not None:  # the SuperNode's connection retries and per-message lines go to its log
-        log.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        try:
+            log.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        except OSError as exc:
+            raise UserError(f"--log {log}: cannot write it ({exc.strerror or exc}); give another --log") from None
         os.dup2(fd, 1)
         os.dup2(fd, 2)
         os.close(fd)

@@ -112,12 +112,13 @@ def check_resume(out: Path, subdirs: Sequence[str], overwrite: bool, resume: boo
 LOCK = ".fedheads.lock"  # held by the run writing the directory; holds its PID
 
 
-def _holder(path: Path, wait: float = 2.0) -> str:
-    """The PID the lock file names (its holder writes it right after locking: waited for briefly)."""
+def _holder(fd: int, wait: float = 2.0) -> str:
+    """The PID in the lock file open as `fd` (the file that refused us, not whatever is at its path
+    by now; its holder writes it right after locking: waited for briefly)."""
     deadline = time.monotonic() + wait
     while True:
         with contextlib.suppress(OSError):
-            pid = path.read_text().strip()
+            pid = os.pread(fd, 64, 0).decode(errors="replace").strip()
             if pid:
                 return pid
         if time.monotonic() > deadline:
@@ -138,20 +139,26 @@ def locked(out: Path) -> Iterator[None]:
     out = Path(out)
     if out.exists() and not out.is_dir():
         raise UserError(f"{out}: is a file, not a directory; --out needs a directory")
+    top = out  # the topmost directory this call creates (removed again if it stays empty)
+    while not top.parent.exists() and top.parent != top:
+        top = top.parent
     created = not out.exists()
     path = out / LOCK
     while True:
         try:
             out.mkdir(parents=True, exist_ok=True)
             fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        except FileNotFoundError:  # the run before removed the directory it created, just now: again
+            continue
         except OSError as exc:
             raise UserError(f"{out}: cannot write the run directory ({exc.strerror or exc}); choose a writable "
                             "--out") from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
+            pid = _holder(fd)
             os.close(fd)
-            raise UserError(f"{out}: another run is writing this directory (PID {_holder(path)}); wait for it "
+            raise UserError(f"{out}: another run is writing this directory (PID {pid}); wait for it "
                             "or use another --out") from None
         try:  # the last holder removes the file on release: lock the file that is at the path now
             if os.fstat(fd).st_ino == os.stat(path).st_ino:
@@ -167,8 +174,11 @@ def locked(out: Path) -> Iterator[None]:
         path.unlink(missing_ok=True)  # still locked: no other run holds this file meanwhile
         os.close(fd)
         if created:
-            with contextlib.suppress(OSError):
-                out.rmdir()  # only when empty: a run that was refused leaves nothing behind
+            with contextlib.suppress(OSError):  # only when empty: a refused run leaves nothing behind
+                for d in [out, *out.parents]:
+                    d.rmdir()
+                    if d == top:
+                        break
 
 
 F = TypeVar("F", bound=Callable[..., Any])

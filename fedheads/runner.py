@@ -21,7 +21,7 @@ import io
 import json
 import os
 import platform
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -34,7 +34,7 @@ from fedheads import resume as resume_mod
 from fedheads.algorithms import create_algorithm
 from fedheads.atomic import atomic_path
 from fedheads.checkpoint import load_sealed, save_sealed
-from fedheads.checks import check_finite, check_seeds
+from fedheads.checks import check_finite, check_seeds, check_trained_state
 from fedheads.core.engine import RunResult, clock, run, to_device
 from fedheads.core.tree import tree_leaves
 from fedheads.data import DataSpec, FedData, Federation, in_store_order, largest_first, layout_info, load_fed_data, resolve_device
@@ -163,42 +163,6 @@ def load_state(path: Path, algorithm: Any, spec: DataSpec, seed: int) -> tuple[A
 
     return (restore_tree(init.client_state, saved["client"], path, "client", algorithm.name),
             restore_tree(init.server_state, saved["server"], path, "server", algorithm.name))
-
-
-def _non_finite_leaf(tree: Any, path: tuple[str, ...]) -> tuple[str, int, int] | None:
-    """(dotted path, non-finite count, size) of the first floating tensor in `tree` (dataclasses,
-    dicts, sequences) holding a NaN or an infinity; None when every value is finite."""
-    if isinstance(tree, torch.Tensor):
-        if not (tree.is_floating_point() or tree.is_complex()):
-            return None
-        bad = int((~torch.isfinite(tree)).sum())
-        return (".".join(path), bad, tree.numel()) if bad else None
-    if dataclasses.is_dataclass(tree) and not isinstance(tree, type):
-        items: Iterable[tuple[str, Any]] = ((f.name, getattr(tree, f.name)) for f in dataclasses.fields(tree))
-    elif isinstance(tree, dict):
-        items = ((str(k), v) for k, v in tree.items())
-    elif isinstance(tree, (list, tuple)):
-        items = ((str(i), v) for i, v in enumerate(tree))
-    else:
-        return None
-    for k, v in items:
-        found = _non_finite_leaf(v, (*path, k))
-        if found is not None:
-            return found
-    return None
-
-
-def check_trained_state(states: dict[str, Any], algorithm: str, seed: int) -> None:
-    """A run whose final state ({name: tree}) holds NaN or infinite values failed (it diverged:
-    too large a learning rate, say); it is refused in one line naming the seed and the first such
-    field, before anything marks the run directory complete."""
-    for what, tree in states.items():
-        found = _non_finite_leaf(tree, (what,))
-        if found is not None:
-            where, bad, total = found
-            raise UserError(f"{algorithm}, seed {seed}: training diverged, the trained state is not finite "
-                            f"({where}: {bad} of {total} values NaN or infinite); no results written "
-                            "(a smaller --lr?)")
 
 
 def _metrics_rows(result: RunResult, seed: int, names: Sequence[str]) -> list[list[Any]]:

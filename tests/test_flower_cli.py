@@ -82,3 +82,10 @@ def test_simulate_command_writes_the_run_and_refuses_bad_input_in_one_line(store
         r = CliRunner().invoke(main, base + args)
         lines = [ln for ln in r.output.strip().splitlines() if ln.strip()]
         assert r.exit_code == 2 and len(lines) == 1 and lines[0].startswith("error:") and needle in lines[0], r.output
+
+
+def test_join_with_an_unwritable_log_is_one_line(store, tmp_path):
+    pytest.importorskip("flwr")
+    r = _cli("", ["join", "--superlink", "127.0.0.1:9", "--store", str(store), "--log", str(tmp_path)])
+    lines = [ln for ln in r.stderr.strip().splitlines() if ln.strip() and not ln.startswith("joining ")]
+    assert r.returncode == 2 and len(lines) == 1 and lines[0].startswith(f"error: --log {tmp_path}: cannot write it"), r.stderr

@@ -246,3 +246,15 @@ def test_the_lock_vanishes_when_its_holder_is_killed(store, tmp_path):
     with rundir.locked(out):  # no holder left: taken at once
         assert (out / ".fedheads.lock").read_text().strip() == str(os.getpid())
     assert_one_line(_train(store, out, "--algorithm", "fedncm", "--seeds", "0"), 0, "fedncm: accuracy")
+
+
+def test_a_lock_leaves_no_directory_it_created_behind(tmp_path):
+    """A run that writes nothing (refused, or failed before writing) removes the directories the
+    lock created for it, parents included, and nothing that was there before."""
+    from fedheads import rundir
+
+    (tmp_path / "kept").mkdir()
+    out = tmp_path / "kept" / "a" / "b" / "run"
+    with rundir.locked(out):
+        assert (out / rundir.LOCK).read_text().strip() == str(os.getpid())
+    assert not (tmp_path / "kept" / "a").exists() and (tmp_path / "kept").is_dir()

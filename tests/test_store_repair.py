@@ -145,3 +145,16 @@ def test_import_into_a_store_with_a_damaged_root_says_how_to_rebuild(made, tmp_p
     np.savez(tmp_path / "f.npz", features=np.ones((3, 4), np.float32), labels=np.array([0, 1, 2]))
     with pytest.raises(UserError, match="verify --repair"):
         import_features(store, tmp_path / "f.npz", backbone="ext", client="c9", split="train")
+
+
+def test_a_refused_write_outside_the_store_is_not_called_the_stores(tmp_path):
+    """A weights file or cache that cannot be written is not the store's fault: the error passes
+    through unchanged (the CLI names it), rather than advising another --store."""
+    from embedcache.store_layout import store_writes
+
+    store = tmp_path / "s.zarr"
+    with pytest.raises(PermissionError), store_writes(store):
+        raise PermissionError(errno.EACCES, "Permission denied", str(tmp_path / "weights" / "w.pt"))
+    with pytest.raises(UserError, match=r"s.zarr/c0/zarr.json: cannot write \(Permission denied\); fix its permissions"), \
+            store_writes(store):
+        raise PermissionError(errno.EACCES, "Permission denied", str(store / "c0" / "zarr.json"))

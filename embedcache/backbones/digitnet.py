@@ -295,7 +295,7 @@ def _build(weights_dir: Path | None, device: str) -> TorchBackbone:
 def _probe(weights_dir: Path | None) -> tuple[bool, str]:
     fname = weights_file(DEFAULT_RECIPE)
     given = W.resolve_weights_dir(weights_dir) / fname
-    if given.is_file() and given.parent != W.cache_weights_dir():
+    if given.is_file() and (weights_dir is not None or given.parent != W.cache_weights_dir()):  # as ensure_weights
         return True, f"{given} ({PROVENANCE})"
     if DEFAULT_RECIPE == SHIPPED_RECIPE and (ASSETS / fname).is_file():
         return True, f"shipped with the package: {ASSETS / fname} ({PROVENANCE})"

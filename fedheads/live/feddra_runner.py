@@ -46,7 +46,7 @@ import torch
 
 from embedcache.errors import UserError
 from fedheads import report, rundir
-from fedheads.checks import check_finite, check_seeds
+from fedheads.checks import check_finite, check_seeds, check_trained_state
 from fedheads.data import resolve_device
 from fedheads.live import feddra_report, vl
 from fedheads.live.feddra import FedDRA, FedDRAConfig
@@ -57,7 +57,6 @@ from fedheads.live.heads import check_store
 from fedheads.live.pairs import PairClient, cache_from_store, check_paired, pair_clients
 from fedheads.live.runner import _jsonable, _write
 from fedheads.machine import machine
-from fedheads.runner import check_trained_state
 
 BASELINES: dict[str, dict[str, Any]] = {
     "feddra": {},

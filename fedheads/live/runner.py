@@ -33,7 +33,7 @@ import torch
 from embedcache.errors import UserError
 from fedheads import comm, plotting, report, rundir
 from fedheads.atomic import atomic_path
-from fedheads.checks import FINETUNE_HEADS, check_choices, check_finite, check_seeds
+from fedheads.checks import FINETUNE_HEADS, check_choices, check_finite, check_seeds, check_trained_state
 from fedheads.data import resolve_device
 from fedheads.live import plots
 from fedheads.live.data import cached_clients, image_clients
@@ -42,7 +42,6 @@ from fedheads.live.finetune import FineTune, FTConfig, split_state
 from fedheads.live.heads import HeadResult, check_store, head_from_store
 from fedheads.live.model import LiveNet, Trainable, count_values, reinitialise
 from fedheads.machine import machine
-from fedheads.runner import check_trained_state
 
 METHOD_NAMES = {"fedncm": "fedncm+ft", "lp": "lp+ft", "random": "ft"}
 
