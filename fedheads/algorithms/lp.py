@@ -85,8 +85,8 @@ class LPConfig:
     adam_beta2: float | None = None  # FedAdam beta2; None = 0.999 (flsim) / 0.99 (reddi)
     adam_tau: float | None = None  # FedAdam eps (flsim, 1e-8) / tau (reddi, 1e-3); None = the flavour's
     adam_weight_decay: float | None = None  # FedAdam L2 on the server step; None = 1e-5 (flsim) / 0 (reddi)
-    # client SGD, App. B grid top
-    optimizer: OptimizerConfig = field(default_factory=lambda: OptimizerConfig("sgd", lr=0.1, weight_decay=0.0))
+    optimizer: OptimizerConfig = field(default_factory=lambda: OptimizerConfig("sgd", lr=0.1, weight_decay=0.0))  # client SGD,
+    # App. B grid top
     batch_size: int = 32  # local mini-batch size
     local_epochs: int = 1  # E
     reset_optimizer: bool = True  # fresh client optimiser every round (FLSim builds one per round)
