@@ -61,3 +61,22 @@ def float32_math():
             yield
     finally:
         torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = old
+
+
+@pytest.fixture
+def drawn(monkeypatch):
+    """Figures handed to save(), drawn, instead of written (plotting and pipelines.figures)."""
+    from fedheads import plotting
+    from pipelines import figures
+
+    figs = []
+
+    def keep(fig, path):
+        fig.canvas.draw()
+        figs.append(fig)
+        return path
+    monkeypatch.setattr(plotting, "save", keep)
+    monkeypatch.setattr(figures, "_save", keep)
+    yield figs
+    for f in figs:
+        plotting.pyplot().close(f)

@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 
-from fedheads import plotting
 from pipelines import compare, figures, plan, registry, report
 
 AUTHORS = "FedNCM (authors' code)"
@@ -140,14 +139,8 @@ def test_report_cells_say_ours_and_paper_paths_are_relative_and_backbones_are_th
     assert report.portable_paths(text, edir) == "weights not found in ~/.cache/w.th; store ../cache/s.zarr; figure ./a.png"
 
 
-def test_paper_vs_ours_has_a_legend_of_methods_and_a_title_that_fits(monkeypatch):
-    figs = []
-
-    def keep(fig, path):
-        fig.canvas.draw()
-        figs.append(fig)
-        return path
-    monkeypatch.setattr(figures, "_save", keep)
+def test_paper_vs_ours_has_a_legend_of_methods_and_a_title_that_fits(drawn):
+    figs = drawn
     title = ('Tan et al., "Federated Learning from Pre-Trained Models: A Contrastive Learning Approach", '
              "NeurIPS 2022, Table 2: digit5, digitnet-builtin + efficientnet-lite0")
     pairs = [("a", 50.0, 55.0, 1.0, "Ours"), ("b", 40.0, 38.0, 0.5, "FedAvg"), ("c", 60.0, 61.0, 0.0, "Ours")]
@@ -162,7 +155,6 @@ def test_paper_vs_ours_has_a_legend_of_methods_and_a_title_that_fits(monkeypatch
     fw = fig.get_figwidth() * fig.dpi
     assert t.x0 >= 0 and t.x1 <= fw  # the whole title on the figure, not cut
     assert ax.title.get_text().replace("\n", " ") == title
-    plotting.pyplot().close(fig)
 
 
 def test_index_counts_claims_not_testable(tmp_path):

@@ -28,22 +28,6 @@ def _result(name: str, clients: list[str], seed: int = 0, dataset: str = "builti
             "history": [{"round": r, "accuracy": 10.0 * r + seed, "std": 1.0} for r in range(1, 4)]}
 
 
-@pytest.fixture
-def drawn(monkeypatch):
-    """Figures handed to save(), drawn, instead of written (plotting and pipelines.figures)."""
-    figs = []
-
-    def keep(fig, path):
-        fig.canvas.draw()
-        figs.append(fig)
-        return path
-    monkeypatch.setattr(plotting, "save", keep)
-    monkeypatch.setattr(figures, "_save", keep)
-    yield figs
-    for f in figs:
-        plotting.pyplot().close(f)
-
-
 def _legend_outside(fig, ax) -> None:
     leg = ax.get_legend()
     assert leg is not None
