@@ -95,7 +95,7 @@ def test_join_sends_the_supernode_output_to_its_log_and_says_one_line(tmp_path):
     from fedheads import children
     from fedheads.flower.deploy import free_port, stop
 
-    store, log = tmp_path / "node" / "c0.zarr", tmp_path / "node" / "c0.flower.log"
+    store, log = tmp_path / "node" / "c0.zarr", tmp_path / "node" / "c0.zarr.flower.log"
     cmd = [sys.executable, "-m", "fedheads.cli", "join", "--superlink", f"127.0.0.1:{free_port()}", "--store", str(store)]
     proc = children.popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
