@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import itertools
 import json
 import os
 import time
@@ -144,12 +145,15 @@ def locked(out: Path) -> Iterator[None]:
         top = top.parent
     created = not out.exists()
     path = out / LOCK
-    while True:
+    for attempt in itertools.count():
         try:
             out.mkdir(parents=True, exist_ok=True)
             fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-        except FileNotFoundError:  # the run before removed the directory it created, just now: again
-            continue
+        except FileNotFoundError as exc:  # the run before removed the directory it created, just now: again
+            if attempt < 20:
+                continue
+            raise UserError(f"{out}: cannot create the run directory ({exc.strerror or exc}); choose another "
+                            "--out") from None
         except OSError as exc:
             raise UserError(f"{out}: cannot write the run directory ({exc.strerror or exc}); choose a writable "
                             "--out") from None
