@@ -42,6 +42,7 @@ from typing import Any
 import numpy as np
 
 from embedcache.errors import UserError
+from fedheads.core.protocol import HeadArch, PaperRoundComm
 
 BITS_PER_PARAM = 32  # FedNCM Sec. 4: "each model parameter ... a 32-bit floating point number"
 FEDNCM_TABLE2_BASE_PARAMS = 746_424  # P of Eq. 4 implied by FedNCM Table 2 (see module doc)
@@ -151,19 +152,6 @@ def ledger_from_rounds(records: Any) -> CommLedger:
 # ------------------------------------------------------------------ FedPCL conventions
 
 
-@dataclass(frozen=True)
-class HeadArch:
-    """The head on top of frozen backbones as FedPCL Sec. 5.1 describes it."""
-
-    backbone_dims: tuple[int, ...] = (512,)  # output size of each frozen backbone (concatenated)
-    proj_dim: int = 256  # projection network output (FC 512K -> 256)
-    num_classes: int = 10  # classifier output (baselines) / number of prototypes
-
-    @property
-    def in_dim(self) -> int:
-        return int(sum(self.backbone_dims))
-
-
 FEDPCL_TABLE2_METHODS = ("fedavg", "pfedme", "perfedavg", "fedrep", "fedproto", "fedpcl", "solo")
 
 
@@ -182,25 +170,27 @@ def fedpcl_trainable_params(arch: HeadArch) -> int:
     return arch.in_dim * arch.proj_dim + arch.proj_dim * arch.num_classes
 
 
+_ALIASES = {"linearprobe": "lp", "fedavglinear": "fedavg-linear"}
+
+
+def _convention(method: str, arch: HeadArch, clients: int) -> PaperRoundComm:
+    """The registered algorithm's own convention (AlgorithmBase.paper_round_comm)."""
+    from fedheads.algorithms import create_algorithm, list_algorithms
+
+    key = method_key(method)
+    names = {method_key(i.name): i.name for i in list_algorithms()}
+    name = _ALIASES.get(key) or names.get(key)
+    rc = create_algorithm(name).paper_round_comm(arch, clients) if name else None
+    if rc is None:
+        known = sorted(n for n in names.values() if create_algorithm(n).paper_round_comm(arch, clients) is not None)
+        raise UserError(f"method={method!r}: no paper convention (known: {', '.join(known)})")
+    return rc
+
+
 def fedpcl_comm_params(method: str, arch: HeadArch) -> int:
-    """FedPCL Table 2 "# of Comm Params": parameters one client sends per round."""
-    m = method_key(method)
-    proj = arch.in_dim * arch.proj_dim
-    cls = arch.proj_dim * arch.num_classes
-    if m in ("fedavg", "pfedme", "perfedavg"):
-        return proj + cls  # whole head
-    if m == "fedrep":
-        return proj  # shared body only; the classifier head stays personal
-    if m in ("fedproto", "fedpcl"):
-        return arch.num_classes * arch.proj_dim  # one prototype per class
-    if m == "solo":
-        return 0
-    if m == "fedncm":
-        return arch.num_classes * arch.in_dim  # class sums in the backbone space (Alg. 1)
-    if m in ("lp", "linearprobe", "fedavglinear"):
-        return arch.num_classes * arch.in_dim  # linear layer weights (FedNCM Eq. 3)
-    raise UserError(f"method={method!r}: no paper convention (known: "
-                    f"{', '.join(FEDPCL_TABLE2_METHODS + ('fedncm', 'lp'))})")
+    """FedPCL Table 2 "# of Comm Params": parameters one client sends per round, by the
+    algorithm's own convention (its file's `paper_round_comm`)."""
+    return _convention(method, arch, 1).upload
 
 
 def paper_total_bytes(params_per_client_per_round: int, clients: int, rounds: int,
@@ -219,30 +209,11 @@ def _check_krf(clients: int, rounds: int, fraction: float) -> None:
         raise UserError("clients/rounds: must be >= 0")
 
 
-@dataclass(frozen=True)
-class PaperRoundComm:
-    """What ONE participating client sends and receives in one round, in parameters, by the
-    papers' conventions (weights only, as FedPCL Table 2 counts them)."""
-
-    upload: int  # FedPCL Table 2 "# of Comm Params"
-    download: int  # what the server sends that client
-    silent_rounds: int = 0  # leading rounds in which nothing is downloaded
-
-
 def paper_round_comm(method: str, arch: HeadArch, clients: int) -> PaperRoundComm:
-    """Per-client, per-round upload and download of ``method`` with ``clients`` clients.
-
-    - FedPCL (Sec. 4, Eq. 6-7, Algorithm 1): a client uploads its local set, C x d; the server
-      sends every client the padded local sets of ALL m clients plus the global set, so the
-      download is (m + 1) x C x d. Round 0 only collects the initial prototypes (the authors'
-      code and this project both start with empty prototype sets), so nothing is downloaded
-      in it: ``silent_rounds`` = 1.
-    - Every other method receives what it sends (the global head, the shared body, the
-      global prototypes or the class means; FedNCM Eq. 3-4 count both directions alike)."""
-    up = fedpcl_comm_params(method, arch)
-    if method_key(method) == "fedpcl":
-        return PaperRoundComm(up, (clients + 1) * arch.num_classes * arch.proj_dim, silent_rounds=1)
-    return PaperRoundComm(up, up)
+    """Per-client, per-round upload and download of ``method`` with ``clients`` clients, as its
+    algorithm file states its papers' convention (FedPCL: (m + 1) x C x d down, one silent
+    round; every other method receives what it sends)."""
+    return _convention(method, arch, clients)
 
 
 def paper_comm_bytes(method: str, arch: HeadArch, clients: int, rounds: int,

@@ -160,7 +160,7 @@ class Part:
 def classifier(tr: Trained, client: str | None) -> tuple[Any, str]:
     """(client state with a client axis of 1, predict key) classifying as `client` (None: global)."""
     if client is None:
-        rule = getattr(tr.alg, "global_rule", None)
+        rule = tr.alg.global_rule
         if rule is None:
             raise UserError(f"{tr.alg.name} has no global model (each client classifies with its own head or "
                             f"prototypes): give --client NAME (one of {', '.join(tr.clients)}) or --client all")
@@ -176,10 +176,10 @@ def classify(tr: Trained, cs: Any, rule: str, feats: np.ndarray, k: int) -> infe
     if tr.binarize:
         x = torch.sign(x)
     alg, ss = tr.alg, tr.server_state
-    view = getattr(alg, "prototype_view", None)
     with torch.no_grad():
-        if view is not None and rule == "main":
-            q, protos, present, how = view(cs, ss, x)
+        view = alg.prototype_view(cs, ss, x) if rule == "main" else None
+        if view is not None:
+            q, protos, present, how = view
             return inference.predict_features(protos[0].cpu().numpy(), present[0].cpu().numpy(), how,
                                               q[0].cpu().numpy(), k=k)
         mask = torch.ones(x.shape[:2], dtype=torch.bool, device=x.device)

@@ -79,8 +79,8 @@ def test_paper_loss_is_mean_of_lg_plus_average_lp() -> None:
                                  np.zeros((0, 4), "f4"), np.zeros(0, int))], 3)
     init = alg.init(data.spec(), 0)
     p, b = init.client_state.params, init.client_state.buffers
-    loss, _ = alg._loss_fn(bc)(p, b, data.x_train, data.y_train, data.m_train)
-    z, _ = heads.embed(alg.spec, p, b, data.x_train, data.m_train, train=True)
+    loss, _ = alg._loss_fn(bc, alg._spec(p))(p, b, data.x_train, data.y_train, data.m_train)
+    z, _ = heads.embed(alg._spec(p), p, b, data.x_train, data.m_train, train=True)
     total = 0.0
     for n in range(5):  # Eq. 8-10 literally, with Python loops
         zn, yn = z[0, n], int(data.y_train[0, n])
@@ -114,8 +114,8 @@ def test_code_variant_sums_over_sets_and_has_no_lg() -> None:
                                  np.zeros((0, 3), "f4"), np.zeros(0, int))], 3)
     init = alg.init(data.spec(), 0)
     p, b = init.client_state.params, init.client_state.buffers
-    loss, _ = alg._loss_fn(bc)(p, b, data.x_train, data.y_train, data.m_train)
-    z, _ = heads.embed(alg.spec, p, b, data.x_train, data.m_train, train=True)
+    loss, _ = alg._loss_fn(bc, alg._spec(p))(p, b, data.x_train, data.y_train, data.m_train)
+    z, _ = heads.embed(alg._spec(p), p, b, data.x_train, data.m_train, train=True)
     want = sum(code_supcon(z, bc.local_sets[s][data.y_train], data.y_train, data.m_train, 0.5, 2) for s in range(2))
     torch.testing.assert_close(loss, want)
 
@@ -126,7 +126,7 @@ def test_inference_rules_dot_vs_squared_distance() -> None:
         alg = FedPCL(FedPCLConfig(hidden=4, variant=variant))
         init = alg.init(data.spec(), 0)
         cs = init.client_state
-        z, _ = heads.embed(alg.spec, cs.params, cs.buffers, data.x_test[:, :1], data.m_test[:, :1], train=False)
+        z, _ = heads.embed(alg._spec(cs.params), cs.params, cs.buffers, data.x_test[:, :1], data.m_test[:, :1], train=False)
         # class 0 = 2z (larger inner product), class 1 = z (zero distance), class 2 absent
         protos = torch.stack([2 * z[0, 0], z[0, 0], torch.zeros(4)]).unsqueeze(0)
         cs = type(cs)(cs.params, cs.buffers, cs.opt, protos, torch.tensor([[True, True, False]]))

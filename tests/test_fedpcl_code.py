@@ -69,7 +69,7 @@ def test_code_head_is_fc_relu_l2_without_batchnorm() -> None:
     init = code.init(data.spec(), 0)
     p, b = init.client_state.params, init.client_state.buffers
     assert set(p) == {"proj.weight", "proj.bias"} and b == {}
-    z, _ = heads.embed(code.spec, p, b, data.x_train, data.m_train, train=True)
+    z, _ = heads.embed(code._spec(p), p, b, data.x_train, data.m_train, train=True)
     x = data.x_train[0, : data.n_train[0]]
     want = _authors_z(_authors_head(p), x)
     torch.testing.assert_close(z[0, : data.n_train[0]], want)
@@ -78,7 +78,7 @@ def test_code_head_is_fc_relu_l2_without_batchnorm() -> None:
     paper = FedPCL(FedPCLConfig(hidden=H))
     pp = paper.init(data.spec(), 0).client_state
     torch.testing.assert_close(pp.params["proj.weight"], p["proj.weight"])
-    zp, _ = heads.embed(paper.spec, pp.params, pp.buffers, data.x_train, data.m_train, train=True)
+    zp, _ = heads.embed(paper._spec(pp.params), pp.params, pp.buffers, data.x_train, data.m_train, train=True)
     assert float((zp - z).abs().max()) > 0.05 and bool((zp < 0).any())
     # each difference is a field of its own
     assert FedPCL(FedPCLConfig(variant="code", batch_norm=True)).cfg.bn
@@ -92,7 +92,7 @@ def test_code_loss_is_the_authors_conloss_summed_over_sets() -> None:
     p, b = init.client_state.params, init.client_state.buffers
     sets = torch.nn.functional.normalize(torch.rand(2, C, H, generator=torch.Generator().manual_seed(3)), dim=-1)
     x, y = data.x_train[:, :8], data.y_train[:, :8]
-    loss, _ = alg._loss_fn(_broadcast(sets))(p, b, x, y, torch.ones(1, 8, dtype=torch.bool))
+    loss, _ = alg._loss_fn(_broadcast(sets), alg._spec(p))(p, b, x, y, torch.ones(1, 8, dtype=torch.bool))
     z = _authors_z(_authors_head(p), x[0])
     feats = torch.stack([z, z], dim=1)  # images[0] and images[1]: two identical cached views
     want = sum(_authors_conloss(feats, y[0], sets[i]) for i in range(2))
@@ -100,7 +100,7 @@ def test_code_loss_is_the_authors_conloss_summed_over_sets() -> None:
     # the old head (BatchNorm) on the same weights gives another loss
     bn = FedPCL(FedPCLConfig(hidden=H, variant="code", batch_norm=True))
     ib = bn.init(data.spec(), 0).client_state
-    lb, _ = bn._loss_fn(_broadcast(sets))(ib.params, ib.buffers, x, y, torch.ones(1, 8, dtype=torch.bool))
+    lb, _ = bn._loss_fn(_broadcast(sets), bn._spec(ib.params))(ib.params, ib.buffers, x, y, torch.ones(1, 8, dtype=torch.bool))
     assert abs(float(lb[0].detach()) - float(want.detach())) > 1e-3
 
 

@@ -57,7 +57,7 @@ def test_loss_is_ce_plus_lambda_mse() -> None:
         # one full-batch SGD step with lr 1 moves params by -grad(L); compare with autograd of the formula
         new, _ = alg.client_update(cs, bc, data, RoundCtx(0, 0, torch.tensor([0]), 1))
         p = {k: v.clone().requires_grad_(True) for k, v in cs.params.items()}
-        z, _ = heads.embed(alg.spec, p, cs.buffers, data.x_train, data.m_train, train=True)
+        z, _ = heads.embed(heads.spec_of(p, alg.cfg.normalize), p, cs.buffers, data.x_train, data.m_train, train=True)
         n = data.n_train[0]
         zt, yt = z[0, :n], data.y_train[0, :n]
         ce = torch.nn.functional.cross_entropy(heads.classify(p, z)[0, :n], yt)

@@ -25,20 +25,6 @@ from fedheads.layout import to_layout
 from fedheads.runner import TrainOptions, build_algorithm, compare_runs, load_state, train_run, trains_largest_first
 
 
-class _Plain:
-    """A plugin algorithm that does not say which server-state fields hold a row per client."""
-
-    def __init__(self) -> None:
-        from fedheads.algorithms.fedavg import FedAvg
-
-        self._inner = FedAvg()
-
-    def __getattr__(self, name):
-        if name == "server_client_fields":
-            raise AttributeError(name)
-        return getattr(self._inner, name)
-
-
 SIZES = {"c0": (5, 6), "c1": (23, 5), "c2": (9, 0), "c3": (23, 4), "c4": (14, 6)}  # c2: no test rows
 
 
@@ -79,13 +65,6 @@ def test_in_store_order_and_run_result_round_trip() -> None:
     assert trains_largest_first(["fedavg", "fedpcl"], opts)
     assert not trains_largest_first(["fedavg"], dataclasses.replace(opts, fraction=0.6))  # the draw is by position
     assert not trains_largest_first(["fedavg"], dataclasses.replace(opts, engine="loop"))  # nothing to skip
-    from fedheads.algorithms import _REGISTRY, register_algorithm
-
-    register_algorithm("plain-fedavg", lambda **cfg: _Plain(), description="test double")
-    try:  # a plugin that does not declare its server rows
-        assert not trains_largest_first(["fedavg", "plain-fedavg"], opts)
-    finally:
-        _REGISTRY.pop("plain-fedavg", None)
     res = engine.run(build_algorithm("fedpcl", opts)[0], fast, 2, seed=0, eval_every=1, progress=False)
     back = res.in_client_order(order)
     for k in res.client_state.params:
@@ -194,17 +173,18 @@ def test_loop_engine_keeps_the_store_order_bit_for_bit(store, tmp_path, monkeypa
         assert torch.equal(x, y)
 
 
-def test_a_plugin_without_server_client_fields_keeps_the_store_order(store, tmp_path, monkeypatch) -> None:
-    from fedheads.algorithms import _REGISTRY, register_algorithm
+def test_a_plugin_outside_the_declared_protocol_is_refused_by_name() -> None:
+    """Every algorithm subclasses AlgorithmBase, so its server rows are always declared (the
+    default is none): a factory returning anything else is refused in one line."""
+    from embedcache.errors import UserError
+    from fedheads.algorithms import _REGISTRY, create_algorithm, register_algorithm
 
-    seen = _spy_runs(monkeypatch)
-    register_algorithm("plain-fedavg", lambda **cfg: _Plain(), description="test double")
+    register_algorithm("plain-fedavg", lambda **cfg: object(), description="test double")
     try:
-        opts = TrainOptions(rounds=2, seeds=(0,), device="cpu", progress=False, layout="padded")
-        res = train_run(str(store), ["b"], "plain-fedavg", opts, tmp_path / "plain")
+        with pytest.raises(UserError, match="plain-fedavg.*does not subclass.*AlgorithmBase"):
+            create_algorithm("plain-fedavg")
     finally:
         _REGISTRY.pop("plain-fedavg", None)
-    assert seen == [tuple(n for n, _ in SIZES.values())] and res["clients"] == list(SIZES)
 
 
 def test_the_api_loads_the_store_largest_first_without_a_copy(store, tmp_path, monkeypatch) -> None:

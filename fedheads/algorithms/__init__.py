@@ -10,14 +10,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from fedheads.core.protocol import Algorithm
+from fedheads.core.protocol import AlgorithmBase
 
 
 @dataclass(frozen=True)
 class AlgorithmInfo:
     name: str  # registry name
     description: str  # one line
-    factory: Callable[..., Algorithm]  # kwargs -> Algorithm
+    factory: Callable[..., AlgorithmBase]  # kwargs -> algorithm
 
 
 _REGISTRY: dict[str, AlgorithmInfo] = {}
@@ -26,7 +26,7 @@ _MODULES = tuple(f"fedheads.algorithms.{m}" for m in (
     "fedavg", "fedpcl", "fedproto", "fedncm", "fedrep", "pfedme", "perfedavg", "solo", "lp", "mlp"))
 
 
-def register_algorithm(name: str, factory: Callable[..., Algorithm], *, description: str) -> None:
+def register_algorithm(name: str, factory: Callable[..., AlgorithmBase], *, description: str) -> None:
     """Add (or replace) an algorithm under `name`."""
     _REGISTRY[name] = AlgorithmInfo(name, description, factory)
 
@@ -45,11 +45,18 @@ def list_algorithms() -> list[AlgorithmInfo]:
     return sorted(_REGISTRY.values(), key=lambda i: i.name)
 
 
-def create_algorithm(name: str, **kwargs: Any) -> Algorithm:
-    """Build a registered algorithm from its config fields (UserError on unknown name)."""
+def create_algorithm(name: str, **kwargs: Any) -> AlgorithmBase:
+    """Build a registered algorithm from its config fields (UserError on unknown name, or on a
+    factory whose result does not subclass the declared protocol)."""
     _load()
     if name not in _REGISTRY:
         from embedcache.errors import unknown_name
 
         raise unknown_name(name, _REGISTRY, "algorithm")
-    return _REGISTRY[name].factory(**kwargs)
+    alg = _REGISTRY[name].factory(**kwargs)
+    if not isinstance(alg, AlgorithmBase):
+        from embedcache.errors import UserError
+
+        raise UserError(f"algorithm {name!r}: its factory returned a {type(alg).__name__}, which does not subclass "
+                        "fedheads.core.protocol.AlgorithmBase (the declared protocol: docs/custom_algorithm.md)")
+    return alg

@@ -22,7 +22,7 @@ from fedheads.algorithms.pfl_common import expand, expand_view, weighted_mean
 from fedheads.core import heads, ops
 from fedheads.core.heads import HeadSpec, Params
 from fedheads.core.optim import OptimizerConfig, OptState, config_from_kwargs, opt_initial
-from fedheads.core.protocol import Init, RoundCtx
+from fedheads.core.protocol import AlgorithmBase, HeadArch, Init, PaperRoundComm, RoundCtx
 from fedheads.core.server_opt import ServerOptimizer, ServerSGD
 from fedheads.core.train import local_train
 from fedheads.data import DataSpec, FedData
@@ -69,11 +69,10 @@ class FedAvgMessage:
     weight: torch.Tensor  # [M] n_i
 
 
-class FedAvg:
+class FedAvg(AlgorithmBase):
     """FedAvg / FedProx with a pluggable server optimiser."""
 
     name = "fedavg"
-    server_client_fields: tuple[str, ...] = ()  # no per-client rows in the server state (core/protocol.py)
     global_rule = "global_model"  # predict's key for the server model alone
 
     def __init__(self, cfg: FedAvgConfig = FedAvgConfig(), server_opt: ServerOptimizer | None = None,
@@ -86,15 +85,14 @@ class FedAvg:
         self.server_opt: ServerOptimizer = server_opt if server_opt is not None else ServerSGD(lr=1.0)
         if name is not None:
             self.name = name
-        self.spec: HeadSpec | None = None
 
     def _spec(self, spec: DataSpec) -> HeadSpec:
         c = self.cfg
         return HeadSpec(spec.dim, c.hidden, spec.num_classes, c.batch_norm and c.hidden > 0, c.normalize)
 
     def init(self, spec: DataSpec, seed: int) -> Init:
-        self.spec = self._spec(spec)
-        g, b = heads.init_global(self.spec, seed, spec.device)  # one global init
+        head = self._spec(spec)
+        g, b = heads.init_global(head, seed, spec.device)  # one global init
         M = spec.num_clients
         cp, cb = expand(g, M), expand(b, M)
         cs = FedAvgClientState(cp, cb, opt_initial(self.cfg.optimizer, cp, self.cfg.reset_optimizer))
@@ -103,8 +101,7 @@ class FedAvg:
 
     def client_update(self, cs: FedAvgClientState, bc: FedAvgBroadcast, data: FedData,
                       ctx: RoundCtx) -> tuple[FedAvgClientState, FedAvgMessage]:
-        assert self.spec is not None, "init() first"
-        spec, mu = self.spec, self.cfg.proximal_mu
+        spec, mu = heads.spec_of(bc.params, self.cfg.normalize), self.cfg.proximal_mu
         M = data.num_clients
         start_p, start_b = expand_view(bc.params, M), expand_view(bc.buffers, M)  # local_train copies once
         reset = self.cfg.reset_optimizer
@@ -137,13 +134,20 @@ class FedAvg:
 
     def predict(self, cs: FedAvgClientState, ss: FedAvgServerState, x: torch.Tensor,
                 mask: torch.Tensor) -> dict[str, torch.Tensor]:
-        assert self.spec is not None
         M = x.shape[0]
         gp, gb = expand_view(ss.params, M), expand_view(ss.buffers, M)
-        zg, _ = heads.embed(self.spec, gp, gb, x, mask, train=False)
-        zl, _ = heads.embed(self.spec, cs.params, cs.buffers, x, mask, train=False)
+        spec = heads.spec_of(ss.params, self.cfg.normalize)
+        zg, _ = heads.embed(spec, gp, gb, x, mask, train=False)
+        zl, _ = heads.embed(spec, cs.params, cs.buffers, x, mask, train=False)
         glob = heads.classify(gp, zg)
         return {"main": glob, "global_model": glob, "local_model": heads.classify(cs.params, zl)}
+
+    def paper_round_comm(self, arch: HeadArch, clients: int) -> PaperRoundComm:
+        """The whole head, projection and classifier, each way (FedPCL Table 2); a linear head
+        is C x D weights (FedNCM Appendix A, Eq. 3)."""
+        up = (arch.in_dim * arch.proj_dim + arch.proj_dim * arch.num_classes if self.cfg.hidden
+              else arch.num_classes * arch.in_dim)
+        return PaperRoundComm(up, up)
 
     def trainable_params(self, cs: FedAvgClientState) -> int:
         return heads.count_params(cs.params)

@@ -36,13 +36,14 @@ FedNCM column. The bias is drawn once from the run's seed and kept in the server
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from embedcache.errors import UserError
 from fedheads.core.heads import Params
-from fedheads.core.protocol import Init, RoundCtx
+from fedheads.core.protocol import AlgorithmBase, HeadArch, Init, PaperRoundComm, RoundCtx, SecureForm
 from fedheads.data import DataSpec, FedData
 
 RULES = ("cosine", "sqeuclidean")
@@ -166,11 +167,21 @@ def linear_scores(means: torch.Tensor, present: torch.Tensor, bias: torch.Tensor
     return s.masked_fill(~present.to(s.device), float("-inf"))
 
 
-class FedNCM:
+def fedncm_secure_form(dtype: torch.dtype, aggregate: Callable) -> SecureForm:
+    """The secure form of FedNCM's statistics message (also LP's FedNCM round): sums and counts
+    are secure sums; `aggregate` (a server_aggregate) runs on one row holding the totals."""
+
+    def agg(ss: object, clear: object, tot: dict[str, torch.Tensor], ctx: RoundCtx) -> tuple:
+        return aggregate(ss, FedNCMMessage(tot["sums"].to(dtype)[None], tot["counts"].round().to(torch.int64)[None]), ctx)
+
+    return SecureForm(lambda m: {"sums": m.sums[0].double(), "counts": m.counts[0].double()}, ("counts",),
+                      lambda m: None, agg)
+
+
+class FedNCM(AlgorithmBase):
     """FedNCM in the core's algorithm protocol (one round, no training)."""
 
     name = "fedncm"
-    server_client_fields: tuple[str, ...] = ()  # no per-client rows in the server state (core/protocol.py)
     global_rule = "main"  # every client classifies by the server's class means
 
     def __init__(self, cfg: FedNCMConfig = FedNCMConfig()) -> None:
@@ -233,6 +244,20 @@ class FedNCM:
             p = torch.cat([w, ss.bias.to(device=w.device, dtype=dt).unsqueeze(-1)], -1)
             return q, p.unsqueeze(0).expand(M, -1, -1), ss.present.unsqueeze(0).expand(M, -1), "ip"
         return x, ss.means.unsqueeze(0).expand(M, -1, -1), ss.present.unsqueeze(0).expand(M, -1), self.cfg.rule
+
+    def secure_form(self, message: object = None) -> SecureForm:
+        """Under SecAgg+ the server sees only sum_k m_c^k and sum_k n_c^k (Alg. 1 lines 5, 7-12)."""
+        return fedncm_secure_form(self.dtype, self.server_aggregate)
+
+    def dp_sensitivity(self, clip: float) -> dict[str, float]:
+        """One example, its feature clipped to L2 norm `clip`, moves one class sum by at most
+        `clip` and one count by 1 (add/remove adjacency)."""
+        return {"sums": float(clip), "counts": 1.0}
+
+    def paper_round_comm(self, arch: HeadArch, clients: int) -> PaperRoundComm:
+        """Class sums in the backbone space, C x D, each way (FedNCM Appendix A, Eq. 3)."""
+        up = arch.num_classes * arch.in_dim
+        return PaperRoundComm(up, up)
 
     def trainable_params(self, cs: FedNCMClientState) -> int:
         return 0  # nothing is trained: the means are computed in closed form

@@ -59,7 +59,7 @@ from embedcache.errors import UserError
 from fedheads.core import heads, ops, rng
 from fedheads.core.heads import HeadSpec, Params
 from fedheads.core.optim import OptimizerConfig, OptState, config_from_kwargs, opt_initial
-from fedheads.core.protocol import Init, RoundCtx
+from fedheads.core.protocol import AlgorithmBase, HeadArch, Init, PaperRoundComm, RoundCtx, SecureForm
 from fedheads.core.train import local_train
 from fedheads.core.tree import tree_cat_chunks, tree_map
 from fedheads.data import DataSpec, FedData
@@ -207,7 +207,7 @@ def code_supcon(z: torch.Tensor, anchors: torch.Tensor, y: torch.Tensor, valid: 
     return -(mean_lp * use).sum(-1) / use.sum(-1).clamp_min(1)
 
 
-class FedPCL:
+class FedPCL(AlgorithmBase):
     """Federated Prototype-wise Contrastive Learning (paper or authors'-code variant)."""
 
     name = "fedpcl"
@@ -216,16 +216,19 @@ class FedPCL:
 
     def __init__(self, cfg: FedPCLConfig = FedPCLConfig()) -> None:
         self.cfg = cfg
-        self.spec: HeadSpec | None = None
+
+    def _spec(self, params: Params) -> HeadSpec:
+        """The head's shape, read from its parameters (the state carries the run's dimensions)."""
+        return HeadSpec(int(params["proj.weight"].shape[-2]), self.cfg.hidden, 0, batch_norm=self.cfg.bn, normalize=True)
 
     def _x(self, x: torch.Tensor) -> torch.Tensor:
         return torch.sign(x) if self.cfg.binarize_features else x
 
     def init(self, spec: DataSpec, seed: int) -> Init:
-        self.spec = HeadSpec(spec.dim, self.cfg.hidden, 0, batch_norm=self.cfg.bn, normalize=True)
+        head = HeadSpec(spec.dim, self.cfg.hidden, 0, batch_norm=self.cfg.bn, normalize=True)
         M, C, d, dev = spec.num_clients, spec.num_classes, self.cfg.hidden, spec.device
         # each client owns its projection network: independent seeded initialisations
-        p, b = heads.init_head(self.spec, heads.client_seeds(spec, seed), dev)
+        p, b = heads.init_head(head, heads.client_seeds(spec, seed), dev)
         cs = FedPCLClientState(p, b, opt_initial(self.cfg.optimizer, p, self.cfg.reset_optimizer),
                                torch.zeros(M, C, d, device=dev), torch.zeros(M, C, dtype=torch.bool, device=dev))
         ss = FedPCLServerState(torch.zeros(M, C, d, device=dev), torch.zeros(M, C, dtype=torch.bool, device=dev),
@@ -250,9 +253,8 @@ class FedPCL:
         M, _, N, D = data.v_train.shape
         return dataclasses.replace(data, x_train=data.v_train[:, :V].permute(0, 2, 1, 3).reshape(M, N, V * D))
 
-    def _loss_fn(self, bc: FedPCLBroadcast):
-        spec, cfg = self.spec, self.cfg
-        assert spec is not None
+    def _loss_fn(self, bc: FedPCLBroadcast, spec: HeadSpec):
+        cfg = self.cfg
         set_avail = bc.set_present
         set_w = bc.set_valid.to(torch.float64) / bc.set_valid.sum().clamp_min(1)  # Eq. 9: (1/m) sum_p (in z's dtype there)
 
@@ -300,16 +302,16 @@ class FedPCL:
 
     def _client_update(self, cs: FedPCLClientState, bc: FedPCLBroadcast, data: FedData,
                        ctx: RoundCtx) -> tuple[FedPCLClientState, FedPCLMessage]:
-        assert self.spec is not None, "init() first"
         cfg = self.cfg
         p, b, opt = cs.params, cs.buffers, cs.opt
+        spec = self._spec(p)
         if not bc.collect_only or cfg.variant == "code":  # the code also "trains" in round 0 (docstring)
-            p, b, opt = local_train(p, b, None if cfg.reset_optimizer else opt, cfg.optimizer, self._loss_fn(bc),
+            p, b, opt = local_train(p, b, None if cfg.reset_optimizer else opt, cfg.optimizer, self._loss_fn(bc, spec),
                                     self._train_data(data), ctx,
                                     cfg.batch_size, cfg.local_epochs, drop_last=cfg.drops_last,
                                     keep_opt=not cfg.reset_optimizer, rowwise=True)
         with torch.no_grad():  # Eq. 5 over the full training set, eval mode (in row chunks)
-            sums, counts = heads.embedding_class_sums(self.spec, p, b, data.x_train, data.y_train, data.m_train,
+            sums, counts = heads.embedding_class_sums(spec, p, b, data.x_train, data.y_train, data.m_train,
                                                       data.num_classes, self._x)
             protos = sums / counts.clamp_min(1).unsqueeze(-1)
             present = counts > 0
@@ -349,8 +351,7 @@ class FedPCL:
 
     def predict(self, cs: FedPCLClientState, ss: FedPCLServerState, x: torch.Tensor,
                 mask: torch.Tensor) -> dict[str, torch.Tensor]:
-        assert self.spec is not None
-        z, _ = heads.embed(self.spec, cs.params, cs.buffers, self._x(x), mask, train=False)
+        z, _ = heads.embed(self._spec(cs.params), cs.params, cs.buffers, self._x(x), mask, train=False)
         dot = torch.bmm(z, cs.protos.transpose(1, 2))
         local_dot = dot.masked_fill(~cs.present.unsqueeze(1), float("-inf"))
         # MSELoss as in the code (mean over dims), without materialising [M,N,C,d]
@@ -366,10 +367,43 @@ class FedPCL:
         (Section 4, prototype-based inference), with the rule `predict` uses for "main": inner
         product ("ip"), or squared distance in the authors'-code variant (argmin of the mean
         squared error is argmin of the squared distance; absent classes are left out)."""
-        assert self.spec is not None
         mask = torch.ones(x.shape[:2], dtype=torch.bool, device=x.device)
-        z, _ = heads.embed(self.spec, cs.params, cs.buffers, self._x(x), mask, train=False)
+        z, _ = heads.embed(self._spec(cs.params), cs.params, cs.buffers, self._x(x), mask, train=False)
         return z, cs.protos, cs.present, ("ip" if self.cfg.rule == "dot" else "sqeuclidean")
+
+    def secure_form(self, message: object = None) -> SecureForm:
+        """Eq. 6's sum_i |D_ij| C_i^(j) and sum_i |D_ij| are secure sums; the local prototype
+        sets still travel in the clear (Eq. 7 sends every client's set to every client), with
+        their counts zeroed. Only the count-weighted aggregation is a sum."""
+        if self.cfg.agg != "weighted":
+            raise UserError(f"secagg: fedpcl aggregation {self.cfg.agg!r} is not a count-weighted sum "
+                            "('mean' weights are public, 'eq6_literal' divides by the holders); use 'weighted'")
+
+        def sums(m: FedPCLMessage) -> dict[str, torch.Tensor]:
+            w = (m.counts * m.present)[0].double()  # Eq. 6 weights |D_ij| of the classes held
+            return {"num": w.unsqueeze(-1) * m.protos[0].double(), "den": w}
+
+        def clear(m: FedPCLMessage) -> FedPCLMessage:
+            return FedPCLMessage(m.protos, torch.zeros_like(m.counts), m.present)
+
+        def agg(ss: FedPCLServerState, clear_msgs: FedPCLMessage | None, tot: dict[str, torch.Tensor],
+                ctx: RoundCtx) -> tuple[FedPCLServerState, FedPCLBroadcast]:
+            assert clear_msgs is not None
+            ss, _ = self.server_aggregate(ss, clear_msgs, ctx)  # zero weights: only the bank of local sets
+            den = tot["den"].round()
+            mean = torch.where(den.unsqueeze(-1) > 0, tot["num"] / den.clamp_min(1).unsqueeze(-1), torch.zeros_like(tot["num"]))
+            totals = FedPCLMessage(mean.float()[None], den.float()[None], (den > 0)[None])
+            nobody = RoundCtx(ctx.round, ctx.seed, torch.empty(0, dtype=torch.int64), ctx.num_clients)
+            return self.server_aggregate(ss, totals, nobody)  # Eq. 6 on the totals, no bank row written
+
+        return SecureForm(sums, ("den",), clear, agg)
+
+    def paper_round_comm(self, arch: HeadArch, clients: int) -> PaperRoundComm:
+        """FedPCL Sec. 4, Eq. 6-7, Algorithm 1: a client uploads its local set, C x d; the server
+        sends every client the padded local sets of ALL m clients plus the global set, (m + 1) x
+        C x d. Round 0 only collects the initial prototypes, so nothing is downloaded in it."""
+        up = arch.num_classes * arch.proj_dim
+        return PaperRoundComm(up, (clients + 1) * up, silent_rounds=1)
 
     def trainable_params(self, cs: FedPCLClientState) -> int:
         return heads.count_params(cs.params)

@@ -32,7 +32,7 @@ from embedcache.errors import UserError
 from fedheads.core import heads, ops
 from fedheads.core.heads import HeadSpec, Params
 from fedheads.core.optim import OptimizerConfig, OptState, config_from_kwargs, opt_initial
-from fedheads.core.protocol import Init, RoundCtx
+from fedheads.core.protocol import AlgorithmBase, HeadArch, Init, PaperRoundComm, RoundCtx, SecureForm
 from fedheads.core.train import local_train
 from fedheads.data import DataSpec, FedData
 
@@ -84,20 +84,18 @@ class FedProtoMessage:
     weights: torch.Tensor  # [M, C] float32 w_ij: |D_ij| ("weighted") or 1 if held ("mean")
 
 
-class FedProto:
+class FedProto(AlgorithmBase):
     """FedProto on cached features."""
 
     name = "fedproto"
-    server_client_fields: tuple[str, ...] = ()  # no per-client rows in the server state (core/protocol.py)
 
     def __init__(self, cfg: FedProtoConfig = FedProtoConfig()) -> None:
         self.cfg = cfg
-        self.spec: HeadSpec | None = None
 
     def init(self, spec: DataSpec, seed: int) -> Init:
-        self.spec = HeadSpec(spec.dim, self.cfg.hidden, spec.num_classes, True, self.cfg.normalize)
+        head = HeadSpec(spec.dim, self.cfg.hidden, spec.num_classes, True, self.cfg.normalize)
         M, C, d, dev = spec.num_clients, spec.num_classes, self.cfg.hidden, spec.device
-        p, b = heads.init_head(self.spec, heads.client_seeds(spec, seed), dev)
+        p, b = heads.init_head(head, heads.client_seeds(spec, seed), dev)
         cs = FedProtoClientState(p, b, opt_initial(self.cfg.optimizer, p, self.cfg.reset_optimizer),
                                  torch.zeros(M, C, d, device=dev), torch.zeros(M, C, dtype=torch.bool, device=dev))
         ss = FedProtoServerState(torch.zeros(C, d, device=dev), torch.zeros(C, dtype=torch.bool, device=dev))
@@ -105,8 +103,7 @@ class FedProto:
 
     def client_update(self, cs: FedProtoClientState, bc: FedProtoBroadcast, data: FedData,
                       ctx: RoundCtx) -> tuple[FedProtoClientState, FedProtoMessage]:
-        spec, cfg = self.spec, self.cfg
-        assert spec is not None, "init() first"
+        spec, cfg = heads.spec_of(cs.params, self.cfg.normalize), self.cfg
 
         def loss_fn(p: Params, b: Params, x: torch.Tensor, y: torch.Tensor, m: torch.Tensor):
             z, nb = heads.embed(spec, p, b, x, m, train=True)
@@ -137,13 +134,27 @@ class FedProto:
 
     def predict(self, cs: FedProtoClientState, ss: FedProtoServerState, x: torch.Tensor,
                 mask: torch.Tensor) -> dict[str, torch.Tensor]:
-        assert self.spec is not None
-        z, _ = heads.embed(self.spec, cs.params, cs.buffers, x, mask, train=False)
+        z, _ = heads.embed(heads.spec_of(cs.params, self.cfg.normalize), cs.params, cs.buffers, x, mask, train=False)
         gd = torch.cdist(z, ss.global_protos.unsqueeze(0).expand(z.shape[0], -1, -1)) ** 2
         ld = torch.cdist(z, cs.protos) ** 2
         return {"main": heads.classify(cs.params, z),
                 "global_protos": (-gd).masked_fill(~ss.global_present, float("-inf")),
                 "local_protos": (-ld).masked_fill(~cs.present.unsqueeze(1), float("-inf"))}
+
+    def secure_form(self, message: object = None) -> SecureForm:
+        """The count-weighted prototypes w_ij C_i^(j) and the weights w_ij are secure sums."""
+
+        def agg(ss: object, clear: object, tot: dict[str, torch.Tensor], ctx: RoundCtx) -> tuple:
+            msg = FedProtoMessage(tot["weighted_protos"].float()[None], tot["weights"].round().float()[None])
+            return self.server_aggregate(ss, msg, ctx)  # type: ignore[arg-type]
+
+        return SecureForm(lambda m: {"weighted_protos": m.weighted_protos[0].double(), "weights": m.weights[0].double()},
+                          ("weights",), lambda m: None, agg)
+
+    def paper_round_comm(self, arch: HeadArch, clients: int) -> PaperRoundComm:
+        """One prototype per class, C x d, each way (FedPCL Table 2)."""
+        up = arch.num_classes * arch.proj_dim
+        return PaperRoundComm(up, up)
 
     def trainable_params(self, cs: FedProtoClientState) -> int:
         return heads.count_params(cs.params)

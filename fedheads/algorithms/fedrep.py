@@ -46,7 +46,7 @@ from fedheads.algorithms.pfl_common import (
 from fedheads.core import heads, ops
 from fedheads.core.heads import HeadSpec, Params
 from fedheads.core.optim import OptimizerConfig
-from fedheads.core.protocol import Init, RoundCtx
+from fedheads.core.protocol import AlgorithmBase, HeadArch, Init, PaperRoundComm, RoundCtx
 from fedheads.core.train import local_train
 from fedheads.data import DataSpec, FedData
 
@@ -76,19 +76,17 @@ class FedRepClientState:
     buffers: Params  # [M, ...] BN running statistics of phi_i
 
 
-class FedRep:
+class FedRep(AlgorithmBase):
     """FedRep: shared representation, personal heads."""
 
     name = "fedrep"
-    server_client_fields: tuple[str, ...] = ()  # no per-client rows in the server state (core/protocol.py)
 
     def __init__(self, cfg: FedRepConfig = FedRepConfig()) -> None:
         self.cfg = cfg
-        self.spec: HeadSpec | None = None
 
     def init(self, spec: DataSpec, seed: int) -> Init:
-        self.spec = HeadSpec(spec.dim, self.cfg.hidden, spec.num_classes, True, self.cfg.normalize)
-        g, b = heads.init_global(self.spec, seed, spec.device)  # every client starts from one model
+        head = HeadSpec(spec.dim, self.cfg.hidden, spec.num_classes, True, self.cfg.normalize)
+        g, b = heads.init_global(head, seed, spec.device)  # every client starts from one model
         rep = {k: v for k, v in g.items() if k not in HEAD_KEYS}
         M = spec.num_clients
         return Init(FedRepClientState(expand(g, M), expand(b, M)), GlobalModel(rep, b),
@@ -96,8 +94,7 @@ class FedRep:
 
     def client_update(self, cs: FedRepClientState, bc: GlobalModel, data: FedData,
                       ctx: RoundCtx) -> tuple[FedRepClientState, DeltaMessage]:
-        spec, cfg = self.spec, self.cfg
-        assert spec is not None, "init() first"
+        spec, cfg = heads.spec_of(cs.params, self.cfg.normalize), self.cfg
         M = data.num_clients
         rep0, buf0 = expand_view(bc.params, M), expand_view(bc.buffers, M)  # local_train copies once
         head0 = {k: cs.params[k] for k in HEAD_KEYS}
@@ -133,12 +130,17 @@ class FedRep:
 
     def predict(self, cs: FedRepClientState, ss: GlobalModel, x: torch.Tensor,
                 mask: torch.Tensor) -> dict[str, torch.Tensor]:
-        assert self.spec is not None
         M = x.shape[0]
-        zg, _ = heads.embed(self.spec, expand_view(ss.params, M), expand_view(ss.buffers, M), x, mask, train=False)
-        zl, _ = heads.embed(self.spec, cs.params, cs.buffers, x, mask, train=False)
+        spec = heads.spec_of(cs.params, self.cfg.normalize)
+        zg, _ = heads.embed(spec, expand_view(ss.params, M), expand_view(ss.buffers, M), x, mask, train=False)
+        zl, _ = heads.embed(spec, cs.params, cs.buffers, x, mask, train=False)
         personal = heads.classify(cs.params, zg)
         return {"main": personal, "global_rep": personal, "local_model": heads.classify(cs.params, zl)}
+
+    def paper_round_comm(self, arch: HeadArch, clients: int) -> PaperRoundComm:
+        """The shared body only; the classifier stays personal (FedPCL Table 2)."""
+        up = arch.in_dim * arch.proj_dim
+        return PaperRoundComm(up, up)
 
     def trainable_params(self, cs: FedRepClientState) -> int:
         return heads.count_params(cs.params)

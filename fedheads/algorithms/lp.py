@@ -56,13 +56,20 @@ from dataclasses import dataclass, field
 import torch
 
 from embedcache.errors import UserError
-from fedheads.algorithms.fedncm import FedNCMMessage, client_stats, finalize_means, linear_head_init
+from fedheads.algorithms.fedncm import (
+    FedNCMMessage,
+    authors_code_bias,
+    client_stats,
+    finalize_means,
+    head_bias,
+    linear_head_init,
+)
 from fedheads.algorithms.pfl_common import DeltaMessage, config_from_kwargs, delta_message, expand, mean_delta
 from fedheads.algorithms.server_opt import SERVER_OPTS, make_server_optimizer
 from fedheads.core import ops
 from fedheads.core.heads import Params, count_params
 from fedheads.core.optim import OptimizerConfig, OptState, opt_init
-from fedheads.core.protocol import Init, RoundCtx
+from fedheads.core.protocol import AlgorithmBase, HeadArch, Init, PaperRoundComm, RoundCtx
 from fedheads.core.train import local_train
 from fedheads.data import DataSpec, FedData
 
@@ -142,6 +149,7 @@ class HeadServerState:
     params: Params  # global head w
     opt: object  # server optimiser state (FedAdam moments)
     ncm_done: bool  # the FedNCM round has happened (always True with init="random")
+    ncm_bias: torch.Tensor | None = None  # [C] authors'-code bias of the FedNCM layer, drawn at init from the run seed
 
 
 @dataclass(frozen=True)
@@ -156,11 +164,10 @@ class HeadBroadcast:
         return sum(v.numel() for v in sent), sum(v.numel() * v.element_size() for v in sent)
 
 
-class HeadTuning:
+class HeadTuning(AlgorithmBase):
     """LP / MLP head tuning with FedAvg, FedProx or FedAdam and optional FedNCM initialisation."""
 
     name = "lp"
-    server_client_fields: tuple[str, ...] = ()  # no per-client rows in the server state (core/protocol.py)
     global_rule = "global_model"  # predict's key for the server model alone
 
     def __init__(self, cfg: LPConfig = LPConfig(), name: str | None = None) -> None:
@@ -172,14 +179,15 @@ class HeadTuning:
             self.name = name
         self.n_hidden = len(cfg.hidden)
         self.collect_rounds = 1 if cfg.init == "fedncm" else 0  # round 0 = the FedNCM statistics round
-        self.seed = 0  # run seed, set by init (draws the FedNCM layer's random bias if asked)
 
     def init(self, spec: DataSpec, seed: int) -> Init:
         g = {k: v.to(spec.device) for k, v in init_mlp(spec.dim, tuple(self.cfg.hidden), spec.num_classes, seed).items()}
-        self.seed = seed
         cp = expand(g, spec.num_clients)
         ncm = self.cfg.init == "fedncm"
-        ss = HeadServerState(g, self.server_opt.init(g), not ncm)
+        bias = None
+        if ncm and head_bias(self.cfg.ncm_bias) == "authors-code":  # nn.Linear's bias of the run seed (fedncm.py)
+            bias = authors_code_bias(spec.num_classes, g["cls.weight"].shape[0], seed).to(spec.device)
+        ss = HeadServerState(g, self.server_opt.init(g), not ncm, bias)
         return Init(HeadClientState(cp, opt_init(self.cfg.optimizer, cp)), ss, HeadBroadcast(g, ncm))
 
     def client_update(self, cs: HeadClientState, bc: HeadBroadcast, data: FedData,
@@ -211,18 +219,28 @@ class HeadTuning:
                          ctx: RoundCtx) -> tuple[HeadServerState, HeadBroadcast]:
         if isinstance(msg, FedNCMMessage):  # sums of contributions, then finalize (Alg. 1 line 5)
             means, present = finalize_means(msg.sums.sum(0), msg.counts.sum(0))
-            last = linear_head_init(means, present, self.cfg.ncm_bias, seed=self.seed)
+            last = linear_head_init(means, present, "paper")
+            if ss.ncm_bias is not None:
+                last["cls.bias"] = ss.ncm_bias
             params = {**ss.params, **{k: v.to(ss.params[k].device) for k, v in last.items()}}
-            new = HeadServerState(params, self.server_opt.init(params), True)
+            new = HeadServerState(params, self.server_opt.init(params), True, ss.ncm_bias)
             return new, HeadBroadcast(params, False)
         delta, _ = mean_delta(msg)
         params, opt = self.server_opt.step(ss.params, delta, ss.opt)
-        return HeadServerState(params, opt, True), HeadBroadcast(params, False)
+        return HeadServerState(params, opt, True, ss.ncm_bias), HeadBroadcast(params, False)
 
     def predict(self, cs: HeadClientState, ss: HeadServerState, x: torch.Tensor,
                 mask: torch.Tensor) -> dict[str, torch.Tensor]:
         glob = logits(expand(ss.params, x.shape[0]), x, self.n_hidden)
         return {"main": glob, "global_model": glob, "local_model": logits(cs.params, x, self.n_hidden)}
+
+    def paper_round_comm(self, arch: HeadArch, clients: int) -> PaperRoundComm | None:
+        """The linear layer's weights, C x D, each way (FedNCM Appendix A, Eq. 3); the MLP has
+        no published convention."""
+        if self.n_hidden:
+            return None
+        up = arch.num_classes * arch.in_dim
+        return PaperRoundComm(up, up)
 
     def trainable_params(self, cs: HeadClientState) -> int:
         return count_params(cs.params)

@@ -57,7 +57,7 @@ from fedheads.algorithms.pfl_common import (
 from fedheads.core import heads, ops
 from fedheads.core.heads import HeadSpec, Params
 from fedheads.core.optim import InPlaceOptimizer, OptimizerConfig
-from fedheads.core.protocol import Init, RoundCtx
+from fedheads.core.protocol import AlgorithmBase, HeadArch, Init, PaperRoundComm, RoundCtx
 from fedheads.core.train import fresh_opt_state
 from fedheads.data import DataSpec, FedData
 
@@ -85,27 +85,24 @@ class PerFedAvgClientState:
     buffers: Params  # [M, ...] BN running statistics of that w (used with theta_i)
 
 
-class PerFedAvg:
+class PerFedAvg(AlgorithmBase):
     """Per-FedAvg, first-order MAML variant."""
 
     name = "perfedavg"
-    server_client_fields: tuple[str, ...] = ()  # no per-client rows in the server state (core/protocol.py)
     global_rule = "global_model"  # predict's key for the server model alone
 
     def __init__(self, cfg: PerFedAvgConfig = PerFedAvgConfig()) -> None:
         self.cfg = cfg
-        self.spec: HeadSpec | None = None
 
     def init(self, spec: DataSpec, seed: int) -> Init:
-        self.spec = HeadSpec(spec.dim, self.cfg.hidden, spec.num_classes, True, self.cfg.normalize)
-        g, b = heads.init_global(self.spec, seed, spec.device)
+        head = HeadSpec(spec.dim, self.cfg.hidden, spec.num_classes, True, self.cfg.normalize)
+        g, b = heads.init_global(head, seed, spec.device)
         M = spec.num_clients
         return Init(PerFedAvgClientState(expand(g, M), expand(b, M)), GlobalModel(g, b),
                     GlobalModel(g, b))
 
-    def _loss(self, train: bool):
-        spec = self.spec
-        assert spec is not None, "init() first"
+    def _loss(self, train: bool, params: Params):
+        spec = heads.spec_of(params, self.cfg.normalize)
 
         def loss_fn(p: Params, b: Params, x: torch.Tensor, y: torch.Tensor, m: torch.Tensor):
             z, nb = heads.embed(spec, p, b, x, m, train=train)
@@ -115,7 +112,7 @@ class PerFedAvg:
 
     def personalize(self, params: Params, buffers: Params, data: FedData) -> Params:
         """theta_i = w - alpha * grad f_i(w) on the whole training set (eval-mode BN)."""
-        g, _, _ = grads(self._loss(False), params, buffers, data.x_train, data.y_train, data.m_train)
+        g, _, _ = grads(self._loss(False, params), params, buffers, data.x_train, data.y_train, data.m_train)
         return {k: params[k] - self.cfg.alpha * g[k] for k in params}
 
     def client_update(self, cs: PerFedAvgClientState, bc: GlobalModel, data: FedData,
@@ -123,7 +120,7 @@ class PerFedAvg:
         cfg = self.cfg
         M = data.num_clients
         w0, b0 = expand_view(bc.params, M), expand_view(bc.buffers, M)
-        loss_fn = self._loss(True)
+        loss_fn = self._loss(True, bc.params)
         w, buf = expand(bc.params, M), b0  # w is stepped in place by the fused optimiser (active clients only)
         # the moments are discarded at the end of the round: reused scratch, as local_train's reset
         opt = InPlaceOptimizer(cfg.optimizer, w, fresh_opt_state(cfg.optimizer, w, keep=False))
@@ -164,8 +161,12 @@ class PerFedAvg:
 
     def predict(self, cs: PerFedAvgClientState, ss: GlobalModel, x: torch.Tensor,
                 mask: torch.Tensor) -> dict[str, torch.Tensor]:
-        assert self.spec is not None
-        return personal_and_global_scores(self.spec, cs.personal, cs.buffers, ss, x, mask)
+        return personal_and_global_scores(heads.spec_of(ss.params, self.cfg.normalize), cs.personal, cs.buffers, ss, x, mask)
+
+    def paper_round_comm(self, arch: HeadArch, clients: int) -> PaperRoundComm:
+        """The whole head each way, as FedAvg (FedPCL Table 2)."""
+        up = arch.in_dim * arch.proj_dim + arch.proj_dim * arch.num_classes
+        return PaperRoundComm(up, up)
 
     def trainable_params(self, cs: PerFedAvgClientState) -> int:
         return heads.count_params(cs.personal)

@@ -54,7 +54,7 @@ from fedheads.algorithms.pfl_common import (
 from fedheads.core import heads, ops
 from fedheads.core.heads import HeadSpec, Params
 from fedheads.core.optim import id_runs
-from fedheads.core.protocol import Init, RoundCtx
+from fedheads.core.protocol import AlgorithmBase, HeadArch, Init, PaperRoundComm, RoundCtx
 from fedheads.data import DataSpec, FedData
 
 
@@ -87,27 +87,24 @@ class PFedMeClientState:
     buffers: Params  # [M, ...] BN running statistics of theta_i
 
 
-class PFedMe:
+class PFedMe(AlgorithmBase):
     """pFedMe: bi-level personalisation with Moreau envelopes."""
 
     name = "pfedme"
-    server_client_fields: tuple[str, ...] = ()  # no per-client rows in the server state (core/protocol.py)
     global_rule = "global_model"  # predict's key for the server model alone
 
     def __init__(self, cfg: PFedMeConfig = PFedMeConfig()) -> None:
         self.cfg = cfg
-        self.spec: HeadSpec | None = None
 
     def init(self, spec: DataSpec, seed: int) -> Init:
-        self.spec = HeadSpec(spec.dim, self.cfg.hidden, spec.num_classes, True, self.cfg.normalize)
-        g, b = heads.init_global(self.spec, seed, spec.device)
+        head = HeadSpec(spec.dim, self.cfg.hidden, spec.num_classes, True, self.cfg.normalize)
+        g, b = heads.init_global(head, seed, spec.device)
         M = spec.num_clients
         return Init(PFedMeClientState(expand(g, M), expand(b, M)), GlobalModel(g, b), GlobalModel(g, b))
 
     def client_update(self, cs: PFedMeClientState, bc: GlobalModel, data: FedData,
                       ctx: RoundCtx) -> tuple[PFedMeClientState, DeltaMessage]:
-        spec, cfg = self.spec, self.cfg
-        assert spec is not None, "init() first"
+        spec, cfg = heads.spec_of(cs.theta, self.cfg.normalize), self.cfg
         M = data.num_clients
         w0, b0 = expand_view(bc.params, M), expand_view(bc.buffers, M)
         w, theta, buf = expand(bc.params, M), expand(bc.params, M), b0  # updated in place, active clients' rows
@@ -149,8 +146,12 @@ class PFedMe:
 
     def predict(self, cs: PFedMeClientState, ss: GlobalModel, x: torch.Tensor,
                 mask: torch.Tensor) -> dict[str, torch.Tensor]:
-        assert self.spec is not None
-        return personal_and_global_scores(self.spec, cs.theta, cs.buffers, ss, x, mask)
+        return personal_and_global_scores(heads.spec_of(ss.params, self.cfg.normalize), cs.theta, cs.buffers, ss, x, mask)
+
+    def paper_round_comm(self, arch: HeadArch, clients: int) -> PaperRoundComm:
+        """The whole head each way, as FedAvg (FedPCL Table 2)."""
+        up = arch.in_dim * arch.proj_dim + arch.proj_dim * arch.num_classes
+        return PaperRoundComm(up, up)
 
     def trainable_params(self, cs: PFedMeClientState) -> int:
         return heads.count_params(cs.theta)

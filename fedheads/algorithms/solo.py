@@ -19,7 +19,7 @@ from fedheads.algorithms.pfl_common import Empty, config_from_kwargs
 from fedheads.core import heads, ops
 from fedheads.core.heads import HeadSpec, Params
 from fedheads.core.optim import OptimizerConfig, OptState, opt_init
-from fedheads.core.protocol import Init, RoundCtx
+from fedheads.core.protocol import AlgorithmBase, HeadArch, Init, PaperRoundComm, RoundCtx
 from fedheads.core.train import local_train
 from fedheads.data import DataSpec, FedData
 
@@ -48,25 +48,22 @@ class SoloClientState:
     opt: OptState  # its optimiser state
 
 
-class Solo:
+class Solo(AlgorithmBase):
     """Local training only."""
 
     name = "solo"
-    server_client_fields: tuple[str, ...] = ()  # no per-client rows in the server state (core/protocol.py)
 
     def __init__(self, cfg: SoloConfig = SoloConfig()) -> None:
         self.cfg = cfg
-        self.spec: HeadSpec | None = None
 
     def init(self, spec: DataSpec, seed: int) -> Init:
-        self.spec = HeadSpec(spec.dim, self.cfg.hidden, spec.num_classes, True, self.cfg.normalize)
-        p, b = heads.init_head(self.spec, heads.client_seeds(spec, seed), spec.device)
+        head = HeadSpec(spec.dim, self.cfg.hidden, spec.num_classes, True, self.cfg.normalize)
+        p, b = heads.init_head(head, heads.client_seeds(spec, seed), spec.device)
         return Init(SoloClientState(p, b, opt_init(self.cfg.optimizer, p)), Empty(), Empty())
 
     def client_update(self, cs: SoloClientState, bc: Empty, data: FedData,
                       ctx: RoundCtx) -> tuple[SoloClientState, Empty]:
-        spec, cfg = self.spec, self.cfg
-        assert spec is not None, "init() first"
+        spec, cfg = heads.spec_of(cs.params, self.cfg.normalize), self.cfg
 
         def loss_fn(p: Params, b: Params, x: torch.Tensor, y: torch.Tensor, m: torch.Tensor):
             z, nb = heads.embed(spec, p, b, x, m, train=True)
@@ -82,9 +79,13 @@ class Solo:
 
     def predict(self, cs: SoloClientState, ss: Empty, x: torch.Tensor,
                 mask: torch.Tensor) -> dict[str, torch.Tensor]:
-        assert self.spec is not None
-        z, _ = heads.embed(self.spec, cs.params, cs.buffers, x, mask, train=False)
+        z, _ = heads.embed(heads.spec_of(cs.params, self.cfg.normalize), cs.params, cs.buffers, x, mask, train=False)
         return {"main": heads.classify(cs.params, z)}
+
+    def paper_round_comm(self, arch: HeadArch, clients: int) -> PaperRoundComm:
+        """Nothing is sent (FedPCL Table 2 prints "-")."""
+        up = 0
+        return PaperRoundComm(up, up)
 
     def trainable_params(self, cs: SoloClientState) -> int:
         return heads.count_params(cs.params)

@@ -27,7 +27,7 @@ from tqdm.auto import tqdm
 from embedcache.errors import UserError
 from fedheads.core import ops, rng
 from fedheads.core.ops import masked_accuracy
-from fedheads.core.protocol import Algorithm, Init, RoundCtx
+from fedheads.core.protocol import Algorithm, AlgorithmBase, Init, RoundCtx
 from fedheads.core.tree import (
     payload_size,
     tree_cat,
@@ -175,11 +175,11 @@ def _in_order(tree: Any, order: list[int], device: torch.device) -> Any:
 
 def eval_client_state(algorithm: Algorithm, client_state: Any, server_state: Any, data: Federation,
                       engine: str = "vectorized") -> Any:
-    """The client state that is evaluated: `algorithm.adapt_for_eval(...)` when the algorithm has
-    that optional hook (core/protocol.py), else `client_state` itself."""
-    adapt = getattr(algorithm, "adapt_for_eval", None)
-    if adapt is None:
-        return client_state
+    """The client state that is evaluated: what `algorithm.adapt_for_eval(...)` returns, or
+    `client_state` itself where it returns None (AlgorithmBase's default; core/protocol.py)."""
+    if type(algorithm).adapt_for_eval is AlgorithmBase.adapt_for_eval:
+        return client_state  # the default adapts nothing: skip the per-bucket calls
+    adapt: Any = algorithm.adapt_for_eval  # on one bucket or the whole federation alike
     if engine == "vectorized":
         groups = data.groups()
         if len(groups) == 1:
@@ -395,7 +395,7 @@ def count_parameters(algorithm: Algorithm, data: Federation, seed: int = 0) -> P
     if len(data.groups()) > 1:
         cs = owned(cs, ss, bc)
     everyone = torch.arange(data.num_clients)
-    for r in range(int(getattr(algorithm, "collect_rounds", 0)) + 1):
+    for r in range(int(algorithm.collect_rounds) + 1):
         received = bc
         ctx = RoundCtx(round=r, seed=seed, participants=everyone, num_clients=data.num_clients)
         cs, msg = client_updates(algorithm, cs, bc, data, ctx)

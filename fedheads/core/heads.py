@@ -31,6 +31,17 @@ class HeadSpec:
     normalize: bool = True  # L2-normalise the projection output z
 
 
+def spec_of(params: Params, normalize: bool) -> HeadSpec:
+    """The shape of the head whose parameters are `params` (with or without a client axis):
+    algorithms read it from their state instead of keeping a per-run spec on `self`."""
+    if "proj.weight" in params:
+        in_dim, hidden = int(params["proj.weight"].shape[-2]), int(params["proj.weight"].shape[-1])
+    else:
+        in_dim, hidden = int(params["cls.weight"].shape[-2]), 0
+    classes = int(params["cls.weight"].shape[-1]) if "cls.weight" in params else 0
+    return HeadSpec(in_dim, hidden, classes, batch_norm="bn.weight" in params, normalize=normalize)
+
+
 def client_seeds(spec: Any, seed: int) -> list[int]:
     """One initialisation seed per client of `spec` (a DataSpec), from the run seed and the
     client's global id: a client starts from the same head whatever its place in the stack

@@ -16,33 +16,24 @@ run. Conventions:
   initialisations take their seeds from DataSpec.client_ids (core/heads.client_seeds).
 - Message sizes: `core.tree.payload_size` (numel and bytes of every field sent, or the type's
   own `comm_size()`), so the engine logs communication actually sent up and down per round.
-- Optional eval-time hook `adapt_for_eval(client_state, server_state, data) -> client_state`
-  (not part of the Protocol class, so algorithms without it still satisfy it): an algorithm
-  whose reported model is a client-side adaptation of the CURRENT server model (Per-FedAvg's
-  one-step personalisation) defines it. Both engines call it before every evaluation, on all
-  clients (loop engine: one client at a time, M=1), never feed its result back into training,
-  and return the last adapted state as the run's final client state, so a saved state predicts
-  what was evaluated. It must be a pure function of its arguments (same in both engines).
-- Optional attribute `global_rule: str` (also outside the Protocol class): the key of `predict`
-  whose scores depend on the server state alone (the same for every client), i.e. the run's global
-  model. `fedheads predict --images` classifies images that belong to no client with it; an
-  algorithm without it (personalised heads, local prototypes) needs `--client`.
-- Optional attribute `server_client_fields: tuple[str, ...]`: the server-state fields that, against
-  the convention above, hold one row per client of the federation (FedPCL's prototype bank; () for
-  none). Declaring it lets `fedheads train/compare` and the pipelines stack the clients largest
-  first (fedheads.runner.trains_largest_first) and put these rows back in the store's order with
-  the client state (RunResult.in_client_order); an algorithm without it keeps the store's order.
-  Key per-client randomness by global ids (data.client_index, DataSpec.ids(),
-  core/heads.client_seeds), never by a client's position in the stack.
+- Every optional behaviour is a typed default of :class:`AlgorithmBase` (evaluation-time
+  adaptation, global rule, prototype view, secure-aggregation form, differential-privacy
+  sensitivities, the papers' communication convention, per-client server rows, collection
+  rounds). An algorithm overrides what it has, in its own file; no other module switches on
+  algorithm names.
+- The per-run specification (dimensions, seeds) lives in the states, never on `self`: one
+  algorithm object may run several federations, and a state alone is enough to predict.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Generic, Protocol, TypeVar, runtime_checkable
+from typing import Any, ClassVar, Generic, TypeVar
 
 import torch
 
+from embedcache.errors import UserError
 from fedheads.data import DataSpec, FedData
 
 CS = TypeVar("CS")  # client state (stacked)
@@ -71,29 +62,117 @@ class Init(Generic[CS, SS, Bc]):
     broadcast: Bc  # what round 0's participants receive
 
 
-@runtime_checkable
-class Algorithm(Protocol[CS, SS, Msg, Bc]):
-    """A federated algorithm on cached features. `name` is used in logs and result files."""
+@dataclass(frozen=True)
+class SecureForm(Generic[SS, Msg, Bc]):
+    """How an algorithm's message splits into sums that secure aggregation (SecAgg+) adds, and
+    what still travels in the clear. The Flower driver quantises and masks the sums; the
+    algorithm file says which fields they are (fedheads.flower.secure does the rest)."""
 
-    name: str
+    sums: Callable[[Msg], dict[str, torch.Tensor]]  # one client's message (client axis 1) -> its contributions (no client axis)
+    integer: tuple[str, ...]  # fields holding integers (rounded back after dequantisation)
+    clear: Callable[[Msg], Msg | None]  # one client's message -> what still travels in the clear (None: nothing)
+    aggregate: Callable[[SS, Msg | None, dict[str, torch.Tensor], RoundCtx], tuple[SS, Bc]]
+    # (server_state, stacked clear messages or None, totals, ctx) -> (server_state, broadcast)
 
+
+@dataclass(frozen=True)
+class HeadArch:
+    """The head on top of frozen backbones as the papers count it (FedPCL Sec. 5.1)."""
+
+    backbone_dims: tuple[int, ...] = (512,)  # output size of each frozen backbone (concatenated)
+    proj_dim: int = 256  # projection network output (FC 512K -> 256)
+    num_classes: int = 10  # classifier output (baselines) / number of prototypes
+
+    @property
+    def in_dim(self) -> int:
+        return int(sum(self.backbone_dims))
+
+
+@dataclass(frozen=True)
+class PaperRoundComm:
+    """What ONE participating client sends and receives in one round, in parameters, by the
+    papers' conventions (weights only, as FedPCL Table 2 counts them)."""
+
+    upload: int  # FedPCL Table 2 "# of Comm Params"
+    download: int  # what the server sends that client
+    silent_rounds: int = 0  # leading rounds in which nothing is downloaded
+
+
+class AlgorithmBase(Generic[CS, SS, Msg, Bc]):
+    """Base class of every registered algorithm: the five protocol functions plus a typed
+    default for each optional hook. Subclasses set `name`, `description` and `config`
+    (their frozen config dataclass) and take one config instance in `__init__`."""
+
+    name: str = ""  # registry name (used in logs and result files)
+    description: ClassVar[str] = ""  # one line for `fedheads algorithms`
+    config: ClassVar[type | None] = None  # the config dataclass `__init__` takes
+    global_rule: ClassVar[str | None] = None
+    """Key of `predict` whose scores depend on the server state alone (the run's global model):
+    `fedheads predict --images` classifies samples of no client with it. None: personalised
+    heads or local prototypes only (prediction needs `--client`)."""
+    server_client_fields: ClassVar[tuple[str, ...]] = ()
+    """Server-state fields that, against the convention above, hold one row per client of the
+    federation (FedPCL's prototype bank): the engine permutes and restores them with the client
+    state. Per-client randomness is keyed by global ids (data.client_index, DataSpec.ids())."""
+    collect_rounds: int = 0
+    """Leading rounds that only collect statistics (FedPCL's round 0, LP's FedNCM round): R
+    rounds train R - collect_rounds."""
+
+    def __init__(self, cfg: Any = None) -> None:
+        self.cfg = cfg
+
+    # ------------------------------------------------------------------ the protocol
     def init(self, spec: DataSpec, seed: int) -> Init[CS, SS, Bc]:
         """States for the whole federation (client axis = spec.num_clients) and the first broadcast."""
-        ...
+        raise NotImplementedError
 
     def client_update(self, client_state: CS, broadcast: Bc, data: FedData, ctx: RoundCtx) -> tuple[CS, Msg]:
         """Local work of the clients in `data` (client axis of client_state matches data)."""
-        ...
+        raise NotImplementedError
 
     def server_aggregate(self, server_state: SS, messages: Msg, ctx: RoundCtx) -> tuple[SS, Bc]:
         """Combine the participants' stacked messages (rows ordered as ctx.participants)."""
-        ...
+        raise NotImplementedError
 
     def predict(self, client_state: CS, server_state: SS, x: torch.Tensor, mask: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Scores [M, N, C] for x [M, N, D] (argmax = prediction). Key "main" is the algorithm's
-        own inference rule; other keys are extra rules reported alongside (e.g. "global_model")."""
-        ...
+        """Scores [M, N, C] for x [M, N, D]; "main" is the algorithm's own rule."""
+        raise NotImplementedError
 
     def trainable_params(self, client_state: CS) -> int:
         """Trainable values held per client (counted from the actual tensors)."""
-        ...
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------ optional hooks
+    def adapt_for_eval(self, client_state: CS, server_state: SS, data: FedData) -> CS | None:
+        """The client state that is evaluated, when the reported model is a client-side
+        adaptation of the CURRENT server model (Per-FedAvg's one-step personalisation); None
+        (the default) evaluates the state as trained. Both engines call it before every
+        evaluation, never feed its result back into training, and return the last adapted state
+        as the run's final client state. Must be a pure function of its arguments."""
+        return None
+
+    def prototype_view(self, client_state: CS, server_state: SS, x: torch.Tensor,
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, str] | None:
+        """For faiss batch prediction: (queries [M,N,d], prototypes [M,C,d], present [M,C],
+        metric "ip" | "cosine" | "sqeuclidean") whose nearest prototype is `predict`'s "main"
+        argmax; None (the default): prediction uses `predict` itself."""
+        return None
+
+    def secure_form(self, message: Msg | None = None) -> SecureForm[SS, Msg, Bc]:
+        """How this algorithm's messages aggregate under SecAgg+ (of `message` when given; a
+        message type may change between rounds). The default refuses in one line."""
+        raise UserError(f"secagg: {self.name} has no secure form (its server step is not a sum of client contributions)")
+
+    def dp_sensitivity(self, clip: float) -> dict[str, float]:
+        """L2 sensitivity of each secure-sum field (the keys of `secure_form().sums`) when one
+        training example, its feature clipped to L2 norm `clip`, is added or removed. Used by
+        the Gaussian mechanism of differential privacy; the default refuses in one line."""
+        raise UserError(f"dp: {self.name} has no differentially private form (its messages are not clipped sums)")
+
+    def paper_round_comm(self, arch: HeadArch, clients: int) -> PaperRoundComm | None:
+        """Per-client, per-round upload and download by its papers' convention (for the
+        papers' communication columns); None: no published convention."""
+        return None
+
+
+Algorithm = AlgorithmBase  # the name the engines' signatures use

@@ -163,7 +163,7 @@ def _secure_round(fed: Federation, ss: Any, replies: dict[int, Message], alive: 
     form = secure_form(fed.alg, clear if clear is not None else None)
     totals = dequantized_totals(arrays, names, exps, form.integer, len(got))
     ctx = RoundCtx(r, ctx.seed, torch.tensor(got, dtype=torch.int64), ctx.num_clients)
-    ss, bc = form.aggregate(fed.alg, ss, clear, totals, ctx)
+    ss, bc = form.aggregate(ss, clear, totals, ctx)
     return ss, bc, got, extra
 
 

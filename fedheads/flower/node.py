@@ -191,9 +191,9 @@ def update(msg: Message, context: Context) -> Message:
     from fedheads.flower.secure import exponent, secure_form
 
     form = secure_form(alg, out)
-    sums = form.sums(alg, out)
+    sums = form.sums(out)
     codec.put(context.state, "fh.pending", {k: v.cpu() for k, v in sums.items()})
-    clear = form.clear(alg, out)
+    clear = form.clear(out)
     if clear is not None:
         codec.put(reply, "fh.message", clear)
     reply.config_records["fh.exponents"] = ConfigRecord({k: exponent(v) for k, v in sums.items()})

@@ -1,16 +1,11 @@
 """Secure aggregation of the sum-shaped server steps with Flower's SecAgg+ (contract 8b).
 
-Which fields are sums (`secure_form`):
-- FedNCM (and LP's FedNCM round): the per-class feature sums m_c^k and counts n_c^k (FedNCM
-  Alg. 1 lines 7-12); the server only ever sees sum_k m_c^k and sum_k n_c^k.
-- FedProto: the count-weighted prototypes w_ij C_i^(j) and weights w_ij.
-- FedPCL (aggregation "weighted"): sum_i |D_ij| C_i^(j) and sum_i |D_ij| (Eq. 6). The local
-  prototype sets themselves still travel in the clear: Eq. 7 sends every client's set to every
-  client, so the server must hold them (see docs/contracts.md 8b for what that reveals).
-The server step on the totals calls the algorithm's own `server_aggregate` on a one-row message
-holding the totals: a server written as sums + finalize gives the same result for the rows or
-for their sum (FedPCL: once with the clear rows and zero weights for its bank of local sets,
-once with the totals and no participant rows).
+Which fields are sums is declared by each algorithm in its own file (`secure_form`, a typed
+hook of fedheads.core.protocol.AlgorithmBase): FedNCM's class sums and counts, FedProto's
+count-weighted prototypes, FedPCL's Eq. 6 sums (its local sets still travel in the clear; see
+docs/contracts.md 8b). The server step on the totals calls the algorithm's own
+`server_aggregate` on a one-row message holding the totals: a server written as sums + finalize
+gives the same result for the rows or for their sum.
 
 Quantisation (public, the same for every node of a round; Flower's quantize/dequantize):
 each node divides field f by 2^E_f, E_f = max over the round's nodes of ceil(log2 max|v_f|)
@@ -25,7 +20,6 @@ P = 3). Integer fields (counts) are rounded back and are exact while 4 P max|v| 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,9 +27,8 @@ import numpy as np
 import torch
 
 from embedcache.errors import UserError
-from fedheads.core.protocol import RoundCtx
+from fedheads.core.protocol import SecureForm
 
-SECURE_ALGORITHMS = ("fedncm", "fedproto", "fedpcl")
 CLIP = 1.0  # Flower's clipping range after our power-of-two prescaling
 
 
@@ -75,79 +68,10 @@ def scale_down(v: np.ndarray, exp: int) -> np.ndarray:
     return out
 
 
-@dataclass(frozen=True)
-class SecureForm:
-    """How one algorithm's message splits into secure sums and what stays in the clear."""
-
-    sums: Callable[[Any, Any], dict[str, torch.Tensor]]  # (alg, msg) -> one client's contributions (no client axis)
-    integer: tuple[str, ...]  # fields holding integers (rounded back after dequantisation)
-    clear: Callable[[Any, Any], Any]  # (alg, msg) -> what still travels in the clear (None: nothing)
-    aggregate: Callable[[Any, Any, Any, dict[str, torch.Tensor], RoundCtx], tuple[Any, Any]]
-    # (alg, server_state, stacked clear messages or None, totals, ctx) -> (server_state, broadcast)
-
-
-def _fedncm() -> SecureForm:
-    from fedheads.algorithms.fedncm import FedNCMMessage
-
-    def agg(alg: Any, ss: Any, clear: Any, tot: dict[str, torch.Tensor], ctx: RoundCtx) -> tuple[Any, Any]:
-        msg = FedNCMMessage(tot["sums"].to(_sums_dtype(alg))[None], tot["counts"].round().to(torch.int64)[None])
-        return alg.server_aggregate(ss, msg, ctx)
-
-    return SecureForm(lambda a, m: {"sums": m.sums[0].double(), "counts": m.counts[0].double()}, ("counts",),
-                      lambda a, m: None, agg)
-
-
-def _sums_dtype(alg: Any) -> torch.dtype:
-    return getattr(alg, "dtype", torch.float64)  # FedNCM's accumulation dtype; LP's FedNCM round is float64
-
-
-def _fedproto() -> SecureForm:
-    from fedheads.algorithms.fedproto import FedProtoMessage
-
-    def agg(alg: Any, ss: Any, clear: Any, tot: dict[str, torch.Tensor], ctx: RoundCtx) -> tuple[Any, Any]:
-        msg = FedProtoMessage(tot["weighted_protos"].float()[None], tot["weights"].round().float()[None])
-        return alg.server_aggregate(ss, msg, ctx)
-
-    return SecureForm(lambda a, m: {"weighted_protos": m.weighted_protos[0].double(), "weights": m.weights[0].double()},
-                      ("weights",), lambda a, m: None, agg)
-
-
-def _fedpcl() -> SecureForm:
-    from fedheads.algorithms.fedpcl import FedPCLMessage
-
-    def sums(alg: Any, m: Any) -> dict[str, torch.Tensor]:
-        w = (m.counts * m.present)[0].double()  # Eq. 6 weights |D_ij| of the classes held
-        return {"num": w.unsqueeze(-1) * m.protos[0].double(), "den": w}
-
-    def clear(alg: Any, m: Any) -> Any:  # Eq. 7 needs every set; the counts stay secret
-        return FedPCLMessage(m.protos, torch.zeros_like(m.counts), m.present)
-
-    def agg(alg: Any, ss: Any, clear_msgs: Any, tot: dict[str, torch.Tensor], ctx: RoundCtx) -> tuple[Any, Any]:
-        ss, _ = alg.server_aggregate(ss, clear_msgs, ctx)  # zero weights: only the bank of local sets
-        den = tot["den"].round()
-        mean = torch.where(den.unsqueeze(-1) > 0, tot["num"] / den.clamp_min(1).unsqueeze(-1), torch.zeros_like(tot["num"]))
-        totals = FedPCLMessage(mean.float()[None], den.float()[None], (den > 0)[None])
-        nobody = RoundCtx(ctx.round, ctx.seed, torch.empty(0, dtype=torch.int64), ctx.num_clients)
-        return alg.server_aggregate(ss, totals, nobody)  # Eq. 6 on the totals, no bank row written
-
-    return SecureForm(sums, ("den",), clear, agg)
-
-
 def secure_form(alg: Any, msg: Any = None) -> SecureForm:
-    """The form of `alg`'s messages (of `msg` when given: LP sends FedNCM sums in its first round)."""
-    from fedheads.algorithms.fedncm import FedNCMMessage
-
-    if alg.name == "fedncm" or isinstance(msg, FedNCMMessage):
-        return _fedncm()
-    if alg.name == "fedproto":
-        return _fedproto()
-    if alg.name == "fedpcl":
-        agg = alg.cfg.agg
-        if agg != "weighted":
-            raise UserError(f"secagg: fedpcl aggregation {agg!r} is not a count-weighted sum "
-                            "('mean' weights are public, 'eq6_literal' divides by the holders); use 'weighted'")
-        return _fedpcl()
-    raise UserError(f"secagg: {alg.name} has no secure form (SecAgg+ covers {', '.join(SECURE_ALGORITHMS)})")
+    """The form of `alg`'s messages (of `msg` when given), declared in the algorithm's own file
+    (AlgorithmBase.secure_form); an algorithm without one is refused there in one line."""
+    return alg.secure_form(msg)
 
 
 def dequantized_totals(arrays: list[np.ndarray], names: list[str], exps: dict[str, int], integer: tuple[str, ...],
