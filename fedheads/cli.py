@@ -296,7 +296,7 @@ def finetune(manifest_path, store, backbone, heads, head_rounds, rounds, server,
 
 
 def _flower_options(f):
-    """Options of a federated run over Flower (`serve`, `simulate`): fedheads.flower.server.FlowerRunConfig."""
+    """Options of a federated run over Flower (`serve`, `simulate`): fedheads.flower.run_config.FlowerRunConfig."""
     opts = [
         click.option("--algorithm", required=True, help="See `fedheads algorithms`."),
         click.option("--backbones", required=True, help="Comma-separated; every node concatenates them in this order."),
@@ -331,8 +331,10 @@ def _flower_config(settings, out, **kw):
     check_algorithms([kw["algorithm"]])
     fields = parse_settings(settings)
     _check_plain(click.get_current_context(), settings=fields)
-    from fedheads.flower.server import FlowerRunConfig
+    from fedheads.flower import require_flower
+    from fedheads.flower.run_config import FlowerRunConfig
 
+    require_flower()  # one line without the extra, before anything is written
     return FlowerRunConfig(settings=json.dumps([list(p) for p in fields]),
                            out=str(Path(out).resolve()), **kw)
 

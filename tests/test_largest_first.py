@@ -24,7 +24,6 @@ from fedheads.data import FedData, in_store_order, largest_first, load_fed_data
 from fedheads.layout import to_layout
 from fedheads.runner import TrainOptions, build_algorithm, compare_runs, load_state, train_run, trains_largest_first
 
-
 SIZES = {"c0": (5, 6), "c1": (23, 5), "c2": (9, 0), "c3": (23, 4), "c4": (14, 6)}  # c2: no test rows
 
 

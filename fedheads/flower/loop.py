@@ -16,7 +16,8 @@ from fedheads.core.tree import payload_size, tree_cat
 from fedheads.data import DataSpec
 from fedheads.flower import codec
 from fedheads.flower.deploy import round_line
-from fedheads.flower.server import FlowerLog, FlowerRunConfig, _failed, _run_record, _send
+from fedheads.flower.messaging import failed_nodes, run_record, send
+from fedheads.flower.run_config import FlowerLog, FlowerRunConfig
 
 log = logging.getLogger("fedheads.flower")
 
@@ -53,7 +54,7 @@ class Federation:
                 "backbones": self.cfg.backbone_list(), "binarize": self.cfg.binarize, "secagg": self.cfg.secagg}
 
     def message(self, i: int, r: int, part: list[int], kind: str, name: str, tree: Any) -> Message:
-        content = RecordDict({"fh.run": _run_record(self.run_json(i, r, part))})
+        content = RecordDict({"fh.run": run_record(self.run_json(i, r, part))})
         codec.put(content, name, tree)
         return Message(content, dst_node_id=self.node_ids[i], message_type=kind, group_id=str(r))
 
@@ -61,8 +62,8 @@ class Federation:
                  what: str) -> tuple[dict[int, Message], list[int]]:
         """Send one message per client index; (replies by index, indices that failed)."""
         msgs = [self.message(i, r, part, kind, name, tree) for i in idx]
-        replies = _send(self.grid, msgs, self.cfg.timeout)
-        bad = _failed([self.node_ids[i] for i in idx], replies)
+        replies = send(self.grid, msgs, self.cfg.timeout)
+        bad = failed_nodes([self.node_ids[i] for i in idx], replies)
         failed = [i for i in idx if self.node_ids[i] in bad]
         for i in failed:
             note = f"round {r + 1}: {what}: node {self.names[i]} (id {self.node_ids[i]}) failed: {bad[self.node_ids[i]]}"

@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import logging
 import time
-from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -27,98 +26,20 @@ from fedheads.flower import require_flower
 
 require_flower()
 
-from flwr.app import ConfigRecord, Context, Message, RecordDict  # noqa: E402
+from flwr.app import Context, Message, RecordDict  # noqa: E402
 from flwr.serverapp import Grid, ServerApp  # noqa: E402
 
 from fedheads.flower.grid import AuditGrid  # noqa: E402
+from fedheads.flower.messaging import failed_nodes, run_record, send  # noqa: E402
+from fedheads.flower.run_config import DROPOUT_POLICIES, FlowerLog, FlowerRunConfig  # noqa: E402,F401 (re-exported)
 
 log = logging.getLogger("fedheads.flower")
 app = ServerApp()
-DROPOUT_POLICIES = ("refuse", "continue")
-
-
-@dataclass(frozen=True)
-class FlowerRunConfig:
-    """One federated run over Flower (Flower run config keys: the field names with '-')."""
-
-    algorithm: str = "fedncm"  # a registered algorithm (`fedheads algorithms`)
-    backbones: str = ""  # comma-separated, concatenated in this order on every node
-    rounds: int = 1  # communication rounds
-    seed: int = 0  # run seed (participants, client initialisations, batches)
-    fraction: float = 1.0  # client participation per round
-    eval_every: int = 1  # evaluate every k rounds (0: only after the last)
-    settings: str = "[]"  # JSON [[key, value], ...]: --set fields of the algorithm
-    local_epochs: int = 0  # 0 = the algorithm's default
-    batch_size: int = 0  # 0 = the algorithm's default
-    lr: float = 0.0  # 0 = the algorithm's default
-    binarize: bool = False  # FedPCL authors' binarised features
-    secagg: bool = False  # SecAgg+ for the sum-shaped server steps (fedncm, fedproto, fedpcl)
-    secagg_shares: float = 1.0  # SecAgg+ num_shares, fraction of the round's participants
-    secagg_threshold: float = 0.67  # SecAgg+ reconstruction threshold, fraction of the shares
-    nodes: int = 1  # wait for this many nodes before starting
-    wait: float = 300.0  # seconds to wait for them
-    timeout: float = 600.0  # seconds a round's messages may take (extraction on first use included)
-    on_dropout: str = "refuse"  # "refuse" | "continue" (module docstring)
-    clients: str = ""  # comma-separated client order (global indices); "" = sorted by name
-    out: str = ""  # run directory written at the end ("" = none)
-    overwrite: bool = False  # replace a run already in `out`
-
-    def __post_init__(self) -> None:
-        if self.on_dropout not in DROPOUT_POLICIES:
-            raise UserError(f"on-dropout {self.on_dropout!r}: must be one of {', '.join(DROPOUT_POLICIES)}")
-        if self.rounds < 1 or self.nodes < 1:
-            raise UserError(f"rounds {self.rounds} / nodes {self.nodes}: must be >= 1")
-        if not self.backbones:
-            raise UserError("backbones: at least one is needed")
-
-    @classmethod
-    def from_run_config(cls, rc: Any) -> FlowerRunConfig:
-        known = {f.name: f for f in fields(cls)}
-        kw: dict[str, Any] = {}
-        for key, value in dict(rc).items():
-            name = str(key).replace("-", "_")
-            if name in known:
-                kw[name] = type(known[name].default)(value)  # TOML ints where floats are meant
-        return cls(**kw)
-
-    def to_run_config(self) -> dict[str, Any]:
-        return {f.name.replace("_", "-"): getattr(self, f.name) for f in fields(self)}
-
-    def backbone_list(self) -> list[str]:
-        return [b.strip() for b in self.backbones.split(",") if b.strip()]
-
-
-@dataclass
-class FlowerLog:
-    """What the network did, per round (results.json `flower`)."""
-
-    rounds: list[dict[str, Any]] = field(default_factory=list)
-    nodes: dict[str, int] = field(default_factory=dict)  # client -> Flower node id
 
 
 @app.main()
 def main(grid: Grid, context: Context) -> None:
     run_federation(grid, context, FlowerRunConfig.from_run_config(context.run_config))
-
-
-def _send(grid: Grid, msgs: list[Message], timeout: float) -> dict[int, Message]:
-    replies = grid.send_and_receive(msgs, timeout=timeout)
-    return {int(m.metadata.src_node_id): m for m in replies}
-
-
-def _failed(sent: list[int], replies: dict[int, Message]) -> dict[int, str]:
-    out = {}
-    for n in sent:
-        m = replies.get(n)
-        if m is None:
-            out[n] = "no reply before the timeout (node gone?)"
-        elif m.has_error():
-            out[n] = " ".join(f"error {m.error.code}: {m.error.reason}".split())[:300]  # one line
-    return out
-
-
-def _run_record(run: dict[str, Any]) -> ConfigRecord:
-    return ConfigRecord({"json": json.dumps(run)})
 
 
 def wait_for_nodes(grid: Grid, n: int, wait: float) -> list[int]:
@@ -135,10 +56,10 @@ def wait_for_nodes(grid: Grid, n: int, wait: float) -> list[int]:
 def describe_nodes(grid: Grid, nodes: list[int], cfg: FlowerRunConfig) -> list[tuple[int, dict[str, Any]]]:
     """[(node id, description)] in global client order; nodes must agree on classes and features."""
     run = {"backbones": cfg.backbone_list(), "binarize": cfg.binarize}
-    msgs = [Message(RecordDict({"fh.run": _run_record(run)}), dst_node_id=n, message_type="query.describe")
+    msgs = [Message(RecordDict({"fh.run": run_record(run)}), dst_node_id=n, message_type="query.describe")
             for n in nodes]
-    replies = _send(grid, msgs, cfg.timeout)
-    bad = _failed(nodes, replies)
+    replies = send(grid, msgs, cfg.timeout)
+    bad = failed_nodes(nodes, replies)
     if bad:
         n, why = next(iter(bad.items()))
         raise UserError(f"flower: node {n} could not describe its data: {why}")

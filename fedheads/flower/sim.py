@@ -187,7 +187,7 @@ def simulate_store(cfg: Any, store: str, clients: list[str] | None = None, clien
         raise UserError(f"clients {','.join(names)}: {', '.join(unknown)} not in {store} (has {', '.join(have)})")
     nodes = [{"store": str(store), "client": c} for c in names]
     cfg_run = cfg.to_run_config() | {"nodes": len(nodes), "clients": cfg.clients or ",".join(names)}
-    from fedheads.flower.server import FlowerRunConfig
+    from fedheads.flower.run_config import FlowerRunConfig
 
     return simulate(lambda grid, ctx: run_federation(grid, ctx, FlowerRunConfig.from_run_config(ctx.run_config)),
                     nodes, cfg_run, client_app)

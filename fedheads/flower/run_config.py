@@ -1,0 +1,70 @@
+"""What one federated run over Flower is asked to do (the Flower run config), and what the
+network did (results.json `flower`). Plain data: importable without Flower."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from embedcache.errors import UserError
+
+DROPOUT_POLICIES = ("refuse", "continue")
+
+
+@dataclass(frozen=True)
+class FlowerRunConfig:
+    """One federated run over Flower (Flower run config keys: the field names with '-')."""
+
+    algorithm: str = "fedncm"  # a registered algorithm (`fedheads algorithms`)
+    backbones: str = ""  # comma-separated, concatenated in this order on every node
+    rounds: int = 1  # communication rounds
+    seed: int = 0  # run seed (participants, client initialisations, batches)
+    fraction: float = 1.0  # client participation per round
+    eval_every: int = 1  # evaluate every k rounds (0: only after the last)
+    settings: str = "[]"  # JSON [[key, value], ...]: --set fields of the algorithm
+    local_epochs: int = 0  # 0 = the algorithm's default
+    batch_size: int = 0  # 0 = the algorithm's default
+    lr: float = 0.0  # 0 = the algorithm's default
+    binarize: bool = False  # FedPCL authors' binarised features
+    secagg: bool = False  # SecAgg+ for the sum-shaped server steps (algorithms with a secure form)
+    secagg_shares: float = 1.0  # SecAgg+ num_shares, fraction of the round's participants
+    secagg_threshold: float = 0.67  # SecAgg+ reconstruction threshold, fraction of the shares
+    nodes: int = 1  # wait for this many nodes before starting
+    wait: float = 300.0  # seconds to wait for them
+    timeout: float = 600.0  # seconds a round's messages may take (extraction on first use included)
+    on_dropout: str = "refuse"  # "refuse" | "continue" (module docstring)
+    clients: str = ""  # comma-separated client order (global indices); "" = sorted by name
+    out: str = ""  # run directory written at the end ("" = none)
+    overwrite: bool = False  # replace a run already in `out`
+
+    def __post_init__(self) -> None:
+        if self.on_dropout not in DROPOUT_POLICIES:
+            raise UserError(f"on-dropout {self.on_dropout!r}: must be one of {', '.join(DROPOUT_POLICIES)}")
+        if self.rounds < 1 or self.nodes < 1:
+            raise UserError(f"rounds {self.rounds} / nodes {self.nodes}: must be >= 1")
+        if not self.backbones:
+            raise UserError("backbones: at least one is needed")
+
+    @classmethod
+    def from_run_config(cls, rc: Any) -> FlowerRunConfig:
+        known = {f.name: f for f in fields(cls)}
+        kw: dict[str, Any] = {}
+        for key, value in dict(rc).items():
+            name = str(key).replace("-", "_")
+            if name in known:
+                kw[name] = type(known[name].default)(value)  # TOML ints where floats are meant
+        return cls(**kw)
+
+    def to_run_config(self) -> dict[str, Any]:
+        return {f.name.replace("_", "-"): getattr(self, f.name) for f in fields(self)}
+
+    def backbone_list(self) -> list[str]:
+        return [b.strip() for b in self.backbones.split(",") if b.strip()]
+
+
+@dataclass
+class FlowerLog:
+    """What the network did, per round (results.json `flower`)."""
+
+    rounds: list[dict[str, Any]] = field(default_factory=list)
+    nodes: dict[str, int] = field(default_factory=dict)  # client -> Flower node id
