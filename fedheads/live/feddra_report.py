@@ -68,7 +68,7 @@ def _probe_summary(probes: Sequence[Any]) -> dict[str, Any] | None:
 def extra(runs: Sequence[Any], per_seed: Sequence[Mapping[str, Any]], cfg: Any, su: Any, opts: Any,
           probes: Sequence[Any], exported: Sequence[Any]) -> dict[str, Any]:
     """The FedDRA blocks of results.json (docs/contracts.md section 10)."""
-    from fedheads.live.feddra_runner import _jsonable
+    from fedheads.live.runner import _jsonable
 
     names = [c.name for c in su.clients]
     finals = [_final(r).retrieval for r in runs]
