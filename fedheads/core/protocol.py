@@ -29,9 +29,9 @@ run. Conventions:
   algorithm without it (personalised heads, local prototypes) needs `--client`.
 - Optional attribute `server_client_fields: tuple[str, ...]`: the server-state fields that, against
   the convention above, hold one row per client of the federation (FedPCL's prototype bank; () for
-  none). Declaring it lets `fedheads train/compare` and the pipelines stack the clients largest
-  first (fedheads.runner.trains_largest_first) and put these rows back in the store's order with
-  the client state (RunResult.in_client_order); an algorithm without it keeps the store's order.
+  none). Declaring it lets the vectorised engine stack the clients in the order it computes
+  fastest in (core/order.py) and put these rows back in the data's order with the client state;
+  an algorithm without it is run in the data's order.
   Key per-client randomness by global ids (data.client_index, DataSpec.ids(),
   core/heads.client_seeds), never by a client's position in the stack.
 """
@@ -58,7 +58,7 @@ class RoundCtx:
     round: int  # 0-based communication round
     seed: int  # run seed (combine with round and client_index for randomness)
     participants: torch.Tensor  # [P] int64 positions in the stacked federation of this round's participants
-    # (sorted; the store's ids unless it was stacked largest first: data.client_index holds the global ids)
+    # (sorted; global ids only where the engine keeps the data's order: data.client_index holds them)
     num_clients: int  # M of the whole federation
 
 
