@@ -112,6 +112,11 @@ class StoreInfo:
             object.__setattr__(self, "_root", root)
         return root
 
+    def release_root(self) -> None:
+        """Let go of the root group and its parsed metadata (tens of MB at 1,000s of shards), e.g.
+        once a run has read its features: root() would open it again."""
+        self.__dict__.pop("_root", None)
+
     def __getstate__(self) -> dict:  # the caches are rebuilt where the StoreInfo is unpickled (dask workers)
         return {k: v for k, v in self.__dict__.items() if k not in ("_index", "_root")}
 

@@ -260,6 +260,7 @@ def load_store(store: str | Path | StoreInfo, backbones: Sequence[str], opts: Tr
     one open of the store. `heap`: the process's heap policy (fedheads.heap), None for none."""
     info, record = open_run_store(store, backbones)
     data = load_fed_data(info, backbones, resolve_device(opts.device), binarize=opts.binarize, layout=opts.layout)
+    info.release_root()  # everything the run reads from the store is read: its metadata need not stay
     del info
     if heap is not None:
         heap.after_load()
