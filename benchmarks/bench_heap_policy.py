@@ -1,4 +1,4 @@
-"""`fedheads train` on padded data with and without its heap policy (fedheads.runner.heap_policy:
+"""`fedheads train` on padded data with and without its heap policy (fedheads.heap.GlibcHeap.training:
 freed blocks kept for reuse while the rounds run, fedheads/heap.py).
 
 Federation: 80 clients x 120 rows of 1536-d float32 features (the size of FedPCL's 3-backbone
@@ -30,10 +30,10 @@ from machine_info import machine, write_json
 HERE = Path(__file__).resolve().parent
 CHILD = r'''
 import contextlib, json, resource, sys
-import fedheads.cli, fedheads.runner as R
+import fedheads.cli, fedheads.heap as H
 mode, store, out, rounds = sys.argv[1:5]
 if mode == "off":
-    R.heap_policy = lambda data: contextlib.nullcontext()
+    H.GlibcHeap.training = lambda self, padded: contextlib.nullcontext()
 fedheads.cli.main(["train", "--store", store, "--backbones", "synthetic", "--algorithm", "fedavg", "--layout", "padded",
                    "--rounds", rounds, "--seeds", "0", "--device", "cpu", "--eval-every", "0", "--quiet", "--out", out,
                    "--overwrite"], standalone_mode=False)

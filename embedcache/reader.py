@@ -112,6 +112,11 @@ class StoreInfo:
             object.__setattr__(self, "_root", root)
         return root
 
+    def release_root(self) -> None:
+        """Let go of the root group and its parsed metadata (tens of MB at 1,000s of shards), e.g.
+        once a run has read its features: root() would open it again."""
+        self.__dict__.pop("_root", None)
+
     def __getstate__(self) -> dict:  # the caches are rebuilt where the StoreInfo is unpickled (dask workers)
         return {k: v for k, v in self.__dict__.items() if k not in ("_index", "_root")}
 
@@ -266,7 +271,8 @@ def open_store(path: str | Path, *, quiet: bool = False) -> StoreInfo:
     shards = None
     if use:
         try:
-            shards = _walk(_zarr_root(path, True), attrs)
+            root = _zarr_root(path, True)
+            shards = _walk(root, attrs)
         except Exception as exc:  # e.g. zarr cannot nest names that differ only in case
             problem, use = f"is unreadable ({type(exc).__name__}: {' '.join(str(exc).split())[:120]})", False
     if shards is None:
@@ -274,14 +280,17 @@ def open_store(path: str | Path, *, quiet: bool = False) -> StoreInfo:
             note(f"{path}: consolidated metadata {problem}; reading the hierarchy instead "
                  "(the next write, or `embedcache verify --repair`, rewrites it)")
         try:
-            shards = _walk(_zarr_root(path, False), attrs)
+            root = _zarr_root(path, False)
+            shards = _walk(root, attrs)
         except Exception as exc:
             raise UserError(f"{path}: cannot read the store's metadata ({type(exc).__name__}: {exc})") from None
-    return StoreInfo(
+    info = StoreInfo(
         path=str(path), classes=tuple(attrs.get("classes", ())), manifest_hash=str(attrs.get("manifest_hash", "")),
         backbones=tuple(sorted({s.backbone for s in shards})),
         clients=tuple(sorted(attrs["clients"] if attrs.get("clients") is not None else {s.client for s in shards})),
         shards=tuple(shards), consolidated=use, source=str(attrs.get("source", "")))
+    object.__setattr__(info, "_root", root)  # StoreInfo.root(): the group just walked, not opened again
+    return info
 
 
 def is_imported(preprocess: Any) -> bool:

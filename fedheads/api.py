@@ -156,12 +156,10 @@ def _tensorboard(on: bool, out: Any) -> bool:
 
 
 def _prepare(data: Data, backbones: Sequence[str] | str | None, num_classes: int | None, opts: Any,
-             load: bool, algorithms: Sequence[str]) -> tuple[str | None, list[str], FedData | None, Any]:
-    """(store, backbones, in-memory data, its clients' order): a store's features are read here
-    when `load` (in memory), else by the runner that writes the run directory. Where the runner
-    trains the clients largest first (runner.trains_largest_first), the data is in that order
-    (a store read so, arrays stacked then sorted: the first stack is dropped) and the order is
-    its clients' positions in the store or the arrays' order (None: not loaded here)."""
+             load: bool) -> tuple[Any, list[str], Any]:
+    """(the store: its path, or its record once read here; backbones; in-memory data): a store's
+    features are read here when `load` (in memory, from one open of the store), else by the
+    runner that writes the run directory. The clients are in the store's or the arrays' order."""
     from embedcache.errors import UserError
     from fedheads import runner
 
@@ -171,11 +169,10 @@ def _prepare(data: Data, backbones: Sequence[str] | str | None, num_classes: int
         if not backbones:
             raise UserError(f"backbones: needed to read features from the store {data}")
         if not load:
-            return str(data), list(backbones), None, None
-        fed, order = runner.load_order(str(data), list(backbones), opts, runner.trains_largest_first(algorithms, opts))
-        return str(data), list(backbones), fed, order
-    fed, order = runner.train_order(_federation(data, num_classes, opts.device, opts.binarize), algorithms, opts)
-    return None, list(backbones or ["features"]), fed, order
+            return str(data), list(backbones), None
+        fed, record = runner.load_store(str(data), list(backbones), opts)
+        return record, list(backbones), fed
+    return None, list(backbones or ["features"]), _federation(data, num_classes, opts.device, opts.binarize)
 
 
 def train(data: Data, algorithm: str, *, backbones: Sequence[str] | str | None = None,
@@ -201,12 +198,11 @@ def train(data: Data, algorithm: str, *, backbones: Sequence[str] | str | None =
 
     opts = _options(rounds, seeds, local_epochs, batch_size, lr, fraction, engine, layout, device, eval_every,
                     binarize, settings, progress, _tensorboard(tensorboard, out))
-    store, bbs, fed, order = _prepare(data, backbones, num_classes, opts, load=out is None, algorithms=[algorithm])
+    store, bbs, fed = _prepare(data, backbones, num_classes, opts, load=out is None)
     if out is not None:
         return Result(runner.train_run(store, bbs, algorithm, opts, out, data=fed, overwrite=overwrite,
-                                       resume=resume, order=order), out)
-    trained = runner.train_data(fed, bbs, algorithm, opts, dims=runner.store_dims(store, bbs), store=store,  # type: ignore[arg-type]
-                                order=order)
+                                       resume=resume), out)
+    trained = runner.train_data(fed, bbs, algorithm, opts, store=store)
     return Result(trained.result, states=trained.states, config=trained.config)
 
 
@@ -227,12 +223,11 @@ def compare(data: Data, algorithms: Sequence[str] | str, *, backbones: Sequence[
     names = [a.strip() for a in algorithms.split(",") if a.strip()] if isinstance(algorithms, str) else list(algorithms)
     opts = _options(rounds, seeds, local_epochs, batch_size, lr, fraction, engine, layout, device, eval_every,
                     binarize, settings, progress, _tensorboard(tensorboard, out))
-    store, bbs, fed, order = _prepare(data, backbones, num_classes, opts, load=out is None, algorithms=names)
+    store, bbs, fed = _prepare(data, backbones, num_classes, opts, load=out is None)
     if out is not None:
         return Result(runner.compare_runs(store, bbs, names, opts, out, overwrite=overwrite, data=fed,
-                                          resume=resume, order=order), out)
-    runs, combined = runner.compare_data(fed, bbs, names, opts, dims=runner.store_dims(store, bbs), store=store,  # type: ignore[arg-type]
-                                         order=order)
+                                          resume=resume), out)
+    runs, combined = runner.compare_data(fed, bbs, names, opts, store=store)
     combined["algorithms"] = {n: Result(r.result, states=r.states, config=r.config) for n, r in runs.items()}
     return Result(combined)
 

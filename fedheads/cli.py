@@ -54,10 +54,11 @@ def _seeds(value: str) -> tuple[int, ...]:
 
 
 def _check_plain(ctx: click.Context, backbones: Sequence[str] = (),
-                 store_backbones: tuple[str, Sequence[str]] | None = None, settings: Sequence[Any] = ()) -> None:
+                 store_backbones: tuple[str, Sequence[str]] | None = None, settings: Sequence[Any] = ()) -> Any:
     """What can be checked before torch (9-28 s on a busy machine) is imported: every number
     option finite (from a --config file too), the --set values, the seeds, and the names of
-    backbones (`backbones`: registry names; `store_backbones`: (store, names) in that store)."""
+    backbones (`backbones`: registry names; `store_backbones`: (store, names) in that store).
+    Returns the store it opened for that (the run reads it, not opened again), else None."""
     import math
 
     from embedcache.backbone_names import check_backbone_name
@@ -79,12 +80,14 @@ def _check_plain(ctx: click.Context, backbones: Sequence[str] = (),
 
         store, names = store_backbones
         if not Path(store).exists():  # said by the run (--dump-config needs no store)
-            return
+            return None
         info = open_store(store)
         for b in names:
             if b not in info.backbones:
                 raise UserError(f"backbone {b!r}: not in store {info.path}{did_you_mean(b, info.backbones)} "
                                 f"(has: {', '.join(info.backbones)})")
+        return info
+    return None
 
 
 def _train_options(f):
@@ -122,7 +125,8 @@ def _train_options(f):
 
 def _options(algorithms, backbones, store, rounds, seeds, local_epochs, batch_size, lr, fraction, engine, layout,
              device, eval_every, binarize, settings, quiet, tensorboard):
-    """TrainOptions, after every check that needs no torch (the names, the plain values)."""
+    """(TrainOptions, the store opened to check the backbone names or None), after every check
+    that needs no torch (the names, the plain values)."""
     from fedheads.checks import check_algorithms
     from fedheads.runconfig import merged_settings
     from fedheads.settings import parse_settings
@@ -132,10 +136,10 @@ def _options(algorithms, backbones, store, rounds, seeds, local_epochs, batch_si
         raise UserError(f"--rounds {rounds}: must be >= 1")
     check_algorithms(algorithms)
     fields = merged_settings(ctx, parse_settings(settings))
-    _check_plain(ctx, store_backbones=(store, backbones), settings=fields)
+    info = _check_plain(ctx, store_backbones=(store, backbones), settings=fields)
     from fedheads.runner import TrainOptions
 
-    return TrainOptions(rounds=rounds, seeds=_seeds(seeds), fraction=fraction, engine=engine,
+    return info, TrainOptions(rounds=rounds, seeds=_seeds(seeds), fraction=fraction, engine=engine,
                         layout=layout, device=device, eval_every=eval_every, binarize=binarize,
                         local_epochs=local_epochs, batch_size=batch_size, lr=lr, settings=fields,
                         progress=not quiet, tensorboard=tensorboard)
@@ -151,14 +155,17 @@ _MERGE = "\n\nOptions also come from --config FILE (YAML); merge order: built-in
 @config_options
 def train(store, backbones, algorithm, out, overwrite, resume, dump_config, **kw) -> None:
     bbs = _csv(backbones, "--backbones")
-    opts = _options([algorithm], bbs, store, **kw)
+    info, opts = _options([algorithm], bbs, store, **kw)
+    from fedheads.heap import GlibcHeap
     from fedheads.runconfig import dump, effective_config
     from fedheads.runner import train_run
 
     if dump_config:
         click.echo(dump("train", effective_config("train", store, bbs, [algorithm], opts, out)), nl=False)
         return
-    res = train_run(store, bbs, algorithm, opts, out, overwrite=overwrite, resume=resume)
+    # the store opened once for the whole run; this process's heap run the command's way (fedheads/heap.py)
+    res = train_run(store if info is None else info, bbs, algorithm, opts, out, overwrite=overwrite, resume=resume,
+                    heap=GlibcHeap())
     click.echo(f"{algorithm}: accuracy {res['accuracy_cell']} over seeds {res['seeds']} -> {out}/results.json")
 
 
@@ -168,8 +175,9 @@ def train(store, backbones, algorithm, out, overwrite, resume, dump_config, **kw
 @config_options
 def compare(store, backbones, algorithms, out, overwrite, resume, dump_config, **kw) -> None:
     bbs, names = _csv(backbones, "--backbones"), _csv(algorithms, "--algorithms")
-    opts = _options(names, bbs, store, **kw)
+    info, opts = _options(names, bbs, store, **kw)
     from fedheads import report
+    from fedheads.heap import GlibcHeap
     from fedheads.runconfig import dump, effective_config
     from fedheads.runner import check_compare_settings, compare_runs
 
@@ -177,7 +185,8 @@ def compare(store, backbones, algorithms, out, overwrite, resume, dump_config, *
         check_compare_settings(names, opts)
         click.echo(dump("compare", effective_config("compare", store, bbs, names, opts, out, strict=False)), nl=False)
         return
-    res = compare_runs(store, bbs, names, opts, out, overwrite=overwrite, resume=resume)
+    res = compare_runs(store if info is None else info, bbs, names, opts, out, overwrite=overwrite, resume=resume,
+                       heap=GlibcHeap())
     click.echo(report.comparison_markdown(list(res["algorithms"].values())))
     click.echo(f"report: {Path(out) / 'summary.md'}", err=True)
 

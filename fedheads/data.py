@@ -16,16 +16,17 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from embedcache.errors import UserError
-from fedheads.heap import release_free_heap
 from fedheads.layout import BucketedFedData, LayoutConfig, as_layout, layout_info, plan_buckets, to_layout  # noqa: F401 (re-exported)
 
-T = TypeVar("T")
+if TYPE_CHECKING:
+    from embedcache.reader import StoreInfo
 
 
 def resolve_device(device: str | torch.device = "auto") -> torch.device:
@@ -118,9 +119,8 @@ class FedData:
 
     def by_size(self) -> tuple[FedData, tuple[int, ...]]:
         """(these clients in order of training size, largest first (stable), that order as
-        positions in this FedData). Local steps then compute only a prefix of the stacked clients
-        without reordering them each round (core/train.py): the same results per client, up to the
-        order in which a server sums the clients' messages. Itself when already in that order."""
+        positions in this FedData): the order the vectorised engine stacks them in where it may
+        (core/order.py). Itself when already in that order."""
         order = tuple(sorted(range(self.num_clients), key=lambda i: -self.n_train[i]))
         return (self, order) if order == tuple(range(self.num_clients)) else (self.select(order), order)
 
@@ -192,29 +192,6 @@ class FedData:
 Federation = FedData | BucketedFedData  # the two layouts (fedheads/layout.py)
 
 
-def largest_first(data: Federation) -> tuple[Federation, tuple[int, ...]]:
-    """(the federation to train on, its clients' positions in `data`): a padded federation's
-    clients largest first (FedData.by_size: one copy of the features; load_fed_data(...,
-    largest_first=True) loads them so without one), a bucketed one as it is. Local steps then
-    compute only the clients still stepping without re-ordering them each round (core/train.py:
-    about a fifth less CPU for FedAvg, Solo or FedProto at 80 label-skewed clients); a client's
-    result equals the store order's up to the order in which the server sums the clients'
-    messages. Which runs do it: fedheads.runner.trains_largest_first. Put results back with
-    RunResult.in_client_order and in_store_order."""
-    if not isinstance(data, FedData):
-        return data, tuple(range(data.num_clients))
-    return data.by_size()
-
-
-def in_store_order(items: Sequence[T], order: Sequence[int]) -> list[T]:
-    """Per-client `items` of a federation stacked in `order` (positions in the store's order,
-    largest_first) listed in the store's order."""
-    out: list[Any] = [None] * len(order)
-    for pos, i in enumerate(order):
-        out[i] = items[pos]
-    return out
-
-
 def _check_labels(y: np.ndarray, num_classes: int, where: str) -> None:
     if y.size and (y.min() < 0 or y.max() >= num_classes):
         raise UserError(f"{where}: label out of range 0..{num_classes - 1}")
@@ -269,10 +246,8 @@ class _Builder:
     of _Stackers, filled client by client, chunk by chunk, then assembled into a Federation."""
 
     def __init__(self, ntr: Sequence[int], nte: Sequence[int], dim: int, device: torch.device,
-                 layout: LayoutConfig, views: int | None = None, size_key: Sequence[int] | None = None) -> None:
+                 layout: LayoutConfig, views: int | None = None) -> None:
         self.plan = plan_buckets(ntr, nte, 4 * dim, layout)
-        if size_key is not None and len(self.plan) == 1:  # padded: largest first, as FedData.by_size
-            self.plan = [sorted(self.plan[0], key=lambda i: -size_key[i])]
         self.where = {i: (b, p) for b, members in enumerate(self.plan) for p, i in enumerate(members)}
         self.stacks = [{"train": _Stacker(len(ms), max(ntr[i] for i in ms), dim, device),
                         "test": _Stacker(len(ms), max(max(nte[i] for i in ms), 1), dim, device)} for ms in self.plan]
@@ -317,14 +292,14 @@ class _Builder:
         return BucketedFedData(tuple(parts), tuple(self.plan), tuple(ntr), tuple(nte), int(num_classes), names, doms)
 
 
-def load_fed_data(store: str, backbones: Sequence[str], device: str | torch.device = "auto",
+def load_fed_data(store: str | Path | StoreInfo, backbones: Sequence[str], device: str | torch.device = "auto",
                   binarize: bool = False, views: bool = False,
                   clients: Sequence[str] | None = None, chunk_rows: int = 4096,
-                  layout: str | LayoutConfig = "padded", largest_first: bool = False) -> Federation:
+                  layout: str | LayoutConfig = "padded") -> Federation:
     """FedData (or, with `layout` "bucketed" / "auto", possibly a BucketedFedData: layout.py)
-    from a feature store (embedcache contract 4), backbones concatenated in order.
-    `largest_first`: a padded result holds its clients largest first, as FedData.by_size gives
-    them but without a second copy (client_index: each client's position in the store's order).
+    from a feature store (embedcache contract 4), backbones concatenated in order, its clients in
+    the store's order. `store`: its path, or the store a run opened (embedcache.reader.open_store),
+    read as it is (not opened again).
 
     Each split is read with `embedcache.reader.iter_split_chunks` (same checks as `load_split`:
     complete shards, ids/labels equal across backbones, no NaN/inf) in chunks of `chunk_rows`
@@ -332,15 +307,14 @@ def load_fed_data(store: str, backbones: Sequence[str], device: str | torch.devi
     sizes in the store's metadata decide the buckets before a feature is read). `views=True` also loads the
     stored augmented views of the train split (extracted with --views V > 1) into `v_train`
     (through `load_split`: per-client copies); FedPCL's code variant contrasts them."""
-    from embedcache.reader import check_backbone_identity, iter_split_chunks, load_split, open_store  # numpy + zarr
+    from embedcache.reader import StoreInfo, check_backbone_identity, iter_split_chunks, load_split, open_store
 
-    info = open_store(store)
+    info = store if isinstance(store, StoreInfo) else open_store(store)
     classes = list(info.classes)
     bbs = list(backbones)
     names = list(clients) if clients is not None else list(info.clients)
     if views:
-        data = _load_with_views(store, bbs, device, binarize, names, len(classes), load_split, layout)
-        return data.by_size()[0] if largest_first and isinstance(data, FedData) else data
+        return _load_with_views(info, bbs, device, binarize, names, len(classes), load_split, layout)
     if not bbs:
         raise UserError("backbones: at least one is needed")
     dev = resolve_device(device)
@@ -359,8 +333,7 @@ def load_fed_data(store: str, backbones: Sequence[str], device: str | torch.devi
     M, D = len(names), sum(dims)
     if M == 0:
         raise UserError("clients: empty federation")
-    build = _Builder([max(n, 1) for n in sizes["train"]], sizes["test"], D, dev, as_layout(layout),
-                     size_key=sizes["train"] if largest_first else None)
+    build = _Builder([max(n, 1) for n in sizes["train"]], sizes["test"], D, dev, as_layout(layout))
     for split in ("train", "test"):
         for i, c in enumerate(names):
             row, cap = 0, build.capacity(split, i)
@@ -372,10 +345,7 @@ def load_fed_data(store: str, backbones: Sequence[str], device: str | torch.devi
                 row += len(y)
             sizes[split][i] = row
     doms = tuple(info.shard(bbs[0], c, "train").domain for c in names)  # type: ignore[union-attr]
-    del info
-    data = build.finish(sizes["train"], sizes["test"], len(classes), tuple(names), doms, binarize)
-    release_free_heap()  # the parsed metadata of every shard and the read buffers go back to the OS
-    return data
+    return build.finish(sizes["train"], sizes["test"], len(classes), tuple(names), doms, binarize)
 
 
 def _backbone_dims(info: Any, bbs: list[str], names: list[str]) -> list[int]:
@@ -389,7 +359,7 @@ def _backbone_dims(info: Any, bbs: list[str], names: list[str]) -> list[int]:
     return dims
 
 
-def _load_with_views(store: str, bbs: list[str], device: str | torch.device, binarize: bool,
+def _load_with_views(store: StoreInfo, bbs: list[str], device: str | torch.device, binarize: bool,
                      names: list[str], num_classes: int, load_split: Any,
                      layout: str | LayoutConfig) -> Federation:
     train = load_split(store, bbs, "train", clients=names, views=True)

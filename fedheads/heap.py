@@ -1,5 +1,9 @@
 """glibc heap policy: handing freed memory back to the OS between the size buckets of a round, and
-keeping it for reuse inside a sweep's cells (no torch import)."""
+keeping it for reuse inside a sweep's cells (no torch import).
+
+Opt-in at the edge: the library never calls these by itself. The `fedheads` command chooses them
+(one_arena, and GlibcHeap for `train` / `compare`), sweep workers get them through their
+environment at spawn (worker_env, from_environment)."""
 
 from __future__ import annotations
 
@@ -103,3 +107,44 @@ def reusing_freed_blocks() -> Iterator[None]:
         _MALLOPT(_M_TRIM_THRESHOLD, _SETTLED_TRIM_THRESHOLD)
         _reusing = False
         release_free_heap()
+
+
+# The process environment that opts a process into GlibcHeap (from_environment): sweep workers
+# are spawned with it, as with REUSE_ENV.
+POLICY_ENV = "FEDHEADS_HEAP"
+
+
+class GlibcHeap:
+    """The heap policy of a training process, for the edge that owns the process to choose (the
+    `fedheads train` / `compare` commands, sweep workers): nothing here runs unless a caller
+    passes this object, so a notebook calling `fedheads.train` keeps its allocator as it is.
+
+    Padded data trains inside `reusing_freed_blocks` (every round allocates blocks of the same
+    shapes, which glibc would otherwise map and zero-fill afresh each time); bucketed data (a
+    large, skewed federation) keeps glibc's defaults, memory first, with the heap handed back
+    between buckets (the engine's `between_buckets` hook) and after a store is loaded."""
+
+    def training(self, padded: bool) -> contextlib.AbstractContextManager[None]:
+        """The block a run's rounds train inside (`padded`: the data is one dense tensor)."""
+        return reusing_freed_blocks() if padded else contextlib.nullcontext()
+
+    def between_buckets(self) -> None:
+        """core.engine.run's `between_buckets` hook: a bucket's freed temporaries go back to the OS."""
+        release_free_heap()
+
+    def after_load(self) -> None:
+        """The parsed metadata of every shard and the read buffers go back to the OS."""
+        release_free_heap()
+
+    def __repr__(self) -> str:
+        return "GlibcHeap()"
+
+
+def from_environment() -> GlibcHeap | None:
+    """GlibcHeap where this process was started with POLICY_ENV=glibc (a sweep's worker), else None."""
+    return GlibcHeap() if os.environ.get(POLICY_ENV) == "glibc" else None
+
+
+def worker_env() -> dict[str, str]:
+    """What a sweep's worker process is started with: REUSE_ENV (on glibc) and POLICY_ENV."""
+    return {**reuse_env(), POLICY_ENV: "glibc"}

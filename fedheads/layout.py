@@ -17,19 +17,22 @@ feature is read), so the loader writes every client straight into its bucket."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Union
+from typing import Any, Union
 
 import torch
 
 from embedcache.errors import UserError
 
-if TYPE_CHECKING:  # data.py imports this module: FedData is imported where it is built
-    from fedheads.data import DataSpec, FedData
-
-Federation = Union["FedData", "BucketedFedData"]  # data.Federation: the two layouts
+# A bucket is a padded FedData (fedheads/data.py), and a spec a DataSpec; data.py imports this
+# module, so this one never imports data.py: it names them for the reader and makes new ones from
+# given ones (dataclasses.replace).
+FedData = Any
+DataSpec = Any
+Federation = Union[FedData, "BucketedFedData"]  # data.Federation: the two layouts
 LAYOUTS = ("auto", "padded", "bucketed")
 
 
@@ -141,13 +144,12 @@ class BucketedFedData:
         return out
 
     def spec(self) -> DataSpec:
-        from fedheads.data import DataSpec
-
         ids = [0] * self.num_clients  # each position's global id, from its bucket (as FedData.spec)
         for ms, bucket in self.groups():
             for pos, gid in zip(ms, bucket.client_index.tolist()):
                 ids[pos] = gid
-        return DataSpec(self.dim, self.num_classes, self.num_clients, self.n_train, self.device, tuple(ids))
+        return dataclasses.replace(self.buckets[0].spec(), num_clients=self.num_clients, n_train=self.n_train,
+                                   client_ids=tuple(ids))
 
     def groups(self) -> tuple[tuple[tuple[int, ...], FedData], ...]:
         return tuple(zip(self.members, self.buckets))
@@ -178,15 +180,13 @@ class BucketedFedData:
 
 def _concat(parts: Sequence[FedData]) -> FedData:
     """One-client FedDatas stacked into one, padded to the largest (cross-bucket selections)."""
-    from fedheads.data import FedData
-
     a, b = max(p.x_train.shape[1] for p in parts), max(p.x_test.shape[1] for p in parts)
     pad = lambda t, n: torch.nn.functional.pad(t, (0, 0) * (t.dim() - 2) + (0, n - t.shape[1]))  # noqa: E731
     cat = lambda f, n: torch.cat([pad(getattr(p, f), n) for p in parts])  # noqa: E731
     has_v = all(p.v_train is not None for p in parts)
     vpad = lambda v: torch.nn.functional.pad(v, (0, 0, 0, a - v.shape[2]))  # noqa: E731
-    return FedData(
-        x_train=cat("x_train", a), y_train=cat("y_train", a), m_train=cat("m_train", a),
+    return dataclasses.replace(
+        parts[0], x_train=cat("x_train", a), y_train=cat("y_train", a), m_train=cat("m_train", a),
         x_test=cat("x_test", b), y_test=cat("y_test", b), m_test=cat("m_test", b),
         n_train=tuple(n for p in parts for n in p.n_train), n_test=tuple(n for p in parts for n in p.n_test),
         num_classes=parts[0].num_classes, client_names=tuple(n for p in parts for n in p.client_names),
@@ -196,12 +196,10 @@ def _concat(parts: Sequence[FedData]) -> FedData:
 
 def to_layout(data: Federation, layout: str | LayoutConfig) -> Federation:
     """`data` in another layout (a copy of the rows; the same clients, order and global ids)."""
-    from fedheads.data import FedData
-
     cfg = as_layout(layout)
     plan = plan_buckets(data.n_train, data.n_test, 4 * data.dim, cfg)
     if len(plan) == 1:
-        return data if isinstance(data, FedData) else data.select(range(data.num_clients))
+        return data if data.layout == "padded" else data.select(range(data.num_clients))
     return BucketedFedData(tuple(data.select(list(ms)) for ms in plan), tuple(plan), tuple(data.n_train),
                            tuple(data.n_test), data.num_classes, tuple(data.client_names), tuple(data.domains))
 

@@ -24,7 +24,7 @@ import platform
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -37,10 +37,13 @@ from fedheads.checkpoint import load_sealed, save_sealed
 from fedheads.checks import check_finite, check_seeds, check_trained_state
 from fedheads.core.engine import RunResult, clock, run, to_device
 from fedheads.core.tree import tree_leaves
-from fedheads.data import DataSpec, FedData, Federation, in_store_order, largest_first, layout_info, load_fed_data, resolve_device
-from fedheads.heap import reusing_freed_blocks
+from fedheads.data import DataSpec, FedData, Federation, layout_info, load_fed_data, resolve_device
+from fedheads.heap import GlibcHeap
 from fedheads.machine import machine
 from fedheads.settings import parse_settings  # noqa: F401 (fedheads.runner.parse_settings, as before)
+
+if TYPE_CHECKING:
+    from embedcache.reader import StoreInfo
 
 STATE_FORMAT = "fedheads-state/1"
 
@@ -219,64 +222,68 @@ def _since(t0: tuple[float, float], device: torch.device) -> tuple[float, float]
     return t[0] - t0[0], t[1] - t0[1]
 
 
-def trains_largest_first(algorithms: Sequence[str], opts: TrainOptions) -> bool:
-    """Whether a run of the named algorithms stacks its clients largest first
-    (fedheads.data.largest_first): with every client in every round (fraction >= 1), on the
-    vectorised engine (the loop runs one client at a time, so there is nothing to skip, and its
-    server sums stay in the store's order: the Flower simulation equals it bit for bit), and only
-    for algorithms that declare which server-state
-    fields hold a row per client (`server_client_fields`, core/protocol.py; () for none), so that
-    every state can be put back in the store's order. Other (plugin) algorithms keep that order."""
-    return (opts.fraction >= 1.0 and opts.engine == "vectorized"
-            and all(hasattr(build_algorithm(a, opts, strict=False)[0], "server_client_fields") for a in algorithms))
+@dataclass(frozen=True)
+class StoreRecord:
+    """What a run records about the store it trained on, read when the run opens it (once)."""
+
+    path: str  # the store directory (config.json `store`)
+    dataset: str  # what the features are of (results.json `dataset`: dataset_name)
+    fingerprint: dict[str, Any]  # config.json `store_fingerprint` (store_fingerprint)
+    dims: tuple[int, ...]  # feature dimension per backbone, in order
+
+    @staticmethod
+    def of(info: StoreInfo, backbones: Sequence[str]) -> StoreRecord:
+        """The record of an opened store (embedcache.reader.open_store) for `backbones`."""
+        return StoreRecord(str(info.path), dataset_name(info), store_fingerprint(info, backbones),  # type: ignore[arg-type]
+                           tuple(backbone_dims(info, backbones)))
 
 
-def train_order(data: Federation, algorithms: Sequence[str], opts: TrainOptions) -> tuple[Federation, tuple[int, ...]]:
-    """`data` as a run of `algorithms` trains it, largest first where trains_largest_first says
-    so (fedheads.data.largest_first: one copy of a padded federation), and its clients' positions
-    in `data`."""
-    if trains_largest_first(algorithms, opts):
-        return largest_first(data)
-    return data, tuple(range(data.num_clients))
+def open_run_store(store: str | Path | StoreInfo, backbones: Sequence[str]) -> tuple[StoreInfo, StoreRecord]:
+    """The store a run reads (opened here when given as a path: the one open of a run) and its
+    record."""
+    from embedcache.reader import StoreInfo, open_store
+
+    info = store if isinstance(store, StoreInfo) else open_store(store)
+    return info, StoreRecord.of(info, backbones)
 
 
-def store_dims(store: str | None, backbones: Sequence[str]) -> list[int] | None:
-    """Each backbone's feature dimension from the store's metadata (None without a store). The
-    runs read it before the features: what parsing the metadata leaves is reused by the load."""
-    if store is None:
-        return None
-    from embedcache.reader import open_store
-
-    return backbone_dims(open_store(store), backbones)
+def _store_record(store: str | Path | StoreRecord | None, backbones: Sequence[str]) -> StoreRecord | None:
+    """`store` as a StoreRecord (a path is opened for it; None: features given as arrays)."""
+    if store is None or isinstance(store, StoreRecord):
+        return store
+    return open_run_store(store, backbones)[1]
 
 
-def load_order(store: str, backbones: Sequence[str], opts: TrainOptions,
-               sort: bool) -> tuple[Federation, tuple[int, ...]]:
-    """The store's features in `opts.layout`, largest first when `sort` (trains_largest_first;
-    loaded in that order, no second copy), and their order as store positions."""
-    data = load_fed_data(store, backbones, resolve_device(opts.device), binarize=opts.binarize, layout=opts.layout,
-                         largest_first=sort)
-    order = tuple(data.client_index.tolist()) if isinstance(data, FedData) else tuple(range(data.num_clients))
-    return data, order
+def load_store(store: str | Path | StoreInfo, backbones: Sequence[str], opts: TrainOptions,
+               heap: GlibcHeap | None = None) -> tuple[Federation, StoreRecord]:
+    """The store's features in `opts.layout` (clients in the store's order) and its record, from
+    one open of the store. `heap`: the process's heap policy (fedheads.heap), None for none."""
+    info, record = open_run_store(store, backbones)
+    data = load_fed_data(info, backbones, resolve_device(opts.device), binarize=opts.binarize, layout=opts.layout)
+    info.release_root()  # everything the run reads from the store is read: its metadata need not stay
+    del info
+    if heap is not None:
+        heap.after_load()
+    return data, record
 
 
-def _load_from_store(store: str | None, backbones: Sequence[str], opts: TrainOptions, t_start: tuple[float, float],
-                     what: str, sort: bool) -> tuple[Federation, tuple[int, ...], tuple[float, float]]:
-    """load_order, and the (wall, CPU) seconds since t_start."""
+def _features(store: str | Path | StoreInfo | None, data: Federation | None, backbones: Sequence[str],
+              opts: TrainOptions, t_start: tuple[float, float], what: str, heap: GlibcHeap | None,
+              ) -> tuple[Federation, StoreRecord | None, tuple[float, float] | None]:
+    """(the features a run trains on, its store's record, the (wall, CPU) seconds their load took
+    since t_start: None when `data` was given), from one open of `store`."""
+    if data is not None:
+        record = None if store is None else open_run_store(store, backbones)[1]
+        return data, record, None
     if store is None:
         raise UserError(f"{what}: needs a store or the features as data")
-    data, order = load_order(store, backbones, opts, sort)
-    return data, order, _since(t_start, data.device)
+    data, record = load_store(store, backbones, opts, heap)
+    return data, record, _since(t_start, data.device)
 
 
-def heap_policy(data: Federation) -> Any:
-    """How glibc's heap is run while `data` trains (fedheads/heap.py). Padded data: freed blocks
-    are kept for reuse (reusing_freed_blocks), since every round allocates blocks of the same
-    shapes and glibc would otherwise map and zero-fill the large ones afresh each time
-    (benchmarks/bench_heap_policy.py: FedAvg, 80 clients x 1536-d, 40 rounds, training CPU 22.0 ->
-    17.3 s, peak RSS 1.61 -> 1.83 GiB). Bucketed data (a large, skewed federation): memory first,
-    glibc's defaults with the heap trimmed between buckets."""
-    return reusing_freed_blocks() if isinstance(data, FedData) else contextlib.nullcontext()
+def _training(heap: GlibcHeap | None, data: Federation) -> contextlib.AbstractContextManager[None]:
+    """The block `data`'s rounds train inside under `heap` (fedheads.heap.GlibcHeap.training)."""
+    return contextlib.nullcontext() if heap is None else heap.training(isinstance(data, FedData))
 
 
 def require_test_samples(data: Federation) -> None:
@@ -298,17 +305,10 @@ class TrainedRun:
     opts: TrainOptions | None = None  # what it was trained with (config.yaml)
 
 
-def dataset_name(store: str | Path | None) -> str | None:
-    """What the features are of, for titles (results.json `dataset`): the store's manifest source,
-    else the store directory's name; None for features given as arrays."""
-    if store is None:
-        return None
-    from embedcache.reader import open_store
-
-    try:
-        return open_store(store, quiet=True).source or Path(store).name
-    except UserError:
-        return Path(store).name
+def dataset_name(info: StoreInfo) -> str:
+    """What the features of an opened store are of, for titles (results.json `dataset`): the
+    store's manifest source, else the store directory's name."""
+    return info.source or Path(info.path).name
 
 
 def rounds_needed(algorithm: str, opts: TrainOptions) -> int:
@@ -322,35 +322,29 @@ def rounds_needed(algorithm: str, opts: TrainOptions) -> int:
 
 
 def train_data(data: Federation, backbones: Sequence[str], algorithm: str, opts: TrainOptions, *,
-               dims: Sequence[int] | None = None, store: str | None = None, strict: bool = True,
+               store: str | Path | StoreRecord | None = None, strict: bool = True,
                t_start: tuple[float, float] | None = None,
                load: tuple[float, float] | None = None, state_dir: Path | None = None,
-               resume: bool = False, order: Sequence[int] | None = None) -> TrainedRun:
-    """Train `algorithm` once per seed on `data` and build the run's artefacts. `dims`: feature
-    dimension per backbone (default: one block of data.dim); `store`: where the features came
-    from (recorded with its fingerprint in the config). With `state_dir`, each seed writes a
+               resume: bool = False, heap: GlibcHeap | None = None) -> TrainedRun:
+    """Train `algorithm` once per seed on `data` and build the run's artefacts, every per-client
+    result, saved state and row in `data`'s client order. `store`: where the features came from
+    (its record, or its path, opened here once; recorded with its fingerprint and feature
+    dimensions in the config; None: one block of data.dim). With `state_dir`, each seed writes a
     checkpoint there after every round (fedheads.resume) and, with `resume`, continues from it;
-    without, nothing is written. Where trains_largest_first says so, the clients train largest
-    first (`order`: `data` is in that order already, its clients' positions in the caller's order;
-    else it is sorted here, one copy); every result, saved state and row is in the caller's order
-    (the per-round checkpoint keeps the training order)."""
+    without, nothing is written. `heap`: the process's heap policy (fedheads.heap; None: none)."""
     if t_start is None:
         t_start = clock(torch.device("cpu"))
     build_algorithm(algorithm, opts, strict=strict)  # bad options fail before any training
     require_test_samples(data)
-    if order is None:
-        data, order = train_order(data, [algorithm], opts)
-    order = tuple(order)
-    names, n_test = in_store_order(data.client_names, order), in_store_order(data.n_test, order)
-    dims = [data.dim] if dims is None else list(dims)
+    record = _store_record(store, backbones)
+    names, n_test = list(data.client_names), list(data.n_test)
+    dims = [data.dim] if record is None else list(record.dims)
     per_seed, rows, alg_cfg, ignored, used = [], [], None, [], {}
     states: dict[int, RunResult] = {}
     extra_rules: dict[str, list[float]] = {}
     data_id = None
-    if state_dir is not None:  # the store's order, and the order the checkpoint's rows are in
+    if state_dir is not None:
         data_id = resume_mod.data_settings(data)
-        data_id.update({k: in_store_order(data_id[k], order) for k in ("clients", "n_train", "n_test")})
-        data_id["train_order"] = "store" if order == tuple(range(len(order))) else "largest first"
     rounds = rounds_needed(algorithm, opts)
     for seed in opts.seeds:
         alg, used, ignored = build_algorithm(algorithm, opts, strict=strict)
@@ -365,15 +359,16 @@ def train_data(data: Federation, backbones: Sequence[str], algorithm: str, opts:
             settings = {"algorithm": algorithm, "algorithm_config": alg_cfg, "seed": seed,
                         "options": {k: v for k, v in _config_dict(opts).items()
                                     if k not in ("progress", "tensorboard", "settings", *opts.generic_names)},
-                        "device": str(data.device), "layout": layout_info(data), "store": store,
+                        "device": str(data.device), "layout": layout_info(data),
+                        "store": None if record is None else record.path,
                         "backbones": list(backbones), "data": data_id}
             ck = resume_mod.HeadCheckpoint(state_dir / f"seed{seed}.ckpt.pt", settings, algorithm, resume, log)
         try:
-            with heap_policy(data):
+            with _training(heap, data):
                 res = run(alg, data, rounds, seed=seed, fraction=opts.fraction, engine=opts.engine,
-                          eval_every=opts.eval_every, progress=opts.progress, checkpoint=ck)
+                          eval_every=opts.eval_every, progress=opts.progress, checkpoint=ck, reorder=True,
+                          between_buckets=None if heap is None else heap.between_buckets)
             check_trained_state({"client": res.client_state, "server": res.server_state}, algorithm, seed)
-            res = res.in_client_order(order, getattr(alg, "server_client_fields", ()))
         finally:
             if log is not None:
                 log.close()
@@ -384,9 +379,9 @@ def train_data(data: Federation, backbones: Sequence[str], algorithm: str, opts:
         rows += _metrics_rows(res, seed, names)
         states[seed] = RunResult(res.algorithm, res.engine, client_state=to_device(res.client_state, "cpu"),
                                  server_state=to_device(res.server_state, "cpu"))
-    extra = {"dataset": dataset_name(store),
+    extra = {"dataset": None if record is None else record.dataset,
              "training_rounds": rounds - int(getattr(alg, "collect_rounds", 0)),
-             "clients": names, "domains": in_store_order(data.domains, order),
+             "clients": names, "domains": list(data.domains),
              "num_classes": data.num_classes, "feature_dim": data.dim, "engine": opts.engine,
              "layout": layout_info(data),
              "fraction": opts.fraction,
@@ -398,26 +393,27 @@ def train_data(data: Federation, backbones: Sequence[str], algorithm: str, opts:
     result = report.summarise_runs(per_seed, algorithm=algorithm, backbones=list(backbones),
                                    rounds=opts.rounds, feature_dims=dims, num_classes=data.num_classes,
                                    fraction=opts.fraction, extra=extra)
-    config: dict[str, Any] = {"store": None if store is None else str(store), "backbones": list(backbones),
+    config: dict[str, Any] = {"store": None if record is None else record.path, "backbones": list(backbones),
                               "algorithm": algorithm}
-    if store is not None:
-        from embedcache.reader import open_store
-
-        config["store_fingerprint"] = store_fingerprint(open_store(store), backbones)
+    if record is not None:
+        config["store_fingerprint"] = record.fingerprint
     config.update({"options": _config_dict(opts), "algorithm_kwargs": used if per_seed else {},
                    "algorithm_config": alg_cfg, "ignored_options": ignored, "environment": environment()})
     return TrainedRun(result, config, rows, states, opts)
 
 
 @rundir.holds_lock
-def train_run(store: str | None, backbones: Sequence[str], algorithm: str, opts: TrainOptions,
+def train_run(store: str | Path | StoreInfo | None, backbones: Sequence[str], algorithm: str, opts: TrainOptions,
               out: str | Path, strict: bool = True, data: Federation | None = None,
-              overwrite: bool = False, resume: bool = False, order: Sequence[int] | None = None) -> dict[str, Any]:
+              overwrite: bool = False, resume: bool = False, heap: GlibcHeap | None = None) -> dict[str, Any]:
     """Train `algorithm` once per seed, write the run directory, return results.json's dict.
-    An --out holding a run is refused unless `overwrite` (fedheads.rundir). Features are loaded
-    in `opts.layout`; a `data` given runs in the layout it has (results.json "layout" says which). `store` may be None
-    when `data` is given (features from numpy arrays: no store fingerprint in config.json).
-    Every round is checkpointed in RUN_DIR/state/; `resume` continues from there (fedheads.resume)."""
+    An --out holding a run is refused unless `overwrite` (fedheads.rundir). `store`: a path, or
+    the store the caller opened (embedcache.reader.open_store: not opened again); it is opened at
+    most once per run. Features are loaded in `opts.layout`; a `data` given runs in the layout it
+    has (results.json "layout" says which). `store` may be None when `data` is given (features
+    from numpy arrays: no store fingerprint in config.json). Every round is checkpointed in
+    RUN_DIR/state/; `resume` continues from there (fedheads.resume). `heap`: the process's heap
+    policy (fedheads.heap.GlibcHeap, which the `fedheads` command chooses; None: none)."""
     out = Path(out)
     rundir.check_resume(out, (), overwrite, resume)
     build_algorithm(algorithm, opts, strict=strict)  # bad options fail before the old run is touched
@@ -425,17 +421,14 @@ def train_run(store: str | None, backbones: Sequence[str], algorithm: str, opts:
         from fedheads.tracking import require
 
         require()
-    t_start, load = clock(torch.device("cpu")), None  # nothing queued on a device yet
-    dims = store_dims(store, backbones)
-    if data is None:
-        data, order, load = _load_from_store(store, backbones, opts, t_start, "train",
-                                             trains_largest_first([algorithm], opts))
+    t_start = clock(torch.device("cpu"))  # nothing queued on a device yet
+    data, record, load = _features(store, data, backbones, opts, t_start, "train", heap)
     require_test_samples(data)
     if overwrite:  # results.json marks a complete run: no old file may sit beside the new ones
         rundir.clear_run(out)
     (out / "results.json").unlink(missing_ok=True)  # resumed: complete again only when rewritten
-    trained = train_data(data, backbones, algorithm, opts, dims=dims, store=store, strict=strict,
-                         t_start=t_start, load=load, state_dir=out / "state", resume=resume, order=order)
+    trained = train_data(data, backbones, algorithm, opts, store=record, strict=strict,
+                         t_start=t_start, load=load, state_dir=out / "state", resume=resume, heap=heap)
     write_trained(out, trained)
     return trained.result
 
@@ -490,41 +483,38 @@ def check_compare_settings(algorithms: Sequence[str], opts: TrainOptions) -> Non
 
 
 def compare_data(data: Federation, backbones: Sequence[str], algorithms: Sequence[str], opts: TrainOptions, *,
-                 dims: Sequence[int] | None = None, store: str | None = None,
+                 store: str | Path | StoreRecord | None = None,
                  t_start: tuple[float, float] | None = None, load: tuple[float, float] | None = None,
                  out: Path | None = None, resume: bool = False,
-                 order: Sequence[int] | None = None) -> tuple[dict[str, TrainedRun], dict[str, Any]]:
+                 heap: GlibcHeap | None = None) -> tuple[dict[str, TrainedRun], dict[str, Any]]:
     """Every algorithm trained on the same features, in memory: ({name: TrainedRun}, the
     comparison's results.json dict). Options that do not apply to an algorithm are dropped and
     recorded (`ignored_options`), as `compare` does. With `out`, each algorithm checkpoints every
-    round in out/<algorithm>/state/ (and continues from there with `resume`). `order` as in
-    train_data (the clients are put largest first once for all algorithms)."""
+    round in out/<algorithm>/state/ (and continues from there with `resume`). `store` and `heap`
+    as in train_data (a path is opened once for all algorithms)."""
     if t_start is None:
         t_start = clock(torch.device("cpu"))
     check_compare_settings(algorithms, opts)
     require_test_samples(data)
-    if order is None:
-        data, order = train_order(data, algorithms, opts)
-    order = tuple(order)
-    runs = {name: train_data(data, backbones, name, opts, dims=dims, store=store, strict=False,
-                             state_dir=None if out is None else out / name / "state", resume=resume, order=order)
+    record = _store_record(store, backbones)
+    runs = {name: train_data(data, backbones, name, opts, store=record, strict=False,
+                             state_dir=None if out is None else out / name / "state", resume=resume, heap=heap)
             for name in algorithms}
     combined = {"algorithms": {n: r.result for n, r in runs.items()}, "backbones": list(backbones),
-                "dataset": dataset_name(store),
-                "store": None if store is None else str(store), "options": _config_dict(opts),
+                "dataset": None if record is None else record.dataset,
+                "store": None if record is None else record.path, "options": _config_dict(opts),
                 "environment": environment(),
                 "timing": report.timing_block([], *_since(t_start, data.device), machine(data.device), load)}
     return runs, combined
 
 
 @rundir.holds_lock
-def compare_runs(store: str | None, backbones: Sequence[str], algorithms: Sequence[str], opts: TrainOptions,
-                 out: str | Path, overwrite: bool = False, data: Federation | None = None,
-                 resume: bool = False, order: Sequence[int] | None = None) -> dict[str, Any]:
+def compare_runs(store: str | Path | StoreInfo | None, backbones: Sequence[str], algorithms: Sequence[str],
+                 opts: TrainOptions, out: str | Path, overwrite: bool = False, data: Federation | None = None,
+                 resume: bool = False, heap: GlibcHeap | None = None) -> dict[str, Any]:
     """Train every algorithm on the same cached features (loaded once) and write the comparison.
-    An --out (or an <algorithm>/ in it) holding a run is refused unless `overwrite`. `store` may
-    be None when `data` is given (`order`: as in train_data); `resume` continues an interrupted
-    comparison."""
+    An --out (or an <algorithm>/ in it) holding a run is refused unless `overwrite`. `store`,
+    `data` and `heap` as in train_run; `resume` continues an interrupted comparison."""
     out = Path(out)
     rundir.check_resume(out, algorithms, overwrite, resume)
     check_compare_settings(algorithms, opts)
@@ -532,18 +522,15 @@ def compare_runs(store: str | None, backbones: Sequence[str], algorithms: Sequen
         from fedheads.tracking import require
 
         require()
-    t_start, load = clock(torch.device("cpu")), None  # nothing queued on a device yet
-    dims = store_dims(store, backbones)
-    if data is None:
-        data, order, load = _load_from_store(store, backbones, opts, t_start, "compare",
-                                             trains_largest_first(algorithms, opts))
+    t_start = clock(torch.device("cpu"))  # nothing queued on a device yet
+    data, record, load = _features(store, data, backbones, opts, t_start, "compare", heap)
     require_test_samples(data)
     if overwrite:
         rundir.clear_run(out, algorithms)
     for d in [out, *(out / a for a in algorithms)]:
         (d / "results.json").unlink(missing_ok=True)  # resumed: complete again only when rewritten
-    runs, combined = compare_data(data, backbones, algorithms, opts, dims=dims, store=store,
-                                  t_start=t_start, load=load, out=out, resume=resume, order=order)
+    runs, combined = compare_data(data, backbones, algorithms, opts, store=record,
+                                  t_start=t_start, load=load, out=out, resume=resume, heap=heap)
     write_comparison(out, runs, combined, opts)
     return combined
 

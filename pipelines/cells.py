@@ -28,17 +28,16 @@ _DATA: OrderedDict[tuple, Any] = OrderedDict()  # per process: the last feature 
 _DATA_SLOTS = 2
 
 
-def _fed_data(store: str, backbones: tuple[str, ...], device: str, binarize: bool,
-              by_size: bool = False) -> tuple[Any, tuple[int, ...]]:
-    """(the store's FedData, its client order: positions in the store's order). `by_size`: the
-    clients largest first (fedheads.data.largest_first, loaded in that order)."""
+def _fed_data(store: str, backbones: tuple[str, ...], device: str, binarize: bool, heap: Any = None) -> Any:
+    """The store's FedData, its clients in the store's order (kept for the next cells; `heap`:
+    the process's heap policy, fedheads.heap)."""
     from fedheads.data import load_fed_data
 
-    key = (store, backbones, device, binarize, by_size)
+    key = (store, backbones, device, binarize)
     if key not in _DATA:
-        data = load_fed_data(store, list(backbones), device, binarize=binarize, largest_first=by_size)
-        _DATA[key] = (data, tuple(data.client_index.tolist()))
-        del data
+        _DATA[key] = load_fed_data(store, list(backbones), device, binarize=binarize)
+        if heap is not None:
+            heap.after_load()
         while len(_DATA) > _DATA_SLOTS:
             _DATA.popitem(last=False)
     _DATA.move_to_end(key)
@@ -70,25 +69,25 @@ def _paper_units(alg: str, data: Any, rounds: int, fraction: float, cfg: Any) ->
     return None
 
 
-def run_head(cfg: dict[str, Any], paths: dict[str, Any]) -> dict[str, Any]:
+def run_head(cfg: dict[str, Any], paths: dict[str, Any], heap: Any = None) -> dict[str, Any]:
+    """A head cell on the store's features, as `fedheads train` trains one seed (`heap`: the
+    process's heap policy, fedheads.heap; None: none)."""
     from fedheads import report
     from fedheads.core.engine import run
-    from fedheads.data import in_store_order
-    from fedheads.runner import TrainOptions, _config_dict, build_algorithm, trains_largest_first
+    from fedheads.runner import TrainOptions, _config_dict, build_algorithm
 
     o = cfg["options"]
     opts = TrainOptions(rounds=o["rounds"], seeds=(cfg["seed"],), fraction=o["fraction"],
                         engine=o.get("engine", "vectorized"), device=o["device"], eval_every=o["eval_every"],
                         binarize=bool(o.get("binarize", False)), settings=_settings(cfg), progress=False)
     alg, used, ignored = build_algorithm(cfg["algorithm"], opts, strict=False)
-    # as fedheads train: the clients largest first where it pays (the same participants); the
-    # results below are put back in the store's client order
-    data, order = _fed_data(paths["store"], tuple(cfg["backbones"]), o["device"], bool(o.get("binarize", False)),
-                            by_size=trains_largest_first([cfg["algorithm"]], opts))
+    data = _fed_data(paths["store"], tuple(cfg["backbones"]), o["device"], bool(o.get("binarize", False)), heap)
+    # as fedheads train: the engine may stack the clients in its fastest order (results in the store's)
     res = run(alg, data, opts.rounds, seed=cfg["seed"], fraction=opts.fraction, engine=opts.engine,
-              eval_every=opts.eval_every, progress=False).in_client_order(order, getattr(alg, "server_client_fields", ()))
-    names, domains = in_store_order(data.client_names, order), in_store_order(data.domains, order)
-    seed_res = report.seed_result_from_run(res, cfg["seed"], names, n_test=in_store_order(data.n_test, order))
+              eval_every=opts.eval_every, progress=False, reorder=True,
+              between_buckets=None if heap is None else heap.between_buckets)
+    names, domains = list(data.client_names), list(data.domains)
+    seed_res = report.seed_result_from_run(res, cfg["seed"], names, n_test=data.n_test)
     other = {}
     for rule, acc in res.history[-1].accuracy.items():  # type: ignore[union-attr]
         if rule != "main":
@@ -203,12 +202,16 @@ def result_path(cells_dir: str | Path, h: str) -> Path:
     return Path(cells_dir) / f"{h}.json"
 
 
-def run_cell(cell: dict[str, Any], cells_dir: str) -> dict[str, Any]:
-    """Run `cell` and write its result file; returns the record (status "done" or "failed")."""
+def run_cell(cell: dict[str, Any], cells_dir: str, heap: Any = None) -> dict[str, Any]:
+    """Run `cell` and write its result file; returns the record (status "done" or "failed").
+    `heap`: the process's heap policy (fedheads.heap.GlibcHeap); None: the one its environment
+    chose at spawn (a sweep worker's: fedheads.heap.from_environment), if any."""
     import torch
 
+    from fedheads import heap as heap_mod
     from fedheads.atomic import atomic_path
-    from fedheads.heap import release_free_heap
+
+    heap = heap if heap is not None else heap_mod.from_environment()
 
     cfg, paths = cell["config"], cell["paths"]
     t0, c0 = time.perf_counter(), time.process_time()
@@ -218,7 +221,7 @@ def run_cell(cell: dict[str, Any], cells_dir: str) -> dict[str, Any]:
         torch.set_num_threads(int(cfg.get("threads", 1)))
         out = Path(cells_dir) / cell["hash"]
         if cfg["kind"] == "head":
-            result = run_head(cfg, paths)
+            result = run_head(cfg, paths, heap)
         elif cfg["kind"] == "finetune":
             result = run_finetune(cfg, paths, out / "run")
         else:
@@ -231,7 +234,8 @@ def run_cell(cell: dict[str, Any], cells_dir: str) -> dict[str, Any]:
                       traceback=traceback.format_exc()[-4000:])
     finally:
         torch.set_num_threads(threads)
-        release_free_heap()  # what the cell freed goes back to the OS (kept for reuse while it ran)
+        if heap is not None:  # what the cell freed goes back to the OS (kept for reuse while it ran)
+            heap_mod.release_free_heap()
     record["timing"] = {"wall_seconds": round(time.perf_counter() - t0, 4),
                         "cpu_seconds": round(time.process_time() - c0, 4),
                         "host": socket.gethostname(), "pid": os.getpid(), "finished": time.time()}

@@ -21,13 +21,13 @@ from tqdm import tqdm
 
 from embedcache.errors import UserError
 from fedheads.atomic import atomic_path
-from fedheads.heap import reuse_env, reusing_freed_blocks
+from fedheads.heap import GlibcHeap, reusing_freed_blocks, worker_env
 from pipelines.cells import RESULT_FORMAT, result_path, run_cell
 
 # Local workers keep freed large blocks for reuse inside a cell (run_cell gives them back at its
 # end): a cell re-makes same-sized tensors every round. Workers of a `tcp://` scheduler keep the
 # environment they were started with (the README says how to start them the same way).
-WORKER_ENV = reuse_env()
+WORKER_ENV = worker_env()
 
 
 def parse_scheduler(spec: str | None) -> str:
@@ -124,7 +124,7 @@ def run_cells(cells: Iterable[dict[str, Any]], cells_dir: str | Path, scheduler:
             with reusing_freed_blocks():  # what the workers get from WORKER_ENV (fedheads/heap.py)
                 for c in todo:
                     bar.set_running(1)
-                    rec = run_cell(c, str(cells_dir))
+                    rec = run_cell(c, str(cells_dir), GlibcHeap())
                     records[c["hash"]] = rec
                     bar.finished(rec)
             bar.set_running(0)

@@ -1,5 +1,6 @@
-"""The sweep's heap policy (fedheads/heap.py): freed large blocks are reused inside a cell, local
-workers start with it, and the driver's environment is put back."""
+"""The heap policy (fedheads/heap.py): freed large blocks are reused inside a cell, local workers
+start with it, and the driver's environment is put back; it is opt-in at the edge (the `fedheads`
+command, sweep workers through their environment), never taken by the Python API."""
 
 from __future__ import annotations
 
@@ -93,15 +94,103 @@ def test_local_workers_start_with_the_env_and_the_driver_gets_its_own_back():
     assert {k: os.environ.get(k) for k in keys} == before
 
 
-def test_sweep_workers_get_the_reuse_env():
+def test_sweep_workers_get_the_reuse_env_and_the_policy():
     from pipelines import sweep
 
-    assert sweep.WORKER_ENV == heap.reuse_env()
+    assert sweep.WORKER_ENV == {**heap.reuse_env(), heap.POLICY_ENV: "glibc"}
+
+
+class _Glibc:
+    """Stands in for glibc's mallopt and malloc_trim: records every call."""
+
+    def __init__(self, monkeypatch) -> None:
+        self.calls: list[tuple] = []
+        monkeypatch.setattr(heap, "_MALLOPT", lambda *a: self.calls.append(("mallopt", *a)) or 1)
+        monkeypatch.setattr(heap, "_TRIM", lambda *a: self.calls.append(("trim", *a)) or 1)
+        monkeypatch.delenv("MALLOC_MMAP_MAX_", raising=False)  # not a sweep worker's environment
+        monkeypatch.delenv(heap.POLICY_ENV, raising=False)
+
+    def mallopts(self) -> list[tuple]:
+        return [c for c in self.calls if c[0] == "mallopt"]
+
+
+@pytest.fixture
+def libc(monkeypatch) -> _Glibc:
+    return _Glibc(monkeypatch)
+
+
+@pytest.fixture(scope="module")
+def skewed_store(tmp_path_factory):
+    import numpy as np
+
+    from embedcache.store_io import import_features
+
+    root = tmp_path_factory.mktemp("heap")
+    rng = np.random.default_rng(0)
+    store = root / "s.zarr"
+    for i, n in enumerate((4, 30, 6, 28)):
+        for split, m in (("train", n), ("test", 3)):
+            f = root / f"c{i}-{split}.npz"
+            np.savez(f, features=rng.normal(size=(m, 4)).astype("f4"), labels=rng.integers(0, 2, m))
+            import_features(store, f, backbone="b", client=f"c{i}", split=split, classes=["k0", "k1"])
+    return store
+
+
+@pytest.mark.parametrize("layout", ["padded", "bucketed"])
+def test_the_python_api_leaves_the_allocator_alone(libc, skewed_store, tmp_path, layout):
+    """`fedheads.train` / `compare` from Python (a notebook): no mallopt, no malloc_trim, whether
+    the features come from a store or arrays, padded or in size buckets, in memory or written."""
+    import numpy as np
+
+    import fedheads
+
+    fedheads.train(str(skewed_store), "fedavg", backbones="b", rounds=1, seeds=0, device="cpu", layout=layout)
+    fedheads.compare(str(skewed_store), ["fedavg", "fedncm"], backbones="b", rounds=1, seeds=0, device="cpu",
+                     layout=layout, out=tmp_path / "cmp")
+    arrays = {f"c{i}": (np.ones((n, 3), "f4"), np.arange(n) % 2, np.ones((2, 3), "f4"), np.array([0, 1]))
+              for i, n in enumerate((3, 40))}
+    fedheads.train(arrays, "fedavg", rounds=1, seeds=0, device="cpu", layout=layout)
+    assert libc.calls == []
+
+
+def test_the_fedheads_command_chooses_the_heap_policy(libc, skewed_store, tmp_path):
+    """`fedheads train` (the CLI) runs the process's heap its way: one arena, freed blocks kept
+    for reuse while padded data trains, freed memory handed back after the load."""
+    from click.testing import CliRunner
+
+    from fedheads.cli import main
+
+    args = ["train", "--store", str(skewed_store), "--backbones", "b", "--algorithm", "fedavg", "--rounds", "1",
+            "--seeds", "0", "--device", "cpu", "--quiet", "--layout", "padded", "--out", str(tmp_path / "run")]
+    res = CliRunner().invoke(main, args)
+    assert res.exit_code == 0, res.output
+    opts = libc.mallopts()
+    assert ("mallopt", heap._M_ARENA_MAX, 1) in opts  # one_arena
+    assert ("mallopt", heap._M_MMAP_MAX, 0) in opts  # reusing_freed_blocks
+    assert ("trim", 0) in libc.calls
+
+
+def test_the_engine_calls_its_hook_between_buckets_and_never_glibc(libc):
+    from fed_tiny import tiny_fed
+
+    from fedheads.algorithms.fedavg import FedAvg
+    from fedheads.core.engine import run
+    from fedheads.data import to_layout
+    from fedheads.layout import LayoutConfig
+
+    data = to_layout(tiny_fed(M=6), LayoutConfig("bucketed", waste=1.0, bucket_clients=2))
+    assert len(data.groups()) == 3
+    between: list[int] = []
+    run(FedAvg(), data, rounds=2, progress=False, between_buckets=lambda: between.append(1))
+    assert len(between) == 2 * (3 + 3)  # after each bucket's client updates and evaluation, each round
+    run(FedAvg(), data, rounds=1, progress=False)
+    assert libc.calls == []
 
 
 def test_training_reuses_freed_blocks_for_padded_data_only(monkeypatch):
-    """fedheads train keeps freed blocks for reuse on padded data (same shapes every round) and
-    not on size buckets (a large federation: memory first)."""
+    """The heap policy of the `fedheads` command keeps freed blocks for reuse on padded data
+    (same shapes every round) and not on size buckets (a large federation: memory first); without
+    a policy (the Python API) nothing is entered."""
     import contextlib
 
     from fed_tiny import tiny_fed
@@ -117,15 +206,34 @@ def test_training_reuses_freed_blocks_for_padded_data_only(monkeypatch):
         entered.append(True)
         yield
 
-    monkeypatch.setattr(runner, "reusing_freed_blocks", spy)
+    monkeypatch.setattr(heap, "reusing_freed_blocks", spy)
     opts = runner.TrainOptions(rounds=1, seeds=(0,), device="cpu", progress=False)
     padded = tiny_fed(M=6)
     runner.train_data(padded, ["b"], "fedavg", opts)
+    assert entered == []
+    runner.train_data(padded, ["b"], "fedavg", opts, heap=heap.GlibcHeap())
     assert entered == [True]
     buckets = to_layout(padded, LayoutConfig("bucketed", waste=1.0, bucket_clients=2))
     assert not isinstance(buckets, FedData)
-    runner.train_data(buckets, ["b"], "fedavg", opts)
+    runner.train_data(buckets, ["b"], "fedavg", opts, heap=heap.GlibcHeap())
     assert entered == [True]
+
+
+def test_a_cell_uses_the_policy_its_environment_chose(libc, monkeypatch):
+    """Sweep workers get the policy through their environment at spawn (WORKER_ENV): a cell then
+    hands its freed memory back at its end; in a process without it, nothing."""
+    from pipelines import cells
+
+    cell = {"config": {"kind": "nonsense"}, "paths": {}, "hash": "h", "labels": {}}
+    monkeypatch.setattr(cells, "run_feddra", lambda *a: {})
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        cells.run_cell(cell, d)
+        assert libc.calls == []
+        monkeypatch.setenv(heap.POLICY_ENV, "glibc")
+        cells.run_cell(cell, d)
+    assert libc.calls == [("trim", 0)]
 
 
 def test_the_heap_policy_benchmark_writes_both_modes(tmp_path):

@@ -1,10 +1,11 @@
-"""Full-participation runs on the vectorised engine train the clients largest first
-(fedheads.data.largest_first: local steps then compute only the clients still stepping, without
-re-ordering them every round) and report everything in the store's order: `fedheads train` /
-`compare` and the API load the store in that order (no second copy), in-memory federations are
-sorted once, and a client's result does not depend on its place in the stack (its
-initialisation, batches and noise are keyed by its global id). The loop engine, sampled runs and
-plugin algorithms that do not declare `server_client_fields` keep the store's order."""
+"""The engine owns the order it stacks clients in: `run(..., reorder=True)` trains a padded
+federation largest first where that is safe (core/order.py: every client in every round, the
+vectorised engine, an algorithm that declares its per-client server rows) and hands back every
+per-client result in the data's order. `fedheads train` / `compare`, the API and the pipelines
+give it the store's order and see only that order; a client's result does not depend on its
+place in the stack (its initialisation, batches and noise are keyed by its global id). The loop
+engine, sampled runs and plugin algorithms that do not declare `server_client_fields` keep the
+data's order."""
 
 from __future__ import annotations
 
@@ -19,12 +20,15 @@ from fed_tiny import tiny_fed
 
 from embedcache.store_io import import_features
 from fedheads.core import engine
+from fedheads.core.order import put_back, stacking_order
 from fedheads.core.tree import tree_leaves
-from fedheads.data import FedData, in_store_order, largest_first, load_fed_data
+from fedheads.data import FedData, load_fed_data
 from fedheads.layout import to_layout
-from fedheads.runner import TrainOptions, build_algorithm, compare_runs, load_state, train_run, trains_largest_first
+from fedheads.runner import TrainOptions, build_algorithm, compare_runs, load_state, train_run
 
 SIZES = {"c0": (5, 6), "c1": (23, 5), "c2": (9, 0), "c3": (23, 4), "c4": (14, 6)}  # c2: no test rows
+LARGEST_FIRST = (23, 23, 14, 9, 5)
+STORE_ORDER = tuple(n for n, _ in SIZES.values())
 
 
 @pytest.fixture(scope="module")
@@ -42,73 +46,84 @@ def store(tmp_path_factory) -> Path:
     return store
 
 
-def test_loading_largest_first_equals_sorting_after_loading(store) -> None:
-    got = load_fed_data(str(store), ["b"], device="cpu", largest_first=True, chunk_rows=4)
-    want, order = load_fed_data(str(store), ["b"], device="cpu").by_size()
-    assert order == (1, 3, 4, 2, 0) and tuple(got.client_index.tolist()) == order
-    for f in ("x_train", "y_train", "m_train", "x_test", "y_test", "m_test", "client_index"):
-        assert torch.equal(getattr(got, f), getattr(want, f)), f
-    for f in ("n_train", "n_test", "client_names", "domains"):
-        assert getattr(got, f) == getattr(want, f), f
-    # the bucketed layout keeps its buckets and the store's order
-    b = load_fed_data(str(store), ["b"], device="cpu", largest_first=True, layout="bucketed")
-    assert b.client_names == tuple(SIZES)
+@pytest.fixture
+def stacked(monkeypatch) -> list[tuple[int, ...]]:
+    """The training sizes of the federation each engine run stacks (inside core/engine.py)."""
+    seen: list[tuple[int, ...]] = []
+    real = engine._run
+    monkeypatch.setattr(engine, "_run", lambda alg, d, *a, **k: seen.append(d.n_train) or real(alg, d, *a, **k))
+    return seen
 
 
-def test_in_store_order_and_run_result_round_trip() -> None:
+def test_the_engine_chooses_largest_first_only_where_it_is_safe() -> None:
     data = tiny_fed(M=5, seed=2)
-    fast, order = largest_first(data)
-    assert list(fast.n_train) == sorted(data.n_train, reverse=True) and order != tuple(range(5))
-    assert in_store_order(fast.client_names, order) == list(data.client_names)
-    opts = TrainOptions(rounds=2, seeds=(0,), device="cpu", eval_every=1, progress=False)
-    assert trains_largest_first(["fedavg", "fedpcl"], opts)
-    assert not trains_largest_first(["fedavg"], dataclasses.replace(opts, fraction=0.6))  # the draw is by position
-    assert not trains_largest_first(["fedavg"], dataclasses.replace(opts, engine="loop"))  # nothing to skip
-    res = engine.run(build_algorithm("fedpcl", opts)[0], fast, 2, seed=0, eval_every=1, progress=False)
-    back = res.in_client_order(order)
-    for k in res.client_state.params:
-        assert torch.equal(back.client_state.params[k][list(order)], res.client_state.params[k])
-    assert torch.equal(back.final_accuracy()[list(order)], res.final_accuracy())
-    half = engine.run(build_algorithm("fedavg", opts)[0], data, 2, seed=0, fraction=0.6, progress=False)
-    with pytest.raises(ValueError, match="every client"):
-        half.in_client_order(order)
+    opts = TrainOptions(rounds=2, seeds=(0,), device="cpu", progress=False)
+    fedavg = build_algorithm("fedavg", opts)[0]
+    order = stacking_order(fedavg, data, 1.0, "vectorized")
+    assert order == data.by_size()[1] and [data.n_train[i] for i in order] == sorted(data.n_train, reverse=True)
+    assert stacking_order(fedavg, data, 0.6, "vectorized") is None  # the seeded draw is by position
+    assert stacking_order(fedavg, data, 1.0, "loop") is None  # one client at a time: nothing to skip
+    assert stacking_order(fedavg, data.by_size()[0], 1.0, "vectorized") is None  # in that order already
+    from fedheads.layout import LayoutConfig
+
+    assert stacking_order(fedavg, to_layout(data, LayoutConfig("bucketed", waste=1.0, bucket_clients=2)),
+                          1.0, "vectorized") is None  # buckets keep their own order
+
+
+@pytest.mark.parametrize("algorithm", ["fedpcl", "fedavg", "perfedavg"])
+def test_reorder_is_the_largest_first_run_put_back_bit_for_bit(algorithm) -> None:
+    """run(reorder=True) on the data's order IS the run of the largest-first stack, every
+    per-client result put back: client state, accuracies and the declared server rows."""
+    data = tiny_fed(M=5, seed=2)
+    fast, order = data.by_size()
+    opts = TrainOptions(rounds=3, seeds=(1,), device="cpu", progress=False)
+    alg = build_algorithm(algorithm, opts)[0]
+    got = engine.run(alg, data, 3, seed=1, progress=False, reorder=True)
+    ref = engine.run(build_algorithm(algorithm, opts)[0], fast, 3, seed=1, progress=False)
+    back = lambda t: put_back(t, order, torch.device("cpu"))  # noqa: E731
+    for x, y in zip(tree_leaves(got.client_state), tree_leaves(back(ref.client_state))):
+        assert torch.equal(x, y)
+    for rg, rr in zip(got.history, ref.history):
+        for k in rr.accuracy:
+            torch.testing.assert_close(rg.accuracy[k], back(rr.accuracy[k]), rtol=0, atol=0, equal_nan=True)
+    fields = alg.server_client_fields
+    for f in dataclasses.fields(got.server_state):
+        want = getattr(ref.server_state, f.name)
+        want = back(want) if f.name in fields else want
+        for x, y in zip(tree_leaves(getattr(got.server_state, f.name)), tree_leaves(want)):
+            assert torch.equal(x, y), f.name
+    assert (algorithm == "fedpcl") == bool(fields)
 
 
 @pytest.mark.parametrize("algorithm", ["fedpcl", "solo", "fedavg"])
 def test_a_clients_result_does_not_depend_on_its_place(algorithm) -> None:
-    """FedPCL and Solo initialise each client's own head: seeded by its global id, the sorted run
-    ends where the store-order run ends, client by client (up to the server's sum order)."""
+    """FedPCL and Solo initialise each client's own head: seeded by its global id, the reordered
+    run ends where the data-order run ends, client by client (up to the server's sum order)."""
     data = tiny_fed(M=5, seed=2)
-    fast, order = largest_first(data)
     opts = TrainOptions(rounds=3, seeds=(1,), device="cpu", eval_every=1, progress=False)
     a = engine.run(build_algorithm(algorithm, opts)[0], data, 3, seed=1, eval_every=1, progress=False)
-    alg = build_algorithm(algorithm, opts)[0]
-    b = engine.run(alg, fast, 3, seed=1, eval_every=1, progress=False)
-    b = b.in_client_order(order, getattr(alg, "server_client_fields", ()))  # FedPCL: its prototype bank too
+    b = engine.run(build_algorithm(algorithm, opts)[0], data, 3, seed=1, eval_every=1, progress=False, reorder=True)
     torch.testing.assert_close(b.final_accuracy(), a.final_accuracy(), rtol=0, atol=1e-6, equal_nan=True)
     for x, y in zip(tree_leaves((b.client_state, b.server_state)), tree_leaves((a.client_state, a.server_state))):
         torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-5)
-    # the bucketed layout of the sorted stack seeds each client by its global id as well
+    # the bucketed layout of a sorted stack seeds each client by its global id as well
+    fast = data.by_size()[0]
     buck = to_layout(fast, "bucketed")
     assert buck.spec().ids() == tuple(fast.client_index.tolist()) == fast.spec().ids()
 
 
 @pytest.mark.parametrize("algorithm", ["fedpcl", "fedrep"])
-def test_train_trains_largest_first_and_writes_the_store_order(store, tmp_path, monkeypatch, algorithm) -> None:
-    import fedheads.runner as runner
-
-    seen: list[tuple[int, ...]] = []
-    real = runner.run
-    monkeypatch.setattr(runner, "run", lambda alg, d, *a, **k: seen.append(d.n_train) or real(alg, d, *a, **k))
+def test_train_trains_largest_first_and_writes_the_store_order(store, tmp_path, stacked, algorithm) -> None:
     opts = TrainOptions(rounds=3, seeds=(0,), device="cpu", eval_every=1, progress=False, layout="padded")
     res = train_run(str(store), ["b"], algorithm, opts, tmp_path / "run")
-    assert seen == [(23, 23, 14, 9, 5)]
+    assert stacked == [LARGEST_FIRST]
     names = list(SIZES)
     assert res["clients"] == names and res["domains"] == [f"d{c}" for c in names]
     # the engine on the store's order: the same per-client accuracies and final states
     data = load_fed_data(str(store), ["b"], device="cpu")
+    assert data.client_names == tuple(names)  # the loader keeps the store's order
     alg = build_algorithm(algorithm, opts)[0]
-    ref = real(alg, data, 3, seed=0, eval_every=1, progress=False)
+    ref = engine.run(alg, data, 3, seed=0, eval_every=1, progress=False)
     want = {n: 100.0 * a for n, a in zip(names, ref.final_accuracy().tolist()) if a == a}
     assert json.loads((tmp_path / "run" / "results.json").read_text())["clients"] == names
     per_client = {c: v["mean"] for c, v in res["per_client"].items() if v["mean"] is not None}
@@ -124,46 +139,31 @@ def test_train_trains_largest_first_and_writes_the_store_order(store, tmp_path, 
     assert [r.split(",")[2] for r in rows[:len(names)]] == names
 
 
-def test_compare_and_sampled_runs(store, tmp_path, monkeypatch) -> None:
-    import fedheads.runner as runner
-
-    seen: list[tuple[int, ...]] = []
-    real = runner.run
-    monkeypatch.setattr(runner, "run", lambda alg, d, *a, **k: seen.append(d.n_train) or real(alg, d, *a, **k))
+def test_compare_and_sampled_runs(store, tmp_path, stacked) -> None:
     opts = TrainOptions(rounds=2, seeds=(0,), device="cpu", progress=False, layout="padded")
     combined = compare_runs(str(store), ["b"], ["fedavg", "fedncm"], opts, tmp_path / "cmp")
-    assert seen == [(23, 23, 14, 9, 5)] * 2
+    assert stacked == [LARGEST_FIRST] * 2
     assert all(r["clients"] == list(SIZES) for r in combined["algorithms"].values())
-    seen.clear()
+    stacked.clear()
     opts = TrainOptions(rounds=2, seeds=(0,), device="cpu", progress=False, layout="padded", fraction=0.6)
     train_run(str(store), ["b"], "fedavg", opts, tmp_path / "half")
-    assert seen == [tuple(n for n, _ in SIZES.values())]
-    # features given in memory are sorted once for the run, the caller's federation untouched
-    seen.clear()
+    assert stacked == [STORE_ORDER]
+    # features given in memory: stacked largest first for the run, the caller's federation untouched
+    stacked.clear()
     data = load_fed_data(str(store), ["b"], device="cpu")
     x = data.x_train.clone()
     res = train_run(None, ["b"], "fedavg", TrainOptions(rounds=2, seeds=(0,), device="cpu", progress=False),
                     tmp_path / "mem", data=data)
-    assert seen == [(23, 23, 14, 9, 5)] and res["clients"] == list(SIZES) and torch.equal(data.x_train, x)
-    assert isinstance(data, FedData)
+    assert stacked == [LARGEST_FIRST] and res["clients"] == list(SIZES) and torch.equal(data.x_train, x)
+    assert isinstance(data, FedData) and data.n_train == STORE_ORDER
 
 
-def _spy_runs(monkeypatch) -> list[tuple[int, ...]]:
-    import fedheads.runner as runner
-
-    seen: list[tuple[int, ...]] = []
-    real = runner.run
-    monkeypatch.setattr(runner, "run", lambda alg, d, *a, **k: seen.append(d.n_train) or real(alg, d, *a, **k))
-    return seen
-
-
-def test_loop_engine_keeps_the_store_order_bit_for_bit(store, tmp_path, monkeypatch) -> None:
+def test_loop_engine_keeps_the_store_order_bit_for_bit(store, tmp_path, stacked) -> None:
     """The loop runs one client at a time: nothing to skip, so no sort, and its server sums stay in
     the store's order (the Flower simulation equals `fedheads train --engine loop` bit for bit)."""
-    seen = _spy_runs(monkeypatch)
     opts = TrainOptions(rounds=2, seeds=(0,), device="cpu", progress=False, layout="padded", engine="loop")
     train_run(str(store), ["b"], "fedproto", opts, tmp_path / "loop")
-    assert seen == [tuple(n for n, _ in SIZES.values())]
+    assert stacked == [STORE_ORDER]
     data = load_fed_data(str(store), ["b"], device="cpu")
     alg = build_algorithm("fedproto", opts)[0]
     ref = engine.run(alg, data, 2, seed=0, engine="loop", progress=False)
@@ -186,26 +186,13 @@ def test_a_plugin_outside_the_declared_protocol_is_refused_by_name() -> None:
         _REGISTRY.pop("plain-fedavg", None)
 
 
-def test_the_api_loads_the_store_largest_first_without_a_copy(store, tmp_path, monkeypatch) -> None:
+def test_the_api_trains_largest_first_and_reports_the_store_order(store, stacked) -> None:
     import fedheads
 
-    seen = _spy_runs(monkeypatch)
-    copies: list[int] = []
-    select = FedData.select
-    monkeypatch.setattr(FedData, "select", lambda self, ids: copies.append(len(ids)) or select(self, ids))
     res = fedheads.train(str(store), "fedavg", backbones="b", rounds=2, seeds=0, device="cpu", layout="padded")
-    assert seen == [(23, 23, 14, 9, 5)] and copies == [] and res.clients == list(SIZES)
-    # arrays are stacked, then sorted once for the run
-    seen.clear()
+    assert stacked == [LARGEST_FIRST] and res.clients == list(SIZES)
+    stacked.clear()
     arrays = {c: (np.ones((n, 3), "f4") * i, np.arange(n) % 2, np.ones((2, 3), "f4"), np.array([0, 1]))
               for i, (c, (n, _)) in enumerate(SIZES.items())}
     res = fedheads.train(arrays, "fedavg", rounds=1, seeds=0, device="cpu")
-    assert seen == [(23, 23, 14, 9, 5)] and res.clients == list(SIZES)
-
-
-def test_the_checkpoint_says_its_order(store, tmp_path) -> None:
-    opts = TrainOptions(rounds=2, seeds=(0,), device="cpu", progress=False, layout="padded")
-    train_run(str(store), ["b"], "fedavg", opts, tmp_path / "run")
-    blob = torch.load(tmp_path / "run" / "state" / "seed0.ckpt.pt", map_location="cpu", weights_only=True)
-    data = json.loads(blob["config"])["data"]
-    assert data["train_order"] == "largest first" and data["clients"] == list(SIZES)
+    assert stacked == [LARGEST_FIRST] and res.clients == list(SIZES)

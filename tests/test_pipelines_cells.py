@@ -1,6 +1,7 @@
-"""pipelines.cells.run_head: with every client in every round it trains the clients largest
-first (fedheads.data.largest_first: local steps then skip the clients already done without reordering) and
-reports them in the store's order, with the per-client results of a run in the store's order."""
+"""pipelines.cells.run_head: it hands the engine the store's order and lets it reorder (with every
+client in every round the engine stacks them largest first, core/order.py: local steps then skip
+the clients already done without reordering) and reports the per-client results of a run in the
+store's order."""
 
 from __future__ import annotations
 
@@ -20,12 +21,12 @@ def test_run_head_trains_largest_first_and_reports_in_store_order(monkeypatch, a
 
     data = tiny_fed(M=5, seed=2)
     assert list(data.n_train) != sorted(data.n_train, reverse=True), "the double must be out of size order"
-    # the loader's contract (tests/test_largest_first.py): largest first when asked, else as stored
-    monkeypatch.setattr(fd, "load_fed_data", lambda *a, largest_first=False, **k: data.by_size()[0] if largest_first else data)
+    # the loader's contract (tests/test_largest_first.py): the store's order
+    monkeypatch.setattr(fd, "load_fed_data", lambda *a, **k: data)
     monkeypatch.setattr(cells, "_DATA", collections.OrderedDict())
     trained: list[tuple[int, ...]] = []
-    run = engine.run
-    monkeypatch.setattr(engine, "run", lambda alg, d, *a, **k: trained.append(d.n_train) or run(alg, d, *a, **k))
+    run, inner = engine.run, engine._run
+    monkeypatch.setattr(engine, "_run", lambda alg, d, *a, **k: trained.append(d.n_train) or inner(alg, d, *a, **k))
     cfg = {"algorithm": algorithm, "seed": 1, "backbones": ["b"], "features": {"backbones": {"b": {"dim": data.dim}}},
            "settings": {"common": {}, "method": {}},
            "options": {"rounds": 3, "fraction": 1.0, "device": "cpu", "eval_every": 1}}

@@ -7,6 +7,8 @@ The vectorised engine runs one call per group of the data's layout (fedheads/lay
 padded FedData is one group; a BucketedFedData runs each size bucket as one stacked call on its
 own FedData, writes the bucket's new client states into the federation's stacked state, and
 hands the server the messages of all buckets in participant order, as one stacked call would.
+With `reorder=True` it may stack a padded federation's clients in the order it computes fastest
+in (core/order.py) and puts every result back in the data's order.
 
 Per round: select participants (seeded, same in both engines) -> client_update -> server_aggregate
 -> (every `eval_every` rounds) per-client test accuracy with `predict` (of the state the optional
@@ -17,7 +19,7 @@ times the number of participants."""
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
@@ -27,6 +29,7 @@ from tqdm.auto import tqdm
 from embedcache.errors import UserError
 from fedheads.core import ops, rng
 from fedheads.core.ops import masked_accuracy
+from fedheads.core.order import put_back, stacking_order
 from fedheads.core.protocol import Algorithm, AlgorithmBase, Init, RoundCtx
 from fedheads.core.tree import (
     payload_size,
@@ -41,7 +44,6 @@ from fedheads.core.tree import (
     unshared,
 )
 from fedheads.data import FedData, Federation
-from fedheads.heap import release_free_heap
 
 ENGINES = ("vectorized", "loop")
 
@@ -97,23 +99,6 @@ class RunResult:
         return CommRecord(sum(r.comm.up_values for r in h), sum(r.comm.up_bytes for r in h),
                           sum(r.comm.down_values for r in h), sum(r.comm.down_bytes for r in h))
 
-    def in_client_order(self, order: Sequence[int] | None, server_fields: Sequence[str] = ()) -> RunResult:
-        """This run of clients stacked in `order` (the positions in another federation of its
-        clients, as FedData.by_size gives them) with the client axis put back in that federation's
-        order: of the client state, of every round's accuracies and of the server-state fields
-        `server_fields` (the algorithm's `server_client_fields`, core/protocol.py). Only full
-        participation: each round's participants are then everyone, whatever the order."""
-        if order is None or list(order) == list(range(len(order))):
-            return self
-        if any(len(r.participants) != len(order) for r in self.history):
-            raise ValueError("in_client_order: a round without every client cannot be re-ordered")
-        back = lambda tree: _in_order(tree, list(order), torch.device("cpu"))  # noqa: E731 (leaves keep their device)
-        history = [replace(r, accuracy=None if r.accuracy is None else back(r.accuracy)) for r in self.history]
-        ss = self.server_state
-        if server_fields:
-            ss = replace(ss, **{f: back(getattr(ss, f)) for f in server_fields})
-        return replace(self, history=history, client_state=back(self.client_state), server_state=ss)
-
 
 @dataclass
 class RunState:
@@ -163,14 +148,7 @@ def select_participants(num_clients: int, fraction: float, seed: int, round_: in
 EVAL_GROUP_BYTES = 32 << 20  # padded test features per `predict` call of the vectorised engine
 
 
-def _ids(ids: tuple[int, ...] | list[int], device: torch.device) -> torch.Tensor:
-    return torch.tensor(list(ids), dtype=torch.int64, device=device)
-
-
-def _in_order(tree: Any, order: list[int], device: torch.device) -> Any:
-    """Rows of a tree stacked in client order `order` put into ascending client order."""
-    perm = sorted(range(len(order)), key=order.__getitem__)
-    return tree if perm == list(range(len(order))) else tree_index(tree, _ids(perm, device))
+BetweenBuckets = Callable[[], None]  # called after each size bucket's work (run's `between_buckets`)
 
 
 def eval_client_state(algorithm: Algorithm, client_state: Any, server_state: Any, data: Federation,
@@ -189,21 +167,23 @@ def eval_client_state(algorithm: Algorithm, client_state: Any, server_state: Any
         for ms, bucket in groups:
             parts.append(adapt(tree_rows(client_state, ms, data.device), server_state, bucket))
             order += ms
-        return _in_order(tree_cat(parts), order, data.device)
+        return put_back(tree_cat(parts), order, data.device)
     parts = [adapt(tree_index(client_state, torch.tensor([i], device=data.device)), server_state, data.select([i]))
              for i in range(data.num_clients)]
     return tree_cat(parts)
 
 
 def evaluate(algorithm: Algorithm, client_state: Any, server_state: Any, data: Federation,
-             engine: str = "vectorized", adapt: bool = True) -> dict[str, torch.Tensor]:
+             engine: str = "vectorized", adapt: bool = True,
+             between_buckets: BetweenBuckets | None = None) -> dict[str, torch.Tensor]:
     """Per-client test accuracy [M] (cpu float64) for every rule `predict` returns, of the
     state `eval_client_state` gives (`adapt=False`: `client_state` is already that state).
 
     The vectorised engine predicts for groups of clients whose padded test features stay under
     EVAL_GROUP_BYTES (all at once for small federations): predict's temporaries (float64 copies,
     normalised features, scores) then stay bounded at 1,000s of clients; bucketed data is
-    evaluated bucket by bucket, each in such groups. The loop: one at a time.
+    evaluated bucket by bucket, each in such groups (`between_buckets` called after each). The
+    loop: one at a time.
     Groups are views of the data and of the client state (a copy of a bucket's rows of the
     state only where they are not consecutive)."""
     if adapt:
@@ -216,7 +196,8 @@ def evaluate(algorithm: Algorithm, client_state: Any, server_state: Any, data: F
         acc = _evaluate_padded(algorithm, tree_rows(client_state, ms, data.device), server_state, bucket, engine)
         for k, v in acc.items():
             out.setdefault(k, torch.full((data.num_clients,), float("nan"), dtype=v.dtype))[list(ms)] = v
-        release_free_heap()
+        if between_buckets is not None:
+            between_buckets()
     return out
 
 
@@ -238,7 +219,7 @@ def _evaluate_padded(algorithm: Algorithm, client_state: Any, server_state: Any,
 
 
 def client_updates(algorithm: Algorithm, client_state: Any, broadcast: Any, data: Federation, ctx: RoundCtx,
-                   ) -> tuple[Any, Any]:
+                   between_buckets: BetweenBuckets | None = None) -> tuple[Any, Any]:
     """The vectorised engine's client step: `client_update` of the participants `ctx.participants`
     in one stacked call per group of the layout; returns (the federation's client state, the
     participants' stacked messages in participant order).
@@ -247,7 +228,7 @@ def client_updates(algorithm: Algorithm, client_state: Any, broadcast: Any, data
     returned out of place). Bucketed data: one call per bucket holding participants, each on
     its bucket's FedData and its clients' rows of the state; the rows are written back IN PLACE
     into `client_state` (the caller's own, see `owned`), so no per-round copy of a federation's
-    worth of state is made."""
+    worth of state is made; `between_buckets` is called after each bucket."""
     part, M, dev = ctx.participants, data.num_clients, data.device
     groups = data.groups()
     if len(groups) == 1:
@@ -274,8 +255,9 @@ def client_updates(algorithm: Algorithm, client_state: Any, broadcast: Any, data
         msgs.append(msg_b)
         order += ids
         del cs_b, sub
-        release_free_heap()  # this bucket's freed temporaries would stay resident (fedheads/heap.py)
-    return client_state, _in_order(tree_cat(msgs), order, dev)
+        if between_buckets is not None:
+            between_buckets()
+    return client_state, put_back(tree_cat(msgs), order, dev)
 
 
 def owned(client_state: Any, *others: Any) -> Any:
@@ -296,16 +278,40 @@ def owned(client_state: Any, *others: Any) -> Any:
 
 def run(algorithm: Algorithm, data: Federation, rounds: int, seed: int = 0, fraction: float = 1.0,
         engine: str = "vectorized", eval_every: int = 1, progress: bool = True,
-        checkpoint: Checkpointer | None = None) -> RunResult:
+        checkpoint: Checkpointer | None = None, reorder: bool = False,
+        between_buckets: BetweenBuckets | None = None) -> RunResult:
     """Train `algorithm` for `rounds` communication rounds; see the module docstring. With a
     `checkpoint`, the run continues from the state its `load` gives and hands it a RunState
-    after every round."""
+    after every round (in the order the clients are stacked in, which the run's arguments fix).
+
+    `reorder=True`: the engine may stack the clients in the order it computes fastest in
+    (core/order.py: largest first, one copy of a padded federation's rows); the result is in
+    `data`'s client order either way, and a client's own result does not depend on its place
+    (only the order in which the server sums the messages does). `between_buckets`: called after
+    each size bucket's client updates and evaluation (e.g. to hand freed memory back)."""
+    order = stacking_order(algorithm, data, fraction, engine) if reorder else None
+    stacked = data if order is None else data.select(order)
     with ops.buffer_pool():  # local training's scratch buffers are reused across rounds
-        return _run(algorithm, data, rounds, seed, fraction, engine, eval_every, progress, checkpoint)
+        res = _run(algorithm, stacked, rounds, seed, fraction, engine, eval_every, progress, checkpoint,
+                   between_buckets)
+    return res if order is None else _in_data_order(res, order, getattr(algorithm, "server_client_fields", ()))
+
+
+def _in_data_order(res: RunResult, order: tuple[int, ...], server_fields: Sequence[str]) -> RunResult:
+    """A run of clients stacked in `order` (stacking_order: every client in every round) with the
+    client axis put back in the data's order: of the client state, of every round's accuracies
+    and of the algorithm's per-client server-state fields `server_fields`."""
+    back = lambda tree: put_back(tree, order, torch.device("cpu"))  # noqa: E731 (leaves keep their device)
+    history = [replace(r, accuracy=None if r.accuracy is None else back(r.accuracy)) for r in res.history]
+    ss = res.server_state
+    if server_fields:
+        ss = replace(ss, **{f: back(getattr(ss, f)) for f in server_fields})
+    return replace(res, history=history, client_state=back(res.client_state), server_state=ss)
 
 
 def _run(algorithm: Algorithm, data: Federation, rounds: int, seed: int, fraction: float,
-         engine: str, eval_every: int, progress: bool, checkpoint: Checkpointer | None) -> RunResult:
+         engine: str, eval_every: int, progress: bool, checkpoint: Checkpointer | None,
+         between_buckets: BetweenBuckets | None) -> RunResult:
     if engine not in ENGINES:
         raise UserError(f"engine {engine!r}: must be one of {', '.join(ENGINES)}")
     if rounds < 1:
@@ -337,7 +343,7 @@ def _run(algorithm: Algorithm, data: Federation, rounds: int, seed: int, fractio
         part = select_participants(M, fraction, seed, r)
         ctx = RoundCtx(round=r, seed=seed, participants=part, num_clients=M)
         if engine == "vectorized":
-            cstate, msg = client_updates(algorithm, cstate, bc, data, ctx)
+            cstate, msg = client_updates(algorithm, cstate, bc, data, ctx, between_buckets)
         else:
             msgs = []
             # one private copy per round, then in-place row writes (no O(M) copy per client)
@@ -359,7 +365,7 @@ def _run(algorithm: Algorithm, data: Federation, rounds: int, seed: int, fractio
         acc = None
         if last or (eval_every and (r + 1) % eval_every == 0):
             evaluated = eval_client_state(algorithm, cstate, sstate, data, engine)
-            acc = evaluate(algorithm, evaluated, sstate, data, engine, adapt=False)
+            acc = evaluate(algorithm, evaluated, sstate, data, engine, adapt=False, between_buckets=between_buckets)
             bar.set_postfix(acc=f"{float(acc['main'].nanmean()):.3f}")
         t2 = clock(data.device) if acc is not None else t1
         res.history.append(RoundRecord(r, tuple(part.tolist()), comm, acc, t1[0] - t0[0], t1[1] - t0[1],

@@ -45,7 +45,7 @@ def spec_of(params: Params, normalize: bool) -> HeadSpec:
 def client_seeds(spec: Any, seed: int) -> list[int]:
     """One initialisation seed per client of `spec` (a DataSpec), from the run seed and the
     client's global id: a client starts from the same head whatever its place in the stack
-    (fedheads.data.largest_first)."""
+    (core/order.py)."""
     return [seed * 100_003 + i for i in spec.ids()]
 
 

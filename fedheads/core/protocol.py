@@ -49,7 +49,7 @@ class RoundCtx:
     round: int  # 0-based communication round
     seed: int  # run seed (combine with round and client_index for randomness)
     participants: torch.Tensor  # [P] int64 positions in the stacked federation of this round's participants
-    # (sorted; the store's ids unless it was stacked largest first: data.client_index holds the global ids)
+    # (sorted; global ids only where the engine keeps the data's order: data.client_index holds them)
     num_clients: int  # M of the whole federation
 
 
@@ -112,8 +112,9 @@ class AlgorithmBase(Generic[CS, SS, Msg, Bc]):
     heads or local prototypes only (prediction needs `--client`)."""
     server_client_fields: ClassVar[tuple[str, ...]] = ()
     """Server-state fields that, against the convention above, hold one row per client of the
-    federation (FedPCL's prototype bank): the engine permutes and restores them with the client
-    state. Per-client randomness is keyed by global ids (data.client_index, DataSpec.ids())."""
+    federation (FedPCL's prototype bank): the vectorised engine stacks clients in the order it
+    computes fastest in (core/order.py) and puts these rows back with the client state.
+    Per-client randomness is keyed by global ids (data.client_index, DataSpec.ids())."""
     collect_rounds: int = 0
     """Leading rounds that only collect statistics (FedPCL's round 0, LP's FedNCM round): R
     rounds train R - collect_rounds."""
