@@ -18,8 +18,8 @@ run. Conventions:
   own `comm_size()`), so the engine logs communication actually sent up and down per round.
 - Every optional behaviour is a typed default of :class:`AlgorithmBase` (evaluation-time
   adaptation, global rule, prototype view, secure-aggregation form, differential-privacy
-  sensitivities, the papers' communication convention, per-client server rows, collection
-  rounds). An algorithm overrides what it has, in its own file; no other module switches on
+  sensitivities, the linear head fine-tuning starts from, the papers' communication convention,
+  per-client server rows, collection rounds). An algorithm overrides what it has, in its own file; no other module switches on
   algorithm names.
 - The per-run specification (dimensions, seeds) lives in the states, never on `self`: one
   algorithm object may run several federations, and a state alone is enough to predict.
@@ -168,6 +168,13 @@ class AlgorithmBase(Generic[CS, SS, Msg, Bc]):
         training example, its feature clipped to L2 norm `clip`, is added or removed. Used by
         the Gaussian mechanism of differential privacy; the default refuses in one line."""
         raise UserError(f"dp: {self.name} has no differentially private form (its messages are not clipped sums)")
+
+    def linear_head(self, server_state: SS) -> dict[str, torch.Tensor] | None:
+        """The linear classifier {"cls.weight": [D, C], "cls.bias": [C]} (the core's layout, no
+        client axis, float32) that this server state defines, for fine-tuning or linear probing
+        to start from (`fedheads finetune --head NAME`: round 0 is this head); None (the
+        default): the algorithm's model is not a linear head on the features."""
+        return None
 
     def paper_round_comm(self, arch: HeadArch, clients: int) -> PaperRoundComm | None:
         """Per-client, per-round upload and download by its papers' convention (for the
