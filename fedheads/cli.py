@@ -238,7 +238,8 @@ def _live_run_options(f):
 @click.option("--store", required=True, type=click.Path(), help="Feature store with the backbone's features (and B@CUT maps).")
 @click.option("--backbone", required=True, help="Trainable backbone, e.g. resnet20-cifar10 (see `embedcache backbones`).")
 @click.option("--head", "heads", default="fedncm", show_default=True,
-              help="Stage 1, comma-separated for a comparison: fedncm (FedNCM+FT) | lp (LP+FT) | random (FT).")
+              help="Stage 1, comma-separated for a comparison: fedncm (FedNCM+FT) | fed3r (Fed3R+FT) | "
+                   "fedcof (FedCOF+FT) | lp (LP+FT) | random (FT).")
 @click.option("--head-rounds", default=5, show_default=True, help="LP rounds of stage 1 (FedNCM App. C.2: 5, 10).")
 @click.option("--rounds", default=10, show_default=True, help="Fine-tuning rounds.")
 @click.option("--server", default="fedavg", show_default=True,
