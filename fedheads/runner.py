@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from embedcache.errors import UserError
-from fedheads import __version__, comm, plotting, report, rundir
+from fedheads import __version__, plotting, report, rundir
 from fedheads import resume as resume_mod
 from fedheads.algorithms import create_algorithm
 from fedheads.atomic import atomic_path
@@ -313,10 +313,10 @@ def dataset_name(store: str | Path | None) -> str | None:
 
 def rounds_needed(algorithm: str, opts: TrainOptions) -> int:
     """The rounds `algorithm` trains: `opts.rounds`, except a one-pass algorithm
-    (report.ONE_ROUND_ALGORITHMS: FedNCM, Alg. 1) with every client in every round, whose later
+    (AlgorithmBase.one_pass: FedNCM Alg. 1, Fed3R, FedCOF) with every client in every round, whose later
     rounds would only send zeros and re-evaluate the same model: one round (results.json keeps
     `rounds` as asked, `training_rounds` says what ran)."""
-    if opts.fraction >= 1.0 and comm.method_key(algorithm) in report.ONE_ROUND_ALGORITHMS:
+    if opts.fraction >= 1.0 and report.one_pass(algorithm):
         return min(opts.rounds, 1)
     return opts.rounds
 

@@ -386,3 +386,20 @@ def test_loop_messages_concatenate_to_the_vectorised_message():
     cat = tree_cat(rows)
     torch.testing.assert_close(cat.gram, whole.gram, rtol=0, atol=1e-9)
     assert torch.equal(cat.counts, whole.counts)
+
+
+@pytest.mark.parametrize("name", ["fed3r", "fedcof"])
+def test_train_runs_one_pass_and_results_give_accuracy_as_clients_accumulate(tmp_path, name):
+    """`train` at fraction 1 runs the one round a one-pass head needs (AlgorithmBase.one_pass);
+    with clients sampled, results.json's history gives accuracy against the clients seen so far."""
+    import fedheads
+    from flower_helpers import write_store
+
+    store = write_store(tmp_path)
+    one = fedheads.train(store, name, backbones="synth", rounds=4, seeds=0)
+    assert one.training_rounds == 1 and [h["round"] for h in one.history] == [1]
+    assert one.history[0]["clients_seen"] == 3
+    part = fedheads.train(store, name, backbones="synth", rounds=6, seeds=[0, 1], fraction=0.4)
+    seen = [h["clients_seen"] for h in part.history]
+    assert part.training_rounds == 6 and len(seen) == 6 and seen == sorted(seen) and seen[0] == 1
+    assert seen[-1] == 3 and part.history[-1]["accuracy"] == pytest.approx(one.accuracy["mean"], abs=1e-9)

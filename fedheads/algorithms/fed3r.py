@@ -142,6 +142,7 @@ class Fed3R(AlgorithmBase):
     description = "Fed3R (Fanì et al. 2024): closed-form ridge-regression classifier from summed Gram matrices"
     config = Fed3RConfig
     global_rule = "main"
+    one_pass = True  # each client sends its statistics once
 
     def __init__(self, cfg: Fed3RConfig = Fed3RConfig()) -> None:
         if cfg.dtype not in DTYPES:

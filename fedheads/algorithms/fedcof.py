@@ -124,6 +124,7 @@ class FedCOF(AlgorithmBase):
                    "class means")
     config = FedCOFConfig
     global_rule = "main"
+    one_pass = True  # each client sends its statistics once
 
     def __init__(self, cfg: FedCOFConfig = FedCOFConfig()) -> None:
         if cfg.dtype not in DTYPES:

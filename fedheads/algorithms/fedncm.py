@@ -183,6 +183,7 @@ class FedNCM(AlgorithmBase):
 
     name = "fedncm"
     global_rule = "main"  # every client classifies by the server's class means
+    one_pass = True  # each client sends its statistics once
 
     def __init__(self, cfg: FedNCMConfig = FedNCMConfig()) -> None:
         if cfg.rule not in RULES:

@@ -19,8 +19,8 @@ run. Conventions:
 - Every optional behaviour is a typed default of :class:`AlgorithmBase` (evaluation-time
   adaptation, global rule, prototype view, secure-aggregation form, differential-privacy
   sensitivities, the linear head fine-tuning starts from, the papers' communication convention,
-  per-client server rows, collection rounds). An algorithm overrides what it has, in its own file; no other module switches on
-  algorithm names.
+  per-client server rows, one-pass statistics, collection rounds). An algorithm overrides what
+  it has, in its own file; no other module switches on algorithm names.
 - The per-run specification (dimensions, seeds) lives in the states, never on `self`: one
   algorithm object may run several federations, and a state alone is enough to predict.
 """
@@ -114,6 +114,9 @@ class AlgorithmBase(Generic[CS, SS, Msg, Bc]):
     """Server-state fields that, against the convention above, hold one row per client of the
     federation (FedPCL's prototype bank): the engine permutes and restores them with the client
     state. Per-client randomness is keyed by global ids (data.client_index, DataSpec.ids())."""
+    one_pass: ClassVar[bool] = False
+    """Every client sends its statistics once and later rounds only add zeros (FedNCM Alg. 1,
+    Fed3R, FedCOF): with every client in every round, `train` and `compare` run one round."""
     collect_rounds: int = 0
     """Leading rounds that only collect statistics (FedPCL's round 0, LP's FedNCM round): R
     rounds train R - collect_rounds."""
