@@ -310,7 +310,7 @@ def _flower_options(f):
         click.option("--lr", type=float, default=0.0, help="Client learning rate (default: paper's)."),
         click.option("--binarize", is_flag=True, help="FedPCL authors' 0/1 binarised backbone features."),
         click.option("--set", "settings", multiple=True, metavar="KEY=VALUE", help="Algorithm config field (repeatable)."),
-        click.option("--secagg", is_flag=True, help="SecAgg+ for the sum-shaped server steps (fedncm, fedproto, fedpcl)."),
+        click.option("--secagg", is_flag=True, help="SecAgg+ for the sum-shaped server steps (fedncm, fed3r, fedproto, fedpcl)."),
         click.option("--secagg-shares", default=1.0, show_default=True, help="SecAgg+ shares, fraction of the participants."),
         click.option("--secagg-threshold", default=0.67, show_default=True,
                      help="SecAgg+ reconstruction threshold, fraction of the shares."),
