@@ -334,6 +334,10 @@ def test_linear_head_prototype_view_registry_and_errors():
     assert res.trainable_params_per_client == 0
     with pytest.raises(UserError, match="gamma=-1"):
         create_algorithm("fedcof", gamma=-1)
+    r64 = engine.run(create_algorithm("fedcof"), data, rounds=1, progress=False)
+    r32 = engine.run(create_algorithm("fedcof", dtype="float32"), data, rounds=1, progress=False)
+    torch.testing.assert_close(r32.server_state.weight, r64.server_state.weight, rtol=0, atol=1e-5)
+    assert r32.total_comm().up_bytes < r64.total_comm().up_bytes
     # a client whose message holds more classes than its declared size cannot be placed
     spec = data.spec()
     small = type(spec)(spec.dim, spec.num_classes, spec.num_clients, (1,) * spec.num_clients, spec.device)

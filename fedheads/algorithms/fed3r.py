@@ -102,14 +102,14 @@ def with_bias_column(gram: torch.Tensor, sums: torch.Tensor, counts: torch.Tenso
     return torch.cat([torch.cat([gram, s], -1), torch.cat([s.transpose(-1, -2), n], -1)], -2)
 
 
-def solve_psd(a: torch.Tensor, b: torch.Tensor, what: str) -> tuple[torch.Tensor, bool]:
+def solve_psd(a: torch.Tensor, b: torch.Tensor, what: str, hint: str = "") -> tuple[torch.Tensor, bool]:
     """a⁻¹b for a symmetric a [D, D] (float64): a Cholesky solve where a is positive definite,
-    else the pseudo-inverse, logged; returns (solution, used the pseudo-inverse)."""
+    else the pseudo-inverse, logged (with `hint`); returns (solution, used the pseudo-inverse)."""
     chol, info = torch.linalg.cholesky_ex(a)
     if int(info) == 0:
         return torch.cholesky_solve(b, chol), False
     log.warning("%s: the matrix is not positive definite (Cholesky failed at column %d); "
-                "solved with the pseudo-inverse", what, int(info))
+                "solved with the pseudo-inverse%s", what, int(info), hint)
     return torch.linalg.pinv(a, hermitian=True) @ b, True
 
 
@@ -191,9 +191,7 @@ class Fed3R(AlgorithmBase):
         if self.cfg.bias:
             b = torch.cat([b, counts.to(torch.float64).unsqueeze(0)], 0)  # b's bias row: onehot(y) summed
         a = gram + self.cfg.lam * torch.eye(gram.shape[0], dtype=gram.dtype, device=gram.device)
-        sol, pinv = solve_psd(a, b, "fed3r: lambda I + sum_k A_k")
-        if pinv:
-            log.warning("fed3r: raise lam (now %g) to make the ridge system positive definite", self.cfg.lam)
+        sol, pinv = solve_psd(a, b, "fed3r: lambda I + sum_k A_k", f" (lam={self.cfg.lam:g}; lam > 0 makes it definite)")
         D = sums.shape[1]
         bias = sol[D] if self.cfg.bias else torch.zeros_like(sol[0])
         weight, bias = normalise_classes(sol[:D].T, bias, present)

@@ -172,7 +172,8 @@ class FedCOF(AlgorithmBase):
         gram, sums, counts = estimated_gram(bank_means[ok], bank_class[ok], bank_count[ok], int(ss.counts.shape[0]),
                                             self.cfg.gamma, self.cfg.between_class)
         present = counts > 0
-        sol, pinv = solve_psd(gram, sums.T, "fedcof: estimated Gram")  # W = G^-1 [N_c mu_c]
+        sol, pinv = solve_psd(gram, sums.T, "fedcof: estimated Gram",  # W = G^-1 [N_c mu_c]
+                              f" (gamma={self.cfg.gamma:g}; gamma > 0 makes it definite once a class has 2 samples)")
         weight, _ = normalise_classes(sol.T, torch.zeros_like(sol[0]), present)
         new = FedCOFServerState(ss.offsets, bank_means, bank_class, bank_count, sums, counts, weight, present,
                                 torch.tensor(pinv, device=gram.device))
