@@ -161,8 +161,23 @@ def load_state(path: Path, algorithm: Any, spec: DataSpec, seed: int) -> tuple[A
     init = algorithm.init(spec, seed)
     from fedheads.resume import restore_tree
 
+    ss = _sized_like(init.server_state, saved["server"], getattr(algorithm, "server_sized_fields", ()))
     return (restore_tree(init.client_state, saved["client"], path, "client", algorithm.name),
-            restore_tree(init.server_state, saved["server"], path, "server", algorithm.name))
+            restore_tree(ss, saved["server"], path, "server", algorithm.name))
+
+
+def _sized_like(like: Any, saved: Sequence[Any], fields: Sequence[str]) -> Any:
+    """`like` with its tensor `fields` (AlgorithmBase.server_sized_fields) at the shapes of their
+    saved leaves (`saved`: the state's tensor leaves in tree order)."""
+    if not fields or not dataclasses.is_dataclass(like):
+        return like
+    changes, i = {}, 0
+    for f in dataclasses.fields(like):
+        v = getattr(like, f.name)
+        if f.name in fields and isinstance(v, torch.Tensor) and i < len(saved) and isinstance(saved[i], torch.Tensor):
+            changes[f.name] = v.new_empty(saved[i].shape)
+        i += len(tree_leaves(v))
+    return dataclasses.replace(like, **changes)
 
 
 def _metrics_rows(result: RunResult, seed: int, names: Sequence[str]) -> list[list[Any]]:

@@ -405,3 +405,27 @@ def test_train_runs_one_pass_and_results_give_accuracy_as_clients_accumulate(tmp
     seen = [h["clients_seen"] for h in part.history]
     assert part.training_rounds == 6 and len(seen) == 6 and seen == sorted(seen) and seen[0] == 1
     assert seen[-1] == 3 and part.history[-1]["accuracy"] == pytest.approx(one.accuracy["mean"], abs=1e-9)
+
+
+@pytest.mark.parametrize("name", ["fed3r", "fedcof"])
+def test_trains_saves_and_predicts_through_the_cli(tmp_path, name):
+    """`fedheads train` then `fedheads predict` (faiss, inner product through prototype_view)
+    give the trainer's per-client accuracies."""
+    import csv
+    import json
+
+    from tests.test_fedheads_cli import CLIENTS, _invoke, _write_store
+
+    store = _write_store(tmp_path)
+    run = tmp_path / "run"
+    r = _invoke(["train", "--store", str(store), "--backbones", "synth", "--algorithm", name, "--rounds", "1",
+                 "--seeds", "2", "--quiet", "--out", str(run)])
+    assert r.exit_code == 0, r.output
+    out = tmp_path / "pred.csv"
+    r = _invoke(["predict", "--run", str(run), "--store", str(store), "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    rows = list(csv.DictReader(out.open()))
+    res = json.loads((run / "results.json").read_text())
+    for c in CLIENTS:
+        got = [row["label"] == row["prediction"] for row in rows if row["client"] == c]
+        assert 100.0 * np.mean(got) == pytest.approx(res["per_client"][c]["mean"], abs=1e-6), c

@@ -345,3 +345,23 @@ def test_linear_head_prototype_view_registry_and_errors():
     _, msg = alg.client_update(init.client_state, init.broadcast, data, ctx(range(8), 8))
     with pytest.raises(UserError, match="more classes than it has training samples"):
         alg.server_aggregate(init.server_state, msg, ctx(range(8), 8))
+
+
+def test_flower_simulation_equals_the_engine(tmp_path):
+    """Without SecAgg+ FedCOF runs over Flower as on the loop engine, bit for bit (the server's
+    bank is sized from the nodes' reported sample counts)."""
+    pytest.importorskip("flwr")
+    from flower_helpers import write_store
+
+    from fedheads.core.tree import tree_leaves
+    from fedheads.data import load_fed_data
+    from fedheads.flower.server import FlowerRunConfig
+    from fedheads.flower.sim import simulate_store
+
+    store = write_store(tmp_path)
+    out = simulate_store(FlowerRunConfig(algorithm="fedcof", backbones="synth", rounds=2, fraction=0.67,
+                                         timeout=120, seed=1), store)
+    ref = engine.run(F.FedCOF(), load_fed_data(store, ["synth"], "cpu"), 2, seed=1, fraction=0.67,
+                     engine="loop", progress=False)
+    for got, want in zip(tree_leaves(out["server_state"]), tree_leaves(ref.server_state)):
+        assert got.dtype == want.dtype and torch.equal(got, want)

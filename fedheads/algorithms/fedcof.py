@@ -124,6 +124,7 @@ class FedCOF(AlgorithmBase):
                    "class means")
     config = FedCOFConfig
     global_rule = "main"
+    server_sized_fields = ("bank_means", "bank_class", "bank_count")  # min(n_k, C) rows per client
     one_pass = True  # each client sends its statistics once
 
     def __init__(self, cfg: FedCOFConfig = FedCOFConfig()) -> None:

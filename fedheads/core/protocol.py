@@ -19,7 +19,7 @@ run. Conventions:
 - Every optional behaviour is a typed default of :class:`AlgorithmBase` (evaluation-time
   adaptation, global rule, prototype view, secure-aggregation form, differential-privacy
   sensitivities, the linear head fine-tuning starts from, the papers' communication convention,
-  per-client server rows, one-pass statistics, collection rounds). An algorithm overrides what
+  per-client server rows, data-sized server fields, one-pass statistics, collection rounds). An algorithm overrides what
   it has, in its own file; no other module switches on algorithm names.
 - The per-run specification (dimensions, seeds) lives in the states, never on `self`: one
   algorithm object may run several federations, and a state alone is enough to predict.
@@ -114,6 +114,10 @@ class AlgorithmBase(Generic[CS, SS, Msg, Bc]):
     """Server-state fields that, against the convention above, hold one row per client of the
     federation (FedPCL's prototype bank): the engine permutes and restores them with the client
     state. Per-client randomness is keyed by global ids (data.client_index, DataSpec.ids())."""
+    server_sized_fields: ClassVar[tuple[str, ...]] = ()
+    """Server-state tensor fields whose size depends on the training data, not only on D, C and M
+    (FedCOF's bank of client class means, sized by the clients' sample counts): a saved state
+    restores them at their saved size, since prediction rebuilds its template without the data."""
     one_pass: ClassVar[bool] = False
     """Every client sends its statistics once and later rounds only add zeros (FedNCM Alg. 1,
     Fed3R, FedCOF): with every client in every round, `train` and `compare` run one round."""
