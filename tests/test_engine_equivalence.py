@@ -51,6 +51,8 @@ ALGOS = {
     "lp-fedadam-reddi": lambda: HeadTuning(LPConfig(batch_size=4, server_opt="fedadam", server_lr=0.01,
                                                     adam_flavour="reddi", optimizer=SGD(0.1))),
     "mlp-ncm-adam": lambda: MLP(MLPConfig(hidden=(8, 8), batch_size=4, init="fedncm", server_opt="fedadam")),
+    "lp-fed3r": lambda: HeadTuning(LPConfig(batch_size=4, init="fed3r", optimizer=SGD(0.1))),
+    "mlp-fedcof": lambda: MLP(MLPConfig(hidden=(8, 8), batch_size=4, init="fedcof")),
 }
 
 

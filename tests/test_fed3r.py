@@ -429,3 +429,28 @@ def test_trains_saves_and_predicts_through_the_cli(tmp_path, name):
     for c in CLIENTS:
         got = [row["label"] == row["prediction"] for row in rows if row["client"] == c]
         assert 100.0 * np.mean(got) == pytest.approx(res["per_client"][c]["mean"], abs=1e-6), c
+
+
+@pytest.mark.parametrize("name", ["fed3r", "fedcof"])
+@pytest.mark.parametrize("eng", engine.ENGINES)
+def test_lp_from_the_head_starts_at_the_head(name, eng):
+    """Fed3R+LP / FedCOF+LP (lp init=NAME): round 0 runs the head on the features and the linear
+    layer starts as its classifier, so the accuracy after round 0 is the head's."""
+    clients, C = federation(seed=9)
+    data = FedData.from_arrays(clients, C)
+    head = engine.run(create_algorithm(name), data, rounds=1, engine=eng, progress=False)
+    lp = create_algorithm("lp", init=name, lr=0.05, batch_size=4)
+    assert lp.collect_rounds == 1
+    res = engine.run(lp, data, rounds=3, engine=eng, progress=False)
+    assert torch.equal(res.history[0].accuracy["main"], head.final_accuracy())
+    want = create_algorithm(name).linear_head(head.server_state)
+    assert res.history[0].comm.up_values == head.history[0].comm.up_values  # round 0 sends the head's statistics
+    first = engine.run(create_algorithm("lp", init=name), data, rounds=1, engine=eng, progress=False)
+    for k in want:
+        torch.testing.assert_close(first.server_state.params[k], want[k], rtol=0, atol=1e-6)
+    assert res.history[-1].accuracy is not None and res.trainable_params_per_client > 0
+    mlp = engine.run(create_algorithm("mlp", init=name, hidden=[8, 8], batch_size=4), data, rounds=2, engine=eng,
+                     progress=False)
+    assert mlp.server_state.params["cls.weight"].shape == (8, C)
+    with pytest.raises(UserError, match="init 'fedproto': must be one of random, fed3r, fedcof, fedncm"):
+        create_algorithm("lp", init="fedproto")
