@@ -32,7 +32,6 @@ measure their spread; the equivalent sums Σ_k n_kc μ_kc μ_kcᵀ are C·D² va
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 
 import torch
@@ -43,8 +42,6 @@ from fedheads.algorithms.fedncm import client_stats
 from fedheads.core.config import setting
 from fedheads.core.protocol import AlgorithmBase, HeadArch, Init, PaperRoundComm, RoundCtx, SecureForm
 from fedheads.data import DataSpec, FedData
-
-log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
