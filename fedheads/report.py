@@ -325,7 +325,7 @@ def comparison_markdown(results: Sequence[Mapping[str, Any]], title: str = "",
                 + ("; n=1: one seed, no spread" if any(_n_seeds(r) == 1 for r in results) else "") + "."]
     fair = [[r["algorithm"]] + [mean_std_cell(r["fairness"][k], r.get("fairness_std", {}).get(k, 0.0), _n_seeds(r))
                                 for k in metrics.FAIRNESS_KEYS] for r in results]
-    why = {True: "one pass: every client sends its statistics once, FedNCM Alg. 1",
+    why = {True: "one pass: every client sends its statistics once",
            False: "its first round only collects statistics"}
     short = [f"{r['algorithm']} trains {r['training_rounds']} of them "
              f"({why[one_pass(r['algorithm'])]})" for r in results
