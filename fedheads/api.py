@@ -266,7 +266,8 @@ def finetune(manifest: Any, store: str | Path, backbone: str, out: str | Path, *
              resume: bool = False, overwrite: bool = False, progress: bool = False,
              warmup_rounds: int = 0, server_momentum: float = 0.9, server_buffers: str = "average") -> Result:
     """Fine-tune `backbone` federatedly from a stage-1 head computed on the store, as `fedheads
-    finetune` (FedNCM+FT with heads="fedncm", LP+FT with "lp", FT with "random"; several heads:
+    finetune` (FedNCM+FT with heads="fedncm", Fed3R+FT "fed3r", FedCOF+FT "fedcof", LP+FT "lp",
+    FT "random"; several heads:
     a comparison). `manifest`: the manifest the store was extracted from (path or Manifest).
     Always writes `out` (a checkpoint after every round, so `resume=True` can continue)."""
     from fedheads.live.finetune import FTConfig

@@ -18,9 +18,11 @@ from typing import Any
 from embedcache.errors import UserError, unknown_name
 
 # fedheads.algorithms registry (fedheads/algorithms/*.py)
-ALGORITHMS = ("fedavg", "fedavg-linear", "fedncm", "fedpcl", "fedproto", "fedrep", "lp", "mlp", "perfedavg",
-              "pfedme", "solo")
-FINETUNE_HEADS = ("fedncm", "lp", "random")  # fedheads finetune --head (fedheads.live.heads.HEADS)
+ALGORITHMS = ("fed3r", "fedavg", "fedavg-linear", "fedcof", "fedncm", "fedpcl", "fedproto", "fedrep", "lp", "mlp",
+              "perfedavg", "pfedme", "solo")
+# fedheads finetune --head (fedheads.live.heads.HEADS): the registered algorithms whose state defines a
+# linear head (AlgorithmBase.linear_head), then K rounds of LP and the random head
+FINETUNE_HEADS = ("fedncm", "fed3r", "fedcof", "lp", "random")
 FEDDRA_BASELINES = ("feddra", "fedavg", "fedavg-two-stage", "fedprox", "no-two-stage", "no-constraint",
                     "no-dro")  # fedheads feddra --baseline (fedheads.live.feddra_runner.BASELINES)
 

@@ -247,7 +247,8 @@ def _live_run_options(f):
 @click.option("--store", required=True, type=click.Path(), help="Feature store with the backbone's features (and B@CUT maps).")
 @click.option("--backbone", required=True, help="Trainable backbone, e.g. resnet20-cifar10 (see `embedcache backbones`).")
 @click.option("--head", "heads", default="fedncm", show_default=True,
-              help="Stage 1, comma-separated for a comparison: fedncm (FedNCM+FT) | lp (LP+FT) | random (FT).")
+              help="Stage 1, comma-separated for a comparison: fedncm (FedNCM+FT) | fed3r (Fed3R+FT) | "
+                   "fedcof (FedCOF+FT) | lp (LP+FT) | random (FT).")
 @click.option("--head-rounds", default=5, show_default=True, help="LP rounds of stage 1 (FedNCM App. C.2: 5, 10).")
 @click.option("--rounds", default=10, show_default=True, help="Fine-tuning rounds.")
 @click.option("--server", default="fedavg", show_default=True,
@@ -318,7 +319,7 @@ def _flower_options(f):
         click.option("--lr", type=float, default=0.0, help="Client learning rate (default: paper's)."),
         click.option("--binarize", is_flag=True, help="FedPCL authors' 0/1 binarised backbone features."),
         click.option("--set", "settings", multiple=True, metavar="KEY=VALUE", help="Algorithm config field (repeatable)."),
-        click.option("--secagg", is_flag=True, help="SecAgg+ for the sum-shaped server steps (fedncm, fedproto, fedpcl)."),
+        click.option("--secagg", is_flag=True, help="SecAgg+ for the sum-shaped server steps (fedncm, fed3r, fedproto, fedpcl)."),
         click.option("--secagg-shares", default=1.0, show_default=True, help="SecAgg+ shares, fraction of the participants."),
         click.option("--secagg-threshold", default=0.67, show_default=True,
                      help="SecAgg+ reconstruction threshold, fraction of the shares."),

@@ -179,20 +179,28 @@ def aggregate_history(
 
     Each seed's history is a list of ``{"round": r, "accuracy": acc}`` (the client-average
     accuracy in percent after round r); rounds evaluated by only some seeds are dropped so
-    every point averages the same seeds."""
+    every point averages the same seeds. Where every seed's row has ``clients_seen`` (distinct
+    clients that have taken part so far), the point carries its mean over seeds."""
     if not per_seed_history:
         return []
     maps = []
+    seen: list[dict[int, float]] = []
     for i, hist in enumerate(per_seed_history):
         d: dict[int, float] = {}
+        c: dict[int, float] = {}
         for row in hist:
             if "round" not in row or "accuracy" not in row:
                 raise UserError(f"history of seed #{i}: rows need 'round' and 'accuracy'")
             d[int(row["round"])] = float(row["accuracy"])
+            if "clients_seen" in row:
+                c[int(row["round"])] = float(row["clients_seen"])
         maps.append(d)
+        seen.append(c)
     common = sorted(set.intersection(*(set(d) for d in maps)))
-    out = []
+    out: list[dict[str, float]] = []
     for r in common:
         m, s = mean_std((d[r] for d in maps), ddof)
         out.append({"round": r, "accuracy": m, "std": s})
+        if all(r in c for c in seen):
+            out[-1]["clients_seen"] = sum(c[r] for c in seen) / len(seen)
     return out

@@ -84,7 +84,8 @@ def trained_from(config: Mapping[str, Any], results: Mapping[str, Any], states: 
     dev = resolve_device(device)
     alg = create_algorithm(config["algorithm"], **config.get("algorithm_kwargs", {}))
     clients, num_classes = list(results["clients"]), int(results["num_classes"])
-    # the init's shapes depend on D, C and M only; every value is then replaced by the saved one
+    # the init's shapes depend on D, C and M only (server_sized_fields take their saved size);
+    # every value is then replaced by the saved one
     spec = DataSpec(int(results["feature_dim"]), num_classes, len(clients), (1,) * len(clients), dev)
     if isinstance(states, (str, Path)):
         cs, ss = load_state(Path(states) / f"seed{seed}.pt", alg, spec, seed)

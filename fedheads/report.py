@@ -9,7 +9,7 @@ fairness{average,worst_10,worst_20,worst_40,best_10,variance}, communication{
 upload_params_per_client_per_round, upload_bytes_total, download_bytes_total,
 paper_comm_params_per_client_per_round, paper_upload_bytes, paper_download_bytes,
 paper_total_bytes}, trainable_params_per_client, paper_trainable_params_per_client,
-history[{round, accuracy, std}], std_ddof, std_convention``
+history[{round, accuracy, std, clients_seen}], std_ddof, std_convention``
 
 Accuracies are percent; "mean(std)" is over seeds with the sample std (``ddof=1``, as the
 FedPCL authors' torch.std; ``std_ddof`` records the one used, see :mod:`fedheads.metrics`).
@@ -38,9 +38,18 @@ from embedcache.errors import UserError
 from fedheads import comm, metrics, plotting
 from fedheads.atomic import atomic_path
 
-# one pass: communicate once whatever `rounds` says (FedNCM Alg. 1); `train`/`compare` run them for
-# one round when every client takes part (fedheads.runner.rounds_needed)
-ONE_ROUND_ALGORITHMS = ("fedncm",)
+
+def one_pass(algorithm: str) -> bool:
+    """Whether the registered algorithm `algorithm` communicates once whatever `rounds` says
+    (AlgorithmBase.one_pass: FedNCM Alg. 1, Fed3R, FedCOF); `train`/`compare` run it for one
+    round when every client takes part (fedheads.runner.rounds_needed). False for a name the
+    registry does not hold (a fine-tuning run's "fedncm+ft")."""
+    from fedheads.algorithms import create_algorithm
+
+    try:
+        return bool(create_algorithm(comm.method_key(algorithm)).one_pass)
+    except UserError:
+        return False
 
 
 def _atomic_write(path: Path, write: Any, binary: bool = False) -> Path:
@@ -65,11 +74,14 @@ def seed_result_from_run(run: Any, seed: int, client_names: Sequence[str],
     for name, acc in zip(names, final.tolist()):
         (empty.append(name) if acc != acc else per_client.__setitem__(name, 100.0 * acc))
     history = []
+    seen: set[int] = set()
     for rec in run.history:
+        seen.update(rec.participants)
         if rec.accuracy is not None:
             a = rec.accuracy[rule]
             history.append({"round": int(rec.round) + 1,  # after round r (1-based, as papers plot)
-                            "accuracy": 100.0 * float(a[~a.isnan()].mean())})
+                            "accuracy": 100.0 * float(a[~a.isnan()].mean()),
+                            "clients_seen": len(seen)})  # distinct clients so far (Fed3R's accuracy-vs-clients curves)
     out = {"seed": int(seed), "per_client": per_client, "history": history,
            "communication": comm.ledger_from_rounds(run.history).summary(),
            "trainable_params_per_client": int(run.trainable_params_per_client),
@@ -164,7 +176,7 @@ def summarise_runs(per_seed: Sequence[Mapping[str, Any]], *, algorithm: str,
     comm_out: dict[str, Any] = {k: (float(np.mean([m[k] for m in measured])) if measured else None)
                                 for k in keys}
     paper_params = paper_trainable = paper_bytes = None
-    comm_rounds = 1 if comm.method_key(algorithm) in ONE_ROUND_ALGORITHMS else rounds
+    comm_rounds = 1 if one_pass(algorithm) else rounds
     if feature_dims is not None and num_classes is not None:
         arch = comm.HeadArch(tuple(int(d) for d in feature_dims), proj_dim, num_classes)
         try:
@@ -313,10 +325,10 @@ def comparison_markdown(results: Sequence[Mapping[str, Any]], title: str = "",
                 + ("; n=1: one seed, no spread" if any(_n_seeds(r) == 1 for r in results) else "") + "."]
     fair = [[r["algorithm"]] + [mean_std_cell(r["fairness"][k], r.get("fairness_std", {}).get(k, 0.0), _n_seeds(r))
                                 for k in metrics.FAIRNESS_KEYS] for r in results]
-    why = {True: "one pass: every client sends its class sums once, FedNCM Alg. 1",
+    why = {True: "one pass: every client sends its statistics once",
            False: "its first round only collects statistics"}
     short = [f"{r['algorithm']} trains {r['training_rounds']} of them "
-             f"({why[comm.method_key(r['algorithm']) in ONE_ROUND_ALGORITHMS]})" for r in results
+             f"({why[one_pass(r['algorithm'])]})" for r in results
              if r.get("training_rounds") is not None and r["training_rounds"] < r["rounds"]]
     if short:
         out += ["", f"Rounds: {results[0]['rounds']} communication rounds; " + "; ".join(short) + "."]

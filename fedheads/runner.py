@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from embedcache.errors import UserError
-from fedheads import __version__, comm, plotting, report, rundir
+from fedheads import __version__, plotting, report, rundir
 from fedheads import resume as resume_mod
 from fedheads.algorithms import create_algorithm
 from fedheads.atomic import atomic_path
@@ -164,8 +164,23 @@ def load_state(path: Path, algorithm: Any, spec: DataSpec, seed: int) -> tuple[A
     init = algorithm.init(spec, seed)
     from fedheads.resume import restore_tree
 
+    ss = _sized_like(init.server_state, saved["server"], getattr(algorithm, "server_sized_fields", ()))
     return (restore_tree(init.client_state, saved["client"], path, "client", algorithm.name),
-            restore_tree(init.server_state, saved["server"], path, "server", algorithm.name))
+            restore_tree(ss, saved["server"], path, "server", algorithm.name))
+
+
+def _sized_like(like: Any, saved: Sequence[Any], fields: Sequence[str]) -> Any:
+    """`like` with its tensor `fields` (AlgorithmBase.server_sized_fields) at the shapes of their
+    saved leaves (`saved`: the state's tensor leaves in tree order)."""
+    if not fields or not dataclasses.is_dataclass(like):
+        return like
+    changes, i = {}, 0
+    for f in dataclasses.fields(like):
+        v = getattr(like, f.name)
+        if f.name in fields and isinstance(v, torch.Tensor) and i < len(saved) and isinstance(saved[i], torch.Tensor):
+            changes[f.name] = v.new_empty(saved[i].shape)
+        i += len(tree_leaves(v))
+    return dataclasses.replace(like, **changes)
 
 
 def _metrics_rows(result: RunResult, seed: int, names: Sequence[str]) -> list[list[Any]]:
@@ -313,10 +328,10 @@ def dataset_name(info: StoreInfo) -> str:
 
 def rounds_needed(algorithm: str, opts: TrainOptions) -> int:
     """The rounds `algorithm` trains: `opts.rounds`, except a one-pass algorithm
-    (report.ONE_ROUND_ALGORITHMS: FedNCM, Alg. 1) with every client in every round, whose later
+    (AlgorithmBase.one_pass: FedNCM Alg. 1, Fed3R, FedCOF) with every client in every round, whose later
     rounds would only send zeros and re-evaluate the same model: one round (results.json keeps
     `rounds` as asked, `training_rounds` says what ran)."""
-    if opts.fraction >= 1.0 and comm.method_key(algorithm) in report.ONE_ROUND_ALGORITHMS:
+    if opts.fraction >= 1.0 and report.one_pass(algorithm):
         return min(opts.rounds, 1)
     return opts.rounds
 

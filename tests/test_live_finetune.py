@@ -70,6 +70,36 @@ def test_fedncm_ft_round0_equals_fedncm_on_the_store(setup, tmp_path):
     assert pu["head_comm_bytes"] == pytest.approx(2 * C * D * K * 4) and pu["head_compute_F"] == n_train
 
 
+@pytest.mark.parametrize("head", ["fed3r", "fedcof"])
+def test_fed3r_and_fedcof_ft_round0_equals_the_head_on_the_store(setup, tmp_path, head):
+    """Any head whose state defines a linear classifier (AlgorithmBase.linear_head) starts
+    fine-tuning: round 0 is that head's accuracy as `fedheads train` reports it."""
+    from fedheads.runner import TrainOptions, train_run
+
+    root, m = setup
+    res = finetune_run(root / "manifest.json", str(root / "s.zarr"), "tiny-staged", tmp_path / "ft",
+                       _opts(heads=(head,), rounds=1))
+    ref = train_run(str(root / "s.zarr"), ["tiny-staged"], head,
+                    TrainOptions(rounds=1, seeds=(0,), progress=False, device="cpu"), tmp_path / "head")
+    ck = torch.load(tmp_path / "ft" / "state" / "seed0.ckpt.pt", weights_only=True)
+    live0 = dict(zip([c.name for c in m.clients], (100 * a for a in ck["history"][0]["accuracy"])))
+    assert live0 == pytest.approx({c: v["mean"] for c, v in ref["per_client"].items()}, abs=1e-9)
+    assert res["algorithm"] == f"{head}+ft" and res["stages"][0]["method"] == head
+    assert res["stages"][0]["accuracy"]["mean"] == pytest.approx(ref["accuracy"]["mean"], abs=1e-9)
+    assert res["paper_units"]["head_comm_bytes"] > 0
+
+
+def test_finetune_heads_are_the_registered_linear_heads():
+    """--head lists every registered algorithm that defines a linear head, plus LP and random."""
+    from fedheads.algorithms import create_algorithm, list_algorithms
+    from fedheads.checks import FINETUNE_HEADS
+    from fedheads.core.protocol import AlgorithmBase
+
+    linear = {i.name for i in list_algorithms()
+              if type(create_algorithm(i.name)).linear_head is not AlgorithmBase.linear_head}
+    assert linear == set(FINETUNE_HEADS) - {"lp", "random"}
+
+
 def test_cache_first_equals_live_frozen_prefix(setup, tmp_path):
     root, _ = setup
     kw = dict(trainable="after:stem", augment=False, heads=("random",))

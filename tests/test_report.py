@@ -110,7 +110,7 @@ def test_seed_result_from_engine_run():
     run = engine.run(FedNCM(), data, rounds=1, progress=False)
     s = R.seed_result_from_run(run, 7, data.client_names)
     assert s["per_client"] == {"a": 100.0, "b": 100.0, "c": 100.0}
-    assert s["history"] == [{"round": 1, "accuracy": 100.0}]
+    assert s["history"] == [{"round": 1, "accuracy": 100.0, "clients_seen": 3}]
     assert s["communication"]["upload_params_per_client_per_round"] == 3 * 3 + 3
     assert s["communication"]["upload_bytes_total"] == 3 * (8 * 9 + 8 * 3)
     r = R.summarise_runs([s], algorithm="fedncm", backbones=["x"], rounds=1,

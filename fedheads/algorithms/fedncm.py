@@ -183,6 +183,7 @@ class FedNCM(AlgorithmBase):
 
     name = "fedncm"
     global_rule = "main"  # every client classifies by the server's class means
+    one_pass = True  # each client sends its statistics once
 
     def __init__(self, cfg: FedNCMConfig = FedNCMConfig()) -> None:
         if cfg.rule not in RULES:
@@ -244,6 +245,14 @@ class FedNCM(AlgorithmBase):
             p = torch.cat([w, ss.bias.to(device=w.device, dtype=dt).unsqueeze(-1)], -1)
             return q, p.unsqueeze(0).expand(M, -1, -1), ss.present.unsqueeze(0).expand(M, -1), "ip"
         return x, ss.means.unsqueeze(0).expand(M, -1, -1), ss.present.unsqueeze(0).expand(M, -1), self.cfg.rule
+
+    def linear_head(self, ss: FedNCMServerState) -> Params:
+        """The FedNCM+FT head (Sec. 3.2): weight l_c/||l_c||, bias 0, or the authors' code's
+        random bias that ``bias="authors-code"`` keeps in the state."""
+        head = linear_head_init(ss.means, ss.present, "paper")
+        if ss.bias is not None:
+            head["cls.bias"] = ss.bias.to(head["cls.bias"])
+        return head
 
     def secure_form(self, message: object = None) -> SecureForm:
         """Under SecAgg+ the server sees only sum_k m_c^k and sum_k n_c^k (Alg. 1 lines 5, 7-12)."""

@@ -20,6 +20,11 @@ to l_c/||l_c|| and its bias to 0 (fedncm.linear_head_init; absent classes get ze
 Training starts in round 1, so ``rounds`` counts the FedNCM round. With partial participation the
 means come from round 0's participants only.
 
+``init`` may also name any registered one-pass head whose state defines a linear classifier
+(AlgorithmBase.linear_head: ``"fed3r"``, ``"fedcof"``; Fed3R+LP, FedCOF+LP): round 0 runs that
+algorithm, in its default settings, on the last layer's input exactly as FedNCM above, and the
+last layer starts as its classifier (weight and bias).
+
 Defaults, chosen to learn in the ~30 rounds a user runs first, from the FedNCM paper's App. B
 grids (FedAvg client lr {0.1, 0.07, ..., 0.001}; FedAdam client lr {1, ..., 1e-4} x server lr
 {1e-3, ..., 1e-6}): LP = FedAvg with client SGD lr 0.1, the top of the FedAvg grid; the MLP
@@ -50,8 +55,10 @@ after its last local training."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -73,7 +80,20 @@ from fedheads.core.protocol import AlgorithmBase, HeadArch, Init, PaperRoundComm
 from fedheads.core.train import local_train
 from fedheads.data import DataSpec, FedData
 
-INITS = ("random", "fedncm")
+INITS = ("random", "fedncm")  # besides the registered one-pass linear heads (fed3r, fedcof)
+
+
+def linear_head_algorithm(name: str) -> AlgorithmBase:
+    """The registered one-pass algorithm `name` whose state defines a linear head (an LP init);
+    UserError for any other name."""
+    from fedheads.algorithms import create_algorithm, list_algorithms
+
+    heads = sorted(i.name for i in list_algorithms()
+                   if type(create_algorithm(i.name)).linear_head is not AlgorithmBase.linear_head)
+    alg = create_algorithm(name) if name in heads else None
+    if alg is None or not alg.one_pass:
+        raise UserError(f"init {name!r}: must be one of {', '.join(['random', *heads])}")
+    return alg
 
 
 @dataclass(frozen=True)
@@ -82,7 +102,8 @@ class LPConfig:
     measurements behind them are in the module docstring."""
 
     hidden: tuple[int, ...] = ()  # widths of hidden ReLU layers before the linear classifier; () = LP
-    init: str = "random"  # "random" (nn.Linear init) or "fedncm" (round 0 = FedNCM, last layer from class means)
+    init: str = "random"  # "random" (nn.Linear init), "fedncm" (round 0 = FedNCM, last layer from class means)
+    # or a one-pass linear head, "fed3r" | "fedcof" (round 0 = that head, the last layer its classifier)
     ncm_bias: str = "zero"  # bias of the FedNCM-initialised layer: "zero" (paper) or "random" (authors' code)
     server_opt: str = "fedavg"  # "fedavg" | "fedprox" | "fedadam" | "fedavgm" (server momentum 0.9)
     server_lr: float | None = None  # server step size; None = 1.0 (fedavg/fedprox) or 1e-3 (fedadam)
@@ -100,7 +121,7 @@ class LPConfig:
 
     def __post_init__(self) -> None:
         if self.init not in INITS:
-            raise UserError(f"init {self.init!r}: must be one of {', '.join(INITS)}")
+            linear_head_algorithm(self.init)
         if self.server_opt not in SERVER_OPTS:
             raise UserError(f"server_opt {self.server_opt!r}: must be one of {', '.join(SERVER_OPTS)}")
         if self.ncm_bias not in ("zero", "random", "paper", "authors-code"):
@@ -150,6 +171,7 @@ class HeadServerState:
     opt: object  # server optimiser state (FedAdam moments)
     ncm_done: bool  # the FedNCM round has happened (always True with init="random")
     ncm_bias: torch.Tensor | None = None  # [C] authors'-code bias of the FedNCM layer, drawn at init from the run seed
+    head: Any = None  # init="fed3r"/"fedcof": that algorithm's server state (its statistics round, then its head)
 
 
 @dataclass(frozen=True)
@@ -178,16 +200,20 @@ class HeadTuning(AlgorithmBase):
         if name is not None:
             self.name = name
         self.n_hidden = len(cfg.hidden)
-        self.collect_rounds = 1 if cfg.init == "fedncm" else 0  # round 0 = the FedNCM statistics round
+        self.collect_rounds = 0 if cfg.init == "random" else 1  # round 0 = the statistics round of the init head
+        # init="fed3r"/"fedcof": the head algorithm that round 0 runs on the last layer's input
+        self.head_alg = None if cfg.init in INITS else linear_head_algorithm(cfg.init)
 
     def init(self, spec: DataSpec, seed: int) -> Init:
         g = {k: v.to(spec.device) for k, v in init_mlp(spec.dim, tuple(self.cfg.hidden), spec.num_classes, seed).items()}
         cp = expand(g, spec.num_clients)
-        ncm = self.cfg.init == "fedncm"
-        bias = None
-        if ncm and head_bias(self.cfg.ncm_bias) == "authors-code":  # nn.Linear's bias of the run seed (fedncm.py)
+        ncm = self.cfg.init != "random"
+        bias = head = None
+        if self.cfg.init == "fedncm" and head_bias(self.cfg.ncm_bias) == "authors-code":  # nn.Linear's bias (fedncm.py)
             bias = authors_code_bias(spec.num_classes, g["cls.weight"].shape[0], seed).to(spec.device)
-        ss = HeadServerState(g, self.server_opt.init(g), not ncm, bias)
+        if self.head_alg is not None:  # the head's server state over the last layer's input
+            head = self.head_alg.init(dataclasses.replace(spec, dim=g["cls.weight"].shape[0]), seed).server_state
+        ss = HeadServerState(g, self.server_opt.init(g), not ncm, bias, head)
         return Init(HeadClientState(cp, opt_init(self.cfg.optimizer, cp)), ss, HeadBroadcast(g, ncm))
 
     def client_update(self, cs: HeadClientState, bc: HeadBroadcast, data: FedData,
@@ -198,6 +224,10 @@ class HeadTuning(AlgorithmBase):
         if bc.collect_ncm:  # FedNCM Alg. 1 lines 7-12 on the last layer's input
             with torch.no_grad():
                 h = penultimate(start, data.x_train, nh)
+            if self.head_alg is not None:  # the init head's own client step on that input (its only round)
+                hdata = dataclasses.replace(data, x_train=h)
+                first = self.head_alg.init(hdata.spec(), ctx.seed)
+                return cs, self.head_alg.client_update(first.client_state, first.broadcast, hdata, ctx)[1]
             sums, counts = client_stats(h, data.y_train, data.m_train, data.num_classes)
             return cs, FedNCMMessage(sums, counts)
         mu = cfg.prox_mu if cfg.server_opt == "fedprox" else 0.0
@@ -215,8 +245,14 @@ class HeadTuning(AlgorithmBase):
                                 rowwise=True)
         return HeadClientState(p, opt), delta_message(p, start, {}, {}, data)
 
-    def server_aggregate(self, ss: HeadServerState, msg: DeltaMessage | FedNCMMessage,
+    def server_aggregate(self, ss: HeadServerState, msg: Any,
                          ctx: RoundCtx) -> tuple[HeadServerState, HeadBroadcast]:
+        if self.head_alg is not None and not isinstance(msg, DeltaMessage):  # the init head's round
+            head, _ = self.head_alg.server_aggregate(ss.head, msg, ctx)
+            last = self.head_alg.linear_head(head)
+            assert last is not None  # linear_head_algorithm checked it defines one
+            params = {**ss.params, **{k: v.to(ss.params[k]) for k, v in last.items()}}
+            return HeadServerState(params, self.server_opt.init(params), True, ss.ncm_bias, head), HeadBroadcast(params, False)
         if isinstance(msg, FedNCMMessage):  # sums of contributions, then finalize (Alg. 1 line 5)
             means, present = finalize_means(msg.sums.sum(0), msg.counts.sum(0))
             last = linear_head_init(means, present, "paper")
@@ -227,7 +263,7 @@ class HeadTuning(AlgorithmBase):
             return new, HeadBroadcast(params, False)
         delta, _ = mean_delta(msg)
         params, opt = self.server_opt.step(ss.params, delta, ss.opt)
-        return HeadServerState(params, opt, True, ss.ncm_bias), HeadBroadcast(params, False)
+        return HeadServerState(params, opt, True, ss.ncm_bias, ss.head), HeadBroadcast(params, False)
 
     def predict(self, cs: HeadClientState, ss: HeadServerState, x: torch.Tensor,
                 mask: torch.Tensor) -> dict[str, torch.Tensor]:

@@ -18,9 +18,9 @@ run. Conventions:
   own `comm_size()`), so the engine logs communication actually sent up and down per round.
 - Every optional behaviour is a typed default of :class:`AlgorithmBase` (evaluation-time
   adaptation, global rule, prototype view, secure-aggregation form, differential-privacy
-  sensitivities, the papers' communication convention, per-client server rows, collection
-  rounds). An algorithm overrides what it has, in its own file; no other module switches on
-  algorithm names.
+  sensitivities, the linear head fine-tuning starts from, the papers' communication convention,
+  per-client server rows, data-sized server fields, one-pass statistics, collection rounds). An algorithm overrides what
+  it has, in its own file; no other module switches on algorithm names.
 - The per-run specification (dimensions, seeds) lives in the states, never on `self`: one
   algorithm object may run several federations, and a state alone is enough to predict.
 """
@@ -115,6 +115,13 @@ class AlgorithmBase(Generic[CS, SS, Msg, Bc]):
     federation (FedPCL's prototype bank): the vectorised engine stacks clients in the order it
     computes fastest in (core/order.py) and puts these rows back with the client state.
     Per-client randomness is keyed by global ids (data.client_index, DataSpec.ids())."""
+    server_sized_fields: ClassVar[tuple[str, ...]] = ()
+    """Server-state tensor fields whose size depends on the training data, not only on D, C and M
+    (FedCOF's bank of client class means, sized by the clients' sample counts): a saved state
+    restores them at their saved size, since prediction rebuilds its template without the data."""
+    one_pass: ClassVar[bool] = False
+    """Every client sends its statistics once and later rounds only add zeros (FedNCM Alg. 1,
+    Fed3R, FedCOF): with every client in every round, `train` and `compare` run one round."""
     collect_rounds: int = 0
     """Leading rounds that only collect statistics (FedPCL's round 0, LP's FedNCM round): R
     rounds train R - collect_rounds."""
@@ -169,6 +176,13 @@ class AlgorithmBase(Generic[CS, SS, Msg, Bc]):
         training example, its feature clipped to L2 norm `clip`, is added or removed. Used by
         the Gaussian mechanism of differential privacy; the default refuses in one line."""
         raise UserError(f"dp: {self.name} has no differentially private form (its messages are not clipped sums)")
+
+    def linear_head(self, server_state: SS) -> dict[str, torch.Tensor] | None:
+        """The linear classifier {"cls.weight": [D, C], "cls.bias": [C]} (the core's layout, no
+        client axis, float32) that this server state defines, for fine-tuning or linear probing
+        to start from (`fedheads finetune --head NAME`: round 0 is this head); None (the
+        default): the algorithm's model is not a linear head on the features."""
+        return None
 
     def paper_round_comm(self, arch: HeadArch, clients: int) -> PaperRoundComm | None:
         """Per-client, per-round upload and download by its papers' convention (for the

@@ -1,11 +1,12 @@
-"""Stage 1 (HeadTune) of FedNCM+FT / LP+FT, computed on the feature store, and the check that
-the store really holds the live model's features.
+"""Stage 1 (HeadTune) of FedNCM+FT / Fed3R+FT / FedCOF+FT / LP+FT, computed on the feature
+store, and the check that the store really holds the live model's features.
 
 Legate et al., "Guiding The Last Layer in Federated Learning with Pre-Trained Models", NeurIPS
 2023: Sec. 3.2 (FedNCM: exact class means l_c of the frozen features; head weight l_c/||l_c||,
 bias 0), Sec. 3.3 (HeadTune then FineTune), App. C.2 / Table 6 (K rounds of LP as stage 1).
 Both run through fedheads' own algorithms (`fedncm`, `lp`) and engine on the cached features,
-so stage 1 costs no live pass at all.
+so stage 1 costs no live pass at all. Any one-pass head whose state defines a linear classifier
+(AlgorithmBase.linear_head: Fed3R's ridge classifier, FedCOF's) starts fine-tuning the same way.
 
 The store check (never a silent re-computation): every shard the fine-tuning reads must have
 been extracted with the live backbone's weights (sha256) and evaluation preprocessing, and hold
@@ -24,7 +25,7 @@ import torch
 from embedcache.errors import UserError
 from fedheads import comm
 from fedheads.algorithms import create_algorithm
-from fedheads.algorithms.fedncm import linear_head_init
+from fedheads.algorithms.fedncm import head_bias
 from fedheads.checks import FINETUNE_HEADS
 from fedheads.core.engine import run
 from fedheads.data import load_fed_data
@@ -36,7 +37,7 @@ HEADS = FINETUNE_HEADS  # the names are listed in fedheads.checks, read before t
 class HeadResult:
     """The stage-1 head in nn.Linear layout and what computing it cost."""
 
-    method: str  # "fedncm" | "lp" | "random"
+    method: str  # a one-pass head ("fedncm", "fed3r", "fedcof") | "lp" | "random"
     weight: torch.Tensor  # [C, D]
     bias: torch.Tensor  # [C]
     rounds: int  # communication rounds of stage 1 (0 for random)
@@ -99,11 +100,15 @@ def head_from_store(method: str, store: str, backbone_name: str, clients: Sequen
         random_head_init(lin, seed)
         return HeadResult("random", lin.weight.detach().clone(), lin.bias.detach().clone(), 0)
     data = load_fed_data(store, [backbone_name], device, clients=list(clients))
-    if method == "fedncm":
-        alg = create_algorithm("fedncm")
+    if method != "lp":  # a one-pass head: the linear classifier its state defines (AlgorithmBase.linear_head)
+        # --ncm-bias is FedNCM's own `bias` setting (FedNCM+FT, Sec. 3.2: b = 0; or the authors' random bias)
+        settings = {"bias": head_bias(ncm_bias)} if method == "fedncm" and head_bias(ncm_bias) != "paper" else {}
+        alg = create_algorithm(method, **settings)
         res = run(alg, data, 1, seed=seed, progress=False)
-        ss = res.server_state
-        head = linear_head_init(ss.means, ss.present, ncm_bias, seed=seed)  # Sec. 3.2: l_c/||l_c||, b = 0
+        linear = alg.linear_head(res.server_state)
+        if linear is None:
+            raise UserError(f"--head {method}: {method} does not define a linear head to fine-tune from")
+        head = linear
         rounds = 1
     else:
         if head_rounds < 1:

@@ -32,8 +32,10 @@ import torch
 
 from embedcache.errors import UserError
 from fedheads import comm, plotting, report, rundir
+from fedheads.algorithms import create_algorithm
 from fedheads.atomic import atomic_path
 from fedheads.checks import FINETUNE_HEADS, check_choices, check_finite, check_seeds, check_trained_state
+from fedheads.core.protocol import HeadArch
 from fedheads.data import resolve_device
 from fedheads.live import plots
 from fedheads.live.data import cached_clients, image_clients
@@ -44,6 +46,11 @@ from fedheads.live.model import LiveNet, Trainable, count_values, reinitialise
 from fedheads.machine import machine
 
 METHOD_NAMES = {"fedncm": "fedncm+ft", "lp": "lp+ft", "random": "ft"}
+
+
+def method_name(head: str) -> str:
+    """The run's name for a stage-1 head: HEAD+ft (FedNCM+FT, Fed3R+FT, ...), "ft" for the random head."""
+    return METHOD_NAMES.get(head, f"{head}+ft")
 
 
 @dataclass(frozen=True)
@@ -139,14 +146,14 @@ def finetune_run(manifest: str | Path | Any, store: str, backbone: str, out: str
         clients = cached_clients(store, in_name, names, [c.domain for c in m.clients], shape)
     out = Path(out)
     multi = len(opts.heads) > 1
-    subs = {h: out / METHOD_NAMES[h] if multi else out for h in opts.heads}
+    subs = {h: out / method_name(h) if multi else out for h in opts.heads}
     for d in ([out] if multi else []) + list(subs.values()):  # every refusal before any training
         _prepare_out(d, opts)
     results = {}
     for h in opts.heads:
-        results[METHOD_NAMES[h]] = _one_method(h, m, store, bb, backbone, trainable, clients, device, subs[h], opts)
+        results[method_name(h)] = _one_method(h, m, store, bb, backbone, trainable, clients, device, subs[h], opts)
     if not multi:
-        return results[METHOD_NAMES[opts.heads[0]]]
+        return results[method_name(opts.heads[0])]
     combined = {"algorithms": results, "backbone": backbone, "store": str(store), "manifest_hash": m.content_hash}
     plots.figure1(list(results.values()), out / "figure1.png",
                   title=plotting.title("Fine-tuning (FedNCM Figure 1)", m.source, backbone))
@@ -158,7 +165,7 @@ def finetune_run(manifest: str | Path | Any, store: str, backbone: str, out: str
 
 def _one_method(head: str, m: Any, store: str, bb: Any, backbone: str, trainable: Trainable, clients: list,
                 device: torch.device, out: Path, opts: FinetuneOptions) -> dict[str, Any]:
-    name = METHOD_NAMES[head] if opts.pretrained else "random"
+    name = method_name(head) if opts.pretrained else "random"
     run_cfg = {"manifest_hash": m.content_hash, "backbone": backbone, "weights_sha256": bb.weights_sha256,
                "head": head, "head_rounds": opts.head_rounds if head == "lp" else 0, "ft": _jsonable(opts.ft),
                "trainable": trainable.spec, "bn": opts.bn, "live_prefix": opts.live_prefix,
@@ -268,13 +275,15 @@ def _extra(heads: list[HeadResult], runs: list[FTRun], per_seed: list[dict], net
     P = count_values(net.trained_state(), net.parameter_keys()) - (C * D + C)  # trained base params
     hr = heads[0]
     # FedNCM App. A: Eq. 3 (head tuning) / Eq. 4 (FT) communication, Eq. 5 (FT) / Eq. 6 (head) compute
-    if head == "fedncm":
-        head_bytes, head_F = comm.comm_fedncm_bytes(D, C, K), comm.comp_fedncm(n_all)
-    elif head == "lp":
+    if head == "lp":
         head_bytes = comm.comm_lp_bytes(D, C, K, hr.rounds, opts.fraction)
         head_F = comm.comp_lp(hr.rounds, 1, n_all)
-    else:
+    elif head == "random":
         head_bytes, head_F = 0.0, 0
+    else:  # a one-pass head: its paper's per-client traffic (FedNCM: Eq. 3, one round), one forward pass
+        rc = create_algorithm(head).paper_round_comm(HeadArch((D,), num_classes=C), K)
+        head_bytes = float((rc.upload + rc.download) * K * comm.BITS_PER_PARAM / 8) if rc else 0.0
+        head_F = comm.comp_fedncm(n_all)
     ft_bytes_per_round = comm.comm_ft_bytes(D, C, P, K, 1, opts.fraction)
     run0 = runs[0]
     by_round: dict[int, list[float]] = {}
@@ -298,7 +307,7 @@ def _extra(heads: list[HeadResult], runs: list[FTRun], per_seed: list[dict], net
                           "paper_comm_bytes": cum_b, "paper_compute_F": cum_F, "measured_comm_bytes": meas})
     stage1_acc = [np.mean(list(h.per_client.values())) for h in heads if h.per_client]
     return {
-        "method": METHOD_NAMES.get(head), "stage1": head, "trainable": trainable.spec, "cut": trainable.cut,
+        "method": method_name(head), "stage1": head, "trainable": trainable.spec, "cut": trainable.cut,
         "bn": opts.bn, "server": opts.ft.server, "pretrained": opts.pretrained,
         "clients": [c.name for c in clients], "domains": [c.domain for c in clients],
         "training_rounds": opts.rounds, "fraction": opts.fraction,

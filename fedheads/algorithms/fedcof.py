@@ -1,0 +1,222 @@
+"""FedCOF (Goswami et al., "Covariances for Free: Exploiting Mean Distributions for
+Training-free Federated Learning", NeurIPS 2025): a ridge-regression classifier whose
+second-order statistics the server estimates from the client class means alone, at FedNCM's
+communication.
+
+Client k sends its per-class means μ_kc and counts n_kc (federate_classes.py ``FedCOFClient``).
+The server forms, for each class c held by K_c clients with N_c = Σ_k n_kc samples:
+  μ_c  = Σ_k n_kc μ_kc / N_c                                   (the exact class mean, as FedNCM)
+  Σ̂_c  = Σ_k n_kc (μ_kc − μ_c)(μ_kc − μ_c)ᵀ / (K_c − 1) + γI  (the unbiased covariance estimator
+        from the spread of the client means, plus the shrinkage γ; K_c = 1 divides by 1 there, and
+        the spread of one mean is 0 anyway)
+  G    = Σ_c (N_c − 1) Σ̂_c + N ḡḡᵀ                              (ḡ the global mean, N = Σ_c N_c)
+  W    = G⁺ [N_c μ_c]_c, each class's weight normalised, no bias (``FedCOFServer.aggregate``,
+        ``get_classifier_weights``).
+G keeps only the within-class covariances and the global mean: the paper shows that dropping the
+between-class scatter Σ_c N_c (μ_c − ḡ)(μ_c − ḡ)ᵀ of the full Gram gives the better classifier;
+``between_class=True`` adds it back (then G estimates XᵀX itself, Fed3R's Gram without the bias
+column). The solve factorises G with Cholesky (G is positive definite when γ > 0 and some class
+has two samples) and falls back to the pseudo-inverse the authors' code always uses, logging it
+and setting ``pinv`` in the server state.
+
+The estimator needs every client's means, not only their sums: the server keeps each (client,
+class) mean it has received in a bank with fixed slots per client (min(n_k, C) rows each, set
+from the federation's sizes at init), so the head does not depend on the order or grouping in
+which clients arrive (the bank is summed in slot order), and partial participation works as
+FedNCM's: a client sends its means once, and every round re-estimates G from all clients seen.
+The authors' client also builds a jittered second copy of a class's only sample, but never uses
+it (the mean and count it sends are those of the one sample): there is nothing to reproduce.
+
+Under SecAgg+ FedCOF is refused (``secure_form``): the server must see each client's means to
+measure their spread; the equivalent sums Σ_k n_kc μ_kc μ_kcᵀ are C·D² values per client."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from embedcache.errors import UserError
+from fedheads.algorithms.fed3r import DTYPES, linear_head, linear_scores, normalise_classes, solve_psd
+from fedheads.algorithms.fedncm import client_stats
+from fedheads.core.config import setting
+from fedheads.core.protocol import AlgorithmBase, HeadArch, Init, PaperRoundComm, RoundCtx, SecureForm
+from fedheads.data import DataSpec, FedData
+
+
+@dataclass(frozen=True)
+class FedCOFConfig:
+    """FedCOF settings."""
+
+    gamma: float = setting(1.0, "shrinkage gamma added to each estimated class covariance",
+                           source="FedCOF covariance shrinkage; --gamma_shrink default 1 in dipamgoswami/FedCOF "
+                                  "server_aggregate.py")
+    between_class: bool = setting(False, "add the between-class scatter to the estimated Gram (the paper's "
+                                         "ablation); False: within-class covariances and the global mean only",
+                                  source="FedCOF classifier initialisation with within-class covariances")
+    dtype: str = setting("float64", "dtype of the class means sent (the server works in float64): float64 | float32")
+
+
+@dataclass(frozen=True)
+class FedCOFClientState:
+    sent: torch.Tensor  # [M] bool: this client's means have reached the server
+
+
+@dataclass(frozen=True)
+class FedCOFServerState:
+    offsets: torch.Tensor  # [M] int64 first bank slot of each client (its slots: min(n_k, C))
+    bank_means: torch.Tensor  # [P, D] float64 the received client class means mu_kc
+    bank_class: torch.Tensor  # [P] int64 their class (-1: empty slot)
+    bank_count: torch.Tensor  # [P] int64 n_kc (0: empty slot)
+    sums: torch.Tensor  # [C, D] float64 N_c mu_c
+    counts: torch.Tensor  # [C] int64 N_c
+    weight: torch.Tensor  # [C, D] float64 normalised classifier (zero for absent classes)
+    present: torch.Tensor  # [C] bool: some client holds class c
+    pinv: torch.Tensor  # [] bool: the last solve fell back to the pseudo-inverse
+
+
+@dataclass(frozen=True)
+class FedCOFBroadcast:
+    """Nothing: the frozen backbone is already on the clients (features are cached)."""
+
+
+@dataclass(frozen=True)
+class FedCOFMessage:
+    means: torch.Tensor  # [M, C, D] class means mu_kc (zeros for classes the client lacks)
+    counts: torch.Tensor  # [M, C] int64 n_kc
+
+
+def estimated_gram(means: torch.Tensor, cls: torch.Tensor, n: torch.Tensor, num_classes: int, gamma: float,
+                   between_class: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(G [D, D], class sums [C, D], class counts [C]) from the client class means [P, D] of
+    classes `cls` [P] with counts `n` [P] (float64): G = Σ_c (N_c − 1) Σ̂_c + N ḡḡᵀ (module
+    docstring), plus Σ_c N_c (μ_c − ḡ)(μ_c − ḡ)ᵀ with `between_class`."""
+    C, D = num_classes, means.shape[1]
+    nf = n.to(torch.float64)
+    N_c = torch.zeros(C, dtype=torch.float64, device=means.device).index_add_(0, cls, nf)
+    K_c = torch.bincount(cls, minlength=C).to(torch.float64)
+    sums = torch.zeros(C, D, dtype=torch.float64, device=means.device).index_add_(0, cls, nf.unsqueeze(1) * means)
+    present = N_c > 0
+    mu = sums / N_c.clamp(min=1).unsqueeze(1)  # exact class means
+    d = means - mu[cls]  # spread of the client means around their class mean
+    w = nf * ((N_c - 1) / (K_c - 1).clamp(min=1))[cls]  # n_kc (N_c - 1)/(K_c - 1): both factors at once
+    gram = (d * w.unsqueeze(1)).T @ d
+    shrink = float(gamma) * float(((N_c - 1) * present).sum())  # Σ_c (N_c − 1) γI
+    gram.diagonal().add_(shrink)
+    N = float(N_c.sum())
+    if N > 0:
+        g = sums.sum(0, keepdim=True)  # N ḡ
+        gram += g.T @ g / N  # N ḡḡᵀ
+        if between_class:
+            db = mu - g / N
+            gram += (db * N_c.unsqueeze(1)).T @ db
+    return gram, sums, N_c.round().to(torch.int64)
+
+
+class FedCOF(AlgorithmBase):
+    """FedCOF in the core's algorithm protocol (one pass, no training)."""
+
+    name = "fedcof"
+    description = ("FedCOF (Goswami et al. 2025): ridge classifier from class covariances estimated from client "
+                   "class means")
+    config = FedCOFConfig
+    global_rule = "main"
+    server_sized_fields = ("bank_means", "bank_class", "bank_count")  # min(n_k, C) rows per client
+    one_pass = True  # each client sends its statistics once
+
+    def __init__(self, cfg: FedCOFConfig = FedCOFConfig()) -> None:
+        if cfg.dtype not in DTYPES:
+            raise UserError(f"dtype={cfg.dtype!r}: must be one of {', '.join(DTYPES)}")
+        if not cfg.gamma >= 0:
+            raise UserError(f"gamma={cfg.gamma!r}: the shrinkage must be >= 0")
+        self.cfg = cfg
+        self.dtype = DTYPES[cfg.dtype]
+
+    def init(self, spec: DataSpec, seed: int) -> Init:
+        C, D, dev = spec.num_classes, spec.dim, spec.device
+        cap = torch.tensor([min(int(n), C) for n in spec.n_train], dtype=torch.int64, device=dev)
+        offsets = torch.cumsum(cap, 0) - cap
+        P = int(cap.sum())
+        def z(*shape: int, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+            return torch.zeros(shape, dtype=dtype, device=dev)
+
+        ss = FedCOFServerState(offsets, z(P, D), z(P, dtype=torch.int64) - 1, z(P, dtype=torch.int64), z(C, D),
+                               z(C, dtype=torch.int64), z(C, D), z(C, dtype=torch.bool), z(dtype=torch.bool))
+        return Init(FedCOFClientState(torch.zeros(spec.num_clients, dtype=torch.bool, device=dev)), ss, FedCOFBroadcast())
+
+    def client_update(self, cs: FedCOFClientState, bc: FedCOFBroadcast, data: FedData,
+                      ctx: RoundCtx) -> tuple[FedCOFClientState, FedCOFMessage]:
+        sums, counts = client_stats(data.x_train, data.y_train, data.m_train, data.num_classes)
+        means = sums / counts.clamp(min=1).unsqueeze(-1).to(sums.dtype)  # mu_kc (FedCOFClient)
+        fresh = ~cs.sent.to(sums.device)  # a client contributes exactly once
+        means = means * fresh.view(-1, 1, 1).to(means.dtype)
+        return FedCOFClientState(torch.ones_like(cs.sent)), FedCOFMessage(means.to(self.dtype),
+                                                                          counts * fresh.view(-1, 1).to(counts.dtype))
+
+    def server_aggregate(self, ss: FedCOFServerState, msg: FedCOFMessage,
+                         ctx: RoundCtx) -> tuple[FedCOFServerState, FedCOFBroadcast]:
+        held = msg.counts > 0  # [P, C]: the (client, class) means this round brings
+        rank = torch.cumsum(held.to(torch.int64), 1) - 1
+        slot = ss.offsets[ctx.participants.to(ss.offsets.device)].unsqueeze(1) + rank
+        i, c = held.nonzero(as_tuple=True)
+        s = slot[i, c]
+        nxt = torch.cat([ss.offsets[1:], ss.offsets.new_tensor([ss.bank_count.numel()])])
+        if bool((s >= nxt[ctx.participants.to(nxt.device)][i]).any()):
+            raise UserError("fedcof: a client sent means of more classes than it has training samples")
+        bank_means, bank_class, bank_count = ss.bank_means.clone(), ss.bank_class.clone(), ss.bank_count.clone()
+        bank_means[s] = msg.means[i, c].to(torch.float64)
+        bank_class[s], bank_count[s] = c, msg.counts[i, c]
+        ok = bank_count > 0
+        gram, sums, counts = estimated_gram(bank_means[ok], bank_class[ok], bank_count[ok], int(ss.counts.shape[0]),
+                                            self.cfg.gamma, self.cfg.between_class)
+        present = counts > 0
+        sol, pinv = solve_psd(gram, sums.T, "fedcof: estimated Gram",  # W = G^-1 [N_c mu_c]
+                              f" (gamma={self.cfg.gamma:g}; gamma > 0 makes it definite once a class has 2 samples)")
+        weight, _ = normalise_classes(sol.T, torch.zeros_like(sol[0]), present)
+        new = FedCOFServerState(ss.offsets, bank_means, bank_class, bank_count, sums, counts, weight, present,
+                                torch.tensor(pinv, device=gram.device))
+        return new, FedCOFBroadcast()
+
+    def predict(self, cs: FedCOFClientState, ss: FedCOFServerState, x: torch.Tensor,
+                mask: torch.Tensor) -> dict[str, torch.Tensor]:
+        if not bool(ss.present.any()):
+            raise UserError("fedcof: no class means yet (run at least one round)")
+        return {"main": linear_scores(ss.weight, torch.zeros_like(ss.weight[:, 0]), ss.present, x)}
+
+    def linear_head(self, ss: FedCOFServerState) -> dict[str, torch.Tensor]:
+        """The FedCOF classifier as the fine-tuning head (FedCOF+FT), bias 0 as the authors' head."""
+        return linear_head(ss.weight, torch.zeros_like(ss.weight[:, 0]))
+
+    def prototype_view(self, cs: FedCOFClientState, ss: FedCOFServerState, x: torch.Tensor,
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, str]:
+        """Inner products of x with the class weights w_c (faiss batch prediction)."""
+        M = x.shape[0]
+        return x, ss.weight.unsqueeze(0).expand(M, -1, -1), ss.present.unsqueeze(0).expand(M, -1), "ip"
+
+    def secure_form(self, message: object = None) -> SecureForm:
+        """Refused in one line: the estimator needs every client's own means."""
+        size = ""
+        if isinstance(message, FedCOFMessage):
+            C, D = message.means.shape[-2:]
+            size = f" (= {C * D * D:,} here, against C·D = {C * D:,} for the means)"
+        raise UserError("secagg: fedcof needs each client's class means in the clear (its server estimates the class "
+                        "covariances from their spread); the sum form, sum_k n_kc mu_kc mu_kc^T per class, would cost "
+                        f"C·D² values per client{size}")
+
+    def paper_round_comm(self, arch: HeadArch, clients: int) -> PaperRoundComm:
+        """Class means in the backbone space, C x D, up (FedNCM's cost, as the paper counts it);
+        down: the classifier, C x D, as FedNCM's Appendix A counts its head."""
+        up = arch.num_classes * arch.in_dim
+        return PaperRoundComm(up, up)
+
+    def trainable_params(self, cs: FedCOFClientState) -> int:
+        return 0  # nothing is trained: the classifier is computed in closed form
+
+
+def _factory(**kw: object) -> FedCOF:
+    return FedCOF(FedCOFConfig(**kw))  # type: ignore[arg-type]
+
+
+from fedheads.algorithms import register_algorithm  # noqa: E402
+
+register_algorithm("fedcof", _factory, description=FedCOF.description)

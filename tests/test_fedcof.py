@@ -1,0 +1,367 @@
+"""FedCOF (Goswami et al., NeurIPS 2025): equal to the authors' FedCOFServer/FedCOFClient on the
+same features, the covariance estimator exact where it must be, order and grouping invariance,
+partial participation, the pseudo-inverse fallback, and the one-line refusal under SecAgg+."""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pytest
+import torch
+
+from embedcache.errors import UserError
+from fedheads import inference
+from fedheads.algorithms import create_algorithm
+from fedheads.algorithms import fedcof as F
+from fedheads.algorithms.fed3r import Fed3R, Fed3RConfig
+from fedheads.core import engine
+from fedheads.core.protocol import RoundCtx
+from fedheads.core.tree import tree_index
+from fedheads.data import FedData
+
+
+# ---------------------------------------------------------------- the authors' code (oracle)
+# dipamgoswami/FedCOF federate_classes.py, transcribed verbatim (Server, FedCOFServer, Client, FedCOFClient)
+class Server:
+    def __init__(self, client_data, n_classes, feature_space_dim):
+        self.client_data = client_data
+        self.n_classes = n_classes
+        self.feature_space_dim = feature_space_dim
+
+
+class FedCOFServer(Server):
+    def __init__(self, client_data,  n_classes, feature_space_dim, gamma):
+        super().__init__(client_data, n_classes, feature_space_dim)
+        self.ridge_solution = None
+        self.gamma = gamma
+
+        self.num_total = 0
+
+    def shrink_cov(self, cov, gamma=1):
+        iden = torch.eye(cov.shape[0])
+        cov_ = cov + (gamma*iden)
+        return cov_
+
+    def get_classifier_weights(self):
+        init_W = torch.nn.functional.normalize(self.ridge_solution)
+        return init_W
+
+    def get_num_round(self):
+        return self.num_total
+
+    def aggregate(self):
+        covs = {c: [] for c in range(self.n_classes)}
+        class_mean_clients = {c: [] for c in range(self.n_classes)}
+        class_mean_sums = {c: torch.zeros(size=(self.feature_space_dim,)) for c in range(self.n_classes)}
+        class_counts = {c: [] for c in range(self.n_classes)}
+
+        class_sample_counts = {c: 0 for c in range(self.n_classes)}
+        G = torch.zeros(size=(self.feature_space_dim, self.feature_space_dim))  # noqa: F841
+        class_sums = {c: torch.zeros(size=(self.feature_space_dim,)) for c in range(self.n_classes)}  # noqa: F841
+        num_x = 0
+
+        for user_id, user_data in self.client_data.items():  # noqa: B007
+            class_means = user_data["class_means"]
+            sample_counts = user_data["sample_per_mean"]
+
+            for class_id, class_mean in class_means.items():
+                class_mean_sums[class_id] += class_mean * float(sample_counts[class_id])
+                class_sample_counts[class_id] += sample_counts[class_id]
+                class_mean_clients[class_id].append(class_mean)
+                class_counts[class_id].append(float(sample_counts[class_id]))
+
+        class_means = {class_id: class_mean_sums[class_id] / class_sample_counts[class_id]
+                       for class_id in class_mean_sums}
+
+        sorted_class_means = dict(sorted(class_means.items(), key=lambda item: item[0]))
+        sorted_class_means_list = list(sorted_class_means.values())
+        self.class_means = torch.stack(sorted_class_means_list)
+
+        all_count = 0
+        g_means = 0
+        for class_id, class_mean in class_means.items():  # noqa: B007
+            if class_sample_counts[class_id] > 0:
+                class_mean_clients[class_id] = torch.stack(class_mean_clients[class_id])
+                class_counts[class_id] = torch.tensor(class_counts[class_id])
+                all_count += class_sample_counts[class_id]
+                g_means += class_means[class_id]*class_sample_counts[class_id]
+
+                mu_x = class_mean_clients[class_id] - class_means[class_id]
+                mu_x *= torch.sqrt(class_counts[class_id])[:, None]
+                inside = torch.mm(mu_x.T, mu_x)
+                if len(class_mean_clients[class_id]) > 1:
+                    delta = inside/(len(class_mean_clients[class_id])-1)
+                else:
+                    delta = inside/(len(class_mean_clients[class_id]))
+                covs[class_id] = self.shrink_cov(delta, gamma=self.gamma)
+                num_x += len(class_mean_clients[class_id])
+
+        self.num_total = num_x
+
+        g_means = g_means/all_count
+
+        t1 = all_count*torch.mm(g_means.unsqueeze(1), g_means.unsqueeze(0))
+
+        est_gram = torch.zeros(self.feature_space_dim, self.feature_space_dim)
+        for label_idx in range(self.n_classes):
+            if class_sample_counts[label_idx] > 0:
+                est_gram += (class_sample_counts[label_idx]-1)*covs[label_idx]
+        est_gram = est_gram + t1
+
+        # inv_G = torch.linalg.pinv(self.shrink_cov(est_gram, gamma=0)).float()
+        inv_G = torch.linalg.pinv(est_gram).float()
+        self.ridge_solution = []
+
+        for label_idx in range(self.n_classes):
+            self.ridge_solution.append(torch.matmul(inv_G.float(), class_mean_sums[label_idx].float().unsqueeze(0).T))
+
+        self.ridge_solution = torch.stack(self.ridge_solution).float().squeeze(2)
+
+
+class Client:
+    def __init__(self,  user_id, user_features, user_labels):
+        self.user_id = user_id
+        self.user_features = user_features
+        self.user_labels = user_labels
+        self.statistics = {}
+
+    def send(self):
+        return self.statistics
+
+
+class FedCOFClient(Client):
+
+    def __init__(self, user_id, user_features, user_labels):
+        super().__init__(user_id, user_features, user_labels)
+        self.statistics = {"class_means": None, "sample_per_mean": None}
+
+    def compute_class_means(self, labels, data):
+        unique_classes = torch.unique(labels)
+
+        # Dictionary to store the means and sample counts for each class
+        class_means = {}
+        class_sample_counts = {}
+
+        # Loop over each unique class and compute the mean and sample count
+        for class_label in unique_classes:
+            # Get the data points corresponding to the current class
+            class_data = data[labels == class_label]
+
+            # Compute the mean for the class and the number of samples
+            class_mean = class_data.mean(dim=0)
+            class_sample_count = class_data.size(0)
+
+            # Store the mean and sample count in the dictionary
+            class_means[class_label.item()] = class_mean
+            class_sample_counts[class_label.item()] = class_sample_count
+            if class_sample_count > 0:
+                if class_sample_count == 1:
+                    feat_gen = []
+                    x_ = class_data[0]
+                    feat_gen.append(x_)
+                    feat_gen.append(x_+(0.01**0.5)*torch.randn(x_.shape))
+                    feat_gen = torch.cat(feat_gen, dim=0)
+
+        return class_means, class_sample_counts
+
+    def compute(self):
+        class_means, class_sample_counts = self.compute_class_means(self.user_labels, self.user_features)
+        self.statistics["class_means"] = class_means
+        self.statistics["sample_per_mean"] = class_sample_counts
+
+
+# ---------------------------------------------------------------- helpers
+def federation(seed=0, M=8, C=5, D=4, absent=True):
+    """Non-IID clients of different sizes (some with one sample of a class); class C-1 held by
+    nobody when `absent`."""
+    rng = np.random.default_rng(seed)
+    held = C - 1 if absent else C
+    clients = []
+    for _ in range(M):
+        n = int(rng.integers(2, 15))
+        y = rng.choice(rng.choice(held, size=min(held, 3), replace=False), size=n)
+        x = rng.normal(size=(n, D)) + 2 * np.eye(C, D)[y] + 0.5 * rng.normal(size=D)
+        yt = rng.choice(held, size=6)
+        xt = rng.normal(size=(6, D)) + 2 * np.eye(C, D)[yt]
+        clients.append((x.astype(np.float32), y, xt.astype(np.float32), yt))
+    return clients, C
+
+
+def authors_fedcof(clients, C, gamma):
+    stats = {}
+    for k, (x, y, _, _) in enumerate(clients):
+        cl = FedCOFClient(k, torch.from_numpy(x), torch.from_numpy(y))
+        cl.compute()
+        stats[k] = cl.send()
+    srv = FedCOFServer(stats, C, clients[0][0].shape[1], gamma)
+    srv.aggregate()
+    return srv.get_classifier_weights()
+
+
+def ctx(parts, M):
+    return RoundCtx(0, 0, torch.as_tensor(parts, dtype=torch.int64), M)
+
+
+# ---------------------------------------------------------------- tests
+@pytest.mark.parametrize("gamma", [1.0, 0.1])
+@pytest.mark.parametrize("eng", engine.ENGINES)
+def test_equals_the_authors_fedcof(eng, gamma):
+    clients, C = federation()
+    data = FedData.from_arrays(clients, C)
+    res = engine.run(F.FedCOF(F.FedCOFConfig(gamma=gamma)), data, rounds=1, engine=eng, progress=False)
+    ref = authors_fedcof(clients, C, gamma)  # [C, D] float32, pinv in float32
+    ss = res.server_state
+    np.testing.assert_allclose(ss.weight[:C - 1].numpy(), ref[:C - 1].numpy(), rtol=0, atol=2e-5)
+    assert torch.equal(ss.weight[C - 1], torch.zeros(4, dtype=torch.float64)) and not bool(ss.present[C - 1])
+    assert not bool(ss.pinv)
+    # the authors' prediction x W^T argmax is ours
+    scores = F.FedCOF().predict(res.client_state, ss, data.x_test, data.m_test)["main"]
+    ours, theirs = scores.argmax(-1), (data.x_test @ ref.T)[..., :C - 1].argmax(-1)
+    assert torch.equal(ours[data.m_test], theirs[data.m_test])
+
+
+def test_one_sample_per_client_class_and_between_class_scatter_give_the_exact_gram():
+    """With one sample per (client, class) the client means ARE the samples, so the unbiased
+    estimator is the sample covariance exactly; with the between-class scatter added back and
+    gamma = 0, G is X^T X and FedCOF's classifier is Fed3R's (no bias column, lambda = 0)."""
+    rng = np.random.default_rng(3)
+    C, D = 3, 4
+    clients = []
+    for k in range(12):
+        y = np.array([k % C])
+        x = (rng.normal(size=(1, D)) + 2 * np.eye(C, D)[y]).astype(np.float32)
+        clients.append((x, y, x, y))
+    data = FedData.from_arrays(clients, C)
+    cof = engine.run(F.FedCOF(F.FedCOFConfig(gamma=0.0, between_class=True)), data, rounds=1, progress=False)
+    ridge = engine.run(Fed3R(Fed3RConfig(bias=False, lam=0.0)), data, rounds=1, progress=False)
+    X = np.concatenate([c[0] for c in clients]).astype(np.float64)
+    ss = cof.server_state
+    g, _, _ = F.estimated_gram(ss.bank_means[ss.bank_count > 0], ss.bank_class[ss.bank_count > 0],
+                               ss.bank_count[ss.bank_count > 0], C, 0.0, True)
+    np.testing.assert_allclose(g.numpy(), X.T @ X, rtol=0, atol=1e-10)
+    torch.testing.assert_close(ss.weight, ridge.server_state.weight, rtol=0, atol=1e-10)
+    # within-class only (the paper's choice) is a different matrix
+    g2, _, _ = F.estimated_gram(ss.bank_means[:12], ss.bank_class[:12], ss.bank_count[:12], C, 0.0, False)
+    assert not np.allclose(g2.numpy(), X.T @ X)
+
+
+@pytest.mark.parametrize("eng", engine.ENGINES)
+def test_any_order_and_grouping_of_clients_gives_the_same_head(eng):
+    clients, C = federation(seed=1, M=7)
+    base = engine.run(F.FedCOF(), FedData.from_arrays(clients, C), rounds=1, engine=eng, progress=False)
+    perm = [6, 2, 0, 5, 3, 1, 4]
+    other = engine.run(F.FedCOF(), FedData.from_arrays([clients[i] for i in perm], C), rounds=1, engine=eng,
+                       progress=False)
+    torch.testing.assert_close(base.server_state.weight, other.server_state.weight, rtol=0, atol=1e-12)
+    alg = F.FedCOF()
+    data = FedData.from_arrays(clients, C)
+    init = alg.init(data.spec(), 0)
+    _, msg = alg.client_update(init.client_state, init.broadcast, data, ctx(range(7), 7))
+    ss = init.server_state
+    for g in ([5, 1], [3], [0, 2, 4, 6]):
+        ss, _ = alg.server_aggregate(ss, tree_index(msg, torch.tensor(g)), ctx(g, 7))
+    assert torch.equal(ss.weight, base.server_state.weight)  # the bank is summed in slot order: bit for bit
+
+
+def test_partial_participation_reaches_the_full_head():
+    clients, C = federation(seed=2, M=6)
+    data = FedData.from_arrays(clients, C)
+    full = engine.run(F.FedCOF(), data, rounds=1, progress=False)
+    part = engine.run(F.FedCOF(), data, rounds=12, fraction=0.5, progress=False)
+    seen = set().union(*(r.participants for r in part.history))
+    assert seen == set(range(6))
+    assert torch.equal(part.server_state.weight, full.server_state.weight)
+    first = part.history[0]
+    assert len(first.participants) == 3 and first.accuracy is not None
+    assert first.comm.up_values == 3 * (C * 4 + C)  # FedNCM's cost: means and counts
+
+
+def test_secagg_is_refused_in_one_line_naming_why_and_the_cost(tmp_path):
+    clients, C = federation()
+    data = FedData.from_arrays(clients, C)
+    alg = F.FedCOF()
+    init = alg.init(data.spec(), 0)
+    _, msg = alg.client_update(init.client_state, init.broadcast, data, ctx(range(8), 8))
+    with pytest.raises(UserError) as e:
+        alg.secure_form(tree_index(msg, torch.tensor([0])))
+    line = str(e.value)
+    assert "\n" not in line and "each client's class means" in line and f"{C * 4 * 4:,}" in line
+    with pytest.raises(UserError, match="C·D² values per client"):
+        alg.secure_form()
+    pytest.importorskip("flwr")
+    from flower_helpers import write_store
+
+    from fedheads.flower.server import FlowerRunConfig
+    from fedheads.flower.sim import simulate_store
+
+    with pytest.raises(UserError, match="secagg: fedcof needs each client's class means"):
+        simulate_store(FlowerRunConfig(algorithm="fedcof", backbones="synth", rounds=1, timeout=60, secagg=True),
+                       write_store(tmp_path))
+
+
+def test_pseudo_inverse_fallback_is_said_and_flagged(caplog):
+    """gamma = 0 and one sample per class: G = N g g^T has rank one."""
+    clients = [(np.array([[1.0, 0.0, 0.5]], dtype=np.float32), np.array([0]),
+                np.array([[1.0, 0.0, 0.5]], dtype=np.float32), np.array([0])),
+               (np.array([[0.0, 1.0, 0.5]], dtype=np.float32), np.array([1]),
+                np.array([[0.0, 1.0, 0.5]], dtype=np.float32), np.array([1]))]
+    data = FedData.from_arrays(clients, 2)
+    with caplog.at_level(logging.WARNING, logger="fedheads.algorithms.fed3r"):
+        res = engine.run(F.FedCOF(F.FedCOFConfig(gamma=0.0)), data, rounds=1, progress=False)
+    assert bool(res.server_state.pinv) and "fedcof" in caplog.text and "pseudo-inverse" in caplog.text
+    # gamma > 0 alone does not help here: the shrinkage is weighted by N_c - 1 = 0
+    assert bool(engine.run(F.FedCOF(), data, rounds=1, progress=False).server_state.pinv)
+    clients, C = federation(seed=5)
+    assert not bool(engine.run(F.FedCOF(), FedData.from_arrays(clients, C), rounds=1, progress=False).server_state.pinv)
+
+
+def test_linear_head_prototype_view_registry_and_errors():
+    clients, C = federation(seed=4)
+    data = FedData.from_arrays(clients, C)
+    alg = create_algorithm("fedcof", gamma=0.5)
+    assert isinstance(alg, F.FedCOF) and alg.cfg.gamma == 0.5
+    res = engine.run(alg, data, rounds=1, progress=False)
+    ss = res.server_state
+    head = alg.linear_head(ss)
+    assert head["cls.weight"].shape == (4, C) and torch.equal(head["cls.bias"], torch.zeros(C))
+    scores = alg.predict(res.client_state, ss, data.x_test, data.m_test)["main"]
+    assert torch.equal((data.x_test @ head["cls.weight"])[..., ss.present].argmax(-1),
+                       scores[..., ss.present].argmax(-1))
+    q, protos, pres, how = alg.prototype_view(res.client_state, ss, data.x_test[:1])
+    pred = inference.predict_features(protos[0].numpy(), pres[0].numpy(), how, q[0].numpy())
+    np.testing.assert_array_equal(scores[0].argmax(-1).numpy(), pred.labels)
+    assert res.trainable_params_per_client == 0
+    with pytest.raises(UserError, match="gamma=-1"):
+        create_algorithm("fedcof", gamma=-1)
+    r64 = engine.run(create_algorithm("fedcof"), data, rounds=1, progress=False)
+    r32 = engine.run(create_algorithm("fedcof", dtype="float32"), data, rounds=1, progress=False)
+    torch.testing.assert_close(r32.server_state.weight, r64.server_state.weight, rtol=0, atol=1e-5)
+    assert r32.total_comm().up_bytes < r64.total_comm().up_bytes
+    # a client whose message holds more classes than its declared size cannot be placed
+    spec = data.spec()
+    small = type(spec)(spec.dim, spec.num_classes, spec.num_clients, (1,) * spec.num_clients, spec.device)
+    init = alg.init(small, 0)
+    _, msg = alg.client_update(init.client_state, init.broadcast, data, ctx(range(8), 8))
+    with pytest.raises(UserError, match="more classes than it has training samples"):
+        alg.server_aggregate(init.server_state, msg, ctx(range(8), 8))
+
+
+def test_flower_simulation_equals_the_engine(tmp_path):
+    """Without SecAgg+ FedCOF runs over Flower as on the loop engine, bit for bit (the server's
+    bank is sized from the nodes' reported sample counts)."""
+    pytest.importorskip("flwr")
+    from flower_helpers import write_store
+
+    from fedheads.core.tree import tree_leaves
+    from fedheads.data import load_fed_data
+    from fedheads.flower.server import FlowerRunConfig
+    from fedheads.flower.sim import simulate_store
+
+    store = write_store(tmp_path)
+    out = simulate_store(FlowerRunConfig(algorithm="fedcof", backbones="synth", rounds=2, fraction=0.67,
+                                         timeout=120, seed=1), store)
+    ref = engine.run(F.FedCOF(), load_fed_data(store, ["synth"], "cpu"), 2, seed=1, fraction=0.67,
+                     engine="loop", progress=False)
+    for got, want in zip(tree_leaves(out["server_state"]), tree_leaves(ref.server_state)):
+        assert got.dtype == want.dtype and torch.equal(got, want)
