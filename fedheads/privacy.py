@@ -239,9 +239,13 @@ class Private(AlgorithmBase):
     the inner algorithm's (the client state carries a release count beside them); the message
     is the secure-sum form, so the same object runs in simulation and under SecAgg+.
 
-    Noisy totals of the integer fields of the secure form (counts) are clamped at 0 before the
-    algorithm finalizes (post-processing, no privacy cost): a negative count is never passed on.
-    FedNCM then flags a class whose noisy count rounds to 0 absent and divides by counts >= 1.
+    Noisy totals of the integer fields of the secure form (counts) are clamped to >= 1 before the
+    algorithm finalizes (post-processing, no privacy cost): FedNCM then divides by a positive
+    count and never loses a class to noise (a count pushed to <= 0 would flag it absent, and with
+    strong noise every class), at the price that a class no client holds is present with a mean
+    of pure noise (under DP, presence is itself a statistic of the data: only the noisy counts
+    may decide it). With no noise the head is the plain one, except for such a class.
+
     Features are bounded for training only: the head is evaluated, and served by `fedheads
     predict`, on the features as stored."""
 
@@ -311,7 +315,7 @@ class Private(AlgorithmBase):
                     t = t + self.noise_std[k] * gaussian(t.shape, (self._secret, 0, ctx.round, j), t.device)
                 totals[k] = t
         for k in form.integer:
-            totals[k] = totals[k].clamp_min(0)
+            totals[k] = totals[k].clamp_min(1)
         return form.aggregate(ss, clear, totals, ctx)
 
     def secure_form(self, message: Any = None) -> SecureForm:
