@@ -42,7 +42,8 @@ epsilon of publishing every seed's head.
 
 Noise is drawn from a secret key: `noise_seed=None` (default) takes a fresh one from the OS, as a
 deployment must (noise a reader can recompute protects nothing); an integer makes runs
-reproducible for simulation and tests.
+reproducible for simulation and tests (the draws also depend on the run's seed, so the seeds of a
+run get different noise).
 
 Not covered: the evaluation on clients' test splits (it releases accuracies, not statistics);
 dropped-out clients under distributed noise (the sum then carries sigma_f^2 * K_got / K);
@@ -296,7 +297,8 @@ class Private(AlgorithmBase):
             for j, (k, v) in enumerate(sorted(sums.items())):
                 s = self.noise_std[k] / math.sqrt(K)
                 if s > 0:
-                    noise = torch.stack([gaussian(v.shape[1:], (self._secret, 1, ctx.round, c, j), v.device) for c in ids])
+                    keys = [(self._secret, ctx.seed, 1, ctx.round, c, j) for c in ids]
+                    noise = torch.stack([gaussian(v.shape[1:], key, v.device) for key in keys])
                     sums[k] = v + s * noise
         rel = cs.releases + sent.to(cs.releases.device, torch.int64)
         return PrivateClientState(inner_cs, rel), PrivateMessage(sums, clear)
@@ -312,7 +314,7 @@ class Private(AlgorithmBase):
             for j, k in enumerate(sorted(totals)):
                 t = totals[k].to(torch.float64)
                 if self.noise_std[k] > 0:
-                    t = t + self.noise_std[k] * gaussian(t.shape, (self._secret, 0, ctx.round, j), t.device)
+                    t = t + self.noise_std[k] * gaussian(t.shape, (self._secret, ctx.seed, 0, ctx.round, j), t.device)
                 totals[k] = t
         for k in form.integer:
             totals[k] = totals[k].clamp_min(1)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 from pathlib import Path
 
 import dp_accounting
@@ -215,3 +216,19 @@ def test_api_takes_a_mapping_and_compare_refuses_without_dp_form():
         fedheads.train(fed, "fedncm", rounds=1, seeds=0, dp={"eps": 1.0})
     with pytest.raises(UserError, match="lp has no differentially private form"):
         fedheads.compare(fed, "fedncm,lp", rounds=1, seeds=0, device="cpu", dp={"epsilon": 1.0})
+
+
+def test_privacy_utility_benchmark_writes_its_curve(store, tmp_path, monkeypatch, drawn):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import bench_privacy_utility as bench
+
+    monkeypatch.setattr(bench, "features", lambda *a: (store, "synth"))
+    out = tmp_path / "pu.json"
+    res = bench.main(["--epsilons", "0.5,50", "--seeds", "2", "--out", str(out)])
+    saved = json.loads(out.read_text())
+    assert set(saved["curves"]) == {"central", "distributed"} and saved["non_private"]["accuracy_mean"] > 0
+    for pts in res["curves"].values():
+        assert [p["target_epsilon"] for p in pts] == [0.5, 50.0]
+        assert all(p["epsilon"] <= p["target_epsilon"] for p in pts)
+        assert pts[0]["noise_multiplier"] > pts[1]["noise_multiplier"]
+    assert len(drawn) == 1 and drawn[0].axes[0].get_xscale() == "log"
