@@ -94,7 +94,9 @@ def test_a_budget_split_keeps_the_joint_noise_multiplier():
 @pytest.mark.parametrize("releases", [1, 3])
 def test_epsilon_is_dp_accountings_own(accountant, releases):
     z, delta = 1.3, 1e-6
-    acc = dp_accounting.rdp.RdpAccountant() if accountant == "rdp" else dp_accounting.pld.PLDAccountant()
+    # the PLD grid fedheads.privacy uses at this z (results.json's pld_value_discretization_interval)
+    acc = dp_accounting.rdp.RdpAccountant() if accountant == "rdp" else \
+        dp_accounting.pld.PLDAccountant(value_discretization_interval=1e-3)
     acc.compose(dp_accounting.GaussianDpEvent(z), releases)
     assert epsilon(z, delta, releases, accountant) == pytest.approx(acc.get_epsilon(delta), rel=1e-9)
     if releases == 1 and accountant == "pld":  # the analytic Gaussian (Balle & Wang 2018) agrees
@@ -195,6 +197,9 @@ def test_cli_run_records_the_mechanism_in_results_json(store, tmp_path):
     assert p["mechanism"] == "gaussian" and p["mode"] == "central" and p["clip"] == 2.0
     assert p["delta"] == 1e-6 and p["accountant"] == "pld" and p["releases_per_example"] == 1
     assert p["epsilon"] <= 3.0 and p["epsilon"] == pytest.approx(epsilon(p["noise_multiplier"], 1e-6, 1, "pld"))
+    acc = dp_accounting.pld.PLDAccountant(value_discretization_interval=p["pld_value_discretization_interval"])
+    acc.compose(dp_accounting.GaussianDpEvent(p["noise_multiplier"]))
+    assert p["epsilon"] == pytest.approx(acc.get_epsilon(1e-6), rel=1e-9)  # dp-accounting's own, as recorded
     assert p["noise_std"]["sums"] == pytest.approx(p["noise_multiplier"] * 2.0 * math.sqrt(2))
     assert p["epsilon_all_seeds"] > p["epsilon"]
     # the saved state is the plain algorithm's: `fedheads predict` serves the private head
