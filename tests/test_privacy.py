@@ -237,3 +237,33 @@ def test_privacy_utility_benchmark_writes_its_curve(store, tmp_path, monkeypatch
         assert all(p["epsilon"] <= p["target_epsilon"] for p in pts)
         assert pts[0]["noise_multiplier"] > pts[1]["noise_multiplier"]
     assert len(drawn) == 1 and drawn[0].axes[0].get_xscale() == "log"
+
+
+@pytest.mark.parametrize("mode", ["central", "distributed"])
+def test_the_noise_is_the_same_in_both_engines_and_any_client_order(mode):
+    fed = tiny_fed(M=5)
+    mech = Mechanism(noise_multiplier=1.0, clip=1.0, mode=mode, noise_seed=5)
+    vec = run(Private(create_algorithm("fedncm"), mech), fed, 1, seed=4, progress=False).server_state
+    loop = run(Private(create_algorithm("fedncm"), mech), fed, 1, seed=4, engine="loop", progress=False).server_state
+    perm = [3, 1, 4, 0, 2]  # the clients stacked in another order, global ids kept (largest-first training)
+    shuffled = run(Private(create_algorithm("fedncm"), mech), fed.select(perm), 1, seed=4, progress=False).server_state
+    for other in (loop, shuffled):
+        torch.testing.assert_close(other.sums, vec.sums, rtol=0, atol=1e-9)
+        assert torch.equal(other.counts, vec.counts)
+    other_seed = run(Private(create_algorithm("fedncm"), mech), fed, 1, seed=5, progress=False).server_state
+    assert not torch.allclose(other_seed.sums, vec.sums)  # each run seed draws its own noise
+
+
+def test_dp_options_parse_into_one_mechanism():
+    from fedheads.privacy import cli_values, from_cli
+
+    kw = dict(dp_epsilon=None, dp_noise_multiplier=None, dp_delta=1e-5, dp_clip=1.0, dp_transform="clip",
+              dp_mode="central", dp_accountant="rdp", dp_split=None, dp_noise_seed=None)
+    assert from_cli(**kw) is None  # no --dp-epsilon / --dp-noise-multiplier: no DP
+    m = from_cli(**{**kw, "dp_epsilon": 2.0, "dp_split": "sums=0.9, counts=0.1", "dp_mode": "distributed"})
+    assert m == Mechanism(epsilon=2.0, mode="distributed", split=(("sums", 0.9), ("counts", 0.1)))
+    assert from_cli(**cli_values(m)) == m  # what --dump-config writes reads back
+    with pytest.raises(UserError, match="--dp-split 'sums': expected FIELD=WEIGHT"):
+        from_cli(**{**kw, "dp_epsilon": 2.0, "dp_split": "sums"})
+    with pytest.raises(UserError, match="--dp-split: give a weight for every field"):
+        _private(noise_multiplier=1.0, split=(("sums", 1.0),))
