@@ -23,9 +23,10 @@ w_f > 0, sum_f w_f = 1 (default: equal over the fields a single example can chan
 
 so one example moves the concatenated vector (s_f / sigma_f)_f by at most
 sqrt(sum_f (Delta_f / sigma_f)^2) = sqrt(sum_f w_f) / z = 1 / z: the round is ONE Gaussian
-mechanism of noise multiplier z (sensitivity 1, std z). This is the split pfl-research's
-`JointMechanism` makes, done in the Gaussian's own (mu-GDP / zCDP) currency, where composing
-Gaussians is exact, instead of dividing (epsilon, delta) between separately accounted mechanisms.
+mechanism of noise multiplier z (sensitivity 1, std z). It plays the role of pfl-research's
+`JointMechanism` (one mechanism per group of statistics, the budget divided between them), but
+divides the budget in the Gaussian's own (mu-GDP / zCDP) currency, where composing Gaussians is
+exact, instead of dividing (epsilon, delta) between separately accounted mechanisms.
 
 Accounting: a release is one round's noisy totals. Adjacency is adding or removing one example
 (dp-accounting's ADD_OR_REMOVE_ONE). An example is in the releases of the rounds in which its
@@ -46,7 +47,8 @@ reproducible for simulation and tests (the draws also depend on the run's seed, 
 run get different noise).
 
 Not covered: the evaluation on clients' test splits (it releases accuracies, not statistics);
-dropped-out clients under distributed noise (the sum then carries sigma_f^2 * K_got / K);
+distributed noise against fewer honest clients than planned (dropped-out clients, or t clients
+colluding with the server to subtract their shares, leave sigma_f^2 * (K - t) / K in the sum);
 floating-point attacks on the sampler (Mironov, "On Significance of the Least Significant Bits
 for Differential Privacy", CCS 2012).
 """
@@ -255,7 +257,9 @@ class Private(AlgorithmBase):
     count and never loses a class to noise (a count pushed to <= 0 would flag it absent, and with
     strong noise every class), at the price that a class no client holds is present with a mean
     of pure noise (under DP, presence is itself a statistic of the data: only the noisy counts
-    may decide it). With no noise the head is the plain one, except for such a class.
+    may decide it). With no noise the head is the plain one, except for such a class. The clamp
+    is per round: under partial participation over R rounds a class no fresh client holds in a
+    round still gains a count of 1 there (up to R in all; FedNCM's cosine rule ignores counts).
 
     Features are bounded for training only: the head is evaluated, and served by `fedheads
     predict`, on the features as stored."""
