@@ -132,8 +132,9 @@ def _federation(data: Any, num_classes: int | None, device: str, binarize: bool)
 
 def _options(rounds: int, seeds: Sequence[int] | int, local_epochs: int | None, batch_size: int | None,
              lr: float | None, fraction: float, engine: str, layout: str, device: str, eval_every: int, binarize: bool,
-             settings: Mapping[str, Any] | None, progress: bool, tensorboard: bool = False) -> Any:
+             settings: Mapping[str, Any] | None, progress: bool, tensorboard: bool = False, dp: Any = None) -> Any:
     from embedcache.errors import UserError
+    from fedheads.privacy import mechanism
     from fedheads.runner import TrainOptions
 
     if rounds < 1:
@@ -144,7 +145,8 @@ def _options(rounds: int, seeds: Sequence[int] | int, local_epochs: int | None, 
     fields = tuple((str(k).replace("-", "_"), v) for k, v in (settings or {}).items())
     return TrainOptions(rounds=rounds, seeds=seeds, fraction=fraction, engine=engine, layout=layout, device=device,
                         eval_every=eval_every, binarize=binarize, local_epochs=local_epochs,
-                        batch_size=batch_size, lr=lr, settings=fields, progress=progress, tensorboard=tensorboard)
+                        batch_size=batch_size, lr=lr, settings=fields, progress=progress, tensorboard=tensorboard,
+                        dp=mechanism(dp))
 
 
 def _tensorboard(on: bool, out: Any) -> bool:
@@ -181,7 +183,7 @@ def train(data: Data, algorithm: str, *, backbones: Sequence[str] | str | None =
           fraction: float = 1.0, engine: str = "vectorized", layout: str = "auto", device: str = "auto",
           eval_every: int = 1, binarize: bool = False, settings: Mapping[str, Any] | None = None, progress: bool = False,
           out: str | Path | None = None, overwrite: bool = False, resume: bool = False,
-          tensorboard: bool = False) -> Result:
+          tensorboard: bool = False, dp: Any = None) -> Result:
     """Train `algorithm` once per seed, as `fedheads train`.
 
     data: a feature store path (with `backbones`, concatenated in order) or per-client numpy
@@ -193,11 +195,14 @@ def train(data: Data, algorithm: str, *, backbones: Sequence[str] | str | None =
     out: write the run directory there (refused if it holds a run, unless `overwrite`), with a
         checkpoint after every round that `resume=True` continues from (and, with `tensorboard`,
         per-round TensorBoard scalars: extra [tensorboard]);
-        None: nothing is written and `Result.states` holds each seed's final states."""
+        None: nothing is written and `Result.states` holds each seed's final states.
+    dp: train under differential privacy (algorithms with a DP form: FedNCM and the training-free
+        heads): a fedheads.privacy.Mechanism or its fields, e.g. {"epsilon": 1.0, "delta": 1e-5,
+        "clip": 1.0}; results.json's `privacy` then records the mechanism and the epsilon spent."""
     from fedheads import runner
 
     opts = _options(rounds, seeds, local_epochs, batch_size, lr, fraction, engine, layout, device, eval_every,
-                    binarize, settings, progress, _tensorboard(tensorboard, out))
+                    binarize, settings, progress, _tensorboard(tensorboard, out), dp)
     store, bbs, fed = _prepare(data, backbones, num_classes, opts, load=out is None)
     if out is not None:
         return Result(runner.train_run(store, bbs, algorithm, opts, out, data=fed, overwrite=overwrite,
@@ -212,7 +217,7 @@ def compare(data: Data, algorithms: Sequence[str] | str, *, backbones: Sequence[
             fraction: float = 1.0, engine: str = "vectorized", layout: str = "auto", device: str = "auto",
             eval_every: int = 1, binarize: bool = False, settings: Mapping[str, Any] | None = None, progress: bool = False,
             out: str | Path | None = None, overwrite: bool = False, resume: bool = False,
-          tensorboard: bool = False) -> Result:
+            tensorboard: bool = False, dp: Any = None) -> Result:
     """Train several algorithms on the same features, as `fedheads compare` (arguments as in
     :func:`train`; a setting that does not apply to an algorithm is dropped for it and recorded
     in its `ignored_options`; `{"lp.lr": 0.1}` scopes one to one algorithm). The Result has
@@ -222,7 +227,7 @@ def compare(data: Data, algorithms: Sequence[str] | str, *, backbones: Sequence[
 
     names = [a.strip() for a in algorithms.split(",") if a.strip()] if isinstance(algorithms, str) else list(algorithms)
     opts = _options(rounds, seeds, local_epochs, batch_size, lr, fraction, engine, layout, device, eval_every,
-                    binarize, settings, progress, _tensorboard(tensorboard, out))
+                    binarize, settings, progress, _tensorboard(tensorboard, out), dp)
     store, bbs, fed = _prepare(data, backbones, num_classes, opts, load=out is None)
     if out is not None:
         return Result(runner.compare_runs(store, bbs, names, opts, out, overwrite=overwrite, data=fed,

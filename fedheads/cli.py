@@ -145,6 +145,43 @@ def _options(algorithms, backbones, store, rounds, seeds, local_epochs, batch_si
                         progress=not quiet, tensorboard=tensorboard)
 
 
+def _dp_options(f):
+    """--dp-*: differential privacy for the algorithms with a DP form (fedheads.privacy)."""
+    opts = [
+        click.option("--dp-epsilon", type=float, default=None,
+                     help="Train under differential privacy, calibrated to spend at most this epsilon "
+                          "(algorithms with a DP form: fedncm and the training-free heads)."),
+        click.option("--dp-noise-multiplier", type=float, default=None,
+                     help="Or: the Gaussian noise multiplier z itself (epsilon is then reported)."),
+        click.option("--dp-delta", type=float, default=1e-5, show_default=True, help="DP delta."),
+        click.option("--dp-clip", type=float, default=1.0, show_default=True,
+                     help="L2 bound C of each training feature."),
+        click.option("--dp-transform", type=click.Choice(["clip", "normalize"]), default="clip", show_default=True,
+                     help="Scale each feature to norm <= C (clip) or exactly C (normalize)."),
+        click.option("--dp-mode", type=click.Choice(["central", "distributed"]), default="central", show_default=True,
+                     help="Noise added once by the server, or split over the clients (under SecAgg+)."),
+        click.option("--dp-accountant", type=click.Choice(["rdp", "pld"]), default="rdp", show_default=True,
+                     help="dp-accounting's accountant."),
+        click.option("--dp-split", default=None, metavar="FIELD=W,...",
+                     help="Budget split over the noised sums, e.g. sums=0.9,counts=0.1 (default: equal)."),
+        click.option("--dp-noise-seed", type=int, default=None,
+                     help="Reproducible noise (simulation only; default: a secret key from the OS)."),
+    ]
+    for o in reversed(opts):
+        f = o(f)
+    return f
+
+
+def _with_dp(opts: Any, values: dict[str, Any]) -> Any:
+    """`opts` with the Mechanism the --dp-* option `values` ask for (none: no DP)."""
+    import dataclasses
+
+    from fedheads.privacy import from_cli
+
+    dp = from_cli(**values)
+    return opts if dp is None else dataclasses.replace(opts, dp=dp)
+
+
 _MERGE = "\n\nOptions also come from --config FILE (YAML); merge order: built-in defaults < config file " \
          "< command-line flags (incl. --set). --dump-config prints the effective configuration."
 
@@ -152,10 +189,13 @@ _MERGE = "\n\nOptions also come from --config FILE (YAML); merge order: built-in
 @main.command(help=f"Train one algorithm over several seeds; write RUN_DIR/results.json and friends.{_MERGE}")
 @click.option("--algorithm", required=True, help="See `fedheads algorithms`.")
 @_train_options
+@_dp_options
 @config_options
 def train(store, backbones, algorithm, out, overwrite, resume, dump_config, **kw) -> None:
     bbs = _csv(backbones, "--backbones")
+    dp = {k: kw.pop(k) for k in [k for k in kw if k.startswith("dp_")]}
     info, opts = _options([algorithm], bbs, store, **kw)
+    opts = _with_dp(opts, dp)
     from fedheads.heap import GlibcHeap
     from fedheads.runconfig import dump, effective_config
     from fedheads.runner import train_run
@@ -172,10 +212,13 @@ def train(store, backbones, algorithm, out, overwrite, resume, dump_config, **kw
 @main.command(help=f"Train several algorithms on the same features; write a paper-style table and plots.{_MERGE}")
 @click.option("--algorithms", required=True, help="Comma-separated, e.g. fedpcl,fedncm,lp,mlp,fedavg,fedproto.")
 @_train_options
+@_dp_options
 @config_options
 def compare(store, backbones, algorithms, out, overwrite, resume, dump_config, **kw) -> None:
     bbs, names = _csv(backbones, "--backbones"), _csv(algorithms, "--algorithms")
+    dp = {k: kw.pop(k) for k in [k for k in kw if k.startswith("dp_")]}
     info, opts = _options(names, bbs, store, **kw)
+    opts = _with_dp(opts, dp)
     from fedheads import report
     from fedheads.heap import GlibcHeap
     from fedheads.runconfig import dump, effective_config

@@ -206,6 +206,9 @@ def effective_config(command: str, store: str | None, backbones: list[str], algo
     cfg.update({"rounds": opts.rounds, "seeds": list(opts.seeds), **generic, "fraction": opts.fraction,
                 "engine": opts.engine, "layout": opts.layout, "device": opts.device, "eval_every": opts.eval_every,
                 "binarize": opts.binarize, "tensorboard": opts.tensorboard, "out": str(out)})
+    from fedheads.privacy import cli_values
+
+    cfg.update(cli_values(getattr(opts, "dp", None)))  # --dp-* (fedheads.privacy)
     fields: dict[str, Any] = {}
     for name in algorithms:
         alg = build_algorithm(name, opts, strict=strict)[0]

@@ -66,6 +66,7 @@ class TrainOptions:
     settings: tuple[tuple[str, Any], ...] = ()  # config fields (--set k=v, or --set ALG.k=v for one algorithm)
     progress: bool = True
     tensorboard: bool = False  # per-round scalars in RUN_DIR/tensorboard/seed<S>/ (fedheads.tracking; needs a run dir)
+    dp: Any = None  # fedheads.privacy.Mechanism: train the algorithm under differential privacy (None: without)
 
     generic_names = ("local_epochs", "batch_size", "lr")  # options that set the algorithm config field of that name
 
@@ -129,7 +130,12 @@ def build_algorithm(name: str, opts: TrainOptions, strict: bool = True) -> tuple
                     raise unknown_key_error(k, [name]) from None
                 raise UserError(f"--{k.replace('_', '-')}: does not apply to algorithm {name}") from None
             ignored.append(k)
-    return create_algorithm(name, **used), used, ignored
+    alg = create_algorithm(name, **used)
+    if opts.dp is not None:  # refuses an algorithm without a DP form in one line
+        from fedheads.privacy import Private
+
+        alg = Private(alg, opts.dp)
+    return alg, used, ignored
 
 
 def _config_dict(obj: Any) -> Any:
@@ -361,6 +367,7 @@ def train_data(data: Federation, backbones: Sequence[str], algorithm: str, opts:
     if state_dir is not None:
         data_id = resume_mod.data_settings(data)
     rounds = rounds_needed(algorithm, opts)
+    releases: list[int] = []  # per seed, under DP: the most rounds one client's statistics were released in
     for seed in opts.seeds:
         alg, used, ignored = build_algorithm(algorithm, opts, strict=strict)
         alg_cfg = _config_dict(getattr(alg, "cfg", None))
@@ -392,6 +399,11 @@ def train_data(data: Federation, backbones: Sequence[str], algorithm: str, opts:
             if rule != "main":
                 extra_rules.setdefault(rule, []).append(100.0 * float(acc[~acc.isnan()].mean()))
         rows += _metrics_rows(res, seed, names)
+        if opts.dp is not None:
+            from fedheads.privacy import plain_client_state
+
+            releases.append(alg.releases(res.client_state))
+            res.client_state = plain_client_state(res.client_state)  # what `fedheads predict` rebuilds
         states[seed] = RunResult(res.algorithm, res.engine, client_state=to_device(res.client_state, "cpu"),
                                  server_state=to_device(res.server_state, "cpu"))
     extra = {"dataset": None if record is None else record.dataset,
@@ -402,6 +414,8 @@ def train_data(data: Federation, backbones: Sequence[str], algorithm: str, opts:
              "fraction": opts.fraction,
              "other_rules": {k: {"mean": float(torch.tensor(v).mean()), "values": v}
                              for k, v in extra_rules.items()}}
+    if opts.dp is not None:
+        extra["privacy"] = alg.report(releases)
     if "global_model" in extra_rules:
         extra["global_model_accuracy"] = extra["other_rules"]["global_model"]
     extra["timing"] = report.timing_block(per_seed, *_since(t_start, data.device), machine(data.device), load)

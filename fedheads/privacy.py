@@ -1,0 +1,447 @@
+"""Differential privacy for the training-free heads: per-example clipping, the Gaussian mechanism
+on the secure sums, and an accountant from Google's `dp-accounting`.
+
+Any algorithm with a secure form (`AlgorithmBase.secure_form`: which message fields are sums
+and how the server turns totals into its state) and DP sensitivities (`dp_sensitivity(clip)`:
+each sum field's L2 sensitivity to one example whose feature has norm <= clip) is made private
+by :class:`Private`, without touching its file. The recipe (Dwork & Roth, "The Algorithmic
+Foundations of Differential Privacy", Sec. 3.5.3 and Appendix A, the Gaussian mechanism):
+
+1. each client scales every training feature x to ``x * min(1, C/||x||)`` ("clip") or to
+   ``x * C/||x||`` ("normalize"), so one example moves each sum field f by at most Delta_f;
+2. the sums are formed as the algorithm forms them (per client, then added: SecAgg+ can add them);
+3. Gaussian noise N(0, sigma_f^2 I) is added to the TOTAL of every field f, once per round:
+   by the server ("central"), or as N(0, sigma_f^2 / K I) by each of the round's K participants
+   ("distributed": the shares add up to sigma_f^2 under SecAgg+, and the server adds none);
+4. the server finalizes from the noisy totals (the secure form's `aggregate`).
+
+Budget between the statistics (sums and counts; Grams for Fed3R): one joint Gaussian mechanism
+on the concatenation of the fields, each field divided by its own noise scale. With a split
+w_f > 0, sum_f w_f = 1 (default: equal over the fields a single example can change),
+
+    sigma_f = z * Delta_f / sqrt(w_f),
+
+so one example moves the concatenated vector (s_f / sigma_f)_f by at most
+sqrt(sum_f (Delta_f / sigma_f)^2) = sqrt(sum_f w_f) / z = 1 / z: the round is ONE Gaussian
+mechanism of noise multiplier z (sensitivity 1, std z). It plays the role of pfl-research's
+`JointMechanism` (one mechanism per group of statistics, the budget divided between them), but
+divides the budget in the Gaussian's own (mu-GDP / zCDP) currency, where composing Gaussians is
+exact, instead of dividing (epsilon, delta) between separately accounted mechanisms.
+
+Accounting: a release is one round's noisy totals. Adjacency is adding or removing one example
+(dp-accounting's ADD_OR_REMOVE_ONE). An example is in the releases of the rounds in which its
+client sent non-zero statistics, r of them; the epsilon spent for delta is that of
+``SelfComposedDpEvent(GaussianDpEvent(z), r)`` under the RDP (Mironov, "Renyi Differential
+Privacy", 2017) or PLD (Doroshenko et al., "Connect the Dots: Tighter Discrete Approximations of
+Privacy Loss Distributions", PETS 2022) accountant. A one-shot head (FedNCM, Alg. 1) sends each
+client's statistics once, also under partial participation (a client that has sent sends zeros
+afterwards), so r = 1: the run is one Gaussian mechanism, however many rounds it takes. Every
+round still adds fresh noise to its own totals, so R rounds leave R noise draws in the final
+sums. r is counted per client during the run (the client state) and the maximum is reported.
+Several seeds trained on the same data are several releases of it: results.json also gives the
+epsilon of publishing every seed's head.
+
+Noise is drawn from a secret key: `noise_seed=None` (default) takes a fresh one from the OS, as a
+deployment must (noise a reader can recompute protects nothing); an integer makes runs
+reproducible for simulation and tests (the draws also depend on the run's seed, so the seeds of a
+run get different noise).
+
+Not covered: the evaluation on clients' test splits (it releases accuracies, not statistics);
+distributed noise against fewer honest clients than planned (dropped-out clients, or t clients
+colluding with the server to subtract their shares, leave sigma_f^2 * (K - t) / K in the sum);
+floating-point attacks on the sampler (Mironov, "On Significance of the Least Significant Bits
+for Differential Privacy", CCS 2012).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import secrets
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from embedcache.errors import UserError
+from fedheads.core.protocol import AlgorithmBase, HeadArch, Init, PaperRoundComm, RoundCtx, SecureForm
+from fedheads.core.tree import tree_cat, tree_rows
+from fedheads.data import DataSpec, FedData
+
+MODES = ("central", "distributed")
+TRANSFORMS = ("clip", "normalize")
+ACCOUNTANTS = ("rdp", "pld")
+
+
+@dataclass(frozen=True)
+class Mechanism:
+    """A Gaussian mechanism on an algorithm's secure sums. Give `noise_multiplier` or `epsilon`."""
+
+    clip: float = 1.0  # C: each training feature's L2 norm bound
+    transform: str = "clip"  # "clip": scale to norm <= C | "normalize": scale to norm exactly C
+    noise_multiplier: float | None = None  # z: noise std / sensitivity of the joint mechanism
+    epsilon: float | None = None  # target epsilon: z is calibrated so the planned releases spend at most this
+    delta: float = 1e-5  # the delta epsilon is reported for (and calibrated to)
+    mode: str = "central"  # "central": the server adds the noise | "distributed": each client adds its share
+    accountant: str = "rdp"  # dp-accounting's "rdp" or "pld"
+    releases: int = 1  # releases of each client's statistics the calibration plans for (one-shot heads: 1)
+    split: tuple[tuple[str, float], ...] = ()  # (field, weight) of the budget; () = equal over the fields
+    noise_seed: int | None = None  # None: a secret key from the OS; an integer: reproducible noise
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.clip) and self.clip > 0):
+            raise UserError(f"--dp-clip {self.clip}: must be a positive number")
+        for name, v, ok in (("--dp-transform", self.transform, TRANSFORMS), ("--dp-mode", self.mode, MODES),
+                            ("--dp-accountant", self.accountant, ACCOUNTANTS)):
+            if v not in ok:
+                raise UserError(f"{name} {v!r}: must be one of {', '.join(ok)}")
+        if (self.noise_multiplier is None) == (self.epsilon is None):
+            raise UserError("dp: give exactly one of --dp-epsilon and --dp-noise-multiplier")
+        if self.noise_multiplier is not None and not (math.isfinite(self.noise_multiplier) and self.noise_multiplier > 0):
+            raise UserError(f"--dp-noise-multiplier {self.noise_multiplier}: must be a positive number")
+        if self.epsilon is not None and not (math.isfinite(self.epsilon) and self.epsilon > 0):
+            raise UserError(f"--dp-epsilon {self.epsilon}: must be a positive number")
+        if not 0 < self.delta < 1:
+            raise UserError(f"--dp-delta {self.delta}: must be in (0, 1)")
+        if self.releases < 1:
+            raise UserError(f"dp releases {self.releases}: must be >= 1")
+        for k, w in self.split:
+            if not (math.isfinite(w) and w > 0):
+                raise UserError(f"--dp-split {k}={w}: weights must be positive numbers")
+
+    def z(self) -> float:
+        """The noise multiplier: as given, or calibrated to `epsilon` for `releases` releases."""
+        if self.noise_multiplier is not None:
+            return float(self.noise_multiplier)
+        assert self.epsilon is not None
+        return calibrate(self.epsilon, self.delta, self.releases, self.accountant)
+
+
+# ---------------------------------------------------------------------- accounting
+def _pld_interval(z: float, releases: int) -> float:
+    """PLD's value discretisation: 1e-3 (dp-accounting's default 1e-4 is ten times slower and moves
+    epsilon by < 1e-6 here), coarser where the privacy loss range, about
+    releases / (2 z^2) + 10 sqrt(releases) / z, would need more than 1e5 buckets. A coarser grid
+    still bounds epsilon from above (Doroshenko et al., Sec. 3: pessimistic rounding)."""
+    return max(1e-3, (releases / (2.0 * z * z) + 10.0 * math.sqrt(releases) / z) * 1e-5)
+
+
+def _accountant(kind: str, z: float, releases: int) -> Any:
+    import dp_accounting
+
+    if kind == "rdp":
+        return dp_accounting.rdp.RdpAccountant()
+    return dp_accounting.pld.PLDAccountant(value_discretization_interval=_pld_interval(z, releases))
+
+
+def dp_event(z: float, releases: int) -> Any:
+    """`releases` Gaussian mechanisms of noise multiplier z on the same examples."""
+    import dp_accounting
+
+    return dp_accounting.SelfComposedDpEvent(dp_accounting.GaussianDpEvent(z), int(releases))
+
+
+def epsilon(z: float, delta: float, releases: int = 1, accountant: str = "rdp") -> float:
+    """Epsilon spent at `delta` by `releases` Gaussian releases of noise multiplier z."""
+    if releases == 0:
+        return 0.0
+    acc = _accountant(accountant, z, releases)
+    acc.compose(dp_event(z, releases))
+    return float(acc.get_epsilon(delta))
+
+
+@functools.lru_cache(maxsize=64)
+def calibrate(target: float, delta: float, releases: int = 1, accountant: str = "rdp") -> float:
+    """The smallest noise multiplier (to dp-accounting's bisection tolerance) whose `releases`
+    releases spend at most `target` epsilon at `delta` under `accountant`.
+
+    Composed Gaussians are one Gaussian of multiplier z / sqrt(releases), whose exact epsilon is
+    the analytic one (Balle & Wang, "Improving the Gaussian Mechanism for Differential Privacy",
+    ICML 2018, Theorem 8): its z0 = sigma(target, delta) * sqrt(releases) is a lower bound of
+    both accountants' answer (each bounds epsilon from above), so the search starts there."""
+    import dp_accounting
+
+    z0 = dp_accounting.get_sigma_gaussian(target, delta) * math.sqrt(releases)
+    if z0 < 0.02:
+        raise UserError(f"--dp-epsilon {target}: so large that a noise multiplier below 0.02 would do "
+                        "(train without DP, or give --dp-noise-multiplier)")
+    if z0 > 1e4:
+        raise UserError(f"--dp-epsilon {target}: too small for --dp-delta {delta} (needs a noise multiplier above 1e4)")
+    lo, hi = z0 * (1 - 1e-3), z0 * 1.1
+    while epsilon(hi, delta, releases, accountant) > target:
+        lo, hi = hi, hi * 2
+    z = dp_accounting.calibrate_dp_mechanism(
+        lambda: _accountant(accountant, lo, releases), lambda s: dp_event(s, releases), target, delta,
+        dp_accounting.ExplicitBracketInterval(lo, hi), tol=1e-5 * z0)
+    while epsilon(z, delta, releases, accountant) > target:  # the bracket's end on the private side
+        z *= 1 + 1e-6
+    return float(z)
+
+
+def noise_stds(sensitivity: Mapping[str, float], z: float, split: Sequence[tuple[str, float]] = ()) -> dict[str, float]:
+    """sigma_f = z * Delta_f / sqrt(w_f) per field (module docstring); a field no example can
+    change (Delta_f = 0) gets no noise and no share of the budget."""
+    moved = [k for k, d in sensitivity.items() if d > 0]
+    weights = dict(split)
+    unknown = sorted(set(weights) - set(moved))
+    if unknown:
+        raise UserError(f"--dp-split {unknown[0]}: not a noised field (fields: {', '.join(moved)})")
+    if weights and set(weights) != set(moved):
+        raise UserError(f"--dp-split: give a weight for every field ({', '.join(moved)})")
+    total = sum(weights.values()) if weights else float(len(moved))
+    w = {k: (weights[k] / total if weights else 1.0 / total) for k in moved}
+    return {k: (z * float(d) / math.sqrt(w[k]) if d > 0 else 0.0) for k, d in sensitivity.items()}
+
+
+# ---------------------------------------------------------------------- clipping and noise
+def bound_rows(x: torch.Tensor, mask: torch.Tensor, clip: float, transform: str = "clip") -> torch.Tensor:
+    """Rows of x [..., N, D] (mask [..., N] True for real rows) scaled to L2 norm <= clip
+    ("clip") or == clip ("normalize"; an all-zero row stays zero). Computed in float64."""
+    x64 = x.to(torch.float64)
+    norm = x64.norm(dim=-1, keepdim=True)
+    safe = norm.clamp_min(torch.finfo(torch.float64).tiny)
+    factor = (clip / safe).clamp(max=1.0) if transform == "clip" else torch.where(norm > 0, clip / safe, 0.0)
+    out = torch.where(mask.unsqueeze(-1), x64 * factor, x64)
+    return out.to(x.dtype)
+
+
+def bounded(data: FedData, clip: float, transform: str) -> FedData:
+    """`data` with every training feature (and stored augmented view) bounded by `bound_rows`."""
+    v = data.v_train
+    if v is not None:
+        v = bound_rows(v, data.m_train.unsqueeze(1).expand(v.shape[:-1]), clip, transform)
+    return dataclasses.replace(data, x_train=bound_rows(data.x_train, data.m_train, clip, transform), v_train=v)
+
+
+def gaussian(shape: Sequence[int], key: Sequence[int], device: torch.device | str) -> torch.Tensor:
+    """Standard normal float64 noise from a 64-bit seed derived from the integer `key`
+    (numpy's SeedSequence hash), so a draw is a pure function of (secret, round, client, field)."""
+    import numpy as np
+
+    seed = int(np.random.SeedSequence([int(k) & (2**63 - 1) for k in key]).generate_state(1, np.uint64)[0])
+    g = torch.Generator(device="cpu")
+    g.manual_seed(seed & (2**63 - 1))
+    return torch.randn(*shape, generator=g, dtype=torch.float64).to(device)
+
+
+# ---------------------------------------------------------------------- the wrapper
+@dataclass(frozen=True)
+class PrivateClientState:
+    inner: Any  # the algorithm's own client state
+    releases: torch.Tensor  # [M] int64: rounds in which this client sent non-zero statistics
+
+
+@dataclass(frozen=True)
+class PrivateMessage:
+    """A client's contributions to the secure sums (client axis first; float64; with its noise
+    share in distributed mode) and what the algorithm sends in the clear (None: nothing)."""
+
+    sums: dict[str, torch.Tensor]
+    clear: Any = None
+
+
+def plain_client_state(cs: Any) -> Any:
+    """The algorithm's own client state (what `fedheads predict` rebuilds) of a private run's."""
+    return cs.inner if isinstance(cs, PrivateClientState) else cs
+
+
+class Private(AlgorithmBase):
+    """`inner` under the Gaussian mechanism `mech` (module docstring). States and predictions are
+    the inner algorithm's (the client state carries a release count beside them); the message
+    is the secure-sum form, so the same object runs in simulation and under SecAgg+.
+
+    Noisy totals of the integer fields of the secure form (counts) are clamped to >= 1 before the
+    algorithm finalizes (post-processing, no privacy cost): FedNCM then divides by a positive
+    count and never loses a class to noise (a count pushed to <= 0 would flag it absent, and with
+    strong noise every class), at the price that a class no client holds is present with a mean
+    of pure noise (under DP, presence is itself a statistic of the data: only the noisy counts
+    may decide it). With no noise the head is the plain one, except for such a class. The clamp
+    is per round: under partial participation over R rounds a class no fresh client holds in a
+    round still gains a count of 1 there (up to R in all; FedNCM's cosine rule ignores counts).
+
+    Features are bounded for training only: the head is evaluated, and served by `fedheads
+    predict`, on the features as stored."""
+
+    def __init__(self, inner: AlgorithmBase, mech: Mechanism) -> None:
+        if isinstance(inner, Private):
+            raise UserError(f"dp: {inner.name} is already private")
+        self.sensitivity = {k: float(v) for k, v in inner.dp_sensitivity(mech.clip).items()}  # refuses in one line
+        inner.secure_form()  # the sums the noise goes on (refuses in one line)
+        bad = [k for k, v in self.sensitivity.items() if not (math.isfinite(v) and v >= 0)]
+        if bad:
+            raise UserError(f"dp: {inner.name}'s sensitivity of {bad[0]} is {self.sensitivity[bad[0]]}")
+        self.inner, self.mech = inner, mech
+        self.cfg = inner.cfg
+        self.name = inner.name
+        self.global_rule = inner.global_rule  # type: ignore[misc]
+        self.server_client_fields = inner.server_client_fields  # type: ignore[misc]
+        self.collect_rounds = inner.collect_rounds
+        self.one_pass = inner.one_pass  # type: ignore[misc]
+        self.server_sized_fields = inner.server_sized_fields  # type: ignore[misc]
+        self.z = mech.z()
+        self.noise_std = noise_stds(self.sensitivity, self.z, mech.split)
+        self._secret = secrets.randbits(63) if mech.noise_seed is None else int(mech.noise_seed)
+
+    # ------------------------------------------------------------------ protocol
+    def init(self, spec: DataSpec, seed: int) -> Init:
+        it = self.inner.init(spec, seed)
+        rel = torch.zeros(spec.num_clients, dtype=torch.int64, device=spec.device)
+        return Init(PrivateClientState(it.client_state, rel), it.server_state, it.broadcast)
+
+    def client_update(self, cs: PrivateClientState, bc: Any, data: FedData, ctx: RoundCtx,
+                      ) -> tuple[PrivateClientState, PrivateMessage]:
+        data = bounded(data, self.mech.clip, self.mech.transform)
+        inner_cs, msg = self.inner.client_update(cs.inner, bc, data, ctx)
+        form = self.inner.secure_form(msg)
+        M = data.num_clients
+        rows = [tree_rows(msg, [i]) for i in range(M)]
+        contrib = [form.sums(r) for r in rows]
+        if set(contrib[0]) != set(self.sensitivity):
+            raise UserError(f"dp: {self.name}'s secure sums ({', '.join(sorted(contrib[0]))}) do not match its "
+                            f"sensitivities ({', '.join(sorted(self.sensitivity))})")
+        sums = {k: torch.stack([c[k].to(torch.float64) for c in contrib]) for k in contrib[0]}
+        sent = torch.zeros(M, dtype=torch.bool, device=data.device)
+        for v in sums.values():
+            sent |= (v.reshape(M, -1) != 0).any(1).to(sent.device)
+        clears = [form.clear(r) for r in rows]
+        clear = None if clears[0] is None else tree_cat(clears)
+        if self.mech.mode == "distributed":  # each participant's share: N(0, sigma_f^2 / K)
+            K = len(ctx.participants)
+            ids = data.client_index.tolist()
+            for j, (k, v) in enumerate(sorted(sums.items())):
+                s = self.noise_std[k] / math.sqrt(K)
+                if s > 0:
+                    keys = [(self._secret, ctx.seed, 1, ctx.round, c, j) for c in ids]
+                    noise = torch.stack([gaussian(v.shape[1:], key, v.device) for key in keys])
+                    sums[k] = v + s * noise
+        rel = cs.releases + sent.to(cs.releases.device, torch.int64)
+        return PrivateClientState(inner_cs, rel), PrivateMessage(sums, clear)
+
+    def server_aggregate(self, ss: Any, msg: PrivateMessage, ctx: RoundCtx) -> tuple[Any, Any]:
+        totals = {k: v.sum(0) for k, v in msg.sums.items()}
+        return self._aggregate(ss, msg.clear, totals, ctx)
+
+    def _aggregate(self, ss: Any, clear: Any, totals: dict[str, torch.Tensor], ctx: RoundCtx) -> tuple[Any, Any]:
+        form = self.inner.secure_form(clear)
+        totals = dict(totals)
+        if self.mech.mode == "central":  # the server's noise, once per round on the totals
+            for j, k in enumerate(sorted(totals)):
+                t = totals[k].to(torch.float64)
+                if self.noise_std[k] > 0:
+                    t = t + self.noise_std[k] * gaussian(t.shape, (self._secret, ctx.seed, 0, ctx.round, j), t.device)
+                totals[k] = t
+        for k in form.integer:
+            totals[k] = totals[k].clamp_min(1)
+        return form.aggregate(ss, clear, totals, ctx)
+
+    def secure_form(self, message: Any = None) -> SecureForm:
+        """Under SecAgg+ the nodes' sums are PrivateMessage.sums (noisy in distributed mode: no
+        longer integers); the server's step is the noise (central mode) and the inner finalize."""
+        inner = self.inner.secure_form(None if message is None else message.clear)
+        integer = inner.integer if self.mech.mode == "central" else ()
+
+        def clear(m: PrivateMessage) -> PrivateMessage | None:
+            return None if m.clear is None else PrivateMessage({}, m.clear)
+
+        def agg(ss: Any, cl: Any, tot: dict[str, torch.Tensor], ctx: RoundCtx) -> tuple[Any, Any]:
+            return self._aggregate(ss, None if cl is None else cl.clear, tot, ctx)
+
+        return SecureForm(lambda m: {k: v[0] for k, v in m.sums.items()}, integer, clear, agg)
+
+    def predict(self, cs: PrivateClientState, ss: Any, x: torch.Tensor, mask: torch.Tensor) -> dict[str, torch.Tensor]:
+        return self.inner.predict(cs.inner, ss, x, mask)
+
+    def trainable_params(self, cs: PrivateClientState) -> int:
+        return self.inner.trainable_params(cs.inner)
+
+    def adapt_for_eval(self, cs: PrivateClientState, ss: Any, data: FedData) -> PrivateClientState:
+        out = self.inner.adapt_for_eval(cs.inner, ss, data)  # the engine takes an override's result as it is
+        return cs if out is None else PrivateClientState(out, cs.releases)
+
+    def prototype_view(self, cs: PrivateClientState, ss: Any, x: torch.Tensor) -> Any:
+        return self.inner.prototype_view(cs.inner, ss, x)
+
+    def paper_round_comm(self, arch: HeadArch, clients: int) -> PaperRoundComm | None:
+        return self.inner.paper_round_comm(arch, clients)
+
+    def linear_head(self, server_state: Any) -> dict[str, torch.Tensor] | None:
+        return self.inner.linear_head(server_state)  # the server state is the inner algorithm's
+
+    # ------------------------------------------------------------------ accounting
+    def releases(self, cs: PrivateClientState) -> int:
+        """The most rounds in which any one client sent non-zero statistics."""
+        return int(cs.releases.max()) if cs.releases.numel() else 0
+
+    def report(self, releases_per_seed: Sequence[int]) -> dict[str, Any]:
+        """results.json's `privacy` block for the seeds' runs (their release counts)."""
+        m = self.mech
+        r = max(releases_per_seed, default=0)
+        eps = epsilon(self.z, m.delta, r, m.accountant)
+        out: dict[str, Any] = {
+            "mechanism": "gaussian", "mode": m.mode, "transform": m.transform, "clip": m.clip,
+            "adjacency": "add or remove one example", "accountant": m.accountant, "delta": m.delta,
+            "noise_multiplier": self.z, "target_epsilon": m.epsilon,
+            "sensitivity": self.sensitivity, "noise_std": self.noise_std,
+            "budget_split": {k: (self.z * self.sensitivity[k] / s) ** 2 for k, s in self.noise_std.items() if s > 0},
+            "releases_per_example": r, "planned_releases": m.releases, "epsilon": eps,
+            "epsilon_all_seeds": epsilon(self.z, m.delta, sum(releases_per_seed), m.accountant),
+            "noise_seed": "secret" if m.noise_seed is None else m.noise_seed,
+        }
+        if m.accountant == "pld":
+            out["pld_value_discretization_interval"] = _pld_interval(self.z, max(r, 1))
+        if m.mode == "distributed":
+            out["noise_std_per_client"] = "noise_std / sqrt(K), K = the round's participants"
+        return out
+
+
+def cli_values(mech: Mechanism | None) -> dict[str, Any]:
+    """The --dp-* options of `fedheads train` / `compare` that give `mech` (None: no DP), keyed
+    as in a --config file."""
+    m = mech or Mechanism(noise_multiplier=1.0)
+    on = mech is not None
+    return {"dp_epsilon": m.epsilon if on else None, "dp_noise_multiplier": m.noise_multiplier if on else None,
+            "dp_delta": m.delta, "dp_clip": m.clip, "dp_transform": m.transform, "dp_mode": m.mode,
+            "dp_accountant": m.accountant,
+            "dp_split": ",".join(f"{k}={w:g}" for k, w in m.split) if on and m.split else None,
+            "dp_noise_seed": m.noise_seed if on else None}
+
+
+def from_cli(dp_epsilon: float | None, dp_noise_multiplier: float | None, dp_delta: float, dp_clip: float,
+             dp_transform: str, dp_mode: str, dp_accountant: str, dp_split: str | None,
+             dp_noise_seed: int | None) -> Mechanism | None:
+    """The Mechanism the --dp-* options ask for; None when neither --dp-epsilon nor
+    --dp-noise-multiplier is given (the other --dp-* options alone do nothing)."""
+    if dp_epsilon is None and dp_noise_multiplier is None:
+        return None
+    split: list[tuple[str, float]] = []
+    for item in (dp_split or "").split(","):
+        if not item.strip():
+            continue
+        k, eq, v = item.partition("=")
+        try:
+            split.append((k.strip(), float(v)))
+        except ValueError:
+            eq = ""
+        if not eq:
+            raise UserError(f"--dp-split {item!r}: expected FIELD=WEIGHT, e.g. sums=0.9,counts=0.1")
+    return Mechanism(clip=dp_clip, transform=dp_transform, noise_multiplier=dp_noise_multiplier, epsilon=dp_epsilon,
+                     delta=dp_delta, mode=dp_mode, accountant=dp_accountant, split=tuple(split),
+                     noise_seed=dp_noise_seed)
+
+
+def mechanism(dp: Mechanism | Mapping[str, Any] | None) -> Mechanism | None:
+    """The API's `dp=`: a Mechanism, or its fields as a mapping ({"epsilon": 1.0, "clip": 1.0})."""
+    if dp is None or isinstance(dp, Mechanism):
+        return dp
+    if not isinstance(dp, Mapping):
+        raise UserError(f"dp: expected a fedheads.privacy.Mechanism or a mapping of its fields, got {type(dp).__name__}")
+    names = {f.name for f in dataclasses.fields(Mechanism)}
+    bad = sorted(set(dp) - names)
+    if bad:
+        raise UserError(f"dp: unknown field {bad[0]!r} (fields: {', '.join(sorted(names))})")
+    kw = dict(dp)
+    if "split" in kw and isinstance(kw["split"], Mapping):
+        kw["split"] = tuple((str(k), float(v)) for k, v in kw["split"].items())
+    return Mechanism(**kw)
