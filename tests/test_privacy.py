@@ -267,3 +267,21 @@ def test_dp_options_parse_into_one_mechanism():
         from_cli(**{**kw, "dp_epsilon": 2.0, "dp_split": "sums"})
     with pytest.raises(UserError, match="--dp-split: give a weight for every field"):
         _private(noise_multiplier=1.0, split=(("sums", 1.0),))
+
+
+@pytest.mark.parametrize("mode", ["central", "distributed"])
+def test_fed3r_under_vanishing_noise_gives_its_non_private_head(mode):
+    """The wrapper needs nothing from an algorithm but its secure form and sensitivities: Fed3R's
+    Gram, class sums and counts (fed3r.py) go through it unchanged."""
+    from fedheads.privacy import Mechanism, Private
+
+    fed = tiny_fed()
+    plain = run(create_algorithm("fed3r"), fed, 1, progress=False)
+    big = float(fed.x_train.norm(dim=-1).max()) * 2  # no feature is clipped
+    alg = Private(create_algorithm("fed3r"), Mechanism(clip=big, noise_multiplier=1e-12, mode=mode, noise_seed=0))
+    res = run(alg, fed, 1, progress=False)
+    w, pw = alg.linear_head(res.server_state), create_algorithm("fed3r").linear_head(plain.server_state)
+    assert w is not None and pw is not None
+    for k in pw:
+        torch.testing.assert_close(w[k], pw[k], rtol=0, atol=1e-6)
+    assert torch.equal(res.final_accuracy(), plain.final_accuracy())
