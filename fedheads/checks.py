@@ -18,8 +18,8 @@ from typing import Any
 from embedcache.errors import UserError, unknown_name
 
 # fedheads.algorithms registry (fedheads/algorithms/*.py)
-ALGORITHMS = ("fedavg", "fedavg-linear", "fedncm", "fedpcl", "fedproto", "fedrep", "lp", "mlp", "perfedavg",
-              "pfedme", "solo")
+ALGORITHMS = ("ccvr", "fedavg", "fedavg-linear", "fedncm", "fedpcl", "fedpft", "fedproto", "fedrep", "lp", "mlp",
+              "perfedavg", "pfedme", "solo")
 FINETUNE_HEADS = ("fedncm", "lp", "random")  # fedheads finetune --head (fedheads.live.heads.HEADS)
 FEDDRA_BASELINES = ("feddra", "fedavg", "fedavg-two-stage", "fedprox", "no-two-stage", "no-constraint",
                     "no-dro")  # fedheads feddra --baseline (fedheads.live.feddra_runner.BASELINES)
