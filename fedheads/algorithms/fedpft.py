@@ -18,10 +18,10 @@ send the feature itself, which FedPFT's data minimisation avoids). The baseline 
 mixtures in float16; ``dtype="float16"`` does the same, float32 by default.
 
 Partial participation works as FedNCM's: a client sends its mixtures once (``sent``); the server
-keeps the synthetic features drawn so far (one row block per client, ``server_client_fields``,
-at most the size of the training features) and, in every round that brings new mixtures,
-re-trains the head from its initialisation on all of them, so the head after every client has
-been seen is the one-round head. The mixtures are not sums: there is no SecAgg+ form."""
+keeps the mixtures received (one row per client, ``server_client_fields``: the round's uplink,
+held) and, in every round that brings new ones, re-trains the head from its initialisation on
+the synthetic features of all of them (a pure function of the mixtures and the seed), so the
+head after every client has been seen is the one-round head. The mixtures are not sums: there is no SecAgg+ form."""
 
 from __future__ import annotations
 
@@ -82,10 +82,11 @@ class FedPFTClientState:
 class FedPFTServerState:
     head: Params  # {"cls.weight": [D, C], "cls.bias": [C]} trained on the synthetic features
     head0: Params  # its initialisation (nn.Linear's, from the run seed): every re-training starts here
-    x_syn: torch.Tensor  # [M, Nmax, D] float32 synthetic features, one row block per client
-    y_syn: torch.Tensor  # [M, Nmax] int64 their classes
-    m_syn: torch.Tensor  # [M, Nmax] bool real synthetic rows
-    owner: torch.Tensor  # [M] int64 global id of the client whose mixtures filled the block (-1: none yet)
+    weights: torch.Tensor  # [M, C, K] the mixtures received, one row per client (as FedPFTMessage)
+    means: torch.Tensor  # [M, C, K, D]
+    covariances: torch.Tensor  # [M, C, ...] by covariance type
+    counts: torch.Tensor  # [M, C] int64 n_kc (0: no mixture)
+    owner: torch.Tensor  # [M] int64 global id of the client whose mixtures the row holds (-1: none yet)
 
 
 @dataclass(frozen=True)
@@ -159,19 +160,19 @@ class FedPFT(AlgorithmBase):
     description = "FedPFT (Beitollahi et al. 2025): per-client class Gaussian mixtures, head trained on synthetic features"
     config = FedPFTConfig
     global_rule = "main"  # every client classifies with the server's head
-    server_client_fields = ("x_syn", "y_syn", "m_syn", "owner")
+    server_client_fields = ("weights", "means", "covariances", "counts", "owner")
 
     def __init__(self, cfg: FedPFTConfig = FedPFTConfig()) -> None:
         self.cfg = cfg
         self.dtype = _DTYPES[cfg.dtype]
 
     def init(self, spec: DataSpec, seed: int) -> Init:
-        M, D, C, dev = spec.num_clients, spec.dim, spec.num_classes, spec.device
-        n = max(spec.n_train) if spec.n_train else 0
+        M, D, C, K, dev = spec.num_clients, spec.dim, spec.num_classes, self.cfg.components, spec.device
         head0 = {k: v.to(dev) for k, v in init_mlp(D, (), C, seed).items()}
-        ss = FedPFTServerState(head0, head0, torch.zeros(M, n, D, device=dev),
-                               torch.zeros(M, n, dtype=torch.int64, device=dev),
-                               torch.zeros(M, n, dtype=torch.bool, device=dev),
+        ss = FedPFTServerState(head0, head0, torch.zeros(M, C, K, dtype=self.dtype, device=dev),
+                               torch.zeros(M, C, K, D, dtype=self.dtype, device=dev),
+                               torch.zeros(M, C, *cov_shape(self.cfg.covariance, K, D), dtype=self.dtype, device=dev),
+                               torch.zeros(M, C, dtype=torch.int64, device=dev),
                                torch.full((M,), -1, dtype=torch.int64, device=dev))
         return Init(FedPFTClientState(torch.zeros(M, dtype=torch.bool, device=dev)), ss, FedPFTBroadcast())
 
@@ -197,41 +198,34 @@ class FedPFT(AlgorithmBase):
 
     def server_aggregate(self, ss: FedPFTServerState, msg: FedPFTMessage,
                          ctx: RoundCtx) -> tuple[FedPFTServerState, FedPFTBroadcast]:
-        counts = msg.counts.cpu()
-        if not bool((counts > 0).any()):
+        new = (msg.counts > 0).any(1)
+        if not bool(new.any()):
             return ss, FedPFTBroadcast()
-        x_syn, y_syn, m_syn, owner = ss.x_syn.clone(), ss.y_syn.clone(), ss.m_syn.clone(), ss.owner.clone()
-        for r, pos in enumerate(ctx.participants.tolist()):
-            if not bool((counts[r] > 0).any()):
-                continue
-            cid = int(msg.client[r])
-            xs, ys = self.synthetic(msg, r, ctx.seed)
-            x_syn[pos], y_syn[pos], m_syn[pos] = 0.0, 0, False
-            x_syn[pos, :len(ys)], y_syn[pos, :len(ys)], m_syn[pos, :len(ys)] = xs.to(x_syn.device), ys.to(y_syn.device), True
-            owner[pos] = cid
-        head = self.train_head(ss.head0, x_syn, y_syn, m_syn, owner, ctx.seed)
-        return replace(ss, head=head, x_syn=x_syn, y_syn=y_syn, m_syn=m_syn, owner=owner), FedPFTBroadcast()
+        pos = ctx.participants.to(ss.owner.device)[new.to(ss.owner.device)]
+        rows = new.nonzero().view(-1)
+        put = lambda held, got: held.index_copy(0, pos, got.index_select(0, rows).to(held.device, held.dtype))  # noqa: E731
+        ss = replace(ss, weights=put(ss.weights, msg.weights), means=put(ss.means, msg.means),
+                     covariances=put(ss.covariances, msg.covariances), counts=put(ss.counts, msg.counts),
+                     owner=put(ss.owner, msg.client))
+        x, y = self.synthetic(ss, ctx.seed)
+        head = fit_linear(ss.head0, x.to(ss.head0["cls.weight"].device), y.to(ss.head0["cls.weight"].device),
+                          optimizer="adamw", lr=self.cfg.lr, weight_decay=self.cfg.weight_decay,
+                          epochs=self.cfg.epochs, batch_size=self.cfg.batch_size, key=(ctx.seed, 0xF7))
+        return replace(ss, head=head), FedPFTBroadcast()
 
-    def synthetic(self, msg: FedPFTMessage, r: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Row r's synthetic features: n_kc draws from each class mixture it sent (Sec. 4)."""
-        cid, xs, ys = int(msg.client[r]), [], []
-        for c, n in enumerate(msg.counts[r].tolist()):
-            if n > 0:
-                xs.append(sample_mixture(msg.weights[r, c].cpu(), msg.means[r, c].cpu(), msg.covariances[r, c].cpu(),
-                                         self.cfg.covariance, n, seed, cid, c))
-                ys.append(torch.full((n,), c, dtype=torch.int64))
+    def synthetic(self, ss: FedPFTServerState, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every synthetic feature the held mixtures give (server side of Sec. 4): n_kc draws from
+        client k's mixture of class c, keyed by (seed, k's global id, c, row) and listed by
+        client id, whatever the clients' positions in the federation."""
+        owner = ss.owner.cpu()
+        xs, ys = [], []
+        for p in sorted((p for p in range(owner.numel()) if owner[p] >= 0), key=lambda p: int(owner[p])):
+            for c, n in enumerate(ss.counts[p].tolist()):
+                if n > 0:
+                    xs.append(sample_mixture(ss.weights[p, c].cpu(), ss.means[p, c].cpu(),
+                                             ss.covariances[p, c].cpu(), self.cfg.covariance, n, seed, int(owner[p]), c))
+                    ys.append(torch.full((n,), c, dtype=torch.int64))
         return torch.cat(xs).float(), torch.cat(ys)
-
-    def train_head(self, head0: Params, x_syn: torch.Tensor, y_syn: torch.Tensor, m_syn: torch.Tensor,
-                   owner: torch.Tensor, seed: int) -> Params:
-        """The head trained from head0 on every synthetic feature held (server side of Sec. 4),
-        rows in an order keyed by (owner id, row), whatever the clients' positions."""
-        pos, row = m_syn.nonzero(as_tuple=True)
-        key = rng.hash_keys(owner[pos].cpu(), row.cpu())  # a stable, position-free row order
-        first = torch.argsort(key, stable=True)
-        x, y = x_syn[pos[first], row[first]], y_syn[pos[first], row[first]]
-        return fit_linear(head0, x, y, optimizer="adamw", lr=self.cfg.lr, weight_decay=self.cfg.weight_decay,
-                          epochs=self.cfg.epochs, batch_size=self.cfg.batch_size, key=(seed, 0xF7))
 
     def predict(self, cs: FedPFTClientState, ss: FedPFTServerState, x: torch.Tensor,
                 mask: torch.Tensor) -> dict[str, torch.Tensor]:
