@@ -260,3 +260,28 @@ def test_cli_train_then_predict_equals_the_evaluation(tmp_path):
     acc = _accuracy_by_client(_read_predictions(out))
     for c in CLIENTS:
         assert acc[c] == pytest.approx(res["per_client"][c]["mean"], abs=1e-6), c
+
+
+def test_flower_secagg_gives_the_engines_head(tmp_path):
+    """Through Flower's SecAgg+ (in-process simulation) the statistics and FedAvg deltas arrive as
+    quantised sums: the FedAvg and calibrated heads equal the loop engine's to that rounding."""
+    pytest.importorskip("flwr")
+    from flower_helpers import write_store
+
+    from fedheads.data import load_fed_data
+    from fedheads.flower.server import FlowerRunConfig
+    from fedheads.flower.sim import simulate_store
+    from fedheads.runner import TrainOptions, build_algorithm
+
+    store = write_store(tmp_path)
+    out = simulate_store(FlowerRunConfig(algorithm="ccvr", backbones="synth", rounds=2, timeout=120, secagg=True,
+                                         seed=3), store)
+    alg, _, _ = build_algorithm("ccvr", TrainOptions(), strict=True)
+    ref = run(alg, load_fed_data(store, ["synth"], "cpu"), 2, seed=3, engine="loop", progress=False).server_state
+    got = out["server_state"]
+    assert torch.equal(got.counts, ref.counts) and bool(got.reported.all())
+    torch.testing.assert_close(got.sums, ref.sums, rtol=1e-6, atol=1e-6)
+    assert not torch.equal(got.sums, ref.sums)  # quantised secure sums, not the plain message
+    for k in ref.calibrated:
+        torch.testing.assert_close(got.lp.params[k], ref.lp.params[k], rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(got.calibrated[k], ref.calibrated[k], rtol=1e-4, atol=1e-4)

@@ -312,7 +312,7 @@ class CCVR(AlgorithmBase):
         def sums(m: CCVRMessage | DeltaMessage) -> dict[str, torch.Tensor]:
             d = m.lp if isinstance(m, CCVRMessage) else m
             out = {f"wdelta.{k}": d.weight[0].double() * v[0].double() for k, v in d.delta.items()}
-            out["weight"] = d.weight[0].double()
+            out["weight"] = d.weight[:1].double()  # [1]: the secure sums are arrays
             if isinstance(m, CCVRMessage):
                 out.update(sums=m.sums[0], sq=m.sq[0], counts=m.counts[0].double())
             return out
