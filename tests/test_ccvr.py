@@ -285,3 +285,43 @@ def test_flower_secagg_gives_the_engines_head(tmp_path):
     for k in ref.calibrated:
         torch.testing.assert_close(got.lp.params[k], ref.lp.params[k], rtol=1e-4, atol=1e-5)
         torch.testing.assert_close(got.calibrated[k], ref.calibrated[k], rtol=1e-4, atol=1e-4)
+
+
+def test_head_of_a_saved_run_is_calibrated(tmp_path):
+    """head=RUN_DIR: the saved LP run's head is read off its predict, left as it is ("fedavg"
+    scores what the LP run scored) and calibrated; a head that is not x W + b is refused."""
+    import json
+
+    from test_fedheads_cli import CLIENTS, _invoke, _write_store
+
+    store = _write_store(tmp_path)
+    base = ["--store", str(store), "--backbones", "synth", "--seeds", "1", "--quiet"]
+    assert _invoke(["train", *base, "--algorithm", "lp", "--rounds", "3", "--out", str(tmp_path / "lp")]).exit_code == 0
+    r = _invoke(["train", *base, "--algorithm", "ccvr", "--rounds", "2", "--out", str(tmp_path / "cal"),
+                 "--set", f"head={tmp_path / 'lp'}"])
+    assert r.exit_code == 0, r.output
+    lp = json.loads((tmp_path / "lp" / "results.json").read_text())
+    cal = json.loads((tmp_path / "cal" / "results.json").read_text())
+    last = {(row["client"], row["rule"]): row["accuracy"] for row in _rows(tmp_path / "cal") if row["round"] == "2"}
+    for c in CLIENTS:
+        assert float(last[(c, "fedavg")]) == pytest.approx(lp["per_client"][c]["mean"], abs=1e-3)  # csv: 4 decimals
+    assert cal["trainable_params_per_client"] == 0
+    from fedheads.predict import open_run
+
+    saved = open_run(tmp_path / "lp").server_state.params
+    ss = open_run(tmp_path / "cal").server_state
+    for k in saved:  # read off predict: float32 rounding of x W + b
+        torch.testing.assert_close(ss.lp.params[k], saved[k], rtol=1e-6, atol=1e-6)
+    assert not torch.equal(ss.calibrated["cls.weight"], saved["cls.weight"])
+    assert _invoke(["train", *base, "--algorithm", "fedncm", "--rounds", "1", "--out", str(tmp_path / "ncm")]).exit_code == 0
+    r = _invoke(["train", *base, "--algorithm", "ccvr", "--rounds", "1", "--out", str(tmp_path / "bad"),
+                 "--set", f"head={tmp_path / 'ncm'}"])
+    assert r.exit_code != 0 and "not a linear head" in r.output and r.output.count("\n") == 1, r.output
+
+
+def _rows(run_dir):
+    import csv
+
+    (path,) = run_dir.glob("metrics*.csv")
+    with open(path) as f:
+        return list(csv.DictReader(f))

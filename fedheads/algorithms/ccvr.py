@@ -34,7 +34,12 @@ in a round that still collects (as FedNCM under partial participation), and cali
 clients reported so far. The paper calibrates the model of a finished FedAvg run once; here the
 head after R rounds is the FedAvg-LP head of R rounds, calibrated.
 
-Not done here: calibrating a head saved by another run (the issue's "any trained fedheads run")."""
+``head=RUN_DIR`` calibrates the head of any saved ``fedheads train`` run instead (one seed, the
+first unless ``head_seed``): its global rule must be a linear head, scores = x W + b, which is
+read off the run's own ``predict`` at x = 0 and the unit vectors and checked on random features
+(FedNCM's cosine rule, for one, is refused). The clients then train nothing: they send their
+statistics, and the server, in its first round, reads that head and calibrates it (so the
+states this run saves hold it, and predicting from them does not read the other run)."""
 
 from __future__ import annotations
 
@@ -46,7 +51,7 @@ import torch
 from embedcache.errors import UserError
 from fedheads.algorithms.fedncm import client_stats
 from fedheads.algorithms.lp import HeadBroadcast, HeadClientState, HeadServerState, HeadTuning, LPConfig, logits
-from fedheads.algorithms.pfl_common import DeltaMessage, config_from_kwargs, expand
+from fedheads.algorithms.pfl_common import DeltaMessage, Empty, config_from_kwargs, expand
 from fedheads.core import rng
 from fedheads.core.config import setting
 from fedheads.core.heads import Params, count_params
@@ -79,6 +84,9 @@ class CCVRConfig:
     server_opt: str = setting("fedavg", "server optimiser of the head: fedavg | fedprox | fedadam | fedavgm",
                               source="lp.py")
     server_lr: float | None = setting(None, "server step size; None: the optimiser's default", source="lp.py")
+    head: str | None = setting(None, "a fedheads run directory whose linear head is calibrated (no FedAvg "
+                               "rounds); None: the FedAvg-LP head trained here", source="")
+    head_seed: int | None = setting(None, "the seed of that run whose head is calibrated; None: its first")
 
     def __post_init__(self) -> None:
         if self.virtual_per_class < 1 or self.calib_epochs < 1:
@@ -115,16 +123,17 @@ class CCVRServerState:
 class CCVRBroadcast:
     lp: HeadBroadcast  # the FedAvg head
     collect: bool  # some client has not sent its statistics yet
+    trains: bool  # the clients train the head (False: a saved head is calibrated, clients only need `collect`)
 
     def comm_size(self) -> tuple[int, int]:
-        return self.lp.comm_size()
+        return self.lp.comm_size() if self.trains else (1, 1)
 
 
 @dataclass(frozen=True)
 class CCVRMessage:
     """A FedAvg update plus, while the server collects them, the class statistics."""
 
-    lp: DeltaMessage  # w_k - w and its weight n_k
+    lp: DeltaMessage | None  # w_k - w and its weight n_k (None: calibrating a saved head, nothing trains)
     sums: torch.Tensor  # [M, C, D] float64 s_kc (zeros once sent)
     sq: torch.Tensor  # [M, C, D, D] float64 q_kc (or FL-bench's form, module docstring)
     counts: torch.Tensor  # [M, C] int64 n_kc
@@ -240,6 +249,7 @@ class CCVR(AlgorithmBase):
         self.lp = HeadTuning(cfg.lp_config(), name="lp")
         self.calib_lr = cfg.calib_lr if cfg.calib_lr is not None else cfg.optimizer.lr
         self.calib_bs = cfg.calib_batch_size if cfg.calib_batch_size is not None else cfg.batch_size
+        self._saved: tuple[torch.Tensor, torch.Tensor] | None = None  # head=RUN_DIR's (W, b), once read
 
     def init(self, spec: DataSpec, seed: int) -> Init:
         lp = self.lp.init(spec, seed)
@@ -250,14 +260,18 @@ class CCVR(AlgorithmBase):
                              torch.zeros(spec.num_clients, dtype=torch.bool, device=dev),
                              _head(lp.server_state.params))
         cs = CCVRClientState(lp.client_state, torch.zeros(spec.num_clients, dtype=torch.bool, device=dev))
-        return Init(cs, ss, CCVRBroadcast(lp.broadcast, True))
+        return Init(cs, ss, CCVRBroadcast(lp.broadcast, True, self.cfg.head is None))
 
     def client_update(self, cs: CCVRClientState, bc: CCVRBroadcast, data: FedData,
-                      ctx: RoundCtx) -> tuple[CCVRClientState, CCVRMessage | DeltaMessage]:
-        lp_cs, delta = self.lp.client_update(cs.lp, bc.lp, data, ctx)
-        assert isinstance(delta, DeltaMessage)
+                      ctx: RoundCtx) -> tuple[CCVRClientState, CCVRMessage | DeltaMessage | Empty]:
+        delta: DeltaMessage | None = None
+        lp_cs = cs.lp
+        if self.cfg.head is None:  # FedAvg-LP's local training
+            lp_cs, d = self.lp.client_update(cs.lp, bc.lp, data, ctx)
+            assert isinstance(d, DeltaMessage)
+            delta = d
         if not bc.collect:
-            return CCVRClientState(lp_cs, cs.sent), delta
+            return CCVRClientState(lp_cs, cs.sent), Empty() if delta is None else delta
         fresh = ~cs.sent.to(data.device)
         sums, counts = client_stats(data.x_train, data.y_train, data.m_train, data.num_classes)
         sq = second_moments(data.x_train, data.y_train, data.m_train, data.num_classes)
@@ -271,11 +285,13 @@ class CCVR(AlgorithmBase):
                           counts * fresh.view(-1, 1).to(counts.dtype), fresh)
         return CCVRClientState(lp_cs, torch.ones_like(cs.sent)), msg
 
-    def server_aggregate(self, ss: CCVRServerState, msg: CCVRMessage | DeltaMessage,
+    def server_aggregate(self, ss: CCVRServerState, msg: CCVRMessage | DeltaMessage | Empty,
                          ctx: RoundCtx) -> tuple[CCVRServerState, CCVRBroadcast]:
+        if isinstance(msg, Empty):  # a saved head, every statistic in: nothing changes
+            return ss, CCVRBroadcast(HeadBroadcast(ss.lp.params, False), False, False)
         if isinstance(msg, CCVRMessage):  # sums of client contributions ...
             ss = self._collect(ss, msg.sums.sum(0), msg.sq.sum(0), msg.counts.sum(0), msg.fresh, ctx)
-            msg = msg.lp
+            return self._step(ss, msg.lp, ctx)
         return self._step(ss, msg, ctx)  # ... then FedAvg and the calibration (the finalize)
 
     def _collect(self, ss: CCVRServerState, sums: torch.Tensor, sq: torch.Tensor, counts: torch.Tensor,
@@ -285,10 +301,26 @@ class CCVR(AlgorithmBase):
         return replace(ss, sums=ss.sums + sums.to(ss.sums.dtype), sq=ss.sq + sq.to(ss.sq.dtype),
                        counts=ss.counts + counts.to(ss.counts.dtype), reported=reported)
 
-    def _step(self, ss: CCVRServerState, msg: DeltaMessage, ctx: RoundCtx) -> tuple[CCVRServerState, CCVRBroadcast]:
-        lp_ss, lp_bc = self.lp.server_aggregate(ss.lp, msg, ctx)
+    def _step(self, ss: CCVRServerState, msg: DeltaMessage | None,
+              ctx: RoundCtx) -> tuple[CCVRServerState, CCVRBroadcast]:
+        if msg is None:  # a saved head (read by the server, once): calibrated, never trained
+            lp_ss = replace(ss.lp, params=self.saved_head(ss.lp.params))
+            lp_bc = HeadBroadcast(lp_ss.params, False)
+        else:
+            lp_ss, lp_bc = self.lp.server_aggregate(ss.lp, msg, ctx)
         calibrated = self.calibrate(_head(lp_ss.params), ss.sums, ss.sq, ss.counts, ctx.seed, ctx.round)
-        return replace(ss, lp=lp_ss, calibrated=calibrated), CCVRBroadcast(lp_bc, not bool(ss.reported.all()))
+        bc = CCVRBroadcast(lp_bc, not bool(ss.reported.all()), msg is not None)
+        return replace(ss, lp=lp_ss, calibrated=calibrated), bc
+
+    def saved_head(self, like: Params) -> Params:
+        """The head of the run `head` names (read on the first call; the run's own states, saved
+        and predicted from, never read it again)."""
+        assert self.cfg.head is not None
+        if self._saved is None:
+            D, C = like["cls.weight"].shape
+            self._saved = saved_linear_head(self.cfg.head, self.cfg.head_seed, D, C)
+        w, b = self._saved
+        return {**like, "cls.weight": w.to(like["cls.weight"].device), "cls.bias": b.to(like["cls.bias"].device)}
 
     def calibrate(self, head: Params, sums: torch.Tensor, sq: torch.Tensor, counts: torch.Tensor,
                   seed: int, round_: int) -> Params:
@@ -302,8 +334,10 @@ class CCVR(AlgorithmBase):
                 mask: torch.Tensor) -> dict[str, torch.Tensor]:
         M = x.shape[0]
         cal = logits(expand(ss.calibrated, M), x, 0)
-        return {"main": cal, "fedavg": logits(expand(ss.lp.params, M), x, 0),
-                "local_model": logits(cs.lp.params, x, 0)}
+        out = {"main": cal, "fedavg": logits(expand(ss.lp.params, M), x, 0)}  # "fedavg": the head before calibration
+        if self.cfg.head is None:
+            out["local_model"] = logits(cs.lp.params, x, 0)
+        return out
 
     def secure_form(self, message: object = None) -> SecureForm:
         """Under SecAgg+ the server sees the sums of the class statistics (CCVR Eq. 4 as sums) and
@@ -311,8 +345,10 @@ class CCVR(AlgorithmBase):
         statistics are new travel in the clear (the server learns who has reported, not what)."""
         def sums(m: CCVRMessage | DeltaMessage) -> dict[str, torch.Tensor]:
             d = m.lp if isinstance(m, CCVRMessage) else m
-            out = {f"wdelta.{k}": d.weight[0].double() * v[0].double() for k, v in d.delta.items()}
-            out["weight"] = d.weight[:1].double()  # [1]: the secure sums are arrays
+            out: dict[str, torch.Tensor] = {}
+            if d is not None:
+                out = {f"wdelta.{k}": d.weight[0].double() * v[0].double() for k, v in d.delta.items()}
+                out["weight"] = d.weight[:1].double()  # [1]: the secure sums are arrays
             if isinstance(m, CCVRMessage):
                 out.update(sums=m.sums[0], sq=m.sq[0], counts=m.counts[0].double())
             return out
@@ -322,16 +358,50 @@ class CCVR(AlgorithmBase):
 
         def aggregate(ss: CCVRServerState, flags: CCVRFresh | None, tot: dict[str, torch.Tensor],
                       ctx: RoundCtx) -> tuple[CCVRServerState, CCVRBroadcast]:
-            w = tot["weight"]
-            delta = {k[len("wdelta."):]: (v / w).float()[None] for k, v in tot.items() if k.startswith("wdelta.")}
+            d = None
+            if "weight" in tot:
+                w = tot["weight"]
+                delta = {k[len("wdelta."):]: (v / w).float()[None] for k, v in tot.items() if k.startswith("wdelta.")}
+                d = DeltaMessage(delta, {}, w.float().view(1))
             if flags is not None:
                 ss = self._collect(ss, tot["sums"], tot["sq"], tot["counts"].round().to(torch.int64), flags.fresh, ctx)
-            return self._step(ss, DeltaMessage(delta, {}, w.float().view(1)), ctx)
+            return self._step(ss, d, ctx)
 
         return SecureForm(sums, ("counts",), clear, aggregate)
 
     def trainable_params(self, cs: CCVRClientState) -> int:
-        return count_params(cs.lp.params)
+        return 0 if self.cfg.head is not None else count_params(cs.lp.params)
+
+
+def saved_linear_head(run_dir: str, seed: int | None, dim: int, num_classes: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(W [D, C], b [C]) of a saved run's global rule, read off its `predict` at x = 0 and at the
+    unit vectors; UserError (one line) when the run does not fit or its rule is not x W + b."""
+    from fedheads.predict import open_run
+
+    tr = open_run(run_dir, seed)
+    rule = tr.alg.global_rule
+    where = f"head={run_dir}"
+    if rule is None:
+        raise UserError(f"{where}: {tr.alg.name} has no global model to calibrate (its heads are per client)")
+    if tr.dim != dim or len(tr.classes) != num_classes:
+        raise UserError(f"{where}: a head for {tr.dim}-d features and {len(tr.classes)} classes; this store has "
+                        f"{dim}-d features and {num_classes} classes")
+    M = len(tr.clients)
+
+    def scores(x: torch.Tensor) -> torch.Tensor:
+        xs = x.to(tr.device, torch.float32).unsqueeze(0).expand(M, -1, -1)
+        with torch.no_grad():
+            out = tr.alg.predict(tr.client_state, tr.server_state, xs, torch.ones(xs.shape[:2], dtype=torch.bool))
+        return out[rule][0].double().cpu()
+
+    s = scores(torch.cat([torch.zeros(1, dim), torch.eye(dim)]))
+    b, w = s[0], s[1:] - s[0]
+    probe = torch.randn(8, dim, generator=torch.Generator().manual_seed(0))
+    got, want = scores(probe), probe.double() @ w + b
+    if not bool(torch.isfinite(s).all()) or not torch.allclose(got, want, rtol=1e-4, atol=1e-4 * float(want.abs().max())):
+        raise UserError(f"{where}: {tr.alg.name}'s rule {rule!r} is not a linear head (scores x W + b), which CCVR "
+                        "re-trains; calibrate a run of lp, fedavg-linear, ccvr or fedpft")
+    return w.float(), b.float()
 
 
 def _head(params: Params) -> Params:
