@@ -19,6 +19,7 @@ from fedheads.algorithms.ccvr import (
     CCVRMessage,
     class_gaussians,
     fit_linear,
+    gaussian_factor,
     second_moments,
     virtual_features,
 )
@@ -134,12 +135,13 @@ def test_virtual_features_have_the_class_moments_and_are_keyed():
     mu = torch.tensor([[1.0, -2.0, 0.5], [0.0, 0.0, 0.0]], dtype=torch.float64)
     a = torch.tensor([[1.0, 0.0, 0.0], [0.5, 1.0, 0.0], [0.0, 0.0, 0.0]], dtype=torch.float64)
     cov = torch.stack([a @ a.T, torch.eye(3, dtype=torch.float64)])  # class 0's is singular
-    z, y = virtual_features(mu, cov, torch.tensor([True, False]), 40000, seed=3, round_=1)
+    f = gaussian_factor(cov)
+    z, y = virtual_features(mu, f, torch.tensor([True, False]), 40000, seed=3, round_=1)
     assert z.dtype == torch.float32 and y.tolist() == [0] * 40000  # the unusable class draws nothing
     torch.testing.assert_close(z.double().mean(0), mu[0], atol=0.03, rtol=0)
     torch.testing.assert_close(z.double().T.cov(), cov[0], atol=0.03, rtol=0)
-    assert torch.equal(z, virtual_features(mu, cov, torch.tensor([True, False]), 40000, 3, 1)[0])
-    assert not torch.equal(z, virtual_features(mu, cov, torch.tensor([True, False]), 40000, 3, 2)[0])
+    assert torch.equal(z, virtual_features(mu, f, torch.tensor([True, False]), 40000, 3, 1)[0])
+    assert not torch.equal(z, virtual_features(mu, f, torch.tensor([True, False]), 40000, 3, 2)[0])
 
 
 def test_calibration_is_fl_bench_sgd_loop():

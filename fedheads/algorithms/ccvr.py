@@ -116,6 +116,9 @@ class CCVRServerState:
     sq: torch.Tensor  # [C, D, D] float64 sum_k q_kc
     counts: torch.Tensor  # [C] int64 N_c
     reported: torch.Tensor  # [M] bool, one row per client: its statistics have arrived
+    mu: torch.Tensor  # [C, D] float64 mu_c of the statistics so far
+    factor: torch.Tensor  # [C, D, D] float64 A_c, A_c A_c^T = Sigma_c (computed when statistics arrive)
+    usable: torch.Tensor  # [C] bool N_c >= 2
     calibrated: Params  # {"cls.weight": [D, C], "cls.bias": [C]} the calibrated head
 
 
@@ -185,10 +188,11 @@ def gaussian_factor(cov: torch.Tensor) -> torch.Tensor:
     return vec * lam.clamp(min=0).sqrt().unsqueeze(-2)
 
 
-def virtual_features(mu: torch.Tensor, cov: torch.Tensor, usable: torch.Tensor, per_class: int, seed: int,
+def virtual_features(mu: torch.Tensor, factor: torch.Tensor, usable: torch.Tensor, per_class: int, seed: int,
                      round_: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(z [V, D] float32, labels [V]) with `per_class` draws z = mu_c + A_c eps for every usable
-    class c (CCVR Sec. 4, Eq. 5); eps is keyed by (seed, round, c, j, d)."""
+    class c (CCVR Sec. 4, Eq. 5; A_c = `factor`[c], gaussian_factor of Sigma_c); eps is keyed by
+    (seed, round, c, j, d)."""
     C, D = mu.shape
     cls = usable.nonzero().view(-1)
     if cls.numel() == 0:
@@ -196,7 +200,7 @@ def virtual_features(mu: torch.Tensor, cov: torch.Tensor, usable: torch.Tensor, 
     j = torch.arange(per_class, device=mu.device)
     d = torch.arange(D, device=mu.device)
     eps = rng.normal(seed, round_, cls.view(-1, 1, 1), j.view(1, -1, 1), d.view(1, 1, -1)).to(mu.device)
-    z = mu[cls].unsqueeze(1) + eps @ gaussian_factor(cov[cls]).transpose(1, 2)
+    z = mu[cls].unsqueeze(1) + eps @ factor[cls].transpose(1, 2)
     return z.reshape(-1, D).float(), cls.repeat_interleave(per_class)
 
 
@@ -258,7 +262,9 @@ class CCVR(AlgorithmBase):
                              torch.zeros(C, D, D, dtype=torch.float64, device=dev),
                              torch.zeros(C, dtype=torch.int64, device=dev),
                              torch.zeros(spec.num_clients, dtype=torch.bool, device=dev),
-                             _head(lp.server_state.params))
+                             torch.zeros(C, D, dtype=torch.float64, device=dev),
+                             torch.zeros(C, D, D, dtype=torch.float64, device=dev),
+                             torch.zeros(C, dtype=torch.bool, device=dev), _head(lp.server_state.params))
         cs = CCVRClientState(lp.client_state, torch.zeros(spec.num_clients, dtype=torch.bool, device=dev))
         return Init(cs, ss, CCVRBroadcast(lp.broadcast, True, self.cfg.head is None))
 
@@ -298,8 +304,10 @@ class CCVR(AlgorithmBase):
                  fresh: torch.Tensor, ctx: RoundCtx) -> CCVRServerState:
         reported = ss.reported.clone()
         reported[ctx.participants.to(reported.device)] |= fresh.to(reported.device)
-        return replace(ss, sums=ss.sums + sums.to(ss.sums.dtype), sq=ss.sq + sq.to(ss.sq.dtype),
-                       counts=ss.counts + counts.to(ss.counts.dtype), reported=reported)
+        sums, sq, counts = ss.sums + sums.to(ss.sums.dtype), ss.sq + sq.to(ss.sq.dtype), ss.counts + counts.to(ss.counts.dtype)
+        mu, cov, usable = class_gaussians(sums, sq, counts)  # the finalize, once per new statistics
+        return replace(ss, sums=sums, sq=sq, counts=counts, reported=reported, mu=mu, factor=gaussian_factor(cov),
+                       usable=usable)
 
     def _step(self, ss: CCVRServerState, msg: DeltaMessage | None,
               ctx: RoundCtx) -> tuple[CCVRServerState, CCVRBroadcast]:
@@ -308,7 +316,7 @@ class CCVR(AlgorithmBase):
             lp_bc = HeadBroadcast(lp_ss.params, False)
         else:
             lp_ss, lp_bc = self.lp.server_aggregate(ss.lp, msg, ctx)
-        calibrated = self.calibrate(_head(lp_ss.params), ss.sums, ss.sq, ss.counts, ctx.seed, ctx.round)
+        calibrated = self.calibrate(_head(lp_ss.params), ss, ctx.seed, ctx.round)
         bc = CCVRBroadcast(lp_bc, not bool(ss.reported.all()), msg is not None)
         return replace(ss, lp=lp_ss, calibrated=calibrated), bc
 
@@ -322,11 +330,9 @@ class CCVR(AlgorithmBase):
         w, b = self._saved
         return {**like, "cls.weight": w.to(like["cls.weight"].device), "cls.bias": b.to(like["cls.bias"].device)}
 
-    def calibrate(self, head: Params, sums: torch.Tensor, sq: torch.Tensor, counts: torch.Tensor,
-                  seed: int, round_: int) -> Params:
+    def calibrate(self, head: Params, ss: CCVRServerState, seed: int, round_: int) -> Params:
         """The head re-trained on virtual features of the class Gaussians (CCVR Sec. 4)."""
-        mu, cov, usable = class_gaussians(sums, sq, counts)
-        z, y = virtual_features(mu, cov, usable, self.cfg.virtual_per_class, seed, round_)
+        z, y = virtual_features(ss.mu, ss.factor, ss.usable, self.cfg.virtual_per_class, seed, round_)
         return fit_linear(head, z, y, optimizer="sgd", lr=self.calib_lr, epochs=self.cfg.calib_epochs,
                           batch_size=self.calib_bs, key=(seed, round_, 0xCC))
 
