@@ -1,5 +1,5 @@
 """CCVR (fedheads/algorithms/ccvr.py): the federated class Gaussians equal FL-bench's combination of
-local means and covariances (CCVR Eq. 4), the calibration is FL-bench's SGD loop on the virtual
+local means and covariances (CCVR Sec. 4), the calibration is FL-bench's SGD loop on the virtual
 features, runs are a function of the seed, both engines agree, SecAgg+'s sums give the same head,
 and on a label-skewed federation the calibrated head beats the FedAvg head it calibrates."""
 
@@ -96,8 +96,8 @@ def skewed_fed(M: int = 8, D: int = 5, C: int = 4, seed: int = 0) -> FedData:
 
 @pytest.mark.parametrize("covariance,correction", [("paper", 1), ("fl-bench", 0)])
 def test_class_gaussians_equal_fl_bench_combination(covariance, correction):
-    """Our sums-based mu_c, Sigma_c equal FL-bench's Eq. 4 combination of local statistics: with
-    unbiased local covariances (the paper's Eq. 3) for "paper", with FL-bench's own correction=0
+    """Our sums-based mu_c, Sigma_c equal FL-bench's combination of local statistics: with
+    unbiased local covariances (the paper's) for "paper", with FL-bench's own correction=0
     for "fl-bench"."""
     data = tiny_fed(M=5, D=4, C=3, seed=2)
     alg = CCVR(CCVRConfig(covariance=covariance))

@@ -7,13 +7,15 @@ Statistics (Sec. 4, "Feature distribution estimation"). Client k sends, per clas
 s_kc = sum x, q_kc = sum x x^T and the count n_kc. The server forms N_c = sum_k n_kc,
 mu_c = sum_k s_kc / N_c and the unbiased covariance
     Sigma_c = (sum_k q_kc - N_c mu_c mu_c^T) / (N_c - 1),
-which equals the paper's Eq. (4), Sigma_c = sum_k (n_kc - 1)/(N_c - 1) Sigma_kc
-+ sum_k n_kc/(N_c - 1) mu_kc mu_kc^T - N_c/(N_c - 1) mu_c mu_c^T, for unbiased local Sigma_kc
-(Eq. 3). Sent as sums, the statistics run under SecAgg+ as they are (`secure_form`), in float64.
-``covariance="fl-bench"`` reproduces KarhouTam/FL-bench (src/server/ccvr.py, the reference code:
-the paper has none), whose clients put the population covariance (``correction=0``) into Eq. 4;
-each client then sends (n_kc - 1)/n_kc q_kc + mu_kc mu_kc^T in place of q_kc, still a sum.
-Classes with N_c < 2 have no covariance and get no virtual features (as FL-bench).
+which equals the paper's global covariance from local ones (Sec. 4),
+    Sigma_c = sum_k (n_kc - 1)/(N_c - 1) Sigma_kc + sum_k n_kc/(N_c - 1) mu_kc mu_kc^T
+              - N_c/(N_c - 1) mu_c mu_c^T,
+for unbiased local covariances Sigma_kc. Sent as sums, the statistics run under SecAgg+ as they
+are (`secure_form`), in float64. ``covariance="fl-bench"`` reproduces KarhouTam/FL-bench
+(src/server/ccvr.py, the reference code: the paper has none), whose clients put the population
+covariance (``correction=0``) into that formula; each client then sends
+(n_kc - 1)/n_kc q_kc + mu_kc mu_kc^T in place of q_kc, still a sum. Classes with N_c < 2 have
+no covariance and get no virtual features (as FL-bench).
 
 Calibration (Sec. 4, "Virtual representations generation" and "Classifier re-training"): M_c =
 ``virtual_per_class`` features z ~ N(mu_c, Sigma_c) per class (z = mu_c + A_c eps with A_c A_c^T
@@ -75,8 +77,8 @@ class CCVRConfig:
     calib_batch_size: int | None = setting(None, "calibration mini-batch size; None: the clients' batch_size",
                                            source="FL-bench calibrate_classifier")
     calib_epochs: int = setting(1, "passes over the virtual features", source="FL-bench calibrate_classifier")
-    covariance: str = setting("paper", "'paper' (unbiased local covariances in Eq. 4) | 'fl-bench' (its "
-                              "correction=0 local covariances)", source="Sec. 4, Eq. 3-4")
+    covariance: str = setting("paper", "'paper' (the pooled unbiased covariance) | 'fl-bench' (its "
+                              "correction=0 local covariances)", source="Sec. 4")
     optimizer: OptimizerConfig = setting(default_factory=lambda: OptimizerConfig("sgd", lr=0.1, weight_decay=0.0),
                                          doc="client optimiser of the FedAvg rounds", source="FedNCM App. B (lp)")
     batch_size: int = setting(32, "local mini-batch size of the FedAvg rounds", source="FedPCL Sec. 5.1 (lp)")
@@ -169,7 +171,7 @@ def second_moments(x: torch.Tensor, y: torch.Tensor, mask: torch.Tensor, num_cla
 
 def class_gaussians(sums: torch.Tensor, sq: torch.Tensor, counts: torch.Tensor,
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(mu [C, D], Sigma [C, D, D], usable [C]) from summed statistics (CCVR Eq. 4 as sums);
+    """(mu [C, D], Sigma [C, D, D], usable [C]) from summed statistics (CCVR Sec. 4's global covariance as sums);
     classes with N_c < 2 are not usable (zeros)."""
     n = counts.to(sums.dtype)
     usable = counts >= 2
@@ -191,7 +193,7 @@ def gaussian_factor(cov: torch.Tensor) -> torch.Tensor:
 def virtual_features(mu: torch.Tensor, factor: torch.Tensor, usable: torch.Tensor, per_class: int, seed: int,
                      round_: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(z [V, D] float32, labels [V]) with `per_class` draws z = mu_c + A_c eps for every usable
-    class c (CCVR Sec. 4, Eq. 5; A_c = `factor`[c], gaussian_factor of Sigma_c); eps is keyed by
+    class c (CCVR Sec. 4; A_c = `factor`[c], gaussian_factor of Sigma_c); eps is keyed by
     (seed, round, c, j, d)."""
     C, D = mu.shape
     cls = usable.nonzero().view(-1)
@@ -346,7 +348,7 @@ class CCVR(AlgorithmBase):
         return out
 
     def secure_form(self, message: object = None) -> SecureForm:
-        """Under SecAgg+ the server sees the sums of the class statistics (CCVR Eq. 4 as sums) and
+        """Under SecAgg+ the server sees the sums of the class statistics (CCVR Sec. 4, as sums) and
         of the n_k-weighted FedAvg deltas with their weights; only the flags saying whose
         statistics are new travel in the clear (the server learns who has reported, not what)."""
         def sums(m: CCVRMessage | DeltaMessage) -> dict[str, torch.Tensor]:
