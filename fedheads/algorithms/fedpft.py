@@ -1,27 +1,31 @@
 """FedPFT (Beitollahi et al., "Parametric Feature Transfer: One-shot Federated Learning with
-Foundation Models", TMLR 2025, Sec. 4, Alg. 1) on cached features.
+Foundation Models", TMLR 2025; arXiv 2402.01862) on cached features: clients send per-class
+Gaussian mixtures of their features, the server trains a classifier head on synthetic features
+drawn from them. The details follow the authors' Flower baseline (adap/flower baselines/fedpft,
+strategy.py and utils.py), cited below by function.
 
 Client k fits, for every class c it holds, a Gaussian mixture of K = ``components`` components
 to its features of that class (scikit-learn's GaussianMixture, EM; covariance ``"spherical"``,
 ``"diag"``, ``"full"`` or ``"tied"``) and sends the mixture's weights pi, means m and
-covariances S with its count n_kc (Sec. 4, "Client side"). The server draws n_kc synthetic
-features from each received mixture (component j ~ Cat(pi), z = m_j + A_j eps with A_j A_j^T =
-S_j; eps and the component draw are counter-based in (seed, client id, c, row): core/rng.py)
-and trains the linear head on the pooled synthetic features centrally (Sec. 4, "Server side").
-One round with every client (Alg. 1).
+covariances S with its count n_kc (utils.learn_gmm). The server draws n_kc synthetic features
+from each received mixture (component j ~ Cat(pi), z = m_j + A_j eps with A_j A_j^T = S_j; eps
+and the component draw are counter-based in (seed, client id, c, row): core/rng.py) and trains
+the linear head on the pooled synthetic features centrally (strategy.FedPFT.aggregate_fit). One
+round with every client (one-shot FL). The paper's differentially private variant is not here.
 
-Defaults are the authors' Flower baseline (adap/flower baselines/fedpft: README "Number of
-mixtures 1, Covariance type spherical, tolerance 1e-12, maximum EM iterations 1e3"; server head:
-AdamW lr 1e-4, batch 32, 50 epochs as its caltech-fedpft.toml). As there, a class with n_kc <= K
-features is not sent (a mixture of K components is not fitted to K points: with K = 1 it would
-send the feature itself, which FedPFT's data minimisation avoids). The baseline sends its
-mixtures in float16; ``dtype="float16"`` does the same, float32 by default.
+Defaults are the baseline's (README "Number of mixtures 1, Covariance type spherical, tolerance
+1e-12, maximum EM iterations 1e3"; server head: AdamW lr 1e-4, batch 32, and 50 epochs as its
+caltech-fedpft.toml, where its CIFAR-100 yaml has 1). As there, a class with n_kc <= K features
+is not sent (a mixture of K components is not fitted to K points: with K = 1 it would send the
+feature itself, which FedPFT's data minimisation avoids). The baseline sends its mixtures in
+float16; ``dtype="float16"`` does the same, float32 by default.
 
 Partial participation works as FedNCM's: a client sends its mixtures once (``sent``); the server
 keeps the mixtures received (one row per client, ``server_client_fields``: the round's uplink,
 held) and, in every round that brings new ones, re-trains the head from its initialisation on
 the synthetic features of all of them (a pure function of the mixtures and the seed), so the
-head after every client has been seen is the one-round head. The mixtures are not sums: there is no SecAgg+ form."""
+head after every client has been seen is the one-round head. The mixtures are not sums: there
+is no SecAgg+ form."""
 
 from __future__ import annotations
 
@@ -46,16 +50,16 @@ _DTYPES = {"float32": torch.float32, "float16": torch.float16}
 
 @dataclass(frozen=True)
 class FedPFTConfig:
-    """FedPFT settings (Sec. 4; the defaults of the authors' Flower baseline, adap/flower
+    """FedPFT settings (the defaults of the authors' Flower baseline, adap/flower
     baselines/fedpft)."""
 
-    components: int = setting(1, "mixture components K per class and client", source="Sec. 4; baseline n-mixtures")
+    components: int = setting(1, "mixture components K per class and client", source="baseline n-mixtures")
     covariance: str = setting("spherical", "mixture covariance type: spherical | diag | full | tied",
-                              source="Sec. 4; baseline cov-type")
+                              source="baseline cov-type")
     tol: float = setting(1e-12, "EM convergence tolerance", source="baseline tol")
     max_iter: int = setting(1000, "EM iterations at most", source="baseline README")
     dtype: str = setting("float32", "mixture parameters as sent: float32 | float16 (the baseline's)",
-                         source="baseline utils.learn_gmm")
+                         source="utils.learn_gmm")
     lr: float = setting(1e-4, "server AdamW learning rate of the head", source="baseline server-lr")
     weight_decay: float = setting(0.01, "server AdamW weight decay (torch's default)", source="baseline strategy.py")
     batch_size: int = setting(32, "server mini-batch of synthetic features", source="baseline server-batch-size")
@@ -116,7 +120,7 @@ def gmm_seed(seed: int, client: int, c: int) -> int:
 def fit_mixtures(x: np.ndarray, y: np.ndarray, num_classes: int, cfg: FedPFTConfig, seed: int, client: int,
                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """One client's (weights [C,K], means [C,K,D], covariances [C,...], counts [C]): a
-    GaussianMixture per class with more than K features (Sec. 4, client side)."""
+    GaussianMixture per class with more than K features (baseline learn_gmm)."""
     from sklearn.mixture import GaussianMixture
 
     C, K, D = num_classes, cfg.components, x.shape[1]
@@ -214,7 +218,7 @@ class FedPFT(AlgorithmBase):
         return replace(ss, head=head), FedPFTBroadcast()
 
     def synthetic(self, ss: FedPFTServerState, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Every synthetic feature the held mixtures give (server side of Sec. 4): n_kc draws from
+        """Every synthetic feature the held mixtures give (baseline aggregate_fit): n_kc draws from
         client k's mixture of class c, keyed by (seed, k's global id, c, row) and listed by
         client id, whatever the clients' positions in the federation."""
         owner = ss.owner.cpu()
