@@ -20,7 +20,7 @@ from fedheads.core import run
 from fedheads.core.protocol import RoundCtx
 from fedheads.core.tree import tree_leaves
 
-FAST = dict(lr=1e-2, epochs=10)  # the baseline's lr 1e-4 barely moves a head on a tiny federation
+FAST = dict(server_lr=1e-2, server_epochs=10)  # the baseline's lr 1e-4 barely moves a head on a tiny federation
 
 
 @pytest.mark.parametrize("covariance", ["spherical", "diag", "full", "tied"])
@@ -118,7 +118,7 @@ def test_float16_as_the_baseline_sends_and_refusals():
     assert alg.global_rule == "main"
     with pytest.raises(UserError, match="fedpft.*not sums"):
         alg.secure_form()
-    for bad in ({"covariance": "banded"}, {"components": 0}, {"dtype": "int8"}, {"lr": 0.0}):
+    for bad in ({"covariance": "banded"}, {"components": 0}, {"dtype": "int8"}, {"server_lr": 0.0}):
         with pytest.raises(UserError):
             create_algorithm("fedpft", **bad)
 
@@ -130,7 +130,7 @@ def test_cli_train_then_predict_equals_the_evaluation(tmp_path):
 
     store, run_dir, out = _write_store(tmp_path), tmp_path / "run", tmp_path / "pred.csv"
     r = _invoke(["train", "--store", str(store), "--backbones", "synth", "--algorithm", "fedpft", "--rounds", "1",
-                 "--seeds", "1", "--quiet", "--out", str(run_dir), "--set", "lr=0.01", "--set", "epochs=5"])
+                 "--seeds", "1", "--quiet", "--out", str(run_dir), "--set", "server_lr=0.01", "--set", "server_epochs=5"])
     assert r.exit_code == 0, r.output
     assert _invoke(["predict", "--run", str(run_dir), "--store", str(store), "--out", str(out)]).exit_code == 0
     res = json.loads((run_dir / "results.json").read_text())

@@ -18,7 +18,8 @@ Defaults are the baseline's (README "Number of mixtures 1, Covariance type spher
 caltech-fedpft.toml, where its CIFAR-100 yaml has 1). As there, a class with n_kc <= K features
 is not sent (a mixture of K components is not fitted to K points: with K = 1 it would send the
 feature itself, which FedPFT's data minimisation avoids). The baseline sends its mixtures in
-float16; ``dtype="float16"`` does the same, float32 by default.
+float16; ``dtype="float16"`` does the same, float32 by default. The server's settings are named
+server_* (as the baseline's) so that a client learning rate given to `compare` stays off them.
 
 Partial participation works as FedNCM's: a client sends its mixtures once (``sent``); the server
 keeps the mixtures received (one row per client, ``server_client_fields``: the round's uplink,
@@ -60,21 +61,22 @@ class FedPFTConfig:
     max_iter: int = setting(1000, "EM iterations at most", source="baseline README")
     dtype: str = setting("float32", "mixture parameters as sent: float32 | float16 (the baseline's)",
                          source="utils.learn_gmm")
-    lr: float = setting(1e-4, "server AdamW learning rate of the head", source="baseline server-lr")
-    weight_decay: float = setting(0.01, "server AdamW weight decay (torch's default)", source="baseline strategy.py")
-    batch_size: int = setting(32, "server mini-batch of synthetic features", source="baseline server-batch-size")
-    epochs: int = setting(50, "server epochs over the synthetic features", source="baseline num-epochs")
+    server_lr: float = setting(1e-4, "server AdamW learning rate of the head", source="baseline server-lr")
+    server_weight_decay: float = setting(0.01, "server AdamW weight decay (torch's default)", source="baseline strategy.py")
+    server_batch_size: int = setting(32, "server mini-batch of synthetic features", source="baseline server-batch-size")
+    server_epochs: int = setting(50, "server epochs over the synthetic features", source="baseline num-epochs")
 
     def __post_init__(self) -> None:
         if self.covariance not in COVARIANCES:
             raise UserError(f"covariance {self.covariance!r}: must be one of {', '.join(COVARIANCES)}")
         if self.dtype not in _DTYPES:
             raise UserError(f"dtype {self.dtype!r}: must be one of {', '.join(_DTYPES)}")
-        if min(self.components, self.max_iter, self.batch_size, self.epochs) < 1:
-            raise UserError(f"components {self.components} / max_iter {self.max_iter} / batch_size "
-                            f"{self.batch_size} / epochs {self.epochs}: must be >= 1")
-        if not self.lr > 0 or self.weight_decay < 0 or not self.tol > 0:
-            raise UserError(f"lr {self.lr} / tol {self.tol} must be > 0, weight_decay {self.weight_decay} >= 0")
+        if min(self.components, self.max_iter, self.server_batch_size, self.server_epochs) < 1:
+            raise UserError(f"components {self.components} / max_iter {self.max_iter} / server_batch_size "
+                            f"{self.server_batch_size} / server_epochs {self.server_epochs}: must be >= 1")
+        if not self.server_lr > 0 or self.server_weight_decay < 0 or not self.tol > 0:
+            raise UserError(f"server_lr {self.server_lr} / tol {self.tol} must be > 0, server_weight_decay "
+                            f"{self.server_weight_decay} >= 0")
 
 
 @dataclass(frozen=True)
@@ -213,8 +215,8 @@ class FedPFT(AlgorithmBase):
                      owner=put(ss.owner, msg.client))
         x, y = self.synthetic(ss, ctx.seed)
         head = fit_linear(ss.head0, x.to(ss.head0["cls.weight"].device), y.to(ss.head0["cls.weight"].device),
-                          optimizer="adamw", lr=self.cfg.lr, weight_decay=self.cfg.weight_decay,
-                          epochs=self.cfg.epochs, batch_size=self.cfg.batch_size, key=(ctx.seed, 0xF7))
+                          optimizer="adamw", lr=self.cfg.server_lr, weight_decay=self.cfg.server_weight_decay,
+                          epochs=self.cfg.server_epochs, batch_size=self.cfg.server_batch_size, key=(ctx.seed, 0xF7))
         return replace(ss, head=head), FedPFTBroadcast()
 
     def synthetic(self, ss: FedPFTServerState, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
