@@ -189,6 +189,19 @@ def test_engines_agree(fraction):
     _assert_engines_agree(make, bucketed_fed(), tiny_fed(M=6), fraction)
 
 
+@pytest.mark.parametrize("fraction", [1.0, 0.5])
+def test_engines_agree_calibrating_a_saved_head(fraction):
+    """head=RUN_DIR: statistics-only messages, then empty ones; the saved head is stood in for."""
+    def make():
+        alg = CCVR(CCVRConfig(head="saved-run", virtual_per_class=20))
+        g = torch.Generator().manual_seed(0)
+        alg._saved = (torch.randn(6, 3, generator=g), torch.randn(3, generator=g))  # what the run would give
+        return alg
+
+    _assert_engines_agree(make, tiny_fed(), tiny_fed(), fraction, trains=False)
+    _assert_engines_agree(make, bucketed_fed(), tiny_fed(M=6), fraction, trains=False)
+
+
 def test_statistics_are_sent_once_and_collected_until_every_client_reported():
     data = tiny_fed(M=6)
     full = run(create_algorithm("ccvr"), data, rounds=3, seed=1, progress=False)
