@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 from fed_tiny import tiny_fed
-from test_engine_equivalence import _assert_engines_agree, bucketed_fed
+from test_engine_equivalence import BUCKETS, _assert_engines_agree, bucketed_fed
 
 from embedcache.errors import UserError
 from fedheads.algorithms import create_algorithm
@@ -27,7 +27,7 @@ from fedheads.algorithms.fedncm import client_stats
 from fedheads.core import run
 from fedheads.core.protocol import RoundCtx
 from fedheads.core.tree import tree_cat, tree_leaves
-from fedheads.data import FedData
+from fedheads.data import FedData, to_layout
 
 
 def fl_bench_mean_cov(features_means, features_covs, features_count, train_clients, num_classes):
@@ -187,6 +187,8 @@ def test_engines_agree(fraction):
     make = lambda: CCVR(CCVRConfig(batch_size=4, virtual_per_class=20))  # noqa: E731
     _assert_engines_agree(make, tiny_fed(), tiny_fed(), fraction)
     _assert_engines_agree(make, bucketed_fed(), tiny_fed(M=6), fraction)
+    ordered = tiny_fed(M=6).by_size()[0]  # stored largest first, as `fedheads train` loads them
+    _assert_engines_agree(make, to_layout(ordered, BUCKETS), ordered, fraction)
 
 
 @pytest.mark.parametrize("fraction", [1.0, 0.5])

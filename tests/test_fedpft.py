@@ -11,7 +11,7 @@ import torch
 from fed_tiny import tiny_fed
 from sklearn.mixture import GaussianMixture
 from test_ccvr import skewed_fed
-from test_engine_equivalence import _assert_engines_agree, bucketed_fed
+from test_engine_equivalence import BUCKETS, _assert_engines_agree, bucketed_fed
 
 from embedcache.errors import UserError
 from fedheads.algorithms import create_algorithm
@@ -19,6 +19,7 @@ from fedheads.algorithms.fedpft import FedPFT, FedPFTConfig, gmm_seed, sample_mi
 from fedheads.core import run
 from fedheads.core.protocol import RoundCtx
 from fedheads.core.tree import tree_leaves
+from fedheads.data import to_layout
 
 FAST = dict(server_lr=1e-2, server_epochs=10)  # the baseline's lr 1e-4 barely moves a head on a tiny federation
 
@@ -106,6 +107,8 @@ def test_engines_agree(fraction):
     make = lambda: FedPFT(FedPFTConfig(covariance="diag", components=2, **FAST))  # noqa: E731
     _assert_engines_agree(make, tiny_fed(), tiny_fed(), fraction, trains=False)
     _assert_engines_agree(make, bucketed_fed(), tiny_fed(M=6), fraction, trains=False)
+    ordered = tiny_fed(M=6).by_size()[0]  # stored largest first, as `fedheads train` loads them
+    _assert_engines_agree(make, to_layout(ordered, BUCKETS), ordered, fraction, trains=False)
 
 
 def test_float16_as_the_baseline_sends_and_refusals():
