@@ -342,3 +342,15 @@ def _rows(run_dir):
     (path,) = run_dir.glob("metrics*.csv")
     with open(path) as f:
         return list(csv.DictReader(f))
+
+
+def test_settings_show_the_docs_and_sources_declared_with_setting():
+    """`fedheads algorithms ccvr|fedpft` list each key with the doc and source its
+    fedheads.core.config.setting declares (the fields carry no comments)."""
+    from fedheads.settings import settings_of
+
+    rows = {r.key: r for r in settings_of("ccvr")[0]}
+    assert rows["virtual_per_class"].doc.startswith("virtual features M_c") and "FL-bench" in rows["virtual_per_class"].source
+    assert "FedAvg rounds" in rows["lr"].doc and rows["lr"].source == "App. B"  # the nested optimiser's
+    pft = {r.key: r for r in settings_of("fedpft")[0]}
+    assert pft["covariance"].doc.startswith("mixture covariance type") and pft["covariance"].source == "baseline cov-type"
