@@ -17,9 +17,10 @@ from typing import Any
 
 from embedcache.errors import UserError, unknown_name
 
-# fedheads.algorithms registry (fedheads/algorithms/*.py)
-ALGORITHMS = ("fed3r", "fedavg", "fedavg-linear", "fedcof", "fedncm", "fedpcl", "fedproto", "fedrep", "lp", "mlp",
-              "perfedavg", "pfedme", "solo")
+# fedheads.algorithms registry (fedheads/algorithms/*.py): a fast path only. A name missing here is
+# looked up in the registry itself, so a new algorithm file needs no entry
+ALGORITHMS = ("ccvr", "fed3r", "fedavg", "fedavg-linear", "fedcof", "fedncm", "fedpcl", "fedpft", "fedproto", "fedrep",
+              "lp", "mlp", "perfedavg", "pfedme", "solo")
 # fedheads finetune --head (fedheads.live.heads.HEADS): the registered algorithms whose state defines a
 # linear head (AlgorithmBase.linear_head), then K rounds of LP and the random head
 FINETUNE_HEADS = ("fedncm", "fed3r", "fedcof", "lp", "random")
@@ -39,9 +40,32 @@ def known_algorithms() -> list[str]:
 
 def check_algorithms(names: Sequence[str]) -> None:
     known = known_algorithms()
+    if any(n not in known for n in names) and "fedheads.algorithms" not in sys.modules:
+        from fedheads.algorithms import list_algorithms  # the slow path: an algorithm the table does not list
+
+        known = [i.name for i in list_algorithms()]
     for n in names:
         if n not in known:
             raise unknown_name(n, known, "algorithm")
+
+
+def finetune_heads(names: Sequence[str] = ()) -> list[str]:
+    """The --head choices of `fedheads finetune`: the table above, plus (only when one of `names`
+    is not in it) every registered algorithm whose state defines a linear head
+    (AlgorithmBase.linear_head), so a new algorithm file needs no entry."""
+    known = list(FINETUNE_HEADS)
+    if any(n not in known for n in names):
+        from fedheads.algorithms import create_algorithm, list_algorithms
+        from fedheads.core.protocol import AlgorithmBase
+
+        for info in list_algorithms():
+            if info.name not in known and type(create_algorithm(info.name)).linear_head is not AlgorithmBase.linear_head:
+                known.insert(-2, info.name)  # before "lp" and "random"
+    return known
+
+
+def check_finetune_heads(names: Sequence[str], flag: str = "--head") -> None:
+    check_choices(names, finetune_heads(names), "head", flag)
 
 
 def check_choices(names: Sequence[str], known: Sequence[str], what: str, flag: str) -> None:

@@ -327,9 +327,9 @@ def finetune(manifest_path, store, backbone, heads, head_rounds, rounds, server,
 
     Options also come from --config FILE (YAML; defaults < file < command-line flags); --dump-config
     prints the effective configuration."""
-    from fedheads.checks import FINETUNE_HEADS, check_choices
+    from fedheads.checks import check_finetune_heads
 
-    check_choices(_csv(heads, "--head"), FINETUNE_HEADS, "head", "--head")
+    check_finetune_heads(_csv(heads, "--head"))
     _check_plain(click.get_current_context(), backbones=[backbone])
     from fedheads.api import finetune as run_finetune
 

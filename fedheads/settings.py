@@ -96,6 +96,8 @@ def _config_of(name: str) -> Any:
 def settings_of(name: str) -> tuple[list[Setting], str]:
     """(every key `--set` takes for algorithm `name`, the config class docstring). UserError for
     an unknown algorithm; an algorithm without a config dataclass has no keys."""
+    from fedheads.core.config import setting_doc  # here: this module is read before torch loads
+
     cfg = _config_of(name)
     if cfg is None:
         return [], ""
@@ -107,7 +109,12 @@ def settings_of(name: str) -> tuple[list[Setting], str]:
         value = getattr(cfg, f.name)
         comment = notes.get(f.name, "")
         if f.name == OPT_FIELD and dataclasses.is_dataclass(value):
-            out += _optimizer_settings(value, comment, {g.name for g in dataclasses.fields(cls)})
+            why = comment or "; ".join(p for p in setting_doc(f) if p)
+            out += _optimizer_settings(value, why, {g.name for g in dataclasses.fields(cls)})
+            continue
+        if not comment:  # declared with fedheads.core.config.setting: its doc and source travel with the field
+            doc_, source = setting_doc(f)
+            out.append(Setting(f.name, str(f.type), value, doc_, source))
             continue
         out.append(Setting(f.name, str(f.type), value, comment, _cites(comment)))
     return sorted((s for s in out if _accepted(name, s)), key=lambda s: s.key), doc

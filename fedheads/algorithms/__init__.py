@@ -23,7 +23,8 @@ class AlgorithmInfo:
 _REGISTRY: dict[str, AlgorithmInfo] = {}
 # modules imported lazily so that one broken/absent algorithm file does not break the others
 _MODULES = tuple(f"fedheads.algorithms.{m}" for m in (
-    "fedavg", "fedpcl", "fedproto", "fedncm", "fedrep", "pfedme", "perfedavg", "solo", "lp", "mlp", "fed3r", "fedcof"))
+    "fedavg", "fedpcl", "fedproto", "fedncm", "fedrep", "pfedme", "perfedavg", "solo", "lp", "mlp", "fed3r", "fedcof",
+    "ccvr", "fedpft"))
 
 
 def register_algorithm(name: str, factory: Callable[..., AlgorithmBase], *, description: str) -> None:

@@ -89,8 +89,10 @@ def head_from_store(method: str, store: str, backbone_name: str, clients: Sequen
                     ncm_bias: str = "zero", lp_settings: dict[str, Any] | None = None,
                     device: str = "cpu") -> HeadResult:
     """The starting head for fine-tuning (see the module docstring)."""
-    if method not in HEADS:
-        raise UserError(f"--head {method!r}: use one of {', '.join(HEADS)}")
+    from fedheads.checks import finetune_heads
+
+    if method not in finetune_heads([method]):
+        raise UserError(f"--head {method!r}: use one of {', '.join(finetune_heads([method]))}")
     if method == "random":
         from torch import nn
 

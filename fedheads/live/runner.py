@@ -34,7 +34,7 @@ from embedcache.errors import UserError
 from fedheads import comm, plotting, report, rundir
 from fedheads.algorithms import create_algorithm
 from fedheads.atomic import atomic_path
-from fedheads.checks import FINETUNE_HEADS, check_choices, check_finite, check_seeds, check_trained_state
+from fedheads.checks import check_finetune_heads, check_finite, check_seeds, check_trained_state
 from fedheads.core.protocol import HeadArch
 from fedheads.data import resolve_device
 from fedheads.live import plots
@@ -119,7 +119,7 @@ def finetune_run(manifest: str | Path | Any, store: str, backbone: str, out: str
 
     if not opts.heads:
         raise UserError("--head: name at least one method")
-    check_choices(opts.heads, FINETUNE_HEADS, "head", "--head")
+    check_finetune_heads(opts.heads)
     trainable = Trainable.parse(opts.trainable)
     if not opts.pretrained and (trainable.mode != "all" or set(opts.heads) != {"random"}):
         raise UserError("--no-pretrained (the Random baseline) trains everything from scratch: use "
