@@ -38,9 +38,17 @@ def known_algorithms() -> list[str]:
     return list(ALGORITHMS)
 
 
+def _has_module(name: str) -> bool:
+    """An algorithm file fedheads/algorithms/NAME.py exists (read from the directory, no import):
+    a name the table lacks is worth importing the registry for only then; a typo is refused fast."""
+    from pathlib import Path
+
+    return (Path(__file__).parent / "algorithms" / f"{name.replace('-', '_')}.py").is_file()
+
+
 def check_algorithms(names: Sequence[str]) -> None:
     known = known_algorithms()
-    if any(n not in known for n in names) and "fedheads.algorithms" not in sys.modules:
+    if any(n not in known and _has_module(n) for n in names) and "fedheads.algorithms" not in sys.modules:
         from fedheads.algorithms import list_algorithms  # the slow path: an algorithm the table does not list
 
         known = [i.name for i in list_algorithms()]
@@ -54,7 +62,7 @@ def finetune_heads(names: Sequence[str] = ()) -> list[str]:
     is not in it) every registered algorithm whose state defines a linear head
     (AlgorithmBase.linear_head), so a new algorithm file needs no entry."""
     known = list(FINETUNE_HEADS)
-    if any(n not in known for n in names):
+    if any(n not in known and (_has_module(n) or "fedheads.algorithms" in sys.modules) for n in names):
         from fedheads.algorithms import create_algorithm, list_algorithms
         from fedheads.core.protocol import AlgorithmBase
 

@@ -98,3 +98,13 @@ def test_the_late_registry_checks_suggest_too():
         create_algorithm("fedpcll")
     with pytest.raises(UserError, match="resnet-20-cifar10: unknown backbone; did you mean resnet20-cifar10"):
         create_backbone("resnet-20-cifar10")
+
+
+def test_an_algorithm_file_missing_from_the_table_is_found_in_the_registry(monkeypatch):
+    """The tables are a fast path: an algorithm file they do not list (a new method is one file)
+    is looked up in the registry, for --algorithm and for finetune's --head alike."""
+    monkeypatch.setattr(checks, "ALGORITHMS", tuple(a for a in checks.ALGORITHMS if a != "fed3r"))
+    monkeypatch.setattr(checks, "FINETUNE_HEADS", tuple(h for h in checks.FINETUNE_HEADS if h != "fed3r"))
+    checks.check_algorithms(["fed3r"])
+    checks.check_finetune_heads(["fed3r"])
+    assert "fed3r" in checks.finetune_heads(["fed3r"]) and "fedavg" not in checks.finetune_heads(["fed3r"])
