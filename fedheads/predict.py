@@ -227,15 +227,16 @@ class PredictionSummary:
                 for c, v in self.per_client.items() if v["accuracy"] is not None]
 
 
-def iter_tables(tr: Trained, store: str, parts: Sequence[Part], k: int = 1, chunk_rows: int = 65536,
+def iter_tables(tr: Trained, store: Any, parts: Sequence[Part], k: int = 1, chunk_rows: int = 65536,
                 progress: bool = False, summary: PredictionSummary | None = None) -> Iterator[dict[str, np.ndarray]]:
     """Prediction tables (fedheads.inference.prediction_rows), one per chunk of each part and
-    classifier; every check is done before this is called (the first table is written at once)."""
+    classifier; every check is done before this is called (the first table is written at once).
+    `store`: the opened store (embedcache.reader.open_store), or its path."""
     from tqdm import tqdm
 
-    from embedcache.reader import iter_split_chunks, open_store
+    from embedcache.reader import StoreInfo, iter_split_chunks, open_store
 
-    info = open_store(store, quiet=True)
+    info = store if isinstance(store, StoreInfo) else open_store(store, quiet=True)
     total = sum(len(p.by) * int(getattr(info.shard(tr.backbones[0], p.store_client, p.split), "n", 0)) for p in parts)
     chosen = {c: classifier(tr, c) for p in parts for c in p.by}
     with tqdm(total=total, desc="predict", unit="img", disable=not progress or total == 0) as bar:
@@ -265,9 +266,10 @@ def prepare(run: str | Path, store: str | Path | None = None, *, images: str | N
             manifest: Any = None, split: str | None = None, client: str | None = None, seed: int | None = None,
             top_k: int = 1, cache: str | Path | None = None, device: str = "cpu", batch_size: int | None = None,
             num_workers: int = 2, weights_dir: str | None = None, plugins: Sequence[str] = (),
-            progress: bool = False) -> tuple[Trained, str, list[Part], int]:
-    """Everything before the first prediction: the run, the features (extracted into the cache
-    for `images` / `manifest`), what to classify by whom, and the capped k."""
+            progress: bool = False) -> tuple[Trained, Any, list[Part], int]:
+    """Everything before the first prediction: the run, the features (the store, opened once
+    where it was checked, or the path of the cache that `images` were extracted into), what to
+    classify by whom, and the capped k."""
     from embedcache.reader import open_store
 
     given = [n for n, v in (("store", store), ("images", images), ("manifest", manifest)) if v is not None]
@@ -288,7 +290,7 @@ def prepare(run: str | Path, store: str | Path | None = None, *, images: str | N
     if store is not None:
         info = open_store(str(store))
         check_store(tr, str(store), info)
-        return tr, str(store), store_parts(tr, str(store), info, split, client or "all"), k
+        return tr, info, store_parts(tr, str(store), info, split, client or "all"), k
     from fedheads.live.predict_inputs import ExtractOptions, extract_images, extract_manifest
 
     opts = ExtractOptions(str(Path(run) / "predict-cache" if cache is None else cache), device, batch_size, num_workers,
@@ -301,8 +303,9 @@ def prepare(run: str | Path, store: str | Path | None = None, *, images: str | N
             classifier(tr, None)  # refuse before extracting when there is no global model
         return tr, opts.cache, extract_images(tr, images, by, opts), k
     parts = extract_manifest(tr, manifest, split, client or "all", opts)
-    check_store(tr, opts.cache, open_store(opts.cache, quiet=True))
-    return tr, opts.cache, parts, k
+    info = open_store(opts.cache, quiet=True)
+    check_store(tr, opts.cache, info)
+    return tr, info, parts, k
 
 
 def run_predict(run: str | Path, store: str | Path | None = None, *, out: str | Path | None = None,

@@ -255,7 +255,7 @@ class StoreRecord:
     @staticmethod
     def of(info: StoreInfo, backbones: Sequence[str]) -> StoreRecord:
         """The record of an opened store (embedcache.reader.open_store) for `backbones`."""
-        return StoreRecord(str(info.path), dataset_name(info), store_fingerprint(info, backbones),  # type: ignore[arg-type]
+        return StoreRecord(str(info.path), dataset_name(info), store_fingerprint(info, backbones),
                            tuple(backbone_dims(info, backbones)))
 
 

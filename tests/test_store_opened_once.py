@@ -79,3 +79,15 @@ def test_a_store_opened_by_the_caller_is_not_opened_again(store, tmp_path, opens
     opts = TrainOptions(rounds=1, seeds=(0,), device="cpu", progress=False)
     compare_runs(info, ["bb"], ["fedncm", "fedavg"], opts, tmp_path / "cmp")
     assert opens == {"open_store": 1, "zarr": 1}
+
+
+def test_predict_on_a_store_opens_it_once(store, tmp_path, monkeypatch) -> None:
+    import fedheads
+
+    fedheads.train(str(store), "fedncm", backbones="bb", rounds=1, seeds=0, device="cpu", out=tmp_path / "run")
+    n = {"open_store": 0}
+    real = reader.open_store
+    monkeypatch.setattr(reader, "open_store", lambda *a, **k: n.__setitem__("open_store", n["open_store"] + 1)
+                        or real(*a, **k))
+    table = fedheads.predict(tmp_path / "run", str(store))
+    assert n == {"open_store": 1} and len(table["client"]) == 9
