@@ -365,3 +365,22 @@ def test_flower_simulation_equals_the_engine(tmp_path):
                      engine="loop", progress=False)
     for got, want in zip(tree_leaves(out["server_state"]), tree_leaves(ref.server_state)):
         assert got.dtype == want.dtype and torch.equal(got, want)
+
+
+def test_the_engine_keeps_the_data_order_for_fedcof_whose_bank_follows_positions():
+    """FedCOF's bank slots follow client positions, which no row permutation puts back: it
+    declares server_client_fields = None, so an engine allowed to reorder runs it as given and
+    the saved bank is in the data's order (bitwise equal to an unordered run)."""
+    from fedheads.core.order import stacking_order
+
+    rng = np.random.default_rng(5)
+    clients = [(rng.normal(size=(n, 6)).astype("f4"), rng.integers(0, 3, n), rng.normal(size=(2, 6)).astype("f4"),
+                rng.integers(0, 3, 2)) for n in (3, 9, 5, 12)]
+    data = FedData.from_arrays(clients, 3)
+    alg = create_algorithm("fedcof")
+    assert stacking_order(alg, data, 1.0, "vectorized") is None
+    assert stacking_order(create_algorithm("fedncm"), data, 1.0, "vectorized") is not None  # uneven sizes: reordered
+    a = engine.run(alg, data, 1, progress=False, reorder=True)
+    b = engine.run(alg, data, 1, progress=False)
+    for f in ("bank_means", "bank_class", "bank_count", "weight"):
+        assert torch.equal(getattr(a.server_state, f), getattr(b.server_state, f)), f

@@ -122,6 +122,7 @@ class FedCOF(AlgorithmBase):
     config = FedCOFConfig
     global_rule = "main"
     server_sized_fields = ("bank_means", "bank_class", "bank_count")  # min(n_k, C) rows per client
+    server_client_fields = None  # the bank's slots follow client positions: the engine keeps the data's order
     one_pass = True  # each client sends its statistics once
 
     def __init__(self, cfg: FedCOFConfig = FedCOFConfig()) -> None:

@@ -294,7 +294,7 @@ def run(algorithm: Algorithm, data: Federation, rounds: int, seed: int = 0, frac
     with ops.buffer_pool():  # local training's scratch buffers are reused across rounds
         res = _run(algorithm, stacked, rounds, seed, fraction, engine, eval_every, progress, checkpoint,
                    between_buckets)
-    return res if order is None else _in_data_order(res, order, getattr(algorithm, "server_client_fields", ()))
+    return res if order is None else _in_data_order(res, order, algorithm.server_client_fields or ())
 
 
 def _in_data_order(res: RunResult, order: tuple[int, ...], server_fields: Sequence[str]) -> RunResult:

@@ -27,7 +27,7 @@ def stacking_order(algorithm: Any, data: Any, fraction: float, engine: str) -> t
     """The positions in `data` of the clients in the order the engine stacks them (largest
     training split first, stable: FedData.by_size), or None: `data`'s own order (module docstring
     for when; also when `data` is in that order already)."""
-    if getattr(algorithm, "server_client_fields", None) is None:
+    if algorithm.server_client_fields is None:  # AlgorithmBase: positions it cannot put back
         return None
     if engine != "vectorized" or fraction < 1.0 or len(data.groups()) != 1:
         return None

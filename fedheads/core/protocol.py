@@ -110,10 +110,12 @@ class AlgorithmBase(Generic[CS, SS, Msg, Bc]):
     """Key of `predict` whose scores depend on the server state alone (the run's global model):
     `fedheads predict --images` classifies samples of no client with it. None: personalised
     heads or local prototypes only (prediction needs `--client`)."""
-    server_client_fields: ClassVar[tuple[str, ...]] = ()
+    server_client_fields: ClassVar[tuple[str, ...] | None] = ()
     """Server-state fields that, against the convention above, hold one row per client of the
     federation (FedPCL's prototype bank): the vectorised engine stacks clients in the order it
-    computes fastest in (core/order.py) and puts these rows back with the client state.
+    computes fastest in (core/order.py) and puts these rows back with the client state. None:
+    the server state depends on client positions in a way no row permutation restores (FedCOF's
+    bank of slots sized per client): the engine keeps the data's order.
     Per-client randomness is keyed by global ids (data.client_index, DataSpec.ids())."""
     server_sized_fields: ClassVar[tuple[str, ...]] = ()
     """Server-state tensor fields whose size depends on the training data, not only on D, C and M
