@@ -143,6 +143,7 @@ class Fed3R(AlgorithmBase):
     config = Fed3RConfig
     global_rule = "main"
     one_pass = True  # each client sends its statistics once
+    sums_messages = True  # the server reads only the summed Grams, class sums and counts
 
     def __init__(self, cfg: Fed3RConfig = Fed3RConfig()) -> None:
         if cfg.dtype not in DTYPES:
@@ -173,6 +174,19 @@ class Fed3R(AlgorithmBase):
         msg = Fed3RMessage((gram * f.view(-1, 1, 1)).to(self.dtype), (sums * f.view(-1, 1, 1)).to(self.dtype),
                            counts * fresh.view(-1, 1).to(counts.dtype))
         return Fed3RClientState(torch.ones_like(cs.sent)), msg
+
+    def summed_update(self, cs: Fed3RClientState, bc: Fed3RBroadcast, data: FedData,
+                      ctx: RoundCtx) -> tuple[Fed3RClientState, Fed3RMessage]:
+        """sum_k A_k and sum_k b_k of the clients in `data` (those that have not sent yet) as one
+        row: one Gram of their rows pooled instead of one per client."""
+        M, N, D = data.x_train.shape
+        rows = (data.m_train & ~cs.sent.to(data.m_train.device).view(-1, 1)).reshape(1, M * N)
+        x, y = data.x_train.reshape(1, M * N, D), data.y_train.reshape(1, M * N)
+        sums, counts = client_stats(x, y, rows, data.num_classes)
+        gram = client_gram(x, rows)
+        if self.cfg.bias:
+            gram = with_bias_column(gram, sums, counts)
+        return Fed3RClientState(torch.ones_like(cs.sent)), Fed3RMessage(gram.to(self.dtype), sums.to(self.dtype), counts)
 
     def server_aggregate(self, ss: Fed3RServerState, msg: Fed3RMessage,
                          ctx: RoundCtx) -> tuple[Fed3RServerState, Fed3RBroadcast]:

@@ -183,6 +183,7 @@ class FedNCM(AlgorithmBase):
 
     name = "fedncm"
     global_rule = "main"  # every client classifies by the server's class means
+    sums_messages = True  # the server reads only sum_k m_c^k and sum_k n_c^k (Alg. 1 line 5)
     one_pass = True  # each client sends its statistics once
 
     def __init__(self, cfg: FedNCMConfig = FedNCMConfig()) -> None:
@@ -213,6 +214,16 @@ class FedNCM(AlgorithmBase):
         fresh = ~cs.sent.to(sums.device)  # a client contributes exactly once
         sums = sums * fresh.view(-1, 1, 1).to(sums.dtype)
         counts = counts * fresh.view(-1, 1).to(counts.dtype)
+        return FedNCMClientState(torch.ones_like(cs.sent)), FedNCMMessage(sums, counts)
+
+    def summed_update(self, cs: FedNCMClientState, bc: FedNCMBroadcast, data: FedData,
+                      ctx: RoundCtx) -> tuple[FedNCMClientState, FedNCMMessage]:
+        """sum_k m_c^k and sum_k n_c^k of the clients in `data` (those that have not sent yet) as
+        one row, from their rows pooled: no per-client [C, D] sums are made."""
+        M, N, D = data.x_train.shape
+        rows = data.m_train & ~cs.sent.to(data.m_train.device).view(-1, 1)
+        sums, counts = client_stats(data.x_train.reshape(1, M * N, D), data.y_train.reshape(1, M * N),
+                                    rows.reshape(1, M * N), data.num_classes, self.dtype)
         return FedNCMClientState(torch.ones_like(cs.sent)), FedNCMMessage(sums, counts)
 
     def server_aggregate(self, ss: FedNCMServerState, msg: FedNCMMessage,

@@ -33,6 +33,7 @@ from fedheads.core.order import put_back, stacking_order
 from fedheads.core.protocol import Algorithm, AlgorithmBase, Init, RoundCtx
 from fedheads.core.tree import (
     payload_size,
+    row_range,
     tree_cat,
     tree_index,
     tree_leaves,
@@ -260,6 +261,57 @@ def client_updates(algorithm: Algorithm, client_state: Any, broadcast: Any, data
     return client_state, put_back(tree_cat(msgs), order, dev)
 
 
+MESSAGE_BUDGET = 512 << 20  # bytes of participants' messages the vectorised engine holds at once (sums_messages)
+
+
+def message_bytes(algorithm: Algorithm, client_state: Any, broadcast: Any, data: Federation, ctx: RoundCtx) -> int:
+    """Bytes of one participant's message: a dry run of `client_update` on the round's first
+    participant alone (pure, so nothing of it is kept)."""
+    i = int(ctx.participants[0])
+    for ms, group in data.groups():
+        if i in ms:
+            _, msg = algorithm.client_update(tree_rows(client_state, [i], data.device), broadcast,
+                                             group.select([ms.index(i)]), ctx)
+            return payload_size(msg, per_client=True)[1]
+    raise ValueError(f"participant {i} is in no group of the federation")
+
+
+def summing_group(algorithm: Algorithm, per_client_bytes: int, participants: int, budget: int | None) -> int | None:
+    """How many participants' messages the engine adds at a time, or None: it holds them all
+    (the algorithm does not declare `sums_messages`, or they fit the budget). An algorithm with
+    its own `summed_update` holds no per-client message, so it gets whole groups."""
+    if not algorithm.sums_messages or budget is None or participants * per_client_bytes <= budget:
+        return None
+    if type(algorithm).summed_update is not AlgorithmBase.summed_update:
+        return participants
+    return max(1, budget // max(per_client_bytes, 1))
+
+
+def summed_updates(algorithm: Algorithm, client_state: Any, broadcast: Any, data: Federation, ctx: RoundCtx,
+                   group_size: int, between_buckets: BetweenBuckets | None = None) -> tuple[Any, Any]:
+    """`client_updates` for an algorithm whose server step reads only the sum of the messages
+    (`sums_messages`): at most `group_size` participants at a time through `summed_update`, each
+    group's one-row sum added to the round's as it goes, so no group's messages outlive it.
+    The client state's rows are written in place (the caller passes its own copy)."""
+    dev, taking, total = data.device, set(ctx.participants.tolist()), None
+    for ms, group in data.groups():
+        loc = [p for p, i in enumerate(ms) if i in taking]
+        for a in range(0, len(loc), group_size):
+            sel = loc[a:a + group_size]
+            ids = [ms[p] for p in sel]
+            span = row_range(sel)
+            sub = group.client_range(*span) if span is not None and len(sel) < len(ms) else (
+                group if len(sel) == len(ms) else group.select(sel))
+            cs_g, msg = algorithm.summed_update(tree_rows(client_state, ids, dev), broadcast, sub, ctx)
+            msg = unshared(msg, client_state)
+            tree_put_rows_(client_state, ids, cs_g)
+            total = msg if total is None else tree_map(torch.add, total, msg)
+            del cs_g, sub
+        if between_buckets is not None:
+            between_buckets()
+    return client_state, total
+
+
 def owned(client_state: Any, *others: Any) -> Any:
     """`client_state` safe to update in place: a leaf that shares memory with another leaf (of
     itself or of `others`, e.g. the server state) or is not a plain contiguous tensor (an
@@ -279,7 +331,7 @@ def owned(client_state: Any, *others: Any) -> Any:
 def run(algorithm: Algorithm, data: Federation, rounds: int, seed: int = 0, fraction: float = 1.0,
         engine: str = "vectorized", eval_every: int = 1, progress: bool = True,
         checkpoint: Checkpointer | None = None, reorder: bool = False,
-        between_buckets: BetweenBuckets | None = None) -> RunResult:
+        between_buckets: BetweenBuckets | None = None, message_budget: int | None = MESSAGE_BUDGET) -> RunResult:
     """Train `algorithm` for `rounds` communication rounds; see the module docstring. With a
     `checkpoint`, the run continues from the state its `load` gives and hands it a RunState
     after every round (in the order the clients are stacked in, which the run's arguments fix).
@@ -288,12 +340,15 @@ def run(algorithm: Algorithm, data: Federation, rounds: int, seed: int = 0, frac
     (core/order.py: largest first, one copy of a padded federation's rows); the result is in
     `data`'s client order either way, and a client's own result does not depend on its place
     (only the order in which the server sums the messages does). `between_buckets`: called after
-    each size bucket's client updates and evaluation (e.g. to hand freed memory back)."""
+    each size bucket's client updates and evaluation (e.g. to hand freed memory back).
+    `message_budget`: bytes of participants' messages the vectorised engine holds at once for an
+    algorithm that declares `sums_messages` (beyond it they are added group by group; the sum's
+    float rounding then follows the groups); None holds them all."""
     order = stacking_order(algorithm, data, fraction, engine) if reorder else None
     stacked = data if order is None else data.select(order)
     with ops.buffer_pool():  # local training's scratch buffers are reused across rounds
         res = _run(algorithm, stacked, rounds, seed, fraction, engine, eval_every, progress, checkpoint,
-                   between_buckets)
+                   between_buckets, message_budget)
     return res if order is None else _in_data_order(res, order, algorithm.server_client_fields or ())
 
 
@@ -311,7 +366,7 @@ def _in_data_order(res: RunResult, order: tuple[int, ...], server_fields: Sequen
 
 def _run(algorithm: Algorithm, data: Federation, rounds: int, seed: int, fraction: float,
          engine: str, eval_every: int, progress: bool, checkpoint: Checkpointer | None,
-         between_buckets: BetweenBuckets | None) -> RunResult:
+         between_buckets: BetweenBuckets | None, message_budget: int | None = MESSAGE_BUDGET) -> RunResult:
     if engine not in ENGINES:
         raise UserError(f"engine {engine!r}: must be one of {', '.join(ENGINES)}")
     if rounds < 1:
@@ -334,6 +389,7 @@ def _run(algorithm: Algorithm, data: Federation, rounds: int, seed: int, fractio
     if engine == "vectorized" and len(data.groups()) > 1:
         cstate = owned(cstate, sstate, bc)  # client_updates writes the buckets' rows in place
     first = 0 if start is None else start.round
+    per_client: int | None = None  # one participant's message bytes (measured once, for sums_messages)
     if first == rounds:  # every round was done: the final evaluated state again (a pure function)
         evaluated = eval_client_state(algorithm, cstate, sstate, data, engine)
     bar = tqdm(range(first, rounds), desc=f"{algorithm.name}[{engine}]", disable=not progress, leave=False,
@@ -342,7 +398,14 @@ def _run(algorithm: Algorithm, data: Federation, rounds: int, seed: int, fractio
         t0 = clock(data.device)
         part = select_participants(M, fraction, seed, r)
         ctx = RoundCtx(round=r, seed=seed, participants=part, num_clients=M)
-        if engine == "vectorized":
+        if engine == "vectorized" and algorithm.sums_messages and message_budget is not None and per_client is None:
+            per_client = message_bytes(algorithm, cstate, bc, data, ctx)  # once: every round's messages are alike
+        group = summing_group(algorithm, per_client or 0, len(part), message_budget) if engine == "vectorized" else None
+        if group is not None:
+            if len(data.groups()) == 1:
+                cstate = tree_map(lambda t: t.clone(), cstate)  # one private copy per round, then row writes
+            cstate, msg = summed_updates(algorithm, cstate, bc, data, ctx, group, between_buckets)
+        elif engine == "vectorized":
             cstate, msg = client_updates(algorithm, cstate, bc, data, ctx, between_buckets)
         else:
             msgs = []

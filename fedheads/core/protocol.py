@@ -34,6 +34,7 @@ from typing import Any, ClassVar, Generic, TypeVar
 import torch
 
 from embedcache.errors import UserError
+from fedheads.core.tree import tree_map
 from fedheads.data import DataSpec, FedData
 
 CS = TypeVar("CS")  # client state (stacked)
@@ -124,6 +125,11 @@ class AlgorithmBase(Generic[CS, SS, Msg, Bc]):
     one_pass: ClassVar[bool] = False
     """Every client sends its statistics once and later rounds only add zeros (FedNCM Alg. 1,
     Fed3R, FedCOF): with every client in every round, `train` and `compare` run one round."""
+    sums_messages: ClassVar[bool] = False
+    """The server step reads the participants' messages only through their sum over the client
+    axis (FedNCM Alg. 1 line 5, Fed3R's summed Grams): when holding every participant's message
+    would pass the engine's memory budget, the vectorised engine adds them group by group
+    (`summed_update`) and hands `server_aggregate` one row holding the sum."""
     collect_rounds: int = 0
     """Leading rounds that only collect statistics (FedPCL's round 0, LP's FedNCM round): R
     rounds train R - collect_rounds."""
@@ -153,6 +159,15 @@ class AlgorithmBase(Generic[CS, SS, Msg, Bc]):
         raise NotImplementedError
 
     # ------------------------------------------------------------------ optional hooks
+    def summed_update(self, client_state: CS, broadcast: Bc, data: FedData, ctx: RoundCtx) -> tuple[CS, Msg]:
+        """`client_update` of the clients in `data` with their messages added over the client axis
+        (one row), for algorithms that declare `sums_messages`. The default sums what
+        `client_update` returns; override it where the sum costs less than the messages (a
+        Gram of the stacked rows instead of one per client): the engine then calls it on whole
+        groups of clients, since no per-client message is held."""
+        cs, msg = self.client_update(client_state, broadcast, data, ctx)
+        return cs, tree_map(lambda t: t.sum(0, keepdim=True), msg)
+
     def adapt_for_eval(self, client_state: CS, server_state: SS, data: FedData) -> CS | None:
         """The client state that is evaluated, when the reported model is a client-side
         adaptation of the CURRENT server model (Per-FedAvg's one-step personalisation); None

@@ -1,0 +1,65 @@
+"""Algorithms whose server step reads only the sum of the messages (`sums_messages`: FedNCM,
+Fed3R) are run by the vectorised engine group by group once the participants' messages would
+pass its memory budget: the same head (up to the order of float64 additions), the same traffic
+counted, and never more than one group's messages held."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fed_tiny import tiny_fed
+from fedheads.algorithms import create_algorithm
+from fedheads.core import engine
+from fedheads.core.protocol import AlgorithmBase
+from fedheads.core.tree import tree_leaves
+from fedheads.layout import LayoutConfig, to_layout
+
+
+def _plain(name: str) -> AlgorithmBase:
+    """The algorithm with the protocol's default summed_update (client_update, then the sum)."""
+    alg = create_algorithm(name)
+    return type(f"Default{type(alg).__name__}", (type(alg),), {"summed_update": AlgorithmBase.summed_update})(alg.cfg)
+
+
+@pytest.mark.parametrize("name", ["fedncm", "fed3r"])
+@pytest.mark.parametrize("layout", ["padded", "bucketed"])
+@pytest.mark.parametrize("fraction,rounds", [(1.0, 1), (0.5, 4)])
+@pytest.mark.parametrize("fused", [True, False])
+def test_summing_group_by_group_gives_the_same_head(name, layout, fraction, rounds, fused, monkeypatch):
+    data = tiny_fed(M=7, seed=4)
+    if layout == "bucketed":
+        data = to_layout(data, LayoutConfig("bucketed", waste=0.0, bucket_clients=2))
+        assert len(data.groups()) > 1
+    ref = engine.run(create_algorithm(name), data, rounds, fraction=fraction, progress=False, message_budget=None)
+    alg = create_algorithm(name) if fused else _plain(name)
+    rows: list[int] = []
+    aggregate = type(alg).server_aggregate
+    monkeypatch.setattr(type(alg), "server_aggregate",
+                        lambda self, ss, msg, ctx: rows.append(tree_leaves(msg)[0].shape[0]) or aggregate(self, ss, msg, ctx))
+    res = engine.run(alg, data, rounds, fraction=fraction, progress=False, message_budget=1)  # 1 byte: always group
+    assert rows == [1] * rounds  # one row, the sum, reaches the server
+    for a, b in zip(tree_leaves(res.server_state), tree_leaves(ref.server_state)):
+        if a.is_floating_point():
+            torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-9)
+        else:
+            assert torch.equal(a, b)
+    assert torch.equal(res.final_accuracy(), ref.final_accuracy())
+    assert [r.comm for r in res.history] == [r.comm for r in ref.history]  # the traffic of every client, counted
+
+
+def test_messages_within_the_budget_are_held_as_before():
+    """Under the budget the engine stacks every message, as it always did: the state is bitwise
+    that of a run without a budget."""
+    data = tiny_fed(M=5)
+    a = engine.run(create_algorithm("fedncm"), data, 1, progress=False)
+    b = engine.run(create_algorithm("fedncm"), data, 1, progress=False, message_budget=None)
+    assert all(torch.equal(x, y) for x, y in zip(tree_leaves(a.server_state), tree_leaves(b.server_state)))
+
+
+def test_group_sizes_follow_the_budget():
+    fedncm, plain = create_algorithm("fedncm"), _plain("fedncm")
+    assert engine.summing_group(fedncm, 100, 10, 10_000) is None  # 1,000 bytes fit
+    assert engine.summing_group(fedncm, 100, 10, 500) == 10  # its own summed_update: whole groups
+    assert engine.summing_group(plain, 100, 10, 500) == 5  # the default: 5 messages at a time
+    assert engine.summing_group(create_algorithm("fedavg"), 100, 10, 500) is None  # not a sum
