@@ -34,6 +34,7 @@ import os
 import shutil
 import time
 from concurrent.futures import ProcessPoolExecutor
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass
 from multiprocessing import get_context
 from pathlib import Path
@@ -48,6 +49,7 @@ from embedcache.store_layout import backbone_key, quiet_open
 
 BACKBONE = "synthetic"
 BATCH = 64  # clients written concurrently
+PART = 500  # clients per worker task
 DONE = "BUILT.json"  # written last: a cache directory without it is an interrupted build
 
 
@@ -186,13 +188,17 @@ def write(path: Path, cfg: InatConfig, workers: int = 1, progress: bool = False)
     root.create_group(bk, attributes={"backbone": BACKBONE, "weights_sha256": "0" * 64, "preprocess": {},
                                       "feature_dim": cfg.dim})
     items = [(k, name, fed.y_train[k], fed.y_test[k]) for k, name in enumerate(fed.names)]
-    parts = [items[i:i + 500] for i in range(0, len(items), 500)]
-    with ProcessPoolExecutor(max(1, workers), mp_context=get_context("spawn")) as pool:
-        futures = [pool.submit(_write_range, str(path), bk, cfg, manifest, means, part) for part in parts]
-        for i, f in enumerate(futures):
-            f.result()
+    parts = [items[i:i + PART] for i in range(0, len(items), PART)]
+    workers = max(1, min(workers, len(parts)))
+    with ProcessPoolExecutor(workers, mp_context=get_context("spawn")) if workers > 1 else nullcontext() as pool:
+        for i, part in enumerate(parts if pool is None else
+                                 [pool.submit(_write_range, str(path), bk, cfg, manifest, means, p) for p in parts]):
+            if pool is None:
+                _write_range(str(path), bk, cfg, manifest, means, part)
+            else:
+                part.result()
             if progress:
-                print(f"  {min((i + 1) * 500, len(items))}/{len(items)} clients, {time.perf_counter() - t0:.0f} s",
+                print(f"  {min((i + 1) * PART, len(items))}/{len(items)} clients, {time.perf_counter() - t0:.0f} s",
                       flush=True)
     S.consolidate(path)
     rows = int(fed.n_train.sum() + fed.n_test.sum())

@@ -31,12 +31,13 @@ SHAPES = {
 
 
 def _parse(rows: list[list[str]], origin: str) -> np.ndarray:
-    header = [h.strip() for h in rows[0]] if rows and not rows[0][0].strip().lstrip("-").isdigit() else None
-    body = rows[1:] if header is not None else rows
+    lines = [(i, row) for i, row in enumerate(rows, start=1) if "".join(row).strip()]
+    if not lines:
+        raise UserError(f"{origin}: no client sizes in it")
+    first = lines[0][1]
+    header = [h.strip() for h in first] if not first[0].strip().lstrip("-").isdigit() else None
     sizes: list[int] = []
-    for i, row in enumerate(body, start=2 if header is not None else 1):
-        if not row or not "".join(row).strip():
-            continue
+    for i, row in lines[1:] if header is not None else lines:
         try:
             if header == ["train_images", "clients"]:
                 size, count = int(row[0]), int(row[1])
