@@ -265,7 +265,9 @@ def main() -> None:
                 result["runs"][c]["multiple_of_read_seconds"] = round(s / read, 2)
                 result["runs"][c]["goal_under_60s"] = s < 60
                 result["runs"][c]["goal_peak_le_1p5x"] = result["runs"][c]["multiple_of_feature_bytes"]["median"] <= 1.5
-        if a.profile:
+        if a.profile and a.profile not in cases:
+            notes.append(f"--profile {a.profile}: not among the measurements ({', '.join(cases)}), not profiled")
+        elif a.profile:
             r = run_case(a.profile, store, Path(tmp), 0, a, facts["clients"], profile=True)
             text = r.pop("profile", r.get("failed", ""))
             Path(a.out).with_suffix(".profile.txt").write_text(text)
