@@ -37,6 +37,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -98,7 +99,11 @@ if a["profile"]:
     prof = cProfile.Profile()
     r = prof.runcall(work)
     s = io.StringIO()
-    pstats.Stats(prof, stream=s).sort_stats("cumulative").print_stats(30)
+    st = pstats.Stats(prof, stream=s)
+    s.write("== the project's functions by cumulative time\n")
+    st.sort_stats("cumulative").print_stats(r"(fedheads|embedcache)/", 30)
+    s.write("== every function by its own time\n")
+    st.sort_stats("tottime").print_stats(20)
     r["profile"] = s.getvalue()
 else:
     r = work()
@@ -115,6 +120,12 @@ def rss_of(pid: int) -> int:
             return next(int(ln.split()[1]) * 1024 for ln in f if ln.startswith("VmRSS"))
     except (OSError, StopIteration):
         return 0
+
+
+def sanitized(text: str) -> str:
+    """A profile's file names without this machine's directories (the repository, the Python install)."""
+    text = text.replace(str(REPO) + os.sep, "")
+    return re.sub(r"[^\s(]*/(site-packages|lib/python3\.\d+)/", r"<\1>/", text)
 
 
 def mem_available() -> int:
@@ -272,10 +283,10 @@ def main() -> None:
             notes.append(f"--profile {a.profile}: not among the measurements ({', '.join(cases)}), not profiled")
         elif a.profile:
             r = run_case(a.profile, store, Path(tmp), 0, a, facts["clients"], profile=True)
-            text = r.pop("profile", r.get("failed", ""))
+            text = sanitized(r.pop("profile", r.get("failed", "")))
             Path(a.out).with_suffix(".profile.txt").write_text(text)
             result["profile"] = {"case": a.profile, "file": Path(a.out).with_suffix(".profile.txt").name,
-                                 "top": [ln for ln in text.splitlines() if ln.strip()][:40]}
+                                 "top": [ln for ln in text.splitlines() if ln.strip()][:45]}
     write_json(result, a.out)
     print(f"wrote {a.out}")
 

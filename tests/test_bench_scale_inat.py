@@ -40,3 +40,12 @@ def test_summarise_reports_multiples_of_the_feature_bytes():
 def test_registered_lists_the_algorithms():
     names = B.registered()
     assert {"fedncm", "lp"} <= names and "no-such-head" not in names
+
+
+def test_profile_text_names_no_machine_directory():
+    text = (f"1 0.1 0.1 {B.REPO}/fedheads/core/engine.py:240(client_updates)\n"
+            "2 0.2 0.2 /opt/venv/lib/python3.11/site-packages/zarr/core/sync.py:124(sync)\n"
+            "3 0.3 0.3 /usr/lib/python3.11/threading.py:295(wait)\n")
+    assert B.sanitized(text).splitlines() == ["1 0.1 0.1 fedheads/core/engine.py:240(client_updates)",
+                                              "2 0.2 0.2 <site-packages>/zarr/core/sync.py:124(sync)",
+                                              "3 0.3 0.3 <lib/python3.11>/threading.py:295(wait)"]
