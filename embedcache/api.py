@@ -54,6 +54,9 @@ def partition(source: str | Any, scheme: str | None = None, *, preset: str | Non
     base: dict[str, Any] = dict(PRESETS[preset]) if preset else {}
     if scheme is None and "scheme" not in base:
         raise UserError(f"--scheme: required (or --preset {' / '.join(PRESETS)})")
+    if preset and client_sizes is not None:
+        raise UserError(f"--client-sizes: --preset {preset} fixes its own clients and split; use "
+                        f"--scheme label-shift --client-sizes {client_sizes}")
     if preset and scheme is not None and scheme != base["scheme"]:
         raise UserError(f"--scheme {scheme}: --preset {preset} is {base['scheme']}; drop one of them")
     given = {"scheme": scheme, "train_per_class": train_per_class, "test_per_class": test_per_class,

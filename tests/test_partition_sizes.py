@@ -104,6 +104,7 @@ def test_exhausted_classes_are_redrawn_not_overdrawn():
      "error: --train-fraction: not used with --client-sizes"),
     (["--scheme", "label-shift", "--client-sizes", "gldv2", "--min-samples", "3"],
      "error: --min-samples: not used with --client-sizes"),
+    (["--preset", "fedncm", "--client-sizes", "gldv2"], "error: --client-sizes: --preset fedncm fixes its own"),
 ])
 def test_what_cannot_work_is_one_line(root, tmp_path, args, start):
     out = tmp_path / "m.json"

@@ -19,7 +19,8 @@ LIST_CAP = 10  # per-client warning lines before "... and N more"
 @click.option("--test-per-class", type=int, default=None,
               help="Feature(-label) shift: cap test images per class (default: the rest).")
 @click.option("--clients", type=int, default=None,
-              help="Label shift [5] / feature-label shift [one per domain]: number of clients M.")
+              help="Label shift [5; with --client-sizes: the shape's own] / feature-label shift [one per domain]: "
+                   "number of clients M.")
 @click.option("--alpha", type=float, default=None, help="Label / feature-label shift: Dirichlet concentration [1.0].")
 @click.option("--domain", "domain", default=None, help="One domain (label shift: the domain to draw clients from).")
 @click.option("--domains", default=None, help="Comma-separated subset of domains.")
