@@ -258,6 +258,7 @@ def main() -> None:
         pooled = floors["pooled"]["gflops"] * 1e9
         floors["gram_flops"] = 2.0 * n_gram * (DIM + 1) ** 2
         floors["gram_seconds_at_pooled_rate"] = round(floors["gram_flops"] / pooled, 3)
+        floors["feature_bytes_seconds_at_copy_rate"] = round(fb / (floors["copy"]["gb_per_s"] * 1e9 / 2), 3)
         print(f"  GEMM float64 {floors['pooled']['gflops']:.1f} GFLOP/s pooled, {floors['per_client']['gflops']:.1f} "
               f"per client (r=2); copy {floors['copy']['gb_per_s']:.1f} GB/s; the training Gram at the pooled "
               f"rate: {floors['gram_seconds_at_pooled_rate']:.1f} s", flush=True)
@@ -279,6 +280,9 @@ def main() -> None:
                 run["pass_multiple_of_read_seconds"] = round(run["pass_seconds"]["median"] / read, 2)
                 run["goal_under_60s"] = run["seconds"]["median"] < 60
                 run["goal_peak_le_1p5x"] = run["multiple_of_feature_bytes"]["median"] <= 1.5
+            if "round_seconds" in run and "gram_seconds_at_pooled_rate" in floors:  # Fed3R's cost is the Grams
+                run["round_over_gram_seconds_at_pooled_rate"] = round(
+                    run["round_seconds"]["median"] / floors["gram_seconds_at_pooled_rate"], 2)
         if a.profile and a.profile not in cases:
             notes.append(f"--profile {a.profile}: not among the measurements ({', '.join(cases)}), not profiled")
         elif a.profile:
