@@ -11,13 +11,14 @@ skewed per client: client k draws its class proportions q_k ~ Dirichlet(alpha * 
 2019, "Measuring the Effects of Non-Identical Data Distribution", Section 3, with the prior as the
 Dirichlet's mean) and every row of its train and test splits from q_k.
 Features: 1280-d float32, x = mu_y + eps, class means mu_c ~ N(0, separation^2 I), eps ~ N(0, I),
-so heads have something to learn (NCM on the true means scores about 90 % at the default
-separation).
+so heads have something to learn: the true class means classify almost every row, and a head
+estimated from the federation is held back by the tail classes' few rows.
 
 The store is a real embedcache store (contract 4): the same shard groups, arrays, digests and
 attributes as `embedcache.store.write_shard` writes, but every shard written in one pass with the
 digests computed from memory rather than by `write_shard`'s lock/prepare/write/re-read cycle
-(tens of milliseconds per shard: minutes for 18,550 shards). tests/test_inat_store.py checks that
+per shard, and clients written concurrently (zarr's asyncio API) in worker processes, each
+client's noise from its own seeded stream. tests/test_inat_store.py checks that
 both writers give the same shard. Built into a cache directory keyed by the arguments; a build
 that did not finish is removed and rebuilt.
 
