@@ -47,7 +47,7 @@ from pathlib import Path
 
 from bench_memory import CHILD_PRELUDE  # sibling modules: the same measured process
 from inat_store import InatConfig, build
-from machine_info import machine, write_json
+from machine_info import machine, provenance, write_json
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
@@ -243,7 +243,8 @@ def main() -> None:
     store, facts = build(InatConfig(seed=a.seed, clients=a.clients), a.cache_dir, progress=True)
     fb = facts["feature_bytes"]
     n_gram = facts["train_rows"]
-    result: dict = {"method": __doc__.split("\n\n")[1] + "\n\n" + __doc__.split("\n\n")[2],
+    # the command and commit as the run starts: the JSON written after each measurement is itself tracked
+    result: dict = {**provenance(), "method": __doc__.split("\n\n")[1] + "\n\n" + __doc__.split("\n\n")[2],
                     "machine": machine("cpu"), "threads": a.threads, "repeats": a.repeats, "quick": a.quick,
                     "memory_limit_bytes": a.limit, "store": facts, "notes": notes,
                     "lp": {"clients_per_round": a.lp_clients, "rounds": a.lp_rounds}, "runs": {}}
