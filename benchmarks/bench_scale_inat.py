@@ -23,7 +23,7 @@ same torch threads, `--repeats` times interleaved:
     [B, r, 1281] for r = 2 rows, a median client's own Gram), and memory bandwidth (a large
     tensor copy: bytes read + written per second).
 A child whose resident memory passes `--mem-limit-gb` (default: 80 % of the memory available at
-start) is killed and recorded as such, with its RSS and seconds at the kill. `--profile NAME`
+start) is killed and recorded as such, with its RSS and seconds at the kill, and not repeated. `--profile NAME`
 runs one more measurement of NAME under cProfile and writes the top functions by cumulative time
 (OUT with .profile.txt), and their first lines into the JSON: where the time goes.
 
@@ -267,6 +267,8 @@ def main() -> None:
         reps: dict[str, list[dict]] = {c: [] for c in cases}
         for k in range(a.repeats):  # interleaved, so load drifts hit every case alike
             for c in cases:
+                if any("failed" in r for r in reps[c]):
+                    continue  # a run killed at the memory or time limit is not repeated (it would be again)
                 r = run_case(c, store, Path(tmp), k, a, facts["clients"])
                 reps[c].append(r)
                 msg = r.get("failed") or (f"{r['seconds']:.1f} s, peak {(r['peak_rss'] - r['baseline_rss']) / fb:.2f}x "
