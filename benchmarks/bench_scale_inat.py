@@ -268,7 +268,7 @@ def main() -> None:
         for k in range(a.repeats):  # interleaved, so load drifts hit every case alike
             for c in cases:
                 if any("failed" in r for r in reps[c]):
-                    continue  # a run killed at the memory or time limit is not repeated (it would be again)
+                    continue  # a failed run (killed at a limit, or an error) is not repeated: it would fail again
                 r = run_case(c, store, Path(tmp), k, a, facts["clients"])
                 reps[c].append(r)
                 msg = r.get("failed") or (f"{r['seconds']:.1f} s, peak {(r['peak_rss'] - r['baseline_rss']) / fb:.2f}x "
