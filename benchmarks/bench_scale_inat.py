@@ -10,7 +10,8 @@ Measured, each in a fresh subprocess (bench_memory.CHILD_PRELUDE: everything imp
 RSS taken as the baseline, the kernel's peak-RSS counter reset, VmHWM read at the end), with the
 same torch threads, `--repeats` times interleaved:
   * `read`: one checked read of every client's train and test features (embedcache.reader
-    .iter_split_chunks, as `fedheads train` reads them): the floor of any one-pass head;
+    .iter_split_chunks, as `fedheads train` reads them): the floor of any one-pass head; the
+    time of opening the store (embedcache.reader.open_store: its metadata) is given apart;
   * each of `--algorithms` (default fedncm, fed3r, fedcof; a name `fedheads algorithms` does not
     list is skipped with a note): `fedheads train --rounds 1 --fraction 1 --eval-every 1`, one
     pass over all clients: the command's wall time (goal < 60 s), its one pass (loading plus the
@@ -61,13 +62,15 @@ def work():
     m = a["mode"]
     if m == "read":
         from embedcache.reader import iter_split_chunks, open_store
+        t = time.perf_counter()
         info = open_store(a["store"], quiet=True)
+        opened = time.perf_counter() - t
         rows = 0
         for split in ("train", "test"):
             for c in info.clients:
                 for x, y, _ in iter_split_chunks(info, ["synthetic"], split, c):
                     rows += len(y)
-        return {"rows": rows}
+        return {"rows": rows, "open_store_seconds": opened}
     if m == "gemm":
         n, d, b, r = a["gemm_n"], a["gemm_d"], a["gemm_batch"], a["gemm_r"]
         g = torch.Generator().manual_seed(0)
@@ -196,6 +199,8 @@ def summarise(name: str, reps: list[dict], feature_bytes: int) -> dict:
     peaks = [r["peak_rss"] - r["baseline_rss"] for r in ok]
     out["peak_above_baseline_bytes"] = spread(peaks)
     out["multiple_of_feature_bytes"] = spread([p / feature_bytes for p in peaks])
+    if name == "read":  # the store's metadata (open_store, which every command does) apart from the features
+        out["open_store_seconds"] = spread([r["open_store_seconds"] for r in ok])
     if name not in ("read", "gemm"):
         out["accuracy"] = ok[0]["accuracy"]
         out["load_seconds"] = spread([r["load_seconds"] for r in ok])
