@@ -166,7 +166,7 @@ def child(args: dict, limit: int, timeout: float) -> dict:
     if why or p.returncode != 0:
         tail = stderr.strip().splitlines()[-1:] if not why else []
         return {"failed": why or f"exit {p.returncode}: {tail[0] if tail else ''}", "process_seconds": secs,
-                "rss_at_end": peak, "load_average_before": list(load0)}
+                "max_rss_sampled": peak, "load_average_before": list(load0)}
     r = json.loads(next(ln for ln in stdout.splitlines() if ln.startswith("RESULT "))[len("RESULT "):])
     r.update({"process_seconds": secs, "load_average_before": list(load0), "load_average_after": list(os.getloadavg())})
     return r
