@@ -47,6 +47,7 @@ bench_feddra               |                                                   |
 bench_scale                | --clients 1000 --layouts bucketed --repeats 3     | --quick --out @OUT/scale.json
 bench_scale_breakdown      |                                                   | -
 bench_privacy_utility      |                                                   | --small --out @OUT/privacy_utility.json
+bench_scale_inat           | --repeats 3 --profile fed3r                       | --quick --out @OUT/scale_inat.json
 bench_pipelines:ci         | --scale ci --scheduler local:2 --out-dir runs/bench-pipelines | --experiments fedpcl-table2 --scale smoke --scheduler serial --out @OUT/pipelines.json
 bench_pipelines:ci_compare | --experiments fedpcl-table14,fedpcl-table2,fedpcl-table3 --scale ci --scheduler local:2 --compare serial --out benchmarks/results/pipelines_ci_compare.json | -
 bench_pipelines:paper      | --scale paper --out-dir runs/bench-pipelines --warm-only --out benchmarks/results/pipelines_paper.json | -

@@ -30,13 +30,16 @@ def partition(source: str | Any, scheme: str | None = None, *, preset: str | Non
               clients: int | None = None, alpha: float | None = None,
               domains: Sequence[str] | str = (), train_fraction: float | None = None,
               min_samples: int | None = None, fingerprint: str = "sha256", seed: int = 0,
-              out: str | Path | None = None) -> Manifest:
+              out: str | Path | None = None, client_sizes: str | Path | None = None) -> Manifest:
     """Partition `source` into clients, as `embedcache partition`: the data manifest.
 
     source: "imagefolder:PATH" | "jda-digits:FILE.mat" | "builtin:digits" | "captioned:<one of
         these>", or an opened ImageSource.
     scheme: "feature-shift" | "label-shift" | "feature-label-shift" (FedPCL Tables 8-10), or a
         `preset` ("fedncm", "feddra"); options left None take the scheme's default.
+    client_sizes: label shift with a real federation's training sizes per client, a name in
+        embedcache.federation_shapes.SHAPES (e.g. "inaturalist-users-120k") or a CSV of sizes;
+        `clients` then draws that many sizes at the shape's quantiles (default: its own, exactly).
     out: also write the manifest there (.json, .yaml or .yml). What the partitioner had to handle
         (clients without test samples, missing classes) is in `manifest.report`."""
     from embedcache.manifest import SUFFIXES, save_manifest
@@ -51,10 +54,14 @@ def partition(source: str | Any, scheme: str | None = None, *, preset: str | Non
     base: dict[str, Any] = dict(PRESETS[preset]) if preset else {}
     if scheme is None and "scheme" not in base:
         raise UserError(f"--scheme: required (or --preset {' / '.join(PRESETS)})")
+    if preset and client_sizes is not None:
+        raise UserError(f"--client-sizes: --preset {preset} fixes its own clients and split; use "
+                        f"--scheme label-shift --client-sizes {client_sizes}")
     if preset and scheme is not None and scheme != base["scheme"]:
         raise UserError(f"--scheme {scheme}: --preset {preset} is {base['scheme']}; drop one of them")
     given = {"scheme": scheme, "train_per_class": train_per_class, "test_per_class": test_per_class,
-             "clients": clients, "alpha": alpha, "train_fraction": train_fraction, "min_samples": min_samples}
+             "clients": clients, "alpha": alpha, "train_fraction": train_fraction, "min_samples": min_samples,
+             "client_sizes": None if client_sizes is None else str(client_sizes)}
     base.update({k: v for k, v in given.items() if v is not None})
     doms = tuple(d.strip() for d in (domains.split(",") if isinstance(domains, str) else domains) if d.strip())
     preset_doms = tuple(base.pop("domains", ()))

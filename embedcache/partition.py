@@ -12,6 +12,14 @@ NeurIPS 2023, Section 4):
   label mix: client i draws class proportions q_i ~ Dirichlet(alpha) and N*C training images by
   those proportions from its domain; its test set is the rest of its domain for the classes it
   has, shared evenly between the domain's clients;
+- label shift with a real federation's client sizes (`--client-sizes NAME|CSV`,
+  embedcache.federation_shapes, e.g. iNaturalist-Users-120K: 9,275 clients, median 2 training
+  images): client i gets exactly n_i training samples, n_i the shape's sizes in a seeded order
+  (M = --clients sizes at the shape's quantiles; by default the shape's own, exactly), drawn from
+  the pooled classes by its own proportions q_i ~ Dirichlet(alpha * C * p), p the pool's class
+  frequencies (Hsu et al. 2019, Section 3);
+  its test set is the rest of the pool for the classes it has, shared evenly between the clients
+  having each class (as feature & label shift does);
 - FedNCM: `--preset fedncm` = label shift over all domains pooled, 100 clients, alpha 0.1;
 - FedDRA (federated distributionally robust vision-language alignment; the offline setting of the
   FedDRA reading notes, section 3): `--preset feddra` = label shift over amazon + caltech10
@@ -38,6 +46,7 @@ from typing import Any
 import numpy as np
 
 from embedcache.errors import UserError
+from embedcache.federation_shapes import draw_sizes, load_shape
 from embedcache.manifest import FINGERPRINT_KINDS, Client, Manifest, Sample
 
 SCHEMES = ("feature-shift", "label-shift", "feature-label-shift")
@@ -53,7 +62,7 @@ REDRAWS = 10  # Dirichlet re-draws when a client comes out below min_samples
 # The options each scheme reads; any other option given is refused (with the reason below).
 USES = {
     "feature-shift": {"train_per_class", "test_per_class", "train_fraction"},
-    "label-shift": {"clients", "alpha", "train_fraction", "min_samples"},
+    "label-shift": {"clients", "alpha", "train_fraction", "min_samples", "client_sizes"},
     "feature-label-shift": {"train_per_class", "test_per_class", "clients", "alpha"},
 }
 DEFAULTS = {"train_per_class": 10, "alpha": 1.0, "train_fraction": 0.1, "min_samples": 2}
@@ -66,6 +75,12 @@ _UNUSED = {
     "min_samples": "only label-shift re-draws clients that come out below it",
     "train_per_class": "{scheme} splits each client's samples by --train-fraction",
     "test_per_class": "{scheme} tests on the rest of each client's samples (--train-fraction sets the split)",
+    "client_sizes": "a federation's client sizes go with label-shift (the clients of {scheme} follow its own rule)",
+}
+# label-shift options that --client-sizes replaces: sizes come from the shape, the pool's rest is the test set
+_SIZED_UNUSED = {
+    "train_fraction": "each client's training size comes from --client-sizes and the samples left over are the test sets",
+    "min_samples": "each client's size comes from --client-sizes",
 }
 
 
@@ -89,12 +104,14 @@ class Recipe:
     min_samples: int | None = None  # label shift: fewest samples (train + test) a Dirichlet client should get [2]
     fingerprint: str = "sha256"  # how each image is fingerprinted (ImageSource.fingerprint kinds; "stat": opt-in)
     captions: str | None = None  # set by partition(): the source's caption_origin when samples carry texts
+    client_sizes: str | None = None  # label shift: training sizes of a real federation (federation_shapes name or CSV)
 
     def as_dict(self) -> dict[str, Any]:
         d = dict(self.__dict__)
         d["domains"] = list(self.domains)
-        if d["captions"] is None:  # manifests without texts keep the bytes (and hashes) they had
-            del d["captions"]
+        for key in ("captions", "client_sizes"):  # manifests without them keep the bytes (and hashes) they had
+            if d[key] is None:
+                del d[key]
         return d
 
     def resolved(self) -> Recipe:
@@ -113,9 +130,15 @@ class Recipe:
             if self.train_fraction is not None and self.train_per_class is not None:
                 raise UserError("--train-per-class and --train-fraction: feature-shift takes one of them")
             fixed = {"train_fraction"} if self.train_fraction is None else {"train_per_class"}
+        if self.client_sizes is not None:
+            for option, why in _SIZED_UNUSED.items():
+                if getattr(self, option) is not None:
+                    raise UserError(f"{_flag(option)}: not used with --client-sizes ({why})")
+            fixed = set(_SIZED_UNUSED)
+            load_shape(self.client_sizes)  # a bad name or file: one line before any work
         r = replace(self, **{k: v for k, v in DEFAULTS.items()
                              if k in uses and k not in fixed and getattr(self, k) is None})
-        if r.scheme == "label-shift" and r.clients is None:
+        if r.scheme == "label-shift" and r.clients is None and r.client_sizes is None:
             r = replace(r, clients=LABEL_SHIFT_CLIENTS)
         if r.alpha is not None and r.alpha <= 0:
             raise UserError(f"--alpha {r.alpha}: must be > 0")
@@ -234,6 +257,72 @@ def _train_test(items: list[tuple[str, int]], frac: float, rng: np.random.Genera
     return train, test
 
 
+def sized_split(by_class: dict[int, list[str]], sizes: np.ndarray, alpha: float, rng: np.random.Generator,
+                ) -> list[list[tuple[str, int]]]:
+    """Client i takes exactly sizes[i] samples, its classes drawn by q_i ~ Dirichlet(alpha * C * p),
+    p the pool's class frequencies (Hsu et al. 2019, Section 3: the prior as the Dirichlet's mean;
+    with equal classes, feature & label shift's Dirichlet(alpha)), without replacement: a class that
+    runs out is dropped from q_i and the rest re-drawn. The caller checks that the pool holds sum(sizes)."""
+    labs = sorted(by_class)
+    pools = [[by_class[c][j] for j in rng.permutation(len(by_class[c]))] for c in labs]
+    left = np.array([len(p) for p in pools], dtype=np.int64)
+    conc = alpha * len(labs) * left / left.sum()
+    parts: list[list[tuple[str, int]]] = []
+    for n in sizes:
+        q = rng.gamma(conc)  # Dirichlet(conc) unnormalised; normalised below with the classes still available
+        take = np.zeros(len(labs), dtype=np.int64)
+        need = int(n)
+        while need > 0:
+            w = q * (left > take)
+            w = w / w.sum() if w.sum() > 0 else (left > take) / (left > take).sum()
+            take = np.minimum(take + rng.multinomial(need, w), left)
+            need = int(n) - int(take.sum())
+        items = []
+        for j in np.flatnonzero(take):
+            got, pools[j] = pools[j][: take[j]], pools[j][take[j]:]
+            items += [(loc, labs[j]) for loc in got]
+        left -= take
+        parts.append(items)
+    return parts
+
+
+def _sized_clients(pooled: dict[int, list[str]], dom: str, r: Recipe, rng: np.random.Generator,
+                   report: dict[str, Any]) -> list[Client]:
+    """Label shift with the training sizes of a real federation (`--client-sizes`); test sets: the
+    rest of each class, dealt in turn to the clients that hold it."""
+    shape = load_shape(str(r.client_sizes))
+    sizes = draw_sizes(shape, r.clients)
+    total = sum(len(v) for v in pooled.values())
+    if int(sizes.sum()) > total:
+        fit = max(1, int(total // shape.mean()))
+        while fit > 1 and int(draw_sizes(shape, fit).sum()) > total:
+            fit -= 1
+        raise UserError(f"--client-sizes {r.client_sizes}: {len(sizes)} clients need {int(sizes.sum())} training "
+                        f"samples and the source has {total}; use --clients {fit} (the most that fit) or a larger source")
+    sizes = sizes[rng.permutation(len(sizes))]
+    parts = sized_split(pooled, sizes, r.alpha if r.alpha is not None else DEFAULTS["alpha"], rng)
+    used = {loc for items in parts for loc, _ in items}
+    owners: dict[int, list[int]] = defaultdict(list)
+    for i, items in enumerate(parts):
+        for lab in sorted({lab for _, lab in items}):
+            owners[lab].append(i)
+    tests: list[list[Sample]] = [[] for _ in parts]
+    for lab, locs in pooled.items():
+        rest = [loc for loc in locs if loc not in used]
+        for j, loc in enumerate(rest):
+            if owners[lab]:
+                tests[owners[lab][j % len(owners[lab])]] += _samples([loc], lab)
+    unused = sum(len(v) for lab, v in pooled.items() if not owners[lab])
+    if unused:
+        report.setdefault("warnings", []).append(
+            f"{unused} sample(s) of classes no client trains on are in no test set")
+    report["client_sizes"] = {"shape": str(r.client_sizes), "clients": len(sizes), "train_samples": int(sizes.sum()),
+                              "median": float(np.median(sizes)), "largest": int(sizes.max())}
+    width = max(2, len(str(len(parts) - 1)))
+    return [Client(client_name(i, dom, width), dom, tuple(_samples([loc], lab)[0] for loc, lab in items),
+                   tuple(tests[i])) for i, items in enumerate(parts)]
+
+
 def label_shift(groups: dict[str, dict[int, list[str]]], classes: Sequence[str], r: Recipe,
                 rng: np.random.Generator, report: dict[str, Any]) -> list[Client]:
     pooled: dict[int, list[str]] = defaultdict(list)
@@ -242,6 +331,8 @@ def label_shift(groups: dict[str, dict[int, list[str]]], classes: Sequence[str],
             pooled[lab] += locs
     pooled = {k: sorted(v) for k, v in sorted(pooled.items())}
     dom = next(iter(groups)) if len(groups) == 1 else "pooled"
+    if r.client_sizes is not None:
+        return _sized_clients(pooled, dom, r, rng, report)
     m = r.clients or LABEL_SHIFT_CLIENTS
     parts = dirichlet_split(pooled, m, r.alpha, rng, r.min_samples, report)
     clients = []
@@ -346,6 +437,8 @@ def partition(source: Any, recipe: Recipe, seed: int, *, require_texts: bool = F
         groups = {d: groups[d] for d in recipe.domains}
     if recipe.scheme == "feature-label-shift" and recipe.clients is None:
         recipe = replace(recipe, clients=len(groups))  # recorded as what it is
+    if recipe.client_sizes is not None and recipe.clients is None:
+        recipe = replace(recipe, clients=len(load_shape(recipe.client_sizes)))  # the shape's own clients
     report: dict[str, Any] = {}
     rng = np.random.default_rng(seed)
     clients = _SCHEME_FN[recipe.scheme](groups, classes, recipe, rng, report)

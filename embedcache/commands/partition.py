@@ -19,7 +19,8 @@ LIST_CAP = 10  # per-client warning lines before "... and N more"
 @click.option("--test-per-class", type=int, default=None,
               help="Feature(-label) shift: cap test images per class (default: the rest).")
 @click.option("--clients", type=int, default=None,
-              help="Label shift [5] / feature-label shift [one per domain]: number of clients M.")
+              help="Label shift [5; with --client-sizes: the shape's own] / feature-label shift [one per domain]: "
+                   "number of clients M.")
 @click.option("--alpha", type=float, default=None, help="Label / feature-label shift: Dirichlet concentration [1.0].")
 @click.option("--domain", "domain", default=None, help="One domain (label shift: the domain to draw clients from).")
 @click.option("--domains", default=None, help="Comma-separated subset of domains.")
@@ -27,6 +28,11 @@ LIST_CAP = 10  # per-client warning lines before "... and N more"
               help="Label shift: training share per client [0.1]; feature shift: share per class and domain.")
 @click.option("--min-samples", type=int, default=None,
               help="Label shift: fewest samples (before the train/test split) per client; re-draws below it [2].")
+@click.option("--client-sizes", default=None, metavar="NAME|CSV",
+              help="Label shift with a real federation's training sizes per client: inaturalist-users-120k "
+                   "(9,275 clients, median 2), gldv2, or a CSV of sizes; --clients M draws M sizes at its "
+                   "quantiles (default: its own, exactly); each client's class proportions ~ Dirichlet(alpha * C * "
+                   "the pool's class frequencies); the rest of the pool is the test sets.")
 @click.option("--fingerprint", type=click.Choice(["sha256", "stat"]), default="sha256", show_default=True,
               help="How images are fingerprinted so that extract never serves features of a changed image: "
                    "sha256 of the file's bytes (reads every file: a few percent of decoding it; the same on every "
@@ -35,7 +41,7 @@ LIST_CAP = 10  # per-client warning lines before "... and N more"
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--out", required=True, type=click.Path(dir_okay=False), help="Manifest file (.json, .yaml or .yml).")
 def partition(source, scheme, preset, train_per_class, test_per_class, clients, alpha, domain, domains,
-              train_fraction, min_samples, fingerprint, seed, out) -> None:
+              train_fraction, min_samples, client_sizes, fingerprint, seed, out) -> None:
     """Partition SOURCE (imagefolder:PATH | jda-digits:FILE.mat | builtin:digits | captioned:<one of
     these>) into clients. Sources with texts (captioned:, an image folder with captions.tsv) write
     each sample's text into the manifest."""
@@ -47,7 +53,8 @@ def partition(source, scheme, preset, train_per_class, test_per_class, clients, 
     manifest = run_partition(source, scheme, preset=preset, train_per_class=train_per_class,
                              test_per_class=test_per_class, clients=clients, alpha=alpha,
                              domains=domains or domain or (), train_fraction=train_fraction,
-                             min_samples=min_samples, fingerprint=fingerprint, seed=seed, out=out)
+                             min_samples=min_samples, fingerprint=fingerprint, seed=seed, out=out,
+                             client_sizes=client_sizes)
     _warn(manifest)
     n_tr = sum(len(c.train) for c in manifest.clients)
     n_te = sum(len(c.test) for c in manifest.clients)
