@@ -19,10 +19,10 @@ from typing import Any
 
 from tqdm import tqdm
 
-from embedcache import store as st
+from embedcache.chunks import ChunkJob, decode_sample, default_factory, embed_chunk, embed_text_chunk
 from embedcache.errors import UserError
-from embedcache.extract import ChunkJob, decode_sample, default_factory, embed_chunk, import_plugins
-from embedcache.extract_text import embed_text_chunk
+from embedcache.plugins import import_plugins
+from embedcache.store import writer as st
 
 _BACKBONES: dict[tuple[str, str | None, str], Any] = {}  # per worker process
 

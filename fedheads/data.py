@@ -326,13 +326,13 @@ def load_fed_data(store: str, backbones: Sequence[str], device: str | torch.devi
     `largest_first`: a padded result holds its clients largest first, as FedData.by_size gives
     them but without a second copy (client_index: each client's position in the store's order).
 
-    Each split is read with `embedcache.reader.iter_split_chunks` (same checks as `load_split`:
+    Each split is read with `embedcache.store.reader.iter_split_chunks` (same checks as `load_split`:
     complete shards, ids/labels equal across backbones, no NaN/inf) in chunks of `chunk_rows`
     rows, each written straight into the padded device tensors (of the client's bucket: the
     sizes in the store's metadata decide the buckets before a feature is read). `views=True` also loads the
     stored augmented views of the train split (extracted with --views V > 1) into `v_train`
     (through `load_split`: per-client copies); FedPCL's code variant contrasts them."""
-    from embedcache.reader import check_backbone_identity, iter_split_chunks, load_split, open_store  # numpy + zarr
+    from embedcache.store.reader import check_backbone_identity, iter_split_chunks, load_split, open_store  # numpy + zarr
 
     info = open_store(store)
     classes = list(info.classes)

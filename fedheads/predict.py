@@ -232,7 +232,7 @@ def iter_tables(tr: Trained, store: str, parts: Sequence[Part], k: int = 1, chun
     classifier; every check is done before this is called (the first table is written at once)."""
     from tqdm import tqdm
 
-    from embedcache.reader import iter_split_chunks, open_store
+    from embedcache.store.reader import iter_split_chunks, open_store
 
     info = open_store(store, quiet=True)
     total = sum(len(p.by) * int(getattr(info.shard(tr.backbones[0], p.store_client, p.split), "n", 0)) for p in parts)
@@ -267,7 +267,7 @@ def prepare(run: str | Path, store: str | Path | None = None, *, images: str | N
             progress: bool = False) -> tuple[Trained, str, list[Part], int]:
     """Everything before the first prediction: the run, the features (extracted into the cache
     for `images` / `manifest`), what to classify by whom, and the capped k."""
-    from embedcache.reader import open_store
+    from embedcache.store.reader import open_store
 
     given = [n for n, v in (("store", store), ("images", images), ("manifest", manifest)) if v is not None]
     if len(given) != 1:

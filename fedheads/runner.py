@@ -181,7 +181,7 @@ def store_fingerprint(info: Any, backbones: Sequence[str]) -> dict[str, Any]:
     per backbone, its feature dimension, weights sha256 and preprocessing (shard attributes);
     also how it was extracted (batch size, chunk rows, dtype), so that `predict` extracts new
     images the same way (docs/contracts.md, 6)."""
-    from embedcache.reader import shard_attributes
+    from embedcache.store.reader import shard_attributes
 
     out: dict[str, Any] = {"classes": list(info.classes), "backbones": {}}
     for b in backbones:
@@ -245,7 +245,7 @@ def store_dims(store: str | None, backbones: Sequence[str]) -> list[int] | None:
     runs read it before the features: what parsing the metadata leaves is reused by the load."""
     if store is None:
         return None
-    from embedcache.reader import open_store
+    from embedcache.store.reader import open_store
 
     return backbone_dims(open_store(store), backbones)
 
@@ -303,7 +303,7 @@ def dataset_name(store: str | Path | None) -> str | None:
     else the store directory's name; None for features given as arrays."""
     if store is None:
         return None
-    from embedcache.reader import open_store
+    from embedcache.store.reader import open_store
 
     try:
         return open_store(store, quiet=True).source or Path(store).name
@@ -401,7 +401,7 @@ def train_data(data: Federation, backbones: Sequence[str], algorithm: str, opts:
     config: dict[str, Any] = {"store": None if store is None else str(store), "backbones": list(backbones),
                               "algorithm": algorithm}
     if store is not None:
-        from embedcache.reader import open_store
+        from embedcache.store.reader import open_store
 
         config["store_fingerprint"] = store_fingerprint(open_store(store), backbones)
     config.update({"options": _config_dict(opts), "algorithm_kwargs": used if per_seed else {},

@@ -17,7 +17,7 @@ import pytest
 import torch
 from fed_tiny import tiny_fed
 
-from embedcache.store_io import import_features
+from embedcache.store.importer import import_features
 from fedheads.core import engine
 from fedheads.core.tree import tree_leaves
 from fedheads.data import FedData, in_store_order, largest_first, load_fed_data

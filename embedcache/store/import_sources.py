@@ -13,8 +13,8 @@ import numpy as np
 
 from embedcache.errors import UserError
 from embedcache.parsing import read_json
-from embedcache.store_export import EXPORT_FORMAT, EXPORT_INDEX
-from embedcache.store_layout import backbone_key
+from embedcache.store.export import EXPORT_FORMAT, EXPORT_INDEX
+from embedcache.store.layout import backbone_key
 
 FILE_SUFFIXES = (".npz", ".h5", ".hdf5", ".mat")
 _EXPORTS = (EXPORT_FORMAT, "embedcache/1")  # the root format of exports written before 4a
