@@ -34,7 +34,7 @@ def _resnet8(weights_dir=None, device: str = "cpu") -> TorchBackbone:
     torch.manual_seed(3)
     net = CifarResNet(8).eval()
     return TorchBackbone("ckpt-test-resnet8", net, weights_sha256=state_dict_sha256(net.state_dict()),
-                         preprocess=dict(PREPROCESS), device=device)
+                         preprocess=PREPROCESS, device=device)
 
 
 register_backbone("ckpt-test-resnet8", _resnet8, description="test double: random CIFAR ResNet-8",
