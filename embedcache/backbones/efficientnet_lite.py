@@ -18,20 +18,20 @@ ImageNet classes mapped onto the 8 of its classes that have synsets (6 random im
 and domain, 192 in all): 91% (amazon 85, caltech 94, dslr 90, webcam 96), in line with the
 project's FedDRA design notes (89-94%); ImageNet's mean/std instead of (x-127)/128 also gives 91%,
 but a less confident cat (p = 0.37), so the TF Lite normalisation stays.
+Lite1's and Lite2's files pass the same check (Egyptian cat, tests/test_backbones_lite.py).
 
 Architecture: timm ``tf_efficientnet_lite<k>`` (TF "same" padding, BatchNorm eps 1e-3, ReLU6). The
 file's lukemelas keys (``_blocks.3._expand_conv.weight``) are mapped onto timm's
 (``blocks.2.0.conv_pw.weight``) by position: both have the same entries (296 for Lite0) in the same
-order; every pair
-must agree in role (conv / depthwise conv / BN / classifier, same parameter), block numbering
-must map one to one in order, and shapes must be equal; the load is strict.
+order; every pair must agree in role (conv / depthwise conv / BN / classifier, same parameter),
+block numbering must map one to one in order, and shapes must be equal; the load is strict.
 
 Preprocessing (TF Lite reference): bicubic resize of the shorter side, centre crop px (224 / 240 /
 260 by default; ``efficientnet-lite0:<px>`` picks another size, e.g. 160 on a CPU), and
 ``(x - 127) / 128`` on 0..255 values, i.e. mean 127/255 and std 128/255 after ToTensor. The resize
 is TF's CROP_PADDING of 32 pixels (px + 32, the shorter side) for Lite1 and Lite2; Lite0 keeps the
-floor(px / 0.875) it has always recorded (the same 256 at 224 px), so its stores stay cache hits. Training
-view: RandomResizedCrop(px, scale 0.6-1, ratio 3/4-4/3, bicubic) + horizontal flip, the mild crop
+floor(px / 0.875) it has always recorded (the same 256 at 224 px), so its stores stay cache hits.
+Training view: RandomResizedCrop(px, scale 0.6-1, ratio 3/4-4/3, bicubic) + horizontal flip, the mild crop
 this project uses for every ImageNet backbone (fine-tuning on small transfer sets, not ImageNet's
 scale 0.08-1 from-scratch recipe).
 
