@@ -201,8 +201,8 @@ def read_source(path: str | Path, *, client: str | None, split: str | None, feat
         if not src.items:
             raise UserError(f"{path}: no {split} split in it")
     if src.exported and backbone is not None:
-        have = sorted({i.backbone for i in src.items})
-        src.items = [i for i in src.items if backbone in (i.backbone, backbone_key(i.backbone))]
+        have = sorted({str(i.backbone) for i in src.items})  # an export names every shard's backbone
+        src.items = [i for i in src.items if backbone in (i.backbone, backbone_key(str(i.backbone)))]
         if not src.items:
             raise UserError(f"{path}: no backbone {backbone!r} in this export (has: {', '.join(have)})")
     if not src.items:
