@@ -107,7 +107,8 @@ def root_metadata(path: str | Path) -> dict:
 def subgroups(d: str | os.PathLike[str]) -> list[str]:
     """Child directories that are zarr groups or arrays (have a zarr.json); others are not nodes."""
     try:
-        return sorted(e.name for e in os.scandir(os.fspath(d)) if e.is_dir() and os.path.isfile(os.path.join(e.path, "zarr.json")))
+        entries = os.scandir(os.fspath(d))
+        return sorted(e.name for e in entries if e.is_dir() and os.path.isfile(os.path.join(e.path, "zarr.json")))
     except OSError:
         return []
 
