@@ -36,10 +36,11 @@ import torch
 from machine_info import cpu_model, write_json
 
 from embedcache.backbones import create_backbone
-from embedcache.extract import ExtractConfig, batch_bounds, decode_sample, extract, forward
+from embedcache.chunks import batch_bounds, decode_sample, forward
+from embedcache.extraction import ExtractConfig, extract
 from embedcache.manifest import Client, Manifest, Sample
-from embedcache.reader import load_split
 from embedcache.sources import open_source
+from embedcache.store.reader import load_split
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -88,7 +88,7 @@ def _stats(xs: list[float]) -> dict:
 def _store(work: Path, store: str | None) -> tuple[str, dict]:
     if store:
         return store, {}
-    from embedcache.extract import ExtractConfig, extract
+    from embedcache.extraction import ExtractConfig, extract
     from embedcache.manifest import load_manifest
 
     out, secs = work / "store.zarr", {}

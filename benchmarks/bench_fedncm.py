@@ -2,7 +2,7 @@
 
 Writes a synthetic Zarr feature store with the real store writer (embedcache.store), then
 times, per client and in the same order:
-  * read     : embedcache.reader.load_split of the client's train shard (what any algorithm
+  * read     : embedcache.store.reader.load_split of the client's train shard (what any algorithm
                must pay once: decompress + integrity checks);
   * fedncm   : the same read, then FedNCM's client_update through the algorithm protocol
                (one client at a time, as a networked driver would), then one server_aggregate.
@@ -33,8 +33,8 @@ import numpy as np
 import torch
 from machine_info import cpu_model, write_json  # sibling module (benchmarks/ is on sys.path)
 
-from embedcache import store as S
-from embedcache.reader import load_split, open_store
+from embedcache.store import writer as S
+from embedcache.store.reader import load_split, open_store
 from fedheads.algorithms.fedncm import FedNCM, client_stats, finalize_means
 from fedheads.core import engine
 from fedheads.core.protocol import RoundCtx
@@ -167,7 +167,7 @@ def main() -> None:
     n, n_cpu = med(ncms["protocol"], 0), med(ncms["protocol"], 1)
     result = {
         "benchmark": "FedNCM vs one read of the cached features",
-        "data": "synthetic Zarr store written with embedcache.store.write_shard (float32, chunk_rows "
+        "data": "synthetic Zarr store written with embedcache.store.writer.write_shard (float32, chunk_rows "
                 f"{S.DEFAULT_CHUNK_ROWS})",
         "clients": a.clients, "train_rows_per_client": a.rows, "dim": a.dim, "classes": a.classes,
         "store_bytes_on_disk": size, "store_write_seconds": round(t_write, 3),

@@ -47,7 +47,7 @@ def _du(path: Path) -> int:
 
 def _prepare(work: Path, quick: bool) -> tuple[Path, object]:
     from embedcache.manifest import save_manifest
-    from embedcache.partition import Recipe, partition
+    from embedcache.partitioning import Recipe, partition
     from embedcache.sources import open_source
 
     src = data_dir("office_caltech10")
@@ -60,7 +60,7 @@ def _prepare(work: Path, quick: bool) -> tuple[Path, object]:
 
 
 def _extract(m: object, store: Path, names: list[str]) -> dict[str, float]:
-    from embedcache.extract import ExtractConfig, extract
+    from embedcache.extraction import ExtractConfig, extract
 
     secs = {}
     for n in names:

@@ -34,7 +34,7 @@ from pathlib import Path
 import assets  # sibling modules (benchmarks/ is on sys.path)
 from machine_info import cpu_model, write_json
 
-from embedcache.partition import Recipe
+from embedcache.partitioning import Recipe
 from embedcache.sources.drift import fingerprint_all
 from embedcache.sources.imagefolder import ImageFolder
 

@@ -31,7 +31,7 @@ from pathlib import Path
 import numpy as np
 from machine_info import machine_facts, write_json  # sibling module (benchmarks/ is on sys.path)
 
-from embedcache.store_io import import_features
+from embedcache.store.importer import import_features
 
 HERE = Path(__file__).resolve().parent
 

@@ -34,7 +34,7 @@ from statistics import NormalDist
 import numpy as np
 from machine_info import machine, write_json  # sibling module (benchmarks/ is on sys.path)
 
-from embedcache import store as S
+from embedcache.store import writer as S
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
@@ -45,7 +45,7 @@ CHILD_PRELUDE = r"""
 import json, sys
 a = json.loads(sys.argv[1])
 import numpy, torch, zarr
-import embedcache.reader, fedheads.cli, fedheads.runner, fedheads.report, fedheads.data
+import embedcache.store.reader, fedheads.cli, fedheads.runner, fedheads.report, fedheads.data
 import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot

@@ -9,9 +9,9 @@ set's 35,637 rows dealt out so every client has at least one), built once into a
 Measured, each in a fresh subprocess (bench_memory.CHILD_PRELUDE: everything imported first,
 RSS taken as the baseline, the kernel's peak-RSS counter reset, VmHWM read at the end), with the
 same torch threads, `--repeats` times interleaved:
-  * `read`: one checked read of every client's train and test features (embedcache.reader
+  * `read`: one checked read of every client's train and test features (embedcache.store.reader
     .iter_split_chunks, as `fedheads train` reads them): the floor of any one-pass head; the
-    time of opening the store (embedcache.reader.open_store: its metadata) is given apart;
+    time of opening the store (embedcache.store.reader.open_store: its metadata) is given apart;
   * each of `--algorithms` (default fedncm, fed3r, fedcof; a name `fedheads algorithms` does not
     list is skipped with a note): `fedheads train --rounds 1 --fraction 1 --eval-every 1`, one
     pass over all clients: the command's wall time (goal < 60 s), its one pass (loading plus the
@@ -61,7 +61,7 @@ import time, cProfile, io, pstats
 def work():
     m = a["mode"]
     if m == "read":
-        from embedcache.reader import iter_split_chunks, open_store
+        from embedcache.store.reader import iter_split_chunks, open_store
         t = time.perf_counter()
         info = open_store(a["store"], quiet=True)
         opened = time.perf_counter() - t

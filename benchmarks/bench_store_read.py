@@ -6,9 +6,9 @@ float32 = ~410 MB of features, chunk_rows 256), then times, with a warm page cac
   * unchecked : what load_split did before the check: open_store, then zarr reads of
                 features, labels and sample ids for every client, float32 conversion, the
                 NaN/inf scan and the concatenation of the backbones' columns;
-  * checked   : embedcache.reader.load_split of the same shards (the same reads plus the
+  * checked   : embedcache.store.reader.load_split of the same shards (the same reads plus the
                 per-chunk sha256 of features and of labels + sample ids);
-  * open      : embedcache.reader.open_store (consolidated metadata and its cheap check
+  * open      : embedcache.store.reader.open_store (consolidated metadata and its cheap check
                 against the shard directories on disk).
 Repeats alternate the two read paths; medians, every repeat, and the ratio are recorded.
 
@@ -32,8 +32,8 @@ import numpy as np
 import zarr
 from machine_info import cpu_model, write_json  # sibling module (benchmarks/ is on sys.path)
 
-from embedcache import store as S
-from embedcache.reader import load_split, open_store
+from embedcache.store import writer as S
+from embedcache.store.reader import load_split, open_store
 
 HERE = Path(__file__).resolve().parent
 

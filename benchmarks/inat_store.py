@@ -45,8 +45,8 @@ from zarr.core.sync import sync as zsync
 
 from embedcache import store as S
 from embedcache.federation_shapes import draw_sizes, load_shape
-from embedcache.shard_check import chunk_digest, rows_digest
-from embedcache.store_layout import backbone_key, quiet_open
+from embedcache.store.checked_reads import chunk_digest, rows_digest
+from embedcache.store.layout import backbone_key, quiet_open
 
 BACKBONE = "synthetic"
 BATCH = 64  # clients written concurrently

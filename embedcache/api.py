@@ -7,8 +7,8 @@
     embedcache.import_features(source, store, ...)          -> [ShardSpec]    (`embedcache import`)
     embedcache.export(store, out, format="h5")              -> shard count    (`embedcache export`)
 
-`embedcache.partition` and `embedcache.extract` are the modules of those names, callable as the
-functions below (embedcache.callable_module). Nothing heavy is imported until a function runs."""
+The work is done by `embedcache.partitioning`, `embedcache.extraction` and `embedcache.store`;
+nothing heavy is imported until a function runs."""
 
 from __future__ import annotations
 
@@ -20,9 +20,9 @@ from typing import TYPE_CHECKING, Any
 from embedcache.errors import UserError
 
 if TYPE_CHECKING:
-    from embedcache.extract import ExtractReport
+    from embedcache.extraction import ExtractReport
     from embedcache.manifest import Manifest
-    from embedcache.reader import ClientSplit, StoreInfo
+    from embedcache.store.reader import ClientSplit, StoreInfo
 
 
 def partition(source: str | Any, scheme: str | None = None, *, preset: str | None = None,
@@ -43,8 +43,8 @@ def partition(source: str | Any, scheme: str | None = None, *, preset: str | Non
     out: also write the manifest there (.json, .yaml or .yml). What the partitioner had to handle
         (clients without test samples, missing classes) is in `manifest.report`."""
     from embedcache.manifest import SUFFIXES, save_manifest
-    from embedcache.partition import PAIRED_PRESETS, PRESETS, Recipe
-    from embedcache.partition import partition as run_partition
+    from embedcache.partitioning import PAIRED_PRESETS, PRESETS, Recipe
+    from embedcache.partitioning import partition as run_partition
     from embedcache.sources import open_source
 
     if out is not None and Path(out).suffix.lower() not in SUFFIXES:  # before any work
@@ -102,8 +102,8 @@ def extract(manifest: str | Path | Manifest, backbones: Sequence[str] | str, sto
         (dask LocalCluster) or "tcp://HOST:PORT". cut: store the map after that block instead of
         the pooled feature. plugins: modules to import first (e.g. registering your backbones).
     Returns the report (shards, cache hits, chunks and images computed, seconds, notes)."""
-    from embedcache.extract import ExtractConfig
-    from embedcache.extract import extract as run
+    from embedcache.extraction import ExtractConfig
+    from embedcache.extraction import extract as run
 
     if isinstance(manifest, (str, Path)) and not Path(manifest).is_file():
         raise UserError(f"{manifest}: manifest file not found")
@@ -124,7 +124,7 @@ def extract(manifest: str | Path | Manifest, backbones: Sequence[str] | str, sto
 def open_store(store: str | Path, *, quiet: bool = False) -> StoreInfo:
     """The store's classes, clients and shards (N, D, backbone, complete, current), as
     `embedcache inspect`; reading features: :func:`load_split`."""
-    from embedcache.reader import open_store as open_
+    from embedcache.store.reader import open_store as open_
 
     return open_(store, quiet=quiet)
 
@@ -133,7 +133,7 @@ def load_split(store: str | Path | StoreInfo, backbones: Sequence[str] | str, sp
                clients: Sequence[str] | None = None, views: bool = False) -> dict[str, ClientSplit]:
     """{client: ClientSplit(features [N, D] numpy, labels, sample_ids, domain)} of `split`, the
     backbones' features concatenated in order; every row checked against its recorded digests."""
-    from embedcache.reader import load_split as load
+    from embedcache.store.reader import load_split as load
 
     return load(store, backbones, split, clients=clients, views=views)
 
@@ -145,7 +145,7 @@ def import_features(source: str | Path, store: str | Path, *, backbone: str | No
     """`embedcache import`: one file of arrays (give client and split), an `embedcache export`
     (.h5 or npz directory), an HDF5 file with a group per client, or a directory of per-client
     files, written into `store` all or nothing (docs/contracts.md 4a). Returns the ShardSpecs written."""
-    from embedcache.store_import import import_many
+    from embedcache.store.importer import import_many
 
     return import_many(store, source, backbone=backbone, client=client, split=split, domain=domain,
                        features_key=features_key, labels_key=labels_key, transpose=transpose,
@@ -155,6 +155,6 @@ def import_features(source: str | Path, store: str | Path, *, backbone: str | No
 def export(store: str | Path, out: str | Path, format: str = "h5") -> int:
     """`embedcache export`: every shard to one HDF5 file (`format="h5"`) or an npz directory
     (`"npz"`), rows exactly as stored; returns the number of shards."""
-    from embedcache.store_export import export_store
+    from embedcache.store.export import export_store
 
     return export_store(store, out, format)

@@ -1,40 +1,80 @@
 """The built-in backbone names, known without importing torch: the command lines check a name
 here before they load torch, timm or dask, so a typo is refused at once with the nearest name.
-tests/test_checks.py checks that BUILTIN equals the registry's names (embedcache.backbones) and
-FAMILIES its open families. A backbone a plugin registers is known once its module is imported:
-the registry itself is asked then (torch is loaded by then anyway)."""
+
+Each backbone module of `embedcache.backbones` declares what it registers in a literal
+``DECLARES = (...)``: names (``resnet20-cifar10``) and family patterns (``timm:<model>``, whose
+prefix is the part before ``<``). They are read from the source files without importing them;
+the registry imports exactly those modules, and a contract test checks that each registers what it
+declares. A backbone a plugin registers is known once its module is imported: the registry itself
+is asked then (torch is loaded by then anyway)."""
 
 from __future__ import annotations
 
+import ast
+import functools
 import sys
+from pathlib import Path
 
 from embedcache.errors import UserError, did_you_mean
 
-BUILTIN = ("digitnet-builtin", "efficientnet-lite0", "minilm-l6-v2", "mobilenet-v1-embed-tflite",
-           "mobilenet-v2-tflite", "resnet18-aircraft", "resnet18-birds", "resnet18-quickdraw", "resnet20-cifar10",
-           "resnet32-cifar10", "resnet44-cifar10", "resnet56-cifar10")
-FAMILIES = ("timm:", "tv:", "ckpt:")  # resolved by prefix: timm:<model>, tv:<model>, ckpt:<path>
-SIZED = ("efficientnet-lite0:", "minilm-l6-v2:")  # <name>:<px> / <name>:<tokens>
+PACKAGE = "embedcache.backbones"
+_DIR = Path(__file__).resolve().parent / "backbones"
 
 
-def unknown_backbone(name: str, known: list[str]) -> UserError:
+@functools.cache
+def declarations() -> dict[str, tuple[str, ...]]:
+    """{module: its DECLARES} for every module of the backbones package that has one."""
+    out: dict[str, tuple[str, ...]] = {}
+    for f in sorted(_DIR.glob("*.py")):
+        text = f.read_text(encoding="utf-8")
+        if "\nDECLARES = " not in text:
+            continue
+        for node in ast.parse(text, str(f)).body:
+            if (isinstance(node, ast.Assign) and len(node.targets) == 1
+                    and isinstance(node.targets[0], ast.Name) and node.targets[0].id == "DECLARES"):
+                out[f"{PACKAGE}.{f.stem}"] = tuple(ast.literal_eval(node.value))
+    return out
+
+
+def builtin_modules() -> list[str]:
+    """The modules that register the built-in backbones, in file-name order."""
+    return list(declarations())
+
+
+def _all() -> list[str]:
+    return [n for names in declarations().values() for n in names]
+
+
+def builtin_names() -> list[str]:
+    """The built-in backbone names (families aside), sorted."""
+    return sorted(n for n in _all() if "<" not in n)
+
+
+def family_patterns() -> list[str]:
+    """The built-in families as patterns, e.g. ``timm:<model>``."""
+    return [n for n in _all() if "<" in n]
+
+
+def family_prefixes() -> tuple[str, ...]:
+    return tuple(p.split("<", 1)[0] for p in family_patterns())
+
+
+def unknown_backbone(name: str, known: list[str], prefixes: list[str] | None = None) -> UserError:
     """The one line for a backbone name nothing registers, with the nearest known name."""
     known = sorted(known)
-    return UserError(f"{name}: unknown backbone{did_you_mean(name, known)} (known: {', '.join(known)}, timm:<model>, tv:<model>, "
-                     "ckpt:<path>)")
+    patterns = [p for p in family_patterns() if prefixes is None or p.split("<", 1)[0] in prefixes]
+    patterns += [f"{p}<...>" for p in prefixes or () if p not in family_prefixes()]
+    return UserError(f"{name}: unknown backbone{did_you_mean(name, known)} (known: {', '.join(known + patterns)})")
 
 
 def check_backbone_name(name: str) -> None:
     """UserError when `name` (optionally cut, `<name>@<cut>`) is no built-in or registered
-    backbone and no open family; the cut itself is checked when the backbone is built."""
+    backbone and no family; the cut itself is checked when the backbone is built."""
     base = name.rsplit("@", 1)[0] if "@" in name else name
-    if not base or base.startswith(FAMILIES + SIZED):
+    registry = sys.modules.get(f"{PACKAGE}.registry")  # loaded: a plugin may have registered more
+    prefixes = tuple(registry.registered_families()) if registry else family_prefixes()
+    if not base or base.startswith(prefixes):
         return
-    if "embedcache.backbones.registry" in sys.modules:  # a plugin may have registered more
-        from embedcache.backbones.registry import registered_names
-
-        known = registered_names()
-    else:
-        known = list(BUILTIN)
+    known = registry.registered_names() if registry else builtin_names()
     if base not in known:
-        raise unknown_backbone(base, known)
+        raise unknown_backbone(base, known, list(prefixes))

@@ -1,7 +1,7 @@
 """Modules that are also the API function of the same name.
 
 `embedcache.extract`, `embedcache.partition` and `fedheads.predict` are both a module (which the
-code imports from: `from embedcache.extract import ExtractConfig`, `import embedcache.extract as
+code imports from: `from embedcache.extract import ExtractConfig`, `import embedcache.extraction as
 ex`) and the top-level API function users call (`embedcache.extract(manifest, ...)`). A plain
 function in the package would be replaced by the module the first time the module is imported
 (the import system sets the package attribute), so instead the module itself becomes callable:

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import click
 
-from embedcache import __version__
 from embedcache.cli_base import UserErrorGroup
+from embedcache.version import __version__
 
 
 @click.group(cls=UserErrorGroup)

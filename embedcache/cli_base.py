@@ -5,7 +5,7 @@
 - Anything else is a bug or an unforeseen failure (the known ones are turned into UserErrors
   where they happen): one line `error: internal error: <Type>: <msg> (...)`, exit 1; with
   FEDFROZEN_DEBUG=1 the traceback is shown instead.
-- `embedcache.reader.StoreWarning` (a store read correctly but not as written): one `note:` line.
+- `embedcache.store.reader.StoreWarning` (a store read correctly but not as written): one `note:` line.
 """
 
 from __future__ import annotations

@@ -19,10 +19,10 @@ from typing import Any
 
 from tqdm import tqdm
 
-from embedcache import store as st
+from embedcache.chunks import ChunkJob, decode_sample, default_factory, embed_chunk, embed_text_chunk
 from embedcache.errors import UserError
-from embedcache.extract import ChunkJob, decode_sample, default_factory, embed_chunk, import_plugins
-from embedcache.extract_text import embed_text_chunk
+from embedcache.plugins import import_plugins
+from embedcache.store import writer as st
 
 _BACKBONES: dict[tuple[str, str | None, str], Any] = {}  # per worker process
 
@@ -59,6 +59,23 @@ def run_chunk_job(job: ChunkJob) -> int:
     return len(items)
 
 
+def local_workers(scheduler: str) -> int | None:
+    """The one parser of a scheduler spec: N for `local:N` (a LocalCluster of N worker processes
+    started here), None for the address of a running scheduler (`tcp://HOST:PORT`, `tls://...`);
+    UserError for anything else."""
+    if scheduler.startswith("local:"):
+        try:
+            n = int(scheduler.split(":", 1)[1])
+        except ValueError:
+            n = 0
+        if n < 1:
+            raise UserError(f"scheduler {scheduler}: want local:N with N >= 1")
+        return n
+    if scheduler.startswith(("tcp://", "tls://")):
+        return None
+    raise UserError(f"scheduler {scheduler}: want local:N or tcp://HOST:PORT")
+
+
 @contextlib.contextmanager
 def dask_client(scheduler: str, worker_env: dict[str, str] | None = None) -> Iterator[Any]:
     """A distributed Client for `local:N` (a LocalCluster started here, closed on exit) or
@@ -71,20 +88,15 @@ def dask_client(scheduler: str, worker_env: dict[str, str] | None = None) -> Ite
     import dask
     from distributed import Client, LocalCluster
 
-    if scheduler.startswith("local:"):
-        try:
-            n = int(scheduler.split(":", 1)[1])
-        except ValueError:
-            n = 0
-        if n < 1:
-            raise UserError(f"scheduler {scheduler}: want local:N with N >= 1")
+    workers = local_workers(scheduler)
+    if workers is not None:
         # Single-threaded worker processes: torch parallelism inside a worker would fight
         # with the other workers for the same cores.
         env = {**dask.config.get("distributed.nanny.pre-spawn-environ", {}), **(worker_env or {})}
         saved = {k: os.environ.get(k) for k in env}
         try:
             with dask.config.set({"distributed.nanny.pre-spawn-environ": env}), \
-                    LocalCluster(n_workers=n, threads_per_worker=1, processes=True, host="127.0.0.1",
+                    LocalCluster(n_workers=workers, threads_per_worker=1, processes=True, host="127.0.0.1",
                                  dashboard_address=None, silence_logs=40) as cluster, Client(cluster) as client:
                 yield client
         finally:
@@ -93,15 +105,13 @@ def dask_client(scheduler: str, worker_env: dict[str, str] | None = None) -> Ite
                     os.environ.pop(k, None)
                 else:
                     os.environ[k] = v
-    elif scheduler.startswith(("tcp://", "tls://")):
+    else:
         try:
             client = Client(scheduler, timeout="30s")
         except OSError as exc:
             raise UserError(f"scheduler {scheduler}: cannot connect ({exc})") from None
         with quiet_connection_loss(), client:  # closing after a lost scheduler logs no traceback either
             yield client
-    else:
-        raise UserError(f"scheduler {scheduler}: want local:N or tcp://HOST:PORT")
 
 
 def scheduler_lost(client: Any, exc: BaseException) -> bool:

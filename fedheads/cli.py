@@ -1,7 +1,7 @@
 """`fedheads` command line: train / compare / predict / finetune / feddra / algorithms / summarize, and
 over Flower simulate / serve / join (fedheads.flower, imported only by those three).
 
-Every command reads the feature store through `embedcache.reader` (numpy + zarr) and never
+Every command reads the feature store through `embedcache.store.reader` (numpy + zarr) and never
 imports timm, torchvision or dask. Bad input prints one `error: ...` line and exits 2."""
 
 from __future__ import annotations
@@ -76,7 +76,7 @@ def _check_plain(ctx: click.Context, backbones: Sequence[str] = (),
         check_backbone_name(b)
     if store_backbones is not None:
         from embedcache.errors import did_you_mean
-        from embedcache.reader import open_store
+        from embedcache.store.reader import open_store
 
         store, names = store_backbones
         if not Path(store).exists():  # said by the run (--dump-config needs no store)

@@ -26,7 +26,7 @@ from embedcache.errors import UserError
 from fedheads.layout import BucketedFedData, LayoutConfig, as_layout, layout_info, plan_buckets, to_layout  # noqa: F401 (re-exported)
 
 if TYPE_CHECKING:
-    from embedcache.reader import StoreInfo
+    from embedcache.store.reader import StoreInfo
 
 
 def resolve_device(device: str | torch.device = "auto") -> torch.device:
@@ -298,16 +298,16 @@ def load_fed_data(store: str | Path | StoreInfo, backbones: Sequence[str], devic
                   layout: str | LayoutConfig = "padded") -> Federation:
     """FedData (or, with `layout` "bucketed" / "auto", possibly a BucketedFedData: layout.py)
     from a feature store (embedcache contract 4), backbones concatenated in order, its clients in
-    the store's order. `store`: its path, or the store a run opened (embedcache.reader.open_store),
+    the store's order. `store`: its path, or the store a run opened (embedcache.store.reader.open_store),
     read as it is (not opened again).
 
-    Each split is read with `embedcache.reader.iter_split_chunks` (same checks as `load_split`:
+    Each split is read with `embedcache.store.reader.iter_split_chunks` (same checks as `load_split`:
     complete shards, ids/labels equal across backbones, no NaN/inf) in chunks of `chunk_rows`
     rows, each written straight into the padded device tensors (of the client's bucket: the
     sizes in the store's metadata decide the buckets before a feature is read). `views=True` also loads the
     stored augmented views of the train split (extracted with --views V > 1) into `v_train`
     (through `load_split`: per-client copies); FedPCL's code variant contrasts them."""
-    from embedcache.reader import StoreInfo, check_backbone_identity, iter_split_chunks, load_split, open_store
+    from embedcache.store.reader import StoreInfo, check_backbone_identity, iter_split_chunks, load_split, open_store
 
     info = store if isinstance(store, StoreInfo) else open_store(store)
     classes = list(info.classes)

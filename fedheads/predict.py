@@ -231,10 +231,10 @@ def iter_tables(tr: Trained, store: Any, parts: Sequence[Part], k: int = 1, chun
                 progress: bool = False, summary: PredictionSummary | None = None) -> Iterator[dict[str, np.ndarray]]:
     """Prediction tables (fedheads.inference.prediction_rows), one per chunk of each part and
     classifier; every check is done before this is called (the first table is written at once).
-    `store`: the opened store (embedcache.reader.open_store), or its path."""
+    `store`: the opened store (embedcache.store.reader.open_store), or its path."""
     from tqdm import tqdm
 
-    from embedcache.reader import StoreInfo, iter_split_chunks, open_store
+    from embedcache.store.reader import StoreInfo, iter_split_chunks, open_store
 
     info = store if isinstance(store, StoreInfo) else open_store(store, quiet=True)
     total = sum(len(p.by) * int(getattr(info.shard(tr.backbones[0], p.store_client, p.split), "n", 0)) for p in parts)
@@ -270,7 +270,7 @@ def prepare(run: str | Path, store: str | Path | None = None, *, images: str | N
     """Everything before the first prediction: the run, the features (the store, opened once
     where it was checked, or the path of the cache that `images` were extracted into), what to
     classify by whom, and the capped k."""
-    from embedcache.reader import open_store
+    from embedcache.store.reader import open_store
 
     given = [n for n, v in (("store", store), ("images", images), ("manifest", manifest)) if v is not None]
     if len(given) != 1:

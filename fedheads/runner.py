@@ -43,7 +43,7 @@ from fedheads.machine import machine
 from fedheads.settings import parse_settings  # noqa: F401 (fedheads.runner.parse_settings, as before)
 
 if TYPE_CHECKING:
-    from embedcache.reader import StoreInfo
+    from embedcache.store.reader import StoreInfo
 
 STATE_FORMAT = "fedheads-state/1"
 
@@ -205,7 +205,7 @@ def store_fingerprint(info: Any, backbones: Sequence[str]) -> dict[str, Any]:
     per backbone, its feature dimension, weights sha256 and preprocessing (shard attributes);
     also how it was extracted (batch size, chunk rows, dtype), so that `predict` extracts new
     images the same way (docs/contracts.md, 6)."""
-    from embedcache.reader import shard_attributes
+    from embedcache.store.reader import shard_attributes
 
     out: dict[str, Any] = {"classes": list(info.classes), "backbones": {}}
     for b in backbones:
@@ -254,7 +254,7 @@ class StoreRecord:
 
     @staticmethod
     def of(info: StoreInfo, backbones: Sequence[str]) -> StoreRecord:
-        """The record of an opened store (embedcache.reader.open_store) for `backbones`."""
+        """The record of an opened store (embedcache.store.reader.open_store) for `backbones`."""
         return StoreRecord(str(info.path), dataset_name(info), store_fingerprint(info, backbones),
                            tuple(backbone_dims(info, backbones)))
 
@@ -262,7 +262,7 @@ class StoreRecord:
 def open_run_store(store: str | Path | StoreInfo, backbones: Sequence[str]) -> tuple[StoreInfo, StoreRecord]:
     """The store a run reads (opened here when given as a path: the one open of a run) and its
     record."""
-    from embedcache.reader import StoreInfo, open_store
+    from embedcache.store.reader import StoreInfo, open_store
 
     info = store if isinstance(store, StoreInfo) else open_store(store)
     return info, StoreRecord.of(info, backbones)
@@ -437,7 +437,7 @@ def train_run(store: str | Path | StoreInfo | None, backbones: Sequence[str], al
               overwrite: bool = False, resume: bool = False, heap: GlibcHeap | None = None) -> dict[str, Any]:
     """Train `algorithm` once per seed, write the run directory, return results.json's dict.
     An --out holding a run is refused unless `overwrite` (fedheads.rundir). `store`: a path, or
-    the store the caller opened (embedcache.reader.open_store: not opened again); it is opened at
+    the store the caller opened (embedcache.store.reader.open_store: not opened again); it is opened at
     most once per run. Features are loaded in `opts.layout`; a `data` given runs in the layout it
     has (results.json "layout" says which). `store` may be None when `data` is given (features
     from numpy arrays: no store fingerprint in config.json). Every round is checkpointed in

@@ -124,7 +124,7 @@ def run(names, scale, scheduler, out, cache, sources, originals, backbone_map, p
 
 
 def _import_plugins(plugins: tuple[str, ...]) -> None:
-    from embedcache.extract import import_plugins
+    from embedcache.plugins import import_plugins
 
     import_plugins(plugins)
 

@@ -9,7 +9,7 @@ Layout of the cache directory (docs/contracts.md, section 9):
 
 An image's features are computed once per backbone, whatever the number of manifests that use it
 (an alpha sweep re-partitions the same images five times): missing images go into a new pool
-through `embedcache.extract.extract` (fingerprinted, resumable, locked), then each manifest's
+through `embedcache.extraction.extract` (fingerprinted, resumable, locked), then each manifest's
 store is derived from the pools shard by shard with the store's own writer. A derived shard has
 the cache key an extraction of that manifest would give it (backbone, weights, preprocessing,
 sample list, dtype), so `fedheads train` / `finetune` read it like any other. Every write goes
@@ -40,7 +40,7 @@ class DataRequest:
     """A partition to make: the resolved source and embedcache Recipe fields."""
 
     source: str
-    recipe: tuple[tuple[str, Any], ...]  # embedcache.partition.Recipe fields (domains as a tuple)
+    recipe: tuple[tuple[str, Any], ...]  # embedcache.partitioning.Recipe fields (domains as a tuple)
     seed: int
     dataset: str  # pipelines.datasets key, to check the classes of a real copy
     original: bool  # the user's copy (--source) rather than the stand-in
@@ -71,7 +71,7 @@ def _note(notes: list[str], msg: str) -> None:
 
 def manifest_for(req: DataRequest, cache: Path, notes: list[str]) -> Manifest:
     """The manifest of `req`, partitioned once and re-partitioned when its images changed."""
-    from embedcache.partition import Recipe, partition
+    from embedcache.partitioning import Recipe, partition
     from embedcache.sources import open_source
     from embedcache.sources.drift import check_unchanged
     from pipelines.datasets import check_classes
@@ -103,7 +103,7 @@ def manifest_for(req: DataRequest, cache: Path, notes: list[str]) -> Manifest:
 def _complete(store: Path, manifest: Manifest, backbones: list[str]) -> bool:
     if not (store / "zarr.json").exists():
         return False
-    from embedcache.reader import open_store
+    from embedcache.store.reader import open_store
 
     info = open_store(store, quiet=True)
     if info.manifest_hash != manifest.content_hash:
@@ -119,7 +119,8 @@ def _complete(store: Path, manifest: Manifest, backbones: list[str]) -> bool:
 
 def _pool_index(pool_dir: Path, backbone: str) -> dict[tuple[str, str], tuple[Path, str, int]]:
     """(sample id, fingerprint) -> (pool store, client, row) for every complete pool shard of `backbone`."""
-    from embedcache.reader import open_group, open_store
+    from embedcache.store.layout import open_group
+    from embedcache.store.reader import open_store
 
     out: dict[tuple[str, str], tuple[Path, str, int]] = {}
     for js in sorted(pool_dir.glob("*.json")):
@@ -141,7 +142,7 @@ def _pool_index(pool_dir: Path, backbone: str) -> dict[tuple[str, str], tuple[Pa
 
 def _pool_manifest(manifest: Manifest, samples: list[tuple[str, Any]]) -> Manifest:
     """A manifest holding `samples` ((domain, Sample) pairs) as training rows, one client per domain."""
-    from embedcache.partition import client_name
+    from embedcache.partitioning import client_name
 
     by_dom: dict[str, list] = defaultdict(list)
     for dom, s in samples:
@@ -157,7 +158,7 @@ def ensure_features(manifest: Manifest, backbones: list[str], store: Path, cache
                     weights_dir: str | None = None, scheduler: str | None = None, progress: bool = True,
                     notes: list[str] | None = None) -> None:
     """Make `store` hold every shard of `manifest` for `backbones` (see the module docstring)."""
-    from embedcache.extract import ExtractConfig, extract
+    from embedcache.extraction import ExtractConfig, extract
 
     notes = notes if notes is not None else []
     if _complete(store, manifest, backbones):
@@ -184,9 +185,9 @@ def ensure_features(manifest: Manifest, backbones: list[str], store: Path, cache
 
 def _derive(manifest: Manifest, backbones: list[str], store: Path, pool_dir: Path) -> None:
     """Write the manifest's shards from the pools, with the store's writer (cache keys as extract)."""
-    from embedcache import store as st
-    from embedcache.extract import ExtractConfig, build_specs
-    from embedcache.reader import load_split, open_store, shard_attributes
+    from embedcache.extraction import ExtractConfig, build_specs
+    from embedcache.store import writer as st
+    from embedcache.store.reader import load_split, open_store, shard_attributes
 
     st.init_store(store, manifest.classes, manifest.content_hash, [c.name for c in manifest.clients],
                   source=manifest.source)
@@ -217,7 +218,7 @@ def _derive(manifest: Manifest, backbones: list[str], store: Path, pool_dir: Pat
 def prepare(req: DataRequest, backbones: list[str], cache: Path, *, weights_dir: str | None = None,
             scheduler: str | None = None, progress: bool = True) -> Prepared:
     """Partition (cached) and features (cached) for one data request and backbone list."""
-    from embedcache.reader import open_store
+    from embedcache.store.reader import open_store
     from fedheads.runner import store_fingerprint
 
     notes: list[str] = []

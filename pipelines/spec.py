@@ -43,7 +43,7 @@ class Dataset:
 
 @dataclass(frozen=True)
 class DataRecipe:
-    """A partition in the paper's terms (embedcache.partition.Recipe with paper domain names)."""
+    """A partition in the paper's terms (embedcache.partitioning.Recipe with paper domain names)."""
 
     dataset: str  # Dataset.key
     scheme: str  # feature-shift | label-shift | feature-label-shift

@@ -37,15 +37,15 @@ def parse_scheduler(spec: str | None) -> str:
     if spec is None:
         n = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
         return f"local:{max(1, n)}"
-    if spec == "serial" or spec.startswith(("tcp://", "tls://")):
+    if spec == "serial":
         return spec
-    if spec.startswith("local:"):
-        try:
-            if int(spec.split(":", 1)[1]) >= 1:
-                return spec
-        except ValueError:
-            pass
-    raise UserError(f"--scheduler {spec!r}: use serial, local:N (N >= 1) or tcp://HOST:PORT")
+    from embedcache.distributed import local_workers
+
+    try:
+        local_workers(spec)
+    except UserError:
+        raise UserError(f"--scheduler {spec!r}: use serial, local:N (N >= 1) or tcp://HOST:PORT") from None
+    return spec
 
 
 def load_record(cells_dir: Path, h: str) -> dict[str, Any] | None:

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import numpy as np
 
-from embedcache.store_io import import_features
+from embedcache.store.importer import import_features
 
 C, D = 4, 12
 # why the Flower tests skip where the optional extra is absent (CI installs it through [dev])

@@ -88,7 +88,7 @@ def make_staged_store(root):
     img/, manifest.json, s.zarr)."""
     from store_doubles import make_imagefolder, make_manifest
 
-    from embedcache.extract import ExtractConfig, extract
+    from embedcache.extraction import ExtractConfig, extract
     from embedcache.manifest import save_manifest
 
     make_imagefolder(root / "img", domains=("a", "b", "c"), classes=("cat", "dog", "emu"), per_class=9, size=10)

@@ -59,7 +59,7 @@ def test_lukemelas_keys_map_onto_timm_strictly(wheel_file):
 
 
 def test_missing_weights_say_how_to_get_them(monkeypatch, tmp_path):
-    monkeypatch.setattr(L, "_packaged", lambda: None)
+    monkeypatch.setattr(L, "_packaged", lambda variant=None: None)
     with pytest.raises(UserError) as err:
         create_backbone(L.NAME, weights_dir=tmp_path)
     msg = str(err.value)

@@ -246,8 +246,8 @@ def test_preprocess_dict_drives_the_transform():
 
     img = Image.new("L", (40, 30), 128)  # grey input becomes RGB
     a = build_transform(PREPROCESS, train=False)(img)
-    b = build_transform(dict(PREPROCESS, mean=[0.0, 0.0, 0.0]), train=False)(img)
-    c = build_transform(dict(PREPROCESS, resize=[16, 16], input_size=[3, 16, 16]), train=False)(img)
+    b = build_transform(dict(PREPROCESS.as_dict(), mean=[0.0, 0.0, 0.0]), train=False)(img)
+    c = build_transform(dict(PREPROCESS.as_dict(), resize=[16, 16], input_size=[3, 16, 16]), train=False)(img)
     assert a.shape == (3, 32, 32) and c.shape == (3, 16, 16) and not torch.equal(a, b)
 
 

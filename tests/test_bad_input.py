@@ -15,14 +15,14 @@ import yaml
 from click.testing import CliRunner
 from store_doubles import assert_one_line
 
-from embedcache import store_import
 from embedcache.cli import main as ec
 from embedcache.errors import UserError
-from embedcache.extract import ExtractConfig, extract
+from embedcache.extraction import ExtractConfig, extract
 from embedcache.manifest import Client, load_manifest, manifest_to_json, save_manifest
 from embedcache.parsing import loads_json, loads_yaml
-from embedcache.reader import identity_conflict, load_split, open_store
-from embedcache.store_import import import_features
+from embedcache.store import importer as store_import
+from embedcache.store.importer import import_features
+from embedcache.store.reader import identity_conflict, load_split, open_store
 
 
 @pytest.fixture
@@ -94,7 +94,7 @@ def test_a_set_value_with_a_key_twice_is_refused():
 
 
 def test_an_export_index_with_a_key_twice_is_refused(tmp_path):
-    from embedcache.store_export import EXPORT_INDEX
+    from embedcache.store.export import EXPORT_INDEX
 
     (tmp_path / "e").mkdir()
     (tmp_path / "e" / EXPORT_INDEX).write_text('{"format": "embedcache-export/1", "classes": ["a"], '

@@ -324,7 +324,7 @@ def test_cli_trains_baselines_from_a_store(tmp_path) -> None:
 
     from click.testing import CliRunner
 
-    from embedcache.store_io import import_features
+    from embedcache.store.importer import import_features
     from fedheads.cli import main
 
     rs = np.random.default_rng(0)

@@ -18,7 +18,7 @@ from store_doubles import make_imagefolder
 from embedcache.cli import main
 from embedcache.errors import UserError
 from embedcache.manifest import load_manifest, manifest_to_json
-from embedcache.partition import Recipe, partition
+from embedcache.partitioning import Recipe, partition
 from embedcache.sources import open_source
 from embedcache.sources.captions import CAPTION_VERSION, TEMPLATES, attributes, caption_for, synonyms
 

@@ -24,10 +24,10 @@ def test_static_names_equal_the_registries():
         "import json\n"
         "from fedheads.algorithms import list_algorithms\n"
         "from embedcache.backbones import registered_names\n"
-        "from embedcache.backbones.registry import _FAMILIES\n"
-        "print(json.dumps([[i.name for i in list_algorithms()], registered_names(), list(_FAMILIES)]))\n"))
+        "from embedcache.backbones.registry import registered_families\n"
+        "print(json.dumps([[i.name for i in list_algorithms()], registered_names(), registered_families()]))\n"))
     assert set(checks.ALGORITHMS) <= set(got[0])  # the fast path names only registered algorithms
-    assert got[1:] == [list(backbone_names.BUILTIN), list(backbone_names.FAMILIES)]
+    assert got[1:] == [backbone_names.builtin_names(), list(backbone_names.family_prefixes())]
     from fedheads.live.feddra_runner import BASELINES
     from fedheads.live.heads import HEADS
 

@@ -22,9 +22,9 @@ from embedcache.backbones.base import TorchBackbone, state_dict_sha256
 from embedcache.backbones.cifar_resnet import PREPROCESS, CifarResNet
 from embedcache.backbones.ckpt import FORMAT, save_backbone_checkpoint
 from embedcache.errors import UserError
-from embedcache.extract import ExtractConfig, extract
+from embedcache.extraction import ExtractConfig, extract
 from embedcache.manifest import save_manifest
-from embedcache.reader import load_split
+from embedcache.store.reader import load_split
 from fedheads.live.model import LiveNet, Trainable
 from fedheads.live.runner import FinetuneOptions, finetune_run
 
@@ -34,7 +34,7 @@ def _resnet8(weights_dir=None, device: str = "cpu") -> TorchBackbone:
     torch.manual_seed(3)
     net = CifarResNet(8).eval()
     return TorchBackbone("ckpt-test-resnet8", net, weights_sha256=state_dict_sha256(net.state_dict()),
-                         preprocess=dict(PREPROCESS), device=device)
+                         preprocess=PREPROCESS, device=device)
 
 
 register_backbone("ckpt-test-resnet8", _resnet8, description="test double: random CIFAR ResNet-8",

@@ -46,7 +46,7 @@ def test_device_resolution() -> None:
 
 
 def test_load_from_store_concatenates_backbones(tmp_path) -> None:
-    store_mod = pytest.importorskip("embedcache.store")
+    store_mod = pytest.importorskip("embedcache.store.writer")
     store = tmp_path / "s.zarr"
     store_mod.init_store(store, ["cat", "dog"], "m" * 64)
     rs = np.random.default_rng(0)

@@ -14,14 +14,14 @@ from backbone_doubles import TINY_RECIPE
 from click.testing import CliRunner
 from test_extract import assert_stores_equal
 
-from embedcache import store as st
 from embedcache.backbones import create_backbone, digitnet, list_backbones, register_backbone
 from embedcache.backbones.cut import with_cut
 from embedcache.cli import main
 from embedcache.errors import UserError
-from embedcache.extract import ExtractConfig, extract
+from embedcache.extraction import ExtractConfig, extract
 from embedcache.manifest import save_manifest
-from embedcache.reader import load_split, open_store
+from embedcache.store import writer as st
+from embedcache.store.reader import load_split, open_store
 
 BASE, CUT = "digitnet-builtin", "block2"
 

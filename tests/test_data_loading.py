@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from embedcache.errors import UserError
-from embedcache.reader import load_split
-from embedcache.store_io import import_features
+from embedcache.store.importer import import_features
+from embedcache.store.reader import load_split
 from fedheads.algorithms.fedncm import FedNCM
 from fedheads.algorithms.fedpcl import FedPCL, FedPCLConfig
 from fedheads.core import engine

@@ -18,6 +18,7 @@ DOCS = Path(__file__).resolve().parents[1] / "docs"
 def tiny_cnn():
     yield
     registry._REGISTRY.pop("tiny-cnn", None)  # the registry is process-wide: leave it as it was
+    registry._FAMILIES.pop("tiny-cnn:", None)
 
 
 def test_custom_backbone_page_registers_and_extracts(tiny_cnn, tmp_path):
@@ -36,6 +37,8 @@ def test_custom_backbone_page_registers_and_extracts(tiny_cnn, tmp_path):
     feats = next(iter(train.values())).features
     assert feats.shape[1] == 8 and np.isfinite(feats).all()
     assert first.changed and not again.changed and again.cache_hits == again.shards  # re-run: cache hits
+    wide = embedcache.extract(manifest, "tiny-cnn:16", store, progress=False)  # the family's name
+    assert wide.changed and next(iter(embedcache.load_split(store, "tiny-cnn:16", "train").values())).features.shape[1] == 16
 
 
 README = DOCS.parent / "README.md"

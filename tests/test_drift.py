@@ -19,10 +19,10 @@ from PIL import Image
 from embedcache.cli import main
 from embedcache.errors import UserError
 from embedcache.manifest import load_manifest, manifest_from_dict
-from embedcache.partition import Recipe, partition
-from embedcache.reader import load_split
+from embedcache.partitioning import Recipe, partition
 from embedcache.sources import open_source
 from embedcache.sources.drift import check_unchanged, find_changes
+from embedcache.store.reader import load_split
 
 
 def _partition(root: Path, out: Path, *extra: str) -> None:

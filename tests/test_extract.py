@@ -15,11 +15,11 @@ import pytest
 import store_doubles as d
 import torch
 
-from embedcache import store as st
 from embedcache.errors import UserError
-from embedcache.extract import ExtractConfig, extract
-from embedcache.reader import load_split, open_store
-from embedcache.store_io import verify_store
+from embedcache.extraction import ExtractConfig, extract
+from embedcache.store import writer as st
+from embedcache.store.maintenance import verify_store
+from embedcache.store.reader import load_split, open_store
 
 TESTS = Path(__file__).resolve().parent
 
@@ -145,7 +145,7 @@ import sys
 sys.path[:0] = [{tests!r}, {repo!r}]
 from pathlib import Path
 import store_doubles as d
-from embedcache.extract import ExtractConfig, extract
+from embedcache.extraction import ExtractConfig, extract
 cfg = ExtractConfig(backbones=("tiny-slow",), store={store!r}, chunk_rows=2, batch_size=1, progress=False)
 extract(d.make_manifest(Path({images!r})), cfg, source=d.FolderSource({images!r}), backbone_factory=d.tiny_factory)
 """

@@ -34,7 +34,7 @@ def test_partition_extract_inspect_verify_end_to_end(tmp_path):
     import store_doubles as d
 
     from embedcache.manifest import load_manifest
-    from embedcache.reader import load_split
+    from embedcache.store.reader import load_split
 
     root = d.make_imagefolder(tmp_path / "imgs")
     _partition(root, tmp_path / "m.json")
@@ -59,7 +59,7 @@ def test_cli_bad_input_one_line_exit_2(tmp_path):
     import store_doubles as d
 
     from embedcache.manifest import load_manifest
-    from embedcache.reader import open_store
+    from embedcache.store.reader import open_store
 
     root = d.make_imagefolder(tmp_path / "imgs")
     _partition(root, tmp_path / "m.json")
@@ -86,7 +86,7 @@ def test_backbones_default_is_what_embedcache_backbones_prints(tmp_path, monkeyp
 
     import embedcache.backbones as B
     from embedcache.commands.extract import _expand_default
-    from embedcache.reader import open_store
+    from embedcache.store.reader import open_store
 
     (tmp_path / "w" / "cifar10_resnet").mkdir(parents=True)
     from embedcache.backbones.cifar_resnet import CHECKPOINTS

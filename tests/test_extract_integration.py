@@ -8,9 +8,9 @@ import store_doubles as d
 import torch
 
 from embedcache.backbones import create_backbone
-from embedcache.extract import ExtractConfig, extract
-from embedcache.reader import load_split
-from embedcache.store_io import verify_store
+from embedcache.extraction import ExtractConfig, extract
+from embedcache.store.maintenance import verify_store
+from embedcache.store.reader import load_split
 
 pytestmark = pytest.mark.shared
 

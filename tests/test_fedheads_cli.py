@@ -12,7 +12,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from embedcache.store_io import import_features
+from embedcache.store.importer import import_features
 from fedheads.cli import main
 
 C, D = 4, 12
@@ -127,7 +127,7 @@ def test_predictions_equal_the_trainers_evaluation(store, tmp_path, algorithm):
 
 
 def test_fedncm_predictions_match_numpy_bruteforce(store, tmp_path):
-    from embedcache.reader import load_split
+    from embedcache.store.reader import load_split
 
     run = tmp_path / "ncm"
     assert _invoke(["train", "--store", str(store), "--backbones", "synth", "--algorithm", "fedncm",
@@ -238,7 +238,7 @@ def test_set_fields_scoped_to_one_algorithm(store, tmp_path):
 
 
 def test_fedheads_never_imports_backbone_or_cluster_libraries(store, tmp_path):
-    """House style: fedheads reads the store through embedcache.reader only."""
+    """House style: fedheads reads the store through embedcache.store.reader only."""
     import subprocess
     import sys
 

@@ -21,9 +21,9 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 
 def test_cuda_extraction_matches_cpu(tmp_path):
-    from embedcache.extract import ExtractConfig, extract
-    from embedcache.reader import load_split, open_store, shard_attributes
-    from embedcache.store_io import verify_store
+    from embedcache.extraction import ExtractConfig, extract
+    from embedcache.store.maintenance import verify_store
+    from embedcache.store.reader import load_split, open_store, shard_attributes
 
     root = d.make_imagefolder(tmp_path / "img", domains=("a", "b"), per_class=4, size=40)
     m = d.make_manifest(root)
@@ -52,7 +52,7 @@ def test_cuda_extraction_matches_cpu(tmp_path):
 
 
 def _store(root: Path) -> Path:
-    from embedcache.store_io import import_features
+    from embedcache.store.importer import import_features
 
     rng = np.random.default_rng(0)
     means = rng.normal(size=(4, 16)) * 3.0  # well separated: accuracies do not hinge on the last bit

@@ -123,7 +123,7 @@ def libc(monkeypatch) -> _Glibc:
 def skewed_store(tmp_path_factory):
     import numpy as np
 
-    from embedcache.store_io import import_features
+    from embedcache.store.importer import import_features
 
     root = tmp_path_factory.mktemp("heap")
     rng = np.random.default_rng(0)

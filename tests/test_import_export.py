@@ -13,14 +13,15 @@ import pytest
 import store_doubles as d
 from click.testing import CliRunner
 
-from embedcache import store_import
 from embedcache.cli import main as ec
 from embedcache.errors import UserError
-from embedcache.extract import ExtractConfig, extract
-from embedcache.reader import load_split, open_group, open_store
-from embedcache.store_export import EXPORT_FORMATS, export_store
-from embedcache.store_import import import_many
-from embedcache.store_io import verify_store
+from embedcache.extraction import ExtractConfig, extract
+from embedcache.store import importer as store_import
+from embedcache.store.export import EXPORT_FORMATS, export_store
+from embedcache.store.importer import import_many
+from embedcache.store.layout import open_group
+from embedcache.store.maintenance import verify_store
+from embedcache.store.reader import load_split, open_store
 from tests.store_doubles import assert_one_line
 
 

@@ -13,8 +13,8 @@ import pytest
 
 from embedcache import store as S
 from embedcache.federation_shapes import draw_sizes, load_shape
-from embedcache.reader import load_split, open_store
-from embedcache.store_io import verify_store
+from embedcache.store.maintenance import verify_store
+from embedcache.store.reader import load_split, open_store
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))

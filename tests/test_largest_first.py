@@ -18,7 +18,7 @@ import pytest
 import torch
 from fed_tiny import tiny_fed
 
-from embedcache.store_io import import_features
+from embedcache.store.importer import import_features
 from fedheads.core import engine
 from fedheads.core.order import put_back, stacking_order
 from fedheads.core.tree import tree_leaves

@@ -102,7 +102,7 @@ def test_select_across_buckets_equals_padded_select():
 
 
 def test_bucketed_store_load_equals_padded(tmp_path):
-    from embedcache.store_io import import_features
+    from embedcache.store.importer import import_features
 
     store = tmp_path / "s.zarr"
     rs = np.random.default_rng(1)
@@ -127,8 +127,8 @@ def test_store_load_opens_the_store_once_whatever_the_clients(tmp_path, monkeypa
     once per client made a 1,000-client load quadratic (minutes); now once per StoreInfo."""
     import pickle
 
-    import embedcache.reader as reader
-    from embedcache.store_io import import_features
+    import embedcache.store.reader as reader
+    from embedcache.store.importer import import_features
 
     store = tmp_path / "s.zarr"
     rs = np.random.default_rng(2)
@@ -237,7 +237,7 @@ def test_scratch_pool_serves_every_bucket_from_one_buffer():
 
 
 def test_train_records_the_layout_and_agrees_with_padded(tmp_path):
-    from embedcache.store_io import import_features
+    from embedcache.store.importer import import_features
     from fedheads.cli import main
 
     store = tmp_path / "s.zarr"

@@ -16,7 +16,7 @@ import torch
 from store_doubles import make_manifest
 
 from embedcache.errors import UserError
-from embedcache.extract import ExtractConfig, extract
+from embedcache.extraction import ExtractConfig, extract
 from embedcache.manifest import save_manifest
 from fedheads.live.finetune import FineTune, FTConfig
 from fedheads.live.runner import FinetuneOptions, finetune_run

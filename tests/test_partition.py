@@ -15,7 +15,7 @@ from PIL import Image
 from embedcache.cli import main
 from embedcache.errors import UserError
 from embedcache.manifest import Client, Manifest, Sample, load_manifest, save_manifest
-from embedcache.partition import Recipe, dirichlet_split, partition
+from embedcache.partitioning import Recipe, dirichlet_split, partition
 from embedcache.sources import open_source
 
 

@@ -14,7 +14,7 @@ from test_partition import _folder
 from embedcache.cli import main
 from embedcache.errors import UserError
 from embedcache.manifest import load_manifest, manifest_from_dict, save_manifest
-from embedcache.partition import Recipe, partition
+from embedcache.partitioning import Recipe, partition
 from embedcache.sources import open_source
 
 

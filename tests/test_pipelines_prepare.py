@@ -10,9 +10,9 @@ import numpy as np
 import pipelines_doubles as pd
 import pytest
 
-from embedcache.extract import ExtractConfig, extract
+from embedcache.extraction import ExtractConfig, extract
 from embedcache.manifest import load_manifest
-from embedcache.reader import load_split, open_store
+from embedcache.store.reader import load_split, open_store
 from pipelines.prepare import DataRequest, prepare
 
 BACKBONES = ["pl-tiny-a", "pl-tiny-b"]

@@ -8,9 +8,9 @@ import sys
 import numpy as np
 import pytest
 
-from embedcache import store as st
 from embedcache.errors import UserError
-from embedcache.reader import load_split, open_store
+from embedcache.store import writer as st
+from embedcache.store.reader import load_split, open_store
 
 REPO = __import__("pathlib").Path(__file__).resolve().parents[1]
 
@@ -65,7 +65,7 @@ def test_errors(store, tmp_path_factory):
 
 
 def test_reader_imports_no_torch_timm_dask():
-    code = ("import sys, embedcache.reader; bad = [m for m in ('torch', 'timm', 'dask', 'distributed', 'torchvision')"
+    code = ("import sys, embedcache.store.reader; bad = [m for m in ('torch', 'timm', 'dask', 'distributed', 'torchvision')"
             " if m in sys.modules]; print(bad); sys.exit(1 if bad else 0)")
     res = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
                          env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"}, timeout=300)

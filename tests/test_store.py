@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from embedcache import store as st
 from embedcache.cli import main
 from embedcache.errors import UserError
-from embedcache.reader import load_split, open_store
-from embedcache.store_io import verify_store
+from embedcache.store import writer as st
+from embedcache.store.maintenance import verify_store
+from embedcache.store.reader import load_split, open_store
 
 
 def _spec(n: int = 7, d: int = 3, **kw) -> st.ShardSpec:

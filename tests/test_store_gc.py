@@ -12,14 +12,15 @@ import pytest
 import store_doubles as d
 from click.testing import CliRunner
 
-from embedcache import store as st
-from embedcache import store_import
 from embedcache.cli import main as ec
 from embedcache.errors import UserError
-from embedcache.extract import ExtractConfig, extract
-from embedcache.reader import DROPPED, OLDER, load_split, open_store
-from embedcache.store_import import import_features
-from embedcache.store_io import verify_store
+from embedcache.extraction import ExtractConfig, extract
+from embedcache.store import importer as store_import
+from embedcache.store import writer as st
+from embedcache.store.importer import import_features
+from embedcache.store.layout import DROPPED, OLDER
+from embedcache.store.maintenance import verify_store
+from embedcache.store.reader import load_split, open_store
 
 
 @pytest.fixture(scope="module")

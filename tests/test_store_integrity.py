@@ -15,12 +15,12 @@ import pytest
 from click.testing import CliRunner
 from store_doubles import assert_one_line
 
-from embedcache import store as st
 from embedcache.cli import main as ec
 from embedcache.errors import StoreWarning, UserError
-from embedcache.reader import iter_split_chunks, load_split, open_store
-from embedcache.store_import import import_features
-from embedcache.store_io import verify_store
+from embedcache.store import writer as st
+from embedcache.store.importer import import_features
+from embedcache.store.maintenance import verify_store
+from embedcache.store.reader import iter_split_chunks, load_split, open_store
 from fedheads.cli import main as fh
 
 CLASSES = ["x", "y", "z"]
@@ -208,7 +208,7 @@ def test_a_views_shard_is_checked_with_or_without_its_views(tmp_path, legacy):
 
 
 def test_iter_split_chunks_reads_each_stored_chunk_once_across_misaligned_blocks(tmp_path, monkeypatch):
-    from embedcache import shard_check
+    from embedcache.store import checked_reads as shard_check
 
     store = _store(tmp_path, clients=("c0",), n=21, chunk_rows=4)
     calls = []
@@ -239,7 +239,7 @@ def test_a_group_where_an_array_belongs_is_a_problem_not_a_crash(tmp_path):
     refuse it with one line instead of an AttributeError deep in zarr."""
     import zarr
 
-    from embedcache.store_layout import read
+    from embedcache.store.layout import read
 
     store = _store(tmp_path, clients=("c0",))
     shard_dir = store / "bb" / "c0" / "train"

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-import embedcache.reader as reader
-from embedcache.store_io import import_features
+import embedcache.store.reader as reader
+from embedcache.store.importer import import_features
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +31,7 @@ def store(tmp_path_factory) -> Path:
 @pytest.fixture
 def opens(monkeypatch) -> dict[str, int]:
     n = {"open_store": 0, "zarr": 0}
-    real_open, real_root = reader.open_store, reader._zarr_root
+    real_open, real_root = reader.open_store, reader.zarr_root
 
     def open_store(*a, **k):
         n["open_store"] += 1
@@ -42,7 +42,7 @@ def opens(monkeypatch) -> dict[str, int]:
         return real_root(*a, **k)
 
     monkeypatch.setattr(reader, "open_store", open_store)
-    monkeypatch.setattr(reader, "_zarr_root", zarr_root)
+    monkeypatch.setattr(reader, "zarr_root", zarr_root)
     return n
 
 

@@ -15,13 +15,13 @@ import store_doubles as d
 from click.testing import CliRunner
 from store_doubles import assert_one_line
 
-from embedcache import store as st
 from embedcache.cli import main as ec
 from embedcache.errors import UserError
-from embedcache.extract import ExtractConfig, extract
+from embedcache.extraction import ExtractConfig, extract
 from embedcache.manifest import save_manifest
-from embedcache.reader import load_split, open_store
-from embedcache.store_import import import_features
+from embedcache.store import writer as st
+from embedcache.store.importer import import_features
+from embedcache.store.reader import load_split, open_store
 
 
 @pytest.fixture
@@ -129,12 +129,12 @@ def test_a_read_only_store_is_one_line(made, tmp_path):
 
 def test_a_full_disk_during_gc_is_one_line(made, monkeypatch):
     _, _, store = made
-    from embedcache import store_layout
+    from embedcache.store import maintenance
 
     def full(*a, **k):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(store / "zarr.json"))
 
-    monkeypatch.setattr(store_layout, "consolidate", full)
+    monkeypatch.setattr(maintenance, "consolidate", full)
     assert_one_line(CliRunner().invoke(ec, ["rm", str(store), "--backbone", "tiny", "--client", "c-a"]), 2,
                     "zarr.json: cannot write (No space left on device)", "free space")
 
@@ -150,7 +150,7 @@ def test_import_into_a_store_with_a_damaged_root_says_how_to_rebuild(made, tmp_p
 def test_a_refused_write_outside_the_store_is_not_called_the_stores(tmp_path):
     """A weights file or cache that cannot be written is not the store's fault: the error passes
     through unchanged (the CLI names it), rather than advising another --store."""
-    from embedcache.store_layout import store_writes
+    from embedcache.store.layout import store_writes
 
     store = tmp_path / "s.zarr"
     with pytest.raises(PermissionError), store_writes(store):

@@ -15,13 +15,14 @@ pytest.importorskip("tokenizers")
 
 from text_doubles import WORDS, tiny_text_factory  # noqa: E402
 
-from embedcache import store as st  # noqa: E402
 from embedcache.errors import UserError  # noqa: E402
-from embedcache.extract import ExtractConfig, extract  # noqa: E402
+from embedcache.extraction import ExtractConfig, extract  # noqa: E402
 from embedcache.manifest import Client, Manifest, Sample  # noqa: E402
-from embedcache.reader import iter_split_chunks, load_split, open_store  # noqa: E402
-from embedcache.shard_check import chunk_digest  # noqa: E402
-from embedcache.store_io import export_h5, verify_store  # noqa: E402
+from embedcache.store import writer as st  # noqa: E402
+from embedcache.store.checked_reads import chunk_digest  # noqa: E402
+from embedcache.store.export import export_h5  # noqa: E402
+from embedcache.store.maintenance import verify_store
+from embedcache.store.reader import iter_split_chunks, load_split, open_store  # noqa: E402
 
 TOK = "tinytext@layer.1"
 
@@ -130,7 +131,7 @@ def test_dask_workers_write_the_same_text_shards(images, tmp_path, monkeypatch):
     """The worker function (embedcache.distributed.run_chunk_job) writes what the local runner
     writes; run in-process here instead of on a cluster."""
     import embedcache.distributed as dist
-    import embedcache.extract as ex
+    import embedcache.extraction as ex
 
     m = _paired(images)
     _run(m, images, tmp_path / "a")

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from fed_tiny import tiny_fed
+
 from fedheads.algorithms import create_algorithm
 from fedheads.core import engine
 from fedheads.core.protocol import AlgorithmBase

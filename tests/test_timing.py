@@ -11,7 +11,7 @@ import torch
 from click.testing import CliRunner
 from fed_tiny import tiny_fed
 
-from embedcache.store_io import import_features
+from embedcache.store.importer import import_features
 from fedheads.algorithms.fedavg import FedAvg, FedAvgConfig
 from fedheads.cli import main
 from fedheads.core import run

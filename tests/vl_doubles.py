@@ -17,7 +17,7 @@ from text_doubles import tiny_text_backbone
 
 from embedcache.backbones.registry import register_backbone
 from embedcache.errors import UserError
-from embedcache.extract import ExtractConfig, extract
+from embedcache.extraction import ExtractConfig, extract
 from embedcache.manifest import Manifest
 
 TEXT = "tinytext"

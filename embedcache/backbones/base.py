@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from PIL import Image
 
+from embedcache.backbones.preprocessing import ImagePreprocessing, Preprocessing, as_preprocessing, image_preprocessing
 from embedcache.errors import UserError
 from embedcache.pixels import to_rgb8
 from embedcache.tensor_digest import state_dict_sha256  # noqa: F401 - where the backbones import it from
@@ -26,13 +27,23 @@ _INTERP = {"bilinear": "BILINEAR", "bicubic": "BICUBIC", "nearest": "NEAREST"}
 
 
 class Backbone(ABC):
-    """A frozen feature extractor. Subclasses set the four attributes in ``__init__``."""
+    """A frozen feature extractor. Subclasses set ``name``, ``feature_dim``, ``weights_sha256``
+    and ``preprocessing`` (or assign a plain dict to ``preprocess``) in ``__init__``."""
 
     name: str
     feature_dim: int
     weights_sha256: str
-    preprocess: dict
+    preprocessing: Preprocessing  # how inputs become tensors (embedcache.backbones.preprocessing)
     modality: str = "image"  # "text": embed() takes token batches (embedcache.backbones.text)
+
+    @property
+    def preprocess(self) -> dict:
+        """The preprocessing as recorded with every shard and hashed into its cache key."""
+        return self.preprocessing.as_dict()
+
+    @preprocess.setter
+    def preprocess(self, value: Preprocessing | Mapping[str, Any]) -> None:
+        self.preprocessing = as_preprocessing(value)
 
     @abstractmethod
     def transform(self, img: Image.Image, *, train: bool = False) -> torch.Tensor:
@@ -109,40 +120,38 @@ def load_strict(model: torch.nn.Module, state: Mapping[str, torch.Tensor], *, wh
     return dropped
 
 
-def build_transform(spec: Mapping[str, Any], *, train: bool):
-    """torchvision pipeline from a preprocess dict (the dict is the single source of truth).
-
-    Images are converted to RGB first. Keys: ``input_size`` [C,H,W]; ``resize`` [H,W] (exact) or int (shorter side);
-    ``crop`` [H,W] or None; ``interpolation``; ``mean``/``std`` or None; ``to`` "float" (ToTensor,
-    [0,1]) or "uint8_float" (0..255 values kept as float32); ``train_augment`` dict.
-    """
+def build_transform(spec: ImagePreprocessing | Mapping[str, Any], *, train: bool):
+    """The torchvision pipeline of an image preprocessing description (or of a preprocess dict
+    with the same keys): RGB first, then resize, centre crop, the training view when ``train``,
+    and ToTensor + Normalize (or 0..255 kept as float32)."""
     from torchvision import transforms as T
 
-    interp = getattr(T.InterpolationMode, _INTERP[spec["interpolation"]])
-    size = tuple(spec["input_size"][1:])
-    aug = spec.get("train_augment") or {"kind": "none"}
+    pre = image_preprocessing(spec)
+    interp = getattr(T.InterpolationMode, _INTERP[pre.interpolation])
+    size = tuple(pre.input_size[1:])
+    aug = pre.train_augment
     ops: list = [T.Lambda(_to_rgb)]  # grey / palette / RGBA inputs become 3-channel RGB
-    if train and aug["kind"] == "random_resized_crop_flip":
-        ops += [T.RandomResizedCrop(size, scale=tuple(aug["scale"]), ratio=tuple(aug["ratio"]), interpolation=interp),
+    if train and aug.kind == "random_resized_crop_flip":
+        ops += [T.RandomResizedCrop(size, scale=tuple(aug.scale), ratio=tuple(aug.ratio), interpolation=interp),
                 T.RandomHorizontalFlip(0.5)]
     else:
-        resize = spec["resize"]
+        resize = pre.resize
         ops.append(T.Resize(tuple(resize) if isinstance(resize, (list, tuple)) else int(resize), interpolation=interp))
-        if spec.get("crop"):
-            ops.append(T.CenterCrop(tuple(spec["crop"])))
-        if train and aug["kind"] == "pad_crop_flip":
-            ops += [T.RandomCrop(size, padding=int(aug["padding"])), T.RandomHorizontalFlip(0.5)]
-        elif train and aug["kind"] == "affine":
-            ops.append(T.RandomAffine(degrees=float(aug["degrees"]), translate=tuple(aug["translate"]),
-                                      scale=tuple(aug["scale"]), interpolation=interp))
-        elif train and aug["kind"] != "none":
-            raise UserError(f"train_augment: unknown kind {aug['kind']!r}")
-    if spec.get("to", "float") == "uint8_float":
+        if pre.crop:
+            ops.append(T.CenterCrop(tuple(pre.crop)))
+        if train and aug.kind == "pad_crop_flip":
+            ops += [T.RandomCrop(size, padding=int(aug.padding)), T.RandomHorizontalFlip(0.5)]
+        elif train and aug.kind == "affine":
+            ops.append(T.RandomAffine(degrees=float(aug.degrees), translate=tuple(aug.translate),
+                                      scale=tuple(aug.scale), interpolation=interp))
+        elif train and aug.kind != "none":
+            raise UserError(f"train_augment: unknown kind {aug.kind!r}")
+    if pre.to == "uint8_float":
         ops += [T.PILToTensor(), T.Lambda(_as_float)]
     else:
         ops.append(T.ToTensor())
-        if spec.get("mean") is not None:
-            ops.append(T.Normalize(tuple(spec["mean"]), tuple(spec["std"])))
+        if pre.mean is not None:
+            ops.append(T.Normalize(tuple(pre.mean), tuple(pre.std)))
     return T.Compose(ops)
 
 
@@ -171,12 +180,12 @@ class TorchBackbone(Backbone):
     batch rather than trusted from metadata (timm's ``num_features`` is not always the pooled size).
     """
 
-    def __init__(self, name: str, module: torch.nn.Module, *, weights_sha256: str, preprocess: dict,
-                 device: str = "cpu", transform_fn=None) -> None:
+    def __init__(self, name: str, module: torch.nn.Module, *, weights_sha256: str,
+                 preprocess: Preprocessing | Mapping[str, Any], device: str = "cpu", transform_fn=None) -> None:
         self.name = name
         self.weights_sha256 = weights_sha256
         self.preprocess = preprocess
-        self.input_size: tuple[int, int, int] = tuple(preprocess["input_size"])  # type: ignore[assignment]
+        self.input_size: tuple[int, int, int] = tuple(self.preprocess["input_size"])  # type: ignore[assignment]
         self._module = module.eval().requires_grad_(False)
         self._transform_fn = transform_fn  # (img, train) -> tensor, when not built from the dict
         self._tf_cache: dict[bool, Any] = {}
@@ -199,7 +208,7 @@ class TorchBackbone(Backbone):
             out = self._transform_fn(img, train)
         else:
             if train not in self._tf_cache:
-                self._tf_cache[train] = build_transform(self.preprocess, train=train)
+                self._tf_cache[train] = build_transform(self.preprocessing, train=train)
             out = self._tf_cache[train](img)
         return out.to(torch.float32)
 

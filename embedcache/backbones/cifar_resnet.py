@@ -19,6 +19,7 @@ from torch import nn
 
 from embedcache.backbones import weights as W
 from embedcache.backbones.base import TorchBackbone, load_strict, strip_prefix
+from embedcache.backbones.preprocessing import ImagePreprocessing, TrainAugment
 from embedcache.backbones.registry import register_backbone
 from embedcache.errors import UserError
 
@@ -32,18 +33,13 @@ CHECKPOINTS: dict[int, tuple[str, str]] = {
 }
 SUBDIR = "cifar10_resnet"
 
-PREPROCESS = {
-    "pipeline": "torchvision",
-    "input_size": [3, 32, 32],
-    "resize": [32, 32],
-    "crop": None,
-    "interpolation": "bilinear",
-    "to": "float",
-    "mean": [0.485, 0.456, 0.406],
-    "std": [0.229, 0.224, 0.225],
+DECLARES = ("resnet20-cifar10", "resnet32-cifar10", "resnet44-cifar10", "resnet56-cifar10")
+
+PREPROCESS = ImagePreprocessing(
+    input_size=(3, 32, 32), resize=(32, 32), mean=(0.485, 0.456, 0.406), std=(0.229, 0.224, 0.225),
     # The augmentation the checkpoints were trained with (pad 4, random 32x32 crop, flip).
-    "train_augment": {"kind": "pad_crop_flip", "padding": 4},
-}
+    train_augment=TrainAugment("pad_crop_flip", padding=4),
+)
 
 
 class _Block(nn.Module):
@@ -110,7 +106,7 @@ def _factory(depth: int):
         dropped = load_strict(model, strip_prefix(ckpt["state_dict"], "module."), who=name, ignore=("linear.",))
         if dropped != ["linear.bias", "linear.weight"]:
             raise UserError(f"{path}: expected the 10-way 'linear' classifier in the checkpoint, found {dropped}")
-        return TorchBackbone(name, model, weights_sha256=digest, preprocess=dict(PREPROCESS), device=device)
+        return TorchBackbone(name, model, weights_sha256=digest, preprocess=PREPROCESS, device=device)
 
     def probe(weights_dir: Path | None) -> tuple[bool, str]:
         p = W.find_file(rel, weights_dir)

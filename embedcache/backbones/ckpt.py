@@ -23,8 +23,11 @@ from torch import nn
 
 from embedcache.backbones.base import Backbone, CpuChannelsLastBackbone, TorchBackbone, load_strict, state_dict_sha256
 from embedcache.backbones.cut import _BoundTransform
+from embedcache.backbones.preprocessing import preprocessing_of
+from embedcache.backbones.registry import BackboneInfo, create_backbone, register_family
 from embedcache.errors import UserError
 
+DECLARES = ("ckpt:<path>",)
 FORMAT = "embedcache-ckpt-backbone/1"
 PREFIX = "ckpt:"
 
@@ -92,9 +95,9 @@ class CkptBackbone(CpuChannelsLastBackbone):
                  note: str, device: str = "cpu") -> None:
         self.cpu_channels_last = bool(getattr(base, "cpu_channels_last", False))  # before __init__
         self.base_name, self.note = base.name, note
-        # the base's own transform when it has one (timm), else the same pipeline from its dict
+        # the base's own transform when it has one (timm), else the same pipeline from its description
         transform_fn = base._transform_fn if isinstance(base, TorchBackbone) else _BoundTransform(base)
-        super().__init__(name, staged, weights_sha256=weights_sha256, preprocess=dict(base.preprocess),
+        super().__init__(name, staged, weights_sha256=weights_sha256, preprocess=preprocessing_of(base),
                          device=device, transform_fn=transform_fn)
         if self.feature_dim != base.feature_dim:
             raise UserError(f"{name}: the checkpoint's network gives {self.feature_dim}-d features, "
@@ -110,8 +113,6 @@ class CkptBackbone(CpuChannelsLastBackbone):
 
 def create_ckpt(name: str, weights_dir: str | os.PathLike | None, device: str) -> CkptBackbone:
     """`ckpt:<path>` (contract 3f): the file's base backbone with the file's weights."""
-    from embedcache.backbones.registry import create_backbone
-
     path = name[len(PREFIX):]
     if not path:
         raise UserError(f"{name}: name a checkpoint file, ckpt:<path> (e.g. ckpt:runs/ft/state/seed0.backbone.pt)")
@@ -126,6 +127,15 @@ def create_ckpt(name: str, weights_dir: str | os.PathLike | None, device: str) -
     if getattr(base, "modality", "image") == "text":  # a trained text encoder (FedDRA stage 2): same tokenizer
         from embedcache.backbones.text import TextBackbone
 
-        return TextBackbone(name, staged, base._tok, weights_sha256=sha, preprocess=dict(base.preprocess),
+        return TextBackbone(name, staged, base._tok, weights_sha256=sha, preprocess=preprocessing_of(base),
                             device=device, registry_base=base.name, note=str(blob.get("note", "")))
     return CkptBackbone(name, base, staged, weights_sha256=sha, note=str(blob.get("note", "")), device=device)
+
+
+def _rows(weights_dir: Path | None) -> list[BackboneInfo]:
+    return [BackboneInfo("ckpt:<path>", "a fine-tuned checkpoint of any backbone (fedheads finetune writes "
+                         "RUN_DIR/state/seed<S>.backbone.pt)", True,
+                         "the file names its base backbone, whose weights must be found", "checkpoint", None)]
+
+
+register_family(PREFIX, create_ckpt, rows=_rows)

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from embedcache.backbones.base import Backbone, CpuChannelsLastBackbone, TorchBackbone
+from embedcache.backbones.preprocessing import preprocessing_of
 from embedcache.errors import UserError
 
 
@@ -47,10 +48,10 @@ class CutBackbone(CpuChannelsLastBackbone):
         self.base_name, self.cut = base.name, cut
         self.map_shape = tuple(staged.stage_output_shape(cut))
         self.cpu_channels_last = bool(getattr(base, "cpu_channels_last", False))
-        # A base built from its preprocess dict gets the same pipeline from the extended dict;
+        # A base built from its preprocessing description gets the same pipeline from the extended one;
         # a base with its own transform (timm) lends it without keeping its frozen module alive.
         transform_fn = base._transform_fn if isinstance(base, TorchBackbone) else _BoundTransform(base)
-        preprocess = dict(base.preprocess, cut=cut, map_shape=list(self.map_shape))
+        preprocess = preprocessing_of(base).with_extra(cut=cut, map_shape=list(self.map_shape))
         super().__init__(f"{base.name}@{cut}", prefix, weights_sha256=base.weights_sha256, preprocess=preprocess,
                          device=device, transform_fn=transform_fn)
 

@@ -39,6 +39,7 @@ from torch import nn
 
 from embedcache.backbones import weights as W
 from embedcache.backbones.base import TorchBackbone, load_strict
+from embedcache.backbones.preprocessing import ImagePreprocessing, TrainAugment
 from embedcache.backbones.registry import register_backbone
 from embedcache.errors import UserError
 
@@ -78,17 +79,12 @@ ASSETS = Path(__file__).with_name("assets")  # package data (pyproject.toml)
 # sha256 of the shipped file: a changed or truncated copy is refused, never used
 SHIPPED_SHA256 = "6b29c845e8b310e09450b68e3ed40111e5fec79b3ef94092a553d16b02632035"
 
-PREPROCESS = {
-    "pipeline": "torchvision",
-    "input_size": [3, 32, 32],
-    "resize": [32, 32],
-    "crop": None,
-    "interpolation": "bilinear",
-    "to": "float",
-    "mean": [0.5, 0.5, 0.5],
-    "std": [0.5, 0.5, 0.5],
-    "train_augment": {"kind": "affine", "degrees": 10.0, "translate": [0.1, 0.1], "scale": [0.9, 1.1]},
-}
+DECLARES = ("digitnet-builtin",)
+
+PREPROCESS = ImagePreprocessing(
+    input_size=(3, 32, 32), resize=(32, 32), mean=(0.5, 0.5, 0.5), std=(0.5, 0.5, 0.5),
+    train_augment=TrainAugment("affine", degrees=10.0, translate=(0.1, 0.1), scale=(0.9, 1.1)),
+)
 
 
 class DigitNet(nn.Module):
@@ -284,7 +280,7 @@ def load_digitnet(path: Path, recipe: DigitNetRecipe = DEFAULT_RECIPE, *, device
         raise UserError(f"{path}: not a {NAME} checkpoint (no 'state_dict')")
     model = DigitNet(recipe.widths)
     load_strict(model, ckpt["state_dict"], who=f"{NAME} ({path})")
-    pre = dict(PREPROCESS, recipe=recipe.digest(), provenance=PROVENANCE)
+    pre = PREPROCESS.with_extra(recipe=recipe.digest(), provenance=PROVENANCE)
     return TorchBackbone(NAME, model, weights_sha256=W.sha256_file(path), preprocess=pre, device=device)
 
 

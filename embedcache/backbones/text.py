@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import copy
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +20,7 @@ import torch
 
 from embedcache.backbones.base import Backbone, check_device, cuda_autocast
 from embedcache.backbones.bert import TextStagedNet
+from embedcache.backbones.preprocessing import Preprocessing
 from embedcache.errors import UserError
 
 TokenBatch = tuple[torch.Tensor, torch.Tensor]
@@ -51,7 +52,8 @@ class TextBackbone(Backbone):
 
     modality = "text"
 
-    def __init__(self, name: str, net: TextStagedNet, tokenizer: Any, *, weights_sha256: str, preprocess: dict,
+    def __init__(self, name: str, net: TextStagedNet, tokenizer: Any, *, weights_sha256: str,
+                 preprocess: Preprocessing | Mapping[str, Any],
                  device: str = "cpu", cut: str | None = None, registry_base: str | None = None,
                  note: str = "") -> None:
         self.name = name
@@ -181,7 +183,7 @@ class TextBackbone(Backbone):
         dev = self._device if device is None else check_device(device, who=self.name)
         net = self._net if dev == self._device else copy.deepcopy(self._net)
         return TextBackbone(f"{self.name}@{cut}", net, self._tok, weights_sha256=self.weights_sha256,
-                            preprocess=dict(self.preprocess, cut=cut, token_shape=shape), device=str(dev), cut=cut,
+                            preprocess=self.preprocessing.with_extra(cut=cut, token_shape=shape), device=str(dev), cut=cut,
                             registry_base=self.registry_base, note=self.note)
 
     def __repr__(self) -> str:

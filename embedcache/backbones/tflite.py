@@ -23,9 +23,11 @@ from PIL import Image
 
 from embedcache.backbones import weights as W
 from embedcache.backbones.base import Backbone, build_transform, check_batch, check_device
+from embedcache.backbones.preprocessing import MILD_CROP, ImagePreprocessing
 from embedcache.backbones.registry import register_backbone
 from embedcache.errors import UserError
 
+DECLARES = ("mobilenet-v1-embed-tflite", "mobilenet-v2-tflite")
 SUBDIR = "coral_mobilenet"
 _URL = "https://github.com/google-coral/test_data/raw/master/{}"
 MODELS: dict[str, dict] = {
@@ -45,17 +47,8 @@ MODELS: dict[str, dict] = {
     },
 }
 
-PREPROCESS = {
-    "pipeline": "tflite-uint8",
-    "input_size": [3, 224, 224],
-    "resize": [224, 224],
-    "crop": None,
-    "interpolation": "bilinear",
-    "to": "uint8_float",
-    "mean": None,
-    "std": None,
-    "train_augment": {"kind": "random_resized_crop_flip", "scale": [0.6, 1.0], "ratio": [0.75, 1.3333333333333333]},
-}
+PREPROCESS = ImagePreprocessing(pipeline="tflite-uint8", input_size=(3, 224, 224), resize=(224, 224), to="uint8_float",
+                                train_augment=MILD_CROP)
 
 
 def _interpreter_cls():
@@ -80,8 +73,8 @@ class TFLiteBackbone(Backbone):
     def __init__(self, name: str, path: Path, digest: str, tensor: str | None, *, device: str = "cpu") -> None:
         self.name = name
         self.weights_sha256 = digest
-        self.preprocess = dict(PREPROCESS, model_file=path.name, feature_tensor=tensor or "output")
-        self._tf = {t: build_transform(self.preprocess, train=t) for t in (False, True)}
+        self.preprocessing = PREPROCESS.with_extra(model_file=path.name, feature_tensor=tensor or "output")
+        self._tf = {t: build_transform(PREPROCESS, train=t) for t in (False, True)}
         Interpreter = _interpreter_cls()
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # preserve_all_tensors warns that it is a debug option

@@ -27,10 +27,12 @@ from torch import nn
 
 from embedcache.backbones import weights as W
 from embedcache.backbones.base import TorchBackbone, load_strict, state_dict_sha256, strip_prefix
-from embedcache.backbones.registry import BackboneInfo
+from embedcache.backbones.preprocessing import MILD_CROP, ImagePreprocessing, TimmPreprocessing
+from embedcache.backbones.registry import BackboneInfo, register_family
 from embedcache.errors import UserError
 from embedcache.pixels import to_rgb8
 
+DECLARES = ("timm:<model>", "tv:<model>")
 _EXTS = (".safetensors", ".pth")
 # The random view used for train=True (multi-view extraction), milder than ImageNet training.
 TIMM_TRAIN_AUG = {"scale": [0.6, 1.0], "ratio": [0.75, 1.3333333333333333], "hflip": 0.5, "color_jitter": None}
@@ -115,13 +117,8 @@ def create_timm(model: str, weights_dir: Path | None, device: str) -> TorchBackb
                             f"download failed ({type(exc).__name__}: {exc}); offline?") from None
         digest = state_dict_sha256(net.state_dict())
     data_cfg = resolve_model_data_config(net)
-    preprocess = {
-        "pipeline": "timm",
-        "timm_version": timm.__version__,
-        "input_size": list(data_cfg["input_size"]),
-        **{k: (list(v) if isinstance(v, tuple) else v) for k, v in data_cfg.items() if k != "input_size"},
-        "train_augment": dict(TIMM_TRAIN_AUG),
-    }
+    preprocess = TimmPreprocessing(timm_version=timm.__version__, data_config=tuple(data_cfg.items()),
+                                   train_augment=tuple(TIMM_TRAIN_AUG.items()))
     tf = {
         False: create_transform(**data_cfg, is_training=False),
         True: create_transform(**data_cfg, is_training=True, scale=tuple(TIMM_TRAIN_AUG["scale"]),
@@ -209,41 +206,48 @@ def create_tv(model: str, weights_dir: Path | None, device: str) -> TorchBackbon
         mean, std, interp = list(t.mean), list(t.std), t.interpolation.value
     else:  # the usual ImageNet evaluation recipe
         crop, resize, mean, std, interp = 224, 256, [0.485, 0.456, 0.406], [0.229, 0.224, 0.225], "bilinear"
-    preprocess = {
-        "pipeline": "torchvision",
-        "torchvision_version": torchvision.__version__,
-        "input_size": [3, crop, crop],
-        "resize": resize,
-        "crop": [crop, crop],
-        "interpolation": interp,
-        "to": "float",
-        "mean": mean,
-        "std": std,
-        "train_augment": {"kind": "random_resized_crop_flip", "scale": [0.6, 1.0], "ratio": [0.75, 1.3333333333333333]},
-    }
+    preprocess = ImagePreprocessing(input_size=(3, crop, crop), resize=resize, crop=(crop, crop), interpolation=interp,
+                                    mean=tuple(mean), std=tuple(std), train_augment=MILD_CROP,
+                                    ).with_extra(torchvision_version=torchvision.__version__)
     return TorchBackbone(name, net, weights_sha256=digest, preprocess=preprocess, device=device)
 
 
-# ---------------------------------------------------------------- listing
-def family_rows(weights_dir: Path | None) -> list[BackboneInfo]:
-    """The two family patterns plus one row per local checkpoint found under timm/ and tv/."""
-    rows = [
-        BackboneInfo("timm:<model>", "any timm model, pooled pre-logits feature (create_model(num_classes=0))",
-                     True, "weights: <weights_dir>/timm/<model>.(safetensors|pth), HF/torch cache, or download",
-                     "timm", None),
-        BackboneInfo("tv:<model>", "any torchvision classification model, last Linear removed",
-                     True, "weights: <weights_dir>/tv/<model>.(safetensors|pth), torch hub cache, or download",
-                     "torchvision", None),
-    ]
+# ---------------------------------------------------------------- registration
+def _local_rows(family: str, source: str, weights_dir: Path | None) -> list[BackboneInfo]:
+    """One row per local checkpoint found under <weights_dir>/<family>/."""
+    rows: list[BackboneInfo] = []
     seen: set[str] = set()
     for d in W.search_dirs(weights_dir):
-        for family, source in (("timm", "timm"), ("tv", "torchvision")):
-            sub = d / family
-            if not sub.is_dir():
-                continue
-            for f in sorted(sub.iterdir()):
-                if f.suffix in _EXTS and f.is_file() and f"{family}:{f.stem}" not in seen:
-                    seen.add(f"{family}:{f.stem}")
-                    rows.append(BackboneInfo(f"{family}:{f.stem}", f"{source} model {f.stem} (local checkpoint)",
-                                             True, str(f), source, None))
+        sub = d / family
+        if not sub.is_dir():
+            continue
+        for f in sorted(sub.iterdir()):
+            if f.suffix in _EXTS and f.is_file() and f"{family}:{f.stem}" not in seen:
+                seen.add(f"{family}:{f.stem}")
+                rows.append(BackboneInfo(f"{family}:{f.stem}", f"{source} model {f.stem} (local checkpoint)",
+                                         True, str(f), source, None))
     return rows
+
+
+def _timm_rows(weights_dir: Path | None) -> list[BackboneInfo]:
+    return [BackboneInfo("timm:<model>", "any timm model, pooled pre-logits feature (create_model(num_classes=0))",
+                         True, "weights: <weights_dir>/timm/<model>.(safetensors|pth), HF/torch cache, or download",
+                         "timm", None), *_local_rows("timm", "timm", weights_dir)]
+
+
+def _tv_rows(weights_dir: Path | None) -> list[BackboneInfo]:
+    return [BackboneInfo("tv:<model>", "any torchvision classification model, last Linear removed",
+                         True, "weights: <weights_dir>/tv/<model>.(safetensors|pth), torch hub cache, or download",
+                         "torchvision", None), *_local_rows("tv", "torchvision", weights_dir)]
+
+
+def _timm_family(name: str, weights_dir: Path | None, device: str) -> TorchBackbone:
+    return create_timm(name[len("timm:"):], weights_dir, device)
+
+
+def _tv_family(name: str, weights_dir: Path | None, device: str) -> TorchBackbone:
+    return create_tv(name[len("tv:"):], weights_dir, device)
+
+
+register_family("timm:", _timm_family, rows=_timm_rows)
+register_family("tv:", _tv_family, rows=_tv_rows)

@@ -24,7 +24,7 @@ def inspect(store: str, as_json: bool) -> None:
 
     A shard is current when its client is in the store's latest manifest and it was extracted
     under that manifest; stale shards are never trained on (`embedcache gc` removes them)."""
-    from embedcache.store_io import inspect_store
+    from embedcache.store.maintenance import inspect_store
 
     rep = inspect_store(store)
     if as_json:
@@ -52,7 +52,7 @@ def verify(store: str, repair: bool, manifest_path: str | None) -> None:
     and its consolidated metadata matches the files (never trusted: the hierarchy is read);
     with --manifest, also that the images did not change since the manifest was written and
     that every shard holds the manifest's samples."""
-    from embedcache.store_io import repair_consolidated, repair_root, verify_against_manifest, verify_store
+    from embedcache.store.maintenance import repair_consolidated, repair_root, verify_against_manifest, verify_store
 
     manifest = None
     if manifest_path is not None:
@@ -100,7 +100,7 @@ def import_(source: str, store: str, backbone: str | None, client: str | None, s
     or npz directory: every shard, names, domains and classes kept), an HDF5 file with one group per
     client (<client>/<split>/features ...), or a directory of per-client files
     (<client>_<split>.npz or <client>/<split>.npz)."""
-    from embedcache.store_import import import_many
+    from embedcache.store.importer import import_many
 
     specs = import_many(store, source, backbone=backbone, client=client, split=split, domain=domain,
                         features_key=features_key, labels_key=labels_key, transpose=transpose,
@@ -117,7 +117,7 @@ def import_(source: str, store: str, backbone: str | None, client: str | None, s
 @click.option("--out", required=True, help="Output file (h5) or directory (npz), written atomically.")
 def export(store: str, fmt: str, out: str) -> None:
     """Export every shard of STORE (rows exactly as stored, checked); `embedcache import` reads it back."""
-    from embedcache.store_export import export_store
+    from embedcache.store.export import export_store
 
     n = export_store(store, out, fmt)
     click.echo(f"export: {n} shards -> {out}", err=True)
@@ -134,7 +134,7 @@ def _removal_report(verb: str, paths: list[str], why: dict[str, str], dry_run: b
 def gc(store: str, dry_run: bool) -> None:
     """Remove the stale shards of STORE (clients the latest manifest dropped, shards extracted
     under an older manifest) and groups left empty; current shards are never touched."""
-    from embedcache.store_io import gc_plan, import_leftovers, remove
+    from embedcache.store.maintenance import gc_plan, import_leftovers, remove
 
     plan = gc_plan(store)
     why = {s.path: f"stale: {s.stale}" for s in plan}
@@ -156,7 +156,7 @@ def gc(store: str, dry_run: bool) -> None:
 def rm(store: str, backbone: str, client: str | None, split: str | None, dry_run: bool) -> None:
     """Remove shards of STORE (current or stale). The store's client list is kept, so a client
     left without a shard is reported as missing by `fedheads`, never silently left out."""
-    from embedcache.store_io import remove, rm_plan
+    from embedcache.store.maintenance import remove, rm_plan
 
     plan = rm_plan(store, backbone, client, split)
     paths = [s.path for s in plan] if dry_run else remove(store, plan)

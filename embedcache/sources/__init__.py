@@ -50,9 +50,9 @@ def open_source(spec: str) -> ImageSource:
 
         return JDADigits(spec, arg)
     if kind == "captioned" and sep:
-        from embedcache.sources.captioned import open_captioned
+        from embedcache.sources.captioned import CaptionedSource, inner_spec
 
-        return open_captioned(spec)
+        return CaptionedSource(spec, open_source(inner_spec(spec)))
     if spec == "builtin:digits":
         from embedcache.sources.builtin_digits import BuiltinDigits
 

@@ -51,12 +51,11 @@ class CaptionedSource:
         return caption_for(self.inner.load(locator), *where)
 
 
-def open_captioned(spec: str) -> CaptionedSource:
-    from embedcache.sources import open_source
-
-    inner_spec = spec[len(PREFIX):]
-    if not inner_spec or inner_spec.startswith(PREFIX):
+def inner_spec(spec: str) -> str:
+    """The image source `captioned:<inner spec>` wraps (UserError when there is none, or it is
+    itself captioned)."""
+    inner = spec[len(PREFIX):]
+    if not inner or inner.startswith(PREFIX):
         raise UserError(f"source {spec!r}: captioned:<source> wraps one image source, e.g. "
                         f"captioned:imagefolder:PATH")
-    inner = open_source(inner_spec)
-    return CaptionedSource(spec, inner)
+    return inner

@@ -94,7 +94,7 @@ def load_node_data(cfg: dict[str, str], backbones: list[str], binarize: bool, in
 
     import torch
 
-    from embedcache.reader import open_store
+    from embedcache.store.reader import open_store
     from fedheads.data import load_fed_data
 
     key = ("data", cfg["store"], tuple(backbones), cfg.get("client", ""), binarize)
@@ -153,7 +153,7 @@ def _setup(msg: Message, context: Context) -> tuple[dict[str, str], dict[str, An
 @app.query("describe")
 def describe(msg: Message, context: Context) -> Message:
     """Extract on first use, then report what the server needs (no sample, no feature)."""
-    from embedcache.reader import open_store
+    from embedcache.store.reader import open_store
     from fedheads.runner import store_fingerprint
 
     cfg = node_settings(context)

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from embedcache.errors import UserError
-from embedcache.reader import identity_conflict
+from embedcache.store.reader import identity_conflict
 from fedheads.flower import require_flower
 
 require_flower()
@@ -82,7 +82,7 @@ def describe_nodes(grid: Grid, nodes: list[int], cfg: FlowerRunConfig) -> list[t
 def _same_backbones(desc: list[tuple[int, dict[str, Any]]]) -> None:
     """Every node extracted with the same weights and preprocessing (features from different
     weights would be averaged silently); the same rule as training on one store
-    (embedcache.reader.identity_conflict): imports of different files may share a name, an
+    (embedcache.store.reader.identity_conflict): imports of different files may share a name, an
     import beside extracted features may not."""
     fps = [(str(d["client"]), json.loads(str(d["backbones"]))) for _, d in desc]
     for b in fps[0][1]:

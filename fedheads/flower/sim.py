@@ -177,7 +177,7 @@ def flower_logs(path: Path, echo: Callable[[str], None]) -> Iterator[None]:
 def simulate_store(cfg: Any, store: str, clients: list[str] | None = None, client_app: ClientApp | None = None) -> Any:
     """One virtual node per client of `store` (each loads only its own client): the simulation
     of `fedheads train` on the same store."""
-    from embedcache.reader import open_store
+    from embedcache.store.reader import open_store
     from fedheads.flower.server import run_federation
 
     have = list(open_store(store).clients)

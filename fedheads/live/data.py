@@ -15,7 +15,7 @@ pixels do not depend on the number of DataLoader workers or their timing.
 
 Cached inputs (cache-first fine-tuning, FedNCM-paper FT with a frozen prefix): the activation
 maps after the cut (`B@CUT` shards, reshaped to their `map_shape`) or the pooled features (`B`
-shards), read once through `embedcache.reader`; no augmentation (the maps were computed from the
+shards), read once through `embedcache.store.reader`; no augmentation (the maps were computed from the
 evaluation transform).
 """
 
@@ -214,7 +214,7 @@ def cached_clients(store: str, name: str, clients: Sequence[str], domains: Seque
                    shape: Sequence[int] | None) -> list[LiveClient]:
     """One LiveClient per client from the store shards of `name` (`B@CUT` maps reshaped to
     `shape`, or `B` pooled features when shape is None)."""
-    from embedcache.reader import load_split
+    from embedcache.store.reader import load_split
 
     train = load_split(store, [name], "train", clients=list(clients))
     test = load_split(store, [name], "test", clients=list(clients))

@@ -70,8 +70,8 @@ def _z_features(glob: Any, m: Any, transform: Any, device: torch.device) -> dict
 
 
 def _store_features(m: Any, store: Path, name: str, weights_dir: str | None) -> dict[str, np.ndarray]:
-    from embedcache.extract import ExtractConfig, extract
-    from embedcache.reader import load_split
+    from embedcache.extraction import ExtractConfig, extract
+    from embedcache.store.reader import load_split
 
     extract(m, ExtractConfig(backbones=(name,), store=str(store), weights_dir=weights_dir, progress=False))
     out = {}

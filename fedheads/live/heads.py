@@ -55,7 +55,7 @@ def check_store(store: str, manifest: Any, backbone: Any, name: str, *, cut: str
     """UserError unless every client/split shard of `name` in `store` was extracted from the
     manifest's samples with `backbone`'s weights and evaluation preprocessing (plus, for a cut
     backbone `B@CUT`, that cut and map shape)."""
-    from embedcache.reader import open_store, shard_attributes
+    from embedcache.store.reader import open_store, shard_attributes
 
     info = open_store(store)
     want_pre = {k: v for k, v in _jsonable(dict(backbone.preprocess)).items() if k not in ("cut", "map_shape")}

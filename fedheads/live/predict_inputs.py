@@ -46,7 +46,7 @@ def checked_backbones(tr: Trained, opts: ExtractOptions) -> dict[str, Any]:
     """Every backbone of the run, created and checked against the training features' identity."""
     from embedcache.backbones import create_backbone
     from embedcache.devices import resolve_device
-    from embedcache.extract import import_plugins
+    from embedcache.plugins import import_plugins
 
     recorded = _recorded(tr)
     import_plugins(opts.plugins)
@@ -65,8 +65,8 @@ def checked_backbones(tr: Trained, opts: ExtractOptions) -> dict[str, Any]:
 
 def extract_for_run(tr: Trained, manifest: Manifest, source: Any, opts: ExtractOptions) -> None:
     """`manifest` extracted into the cache with each of the run's backbones, as training's store was."""
-    from embedcache.extract import ExtractConfig, extract
-    from embedcache.store import DEFAULT_CHUNK_ROWS
+    from embedcache.extraction import ExtractConfig, extract
+    from embedcache.store.writer import DEFAULT_CHUNK_ROWS
 
     recorded = _recorded(tr)
     for name, bb in checked_backbones(tr, opts).items():
@@ -175,7 +175,7 @@ def extract_images(tr: Trained, spec: str, by: tuple[str | None, ...], opts: Ext
 
 def extract_manifest(tr: Trained, manifest: Any, split: str, client: str, opts: ExtractOptions) -> list[Part]:
     """A manifest's `split` of `client` (or all its clients), each sample by its own client's state."""
-    from embedcache.store import store_root
+    from embedcache.store.writer import store_root
 
     where = str(manifest) if isinstance(manifest, (str, Path)) else "manifest"
     m = load_manifest(manifest) if isinstance(manifest, (str, Path)) else manifest

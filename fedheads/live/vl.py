@@ -136,7 +136,7 @@ class TokenSplit:
 
 def read_tokens(store: str, name: str, split: str, clients: Sequence[str]) -> dict[str, TokenSplit]:
     """Token states of `name` for each client: image maps or text token shards (contract 4)."""
-    from embedcache.reader import load_split
+    from embedcache.store.reader import load_split
 
     data = load_split(store, [name], split, clients=list(clients))
     out = {}

@@ -465,10 +465,3 @@ def partition(source: Any, recipe: Recipe, seed: int, *, require_texts: bool = F
     recipe = replace(recipe, captions=None if origin is None else str(origin))
     return Manifest(source=source.spec, classes=tuple(classes), clients=tuple(clients),
                     recipe=recipe.as_dict(), seed=int(seed), report=report).validate()
-
-
-# `embedcache.partition(...)` is the API function (embedcache.api.partition); this module stays importable
-from embedcache import api as _api  # noqa: E402
-from embedcache.callable_module import make_callable  # noqa: E402
-
-make_callable(__name__, _api.partition)

@@ -15,8 +15,8 @@ from typing import Any
 import numpy as np
 
 from embedcache.errors import UserError
-from embedcache.reader import open_store
-from embedcache.shard_check import ShardReader
+from embedcache.store.checked_reads import ShardReader
+from embedcache.store.reader import open_store
 
 EXPORT_FORMAT = "embedcache-export/1"
 EXPORT_FORMATS = ("h5", "npz")

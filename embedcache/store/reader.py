@@ -5,7 +5,7 @@
 asked: FedPCL's r(x; Phi*) = concat(r_1(x; phi_1*), ..., r_K(x; phi_K*))
 (Tan et al., NeurIPS 2022, Eq. 1-2).
 
-Nothing is handed out that was not written and checked (`embedcache.shard_check`): zarr reads
+Nothing is handed out that was not written and checked (`embedcache.store.checked_reads`): zarr reads
 a deleted chunk file as fill values, so without the check a lost file would train on zeros.
 Consolidated metadata is used only when it matches the shard groups on disk; otherwise the
 hierarchy is read and a `StoreWarning` says so, once.
@@ -18,7 +18,6 @@ image cut map holds rows C-major ([C, H, W] flattened: H*W tokens of C channels)
 from __future__ import annotations
 
 import json
-import os
 import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -28,56 +27,20 @@ from typing import Any
 import numpy as np
 import zarr
 
-from embedcache.errors import StoreWarning, UserError
-from embedcache.shard_check import RowStream, ShardReader
-
-STORE_FORMAT = "embedcache/1"
-_SPLITS = ("train", "test")
-DROPPED = "client dropped by the latest manifest"
-OLDER = "extracted under an older manifest"
-
-
-# How to get a store's root metadata back when it is lost or damaged but its shards are intact.
-REBUILD = ("`embedcache verify --repair {store}` rebuilds it from the intact shards (add --manifest "
-           "with the manifest last extracted into it if it cannot recover the class names)")
-
-_NOTED: set[str] = set()
-
-
-def note(msg: str) -> None:
-    """Warn once per process per message (zarr's catch_warnings blocks reset Python's own registry)."""
-    if msg not in _NOTED:
-        _NOTED.add(msg)
-        warnings.warn(msg, StoreWarning, stacklevel=3)
-
-
-@dataclass(frozen=True)
-class ShardInfo:
-    """One (backbone, client, split) shard as described by its attributes."""
-
-    backbone: str  # backbone name (attr `backbone`)
-    key: str  # group name of the backbone in the store
-    client: str  # client name
-    split: str  # "train" or "test"
-    domain: str  # client's domain
-    n: int  # rows
-    dim: int  # feature dimension D
-    dtype: str  # storage dtype
-    views: int  # V (a `views` array exists when V > 1)
-    complete: bool  # True only once every chunk was written and checked
-    cache_key: str  # sha256 of the settings that produced the shard
-    path: str  # group path inside the store
-    manifest_hash: str = ""  # manifest the shard was extracted (or imported) under
-    stale: str = ""  # why the shard is not current (DROPPED or OLDER); "" when current
-    modality: str = "image"  # attr `modality` ("image" for shards written before it existed)
-    token_shape: tuple[int, int] | None = None  # (T, D) of a text token shard: rows T-major, with a mask
-    map_shape: tuple[int, ...] | None = None  # (C, H, W) of an image cut map (preprocess.map_shape)
-    weights_sha256: str = ""  # attr `weights_sha256`: the backbone's weights (an import: its file's)
-    preprocess: str = ""  # attr `preprocess` as canonical JSON (an import: {"imported_from": ...})
-
-    @property
-    def current(self) -> bool:
-        return not self.stale
+from embedcache.errors import UserError
+from embedcache.store.checked_reads import RowStream, ShardReader
+from embedcache.store.layout import (
+    OLDER,
+    SPLITS,
+    STORE_FORMAT,
+    ShardInfo,
+    consolidated_problem,
+    note,
+    open_group,
+    root_metadata,
+    stale_reason,
+    zarr_root,
+)
 
 
 @dataclass(frozen=True)
@@ -147,92 +110,6 @@ class ClientSplit:
         return self.features.reshape(n, t, d)
 
 
-def root_metadata(path: str | Path) -> dict:
-    """The store root's zarr.json, parsed (UserError when there is no store or it is unreadable)."""
-    p = Path(path) / "zarr.json"
-    if not p.is_file():
-        if holds_shards(p.parent):  # the root of a store whose shards are still there
-            raise UserError(f"{p}: missing; {REBUILD.format(store=p.parent)}")
-        raise UserError(f"{p.parent}: no feature store here (zarr.json missing)")
-    try:
-        meta = json.loads(p.read_text())
-    except (OSError, UnicodeDecodeError, ValueError) as exc:
-        fix = REBUILD.format(store=p.parent) if holds_shards(p.parent) else "the metadata is lost"
-        raise UserError(f"{p}: unreadable ({' '.join(str(exc).split())}); {fix}") from None
-    if not isinstance(meta, dict) or meta.get("node_type") != "group" or not isinstance(meta.get("attributes"), dict):
-        raise UserError(f"{p}: not the metadata of a zarr group")
-    return meta
-
-
-def subgroups(d: str | os.PathLike) -> list[str]:
-    """Child directories that are zarr groups or arrays (have a zarr.json); others are not nodes."""
-    try:
-        return sorted(e.name for e in os.scandir(d) if e.is_dir() and os.path.isfile(os.path.join(e.path, "zarr.json")))
-    except OSError:
-        return []
-
-
-def disk_shard_paths(path: str | Path) -> set[str]:
-    """`<backbone key>/<client>/<split>` of every shard group on disk (a directory listing, no zarr)."""
-    p = Path(path)
-    return {f"{b}/{c}/{s}" for b in subgroups(p) for c in subgroups(p / b) for s in subgroups(p / b / c)}
-
-
-def holds_shards(d: Path) -> bool:
-    """`d` looks like a store root: it holds <backbone>/<client>/<train|test> groups."""
-    return any(p.rsplit("/", 1)[1] in _SPLITS for p in disk_shard_paths(d))
-
-
-def consolidated_entries(meta: dict) -> dict | str | None:
-    """The flat {path: metadata} of the root's consolidated metadata; None when there is none,
-    a string saying why when it cannot be used."""
-    cm = meta.get("consolidated_metadata")
-    if cm is None:
-        return None
-    entries = cm.get("metadata") if isinstance(cm, dict) else None
-    return entries if isinstance(entries, dict) else "is unreadable"
-
-
-def consolidated_problem(path: str | Path, meta: dict) -> str | None:
-    """Why the root's consolidated metadata cannot stand for the hierarchy (None: it can, or
-    there is none). Cheap: compares the shard groups it lists with the directories on disk."""
-    entries = consolidated_entries(meta)
-    if not isinstance(entries, dict):
-        return entries
-    listed = {k for k, v in entries.items() if k.count("/") == 2 and isinstance(v, dict) and v.get("node_type") == "group"}
-    disk = disk_shard_paths(path)
-    if listed == disk:
-        return None
-    gone, new = sorted(listed - disk), sorted(disk - listed)
-    return "is stale (" + "; ".join(
-        ([f"lists {gone[0]}{f' and {len(gone) - 1} more' if len(gone) > 1 else ''}, gone from disk"] if gone else [])
-        + ([f"misses {new[0]}{f' and {len(new) - 1} more' if len(new) > 1 else ''}"] if new else [])) + ")"
-
-
-def stale_reason(root_attrs: dict, client: str, manifest_hash: str) -> str:
-    """"" when a shard of `client` extracted under `manifest_hash` is current, else why not."""
-    listed = root_attrs.get("clients")
-    if listed is not None and client not in listed:
-        return DROPPED
-    if manifest_hash != root_attrs.get("manifest_hash"):
-        return OLDER
-    return ""
-
-
-def _zarr_root(path: str | Path, consolidated: bool) -> zarr.Group:
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # consolidated metadata is not yet in the v3 spec
-        return zarr.open_group(str(path), mode="r", zarr_format=3, use_consolidated=None if consolidated else False)
-
-
-def open_group(path: str | Path, consolidated: bool) -> zarr.Group:
-    """The store's root group, through its consolidated metadata or not (UserError when zarr fails)."""
-    try:
-        return _zarr_root(path, consolidated)
-    except Exception as exc:  # zarr raises many types for a damaged hierarchy
-        raise UserError(f"{path}: cannot open the store ({type(exc).__name__}: {exc})") from None
-
-
 def _walk(root: zarr.Group, attrs: dict) -> list[ShardInfo]:
     shards: list[ShardInfo] = []
     with warnings.catch_warnings():
@@ -241,7 +118,7 @@ def _walk(root: zarr.Group, attrs: dict) -> list[ShardInfo]:
             for client, cgroup in sorted(bgroup.groups()):
                 for split, shard in sorted(cgroup.groups()):
                     a = shard.attrs
-                    if split not in _SPLITS or "cache_key" not in a:
+                    if split not in SPLITS or "cache_key" not in a:
                         continue  # a shard being created: not yet a shard
                     mh = str(a.get("manifest_hash", ""))
                     tshape, mshape = a.get("token_shape"), (a.get("preprocess") or {}).get("map_shape")
@@ -271,7 +148,7 @@ def open_store(path: str | Path, *, quiet: bool = False) -> StoreInfo:
     shards = None
     if use:
         try:
-            root = _zarr_root(path, True)
+            root = zarr_root(path, True)
             shards = _walk(root, attrs)
         except Exception as exc:  # e.g. zarr cannot nest names that differ only in case
             problem, use = f"is unreadable ({type(exc).__name__}: {' '.join(str(exc).split())[:120]})", False
@@ -280,7 +157,7 @@ def open_store(path: str | Path, *, quiet: bool = False) -> StoreInfo:
             note(f"{path}: consolidated metadata {problem}; reading the hierarchy instead "
                  "(the next write, or `embedcache verify --repair`, rewrites it)")
         try:
-            root = _zarr_root(path, False)
+            root = zarr_root(path, False)
             shards = _walk(root, attrs)
         except Exception as exc:
             raise UserError(f"{path}: cannot read the store's metadata ({type(exc).__name__}: {exc})") from None
@@ -323,7 +200,7 @@ def identity_conflict(held: Sequence[tuple[str, str, Any]]) -> tuple[str, str] |
 
 
 def check_backbone_identity(info: StoreInfo, backbones: Sequence[str], clients: Sequence[str],
-                            splits: Sequence[str] = _SPLITS) -> None:
+                            splits: Sequence[str] = SPLITS) -> None:
     """UserError when the shards of one backbone name that a run would use hold features of
     different models (see identity_conflict): they would be trained together as one feature space."""
     wanted = set(clients)
@@ -341,7 +218,7 @@ def check_backbone_identity(info: StoreInfo, backbones: Sequence[str], clients: 
 def _names(info: StoreInfo, backbones: Sequence[str] | str, split: str) -> list[str]:
     """The backbone list, each checked to be in the store."""
     names = [backbones] if isinstance(backbones, str) else list(backbones)
-    if split not in _SPLITS:
+    if split not in SPLITS:
         raise UserError(f"split {split}: must be train or test")
     if not names:
         raise UserError("backbones: at least one is needed")

@@ -17,7 +17,7 @@ Life of a shard, built so that nothing half-written can ever look complete:
    `features_sha256` (views shards) and, last, `complete=True`. The reader checks every chunk
    it reads against these digests.
 4. `consolidate` writes the consolidated metadata once at the end (under a store lock). Any
-   change first drops it (`store_layout.drop_consolidated`), so it never describes the store's past.
+   change first drops it (`embedcache.store.layout.drop_consolidated`), so it never describes the store's past.
 
 Chunk digests are salted with the cache key so that a digest written for other settings can
 never validate a chunk of this shard. Names are unique under str.casefold() within a store
@@ -38,12 +38,13 @@ from typing import Any
 import numpy as np
 import zarr
 
-from embedcache import __version__
 from embedcache.errors import UserError
 from embedcache.manifest import canonical_json
-from embedcache.reader import REBUILD, STORE_FORMAT, holds_shards, root_metadata, subgroups
-from embedcache.shard_check import chunk_digest, rows_digest
-from embedcache.store_layout import (
+from embedcache.store.checked_reads import chunk_digest, rows_digest
+from embedcache.store.layout import (  # noqa: F401 (step 4 of a shard's life, called through the writer)
+    REBUILD,
+    SPLITS,
+    STORE_FORMAT,
     OpenMode,
     array,
     attr,
@@ -52,19 +53,19 @@ from embedcache.store_layout import (
     check_backbone_name,
     check_client_names,
     collides,
-    consolidate,  # noqa: F401 (re-exported)
+    consolidate,
     dir_lock,
-    has_consolidated,  # noqa: F401 (re-exported)
+    has_consolidated,
+    holds_shards,
     read,
+    root_metadata,
     shard_path,
+    subgroups,
 )
-from embedcache.store_layout import drop_consolidated as _drop_consolidated
-from embedcache.store_layout import quiet_open as _quiet_open
+from embedcache.store.layout import drop_consolidated as _drop_consolidated
+from embedcache.store.layout import quiet_open as _quiet_open
+from embedcache.version import __version__
 
-# backbone_key, shard_path, dir_lock, consolidate, has_consolidated and chunk_digest stay importable
-# from here for the writer's callers; the digests live beside the check (shard_check).
-
-SPLITS = ("train", "test")
 DEFAULT_CHUNK_ROWS = 256
 # float32 is the default on purpose: FedNCM must equal centralised NCM to 1e-6 and two runs
 # must give bitwise-identical stores. float16 halves the disk but keeps ~3 significant digits

@@ -1,6 +1,7 @@
-"""Where a store's groups live, who may change them, and the consolidated view of them
-(docs/contracts.md, section 4). Shared by the writer (`embedcache.store`) and the maintenance
-commands (`verify --repair`, `gc`, `rm`).
+"""The store's on-disk layout (docs/contracts.md, section 4): its format tag, where a store's
+groups live, the root metadata, who may change them, and the consolidated view of them. Shared by
+the writer (`embedcache.store.writer`), the reader and the maintenance commands (`verify --repair`,
+`gc`, `rm`).
 
 Locks: a per-client directory lock serialises the writers of one client's shards; the store
 directory's lock guards the root's zarr.json (its attributes and consolidated metadata).
@@ -18,18 +19,160 @@ import errno
 import fcntl
 import json
 import os
-import shutil
 import warnings
 from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
 import zarr
 
-from embedcache.errors import UserError
+from embedcache.errors import StoreWarning, UserError
 from embedcache.manifest import check_client_name
-from embedcache.reader import consolidated_entries, consolidated_problem, root_metadata, stale_reason, subgroups
+
+STORE_FORMAT = "embedcache/1"
+
+
+SPLITS = ("train", "test")
+
+
+DROPPED = "client dropped by the latest manifest"
+
+
+OLDER = "extracted under an older manifest"
+
+
+# How to get a store's root metadata back when it is lost or damaged but its shards are intact.
+REBUILD = ("`embedcache verify --repair {store}` rebuilds it from the intact shards (add --manifest "
+           "with the manifest last extracted into it if it cannot recover the class names)")
+
+
+_NOTED: set[str] = set()
+
+
+def note(msg: str) -> None:
+    """Warn once per process per message (zarr's catch_warnings blocks reset Python's own registry)."""
+    if msg not in _NOTED:
+        _NOTED.add(msg)
+        warnings.warn(msg, StoreWarning, stacklevel=3)
+
+
+@dataclass(frozen=True)
+class ShardInfo:
+    """One (backbone, client, split) shard as described by its attributes."""
+
+    backbone: str  # backbone name (attr `backbone`)
+    key: str  # group name of the backbone in the store
+    client: str  # client name
+    split: str  # "train" or "test"
+    domain: str  # client's domain
+    n: int  # rows
+    dim: int  # feature dimension D
+    dtype: str  # storage dtype
+    views: int  # V (a `views` array exists when V > 1)
+    complete: bool  # True only once every chunk was written and checked
+    cache_key: str  # sha256 of the settings that produced the shard
+    path: str  # group path inside the store
+    manifest_hash: str = ""  # manifest the shard was extracted (or imported) under
+    stale: str = ""  # why the shard is not current (DROPPED or OLDER); "" when current
+    modality: str = "image"  # attr `modality` ("image" for shards written before it existed)
+    token_shape: tuple[int, int] | None = None  # (T, D) of a text token shard: rows T-major, with a mask
+    map_shape: tuple[int, ...] | None = None  # (C, H, W) of an image cut map (preprocess.map_shape)
+    weights_sha256: str = ""  # attr `weights_sha256`: the backbone's weights (an import: its file's)
+    preprocess: str = ""  # attr `preprocess` as canonical JSON (an import: {"imported_from": ...})
+
+    @property
+    def current(self) -> bool:
+        return not self.stale
+
+
+def root_metadata(path: str | Path) -> dict:
+    """The store root's zarr.json, parsed (UserError when there is no store or it is unreadable)."""
+    p = Path(path) / "zarr.json"
+    if not p.is_file():
+        if holds_shards(p.parent):  # the root of a store whose shards are still there
+            raise UserError(f"{p}: missing; {REBUILD.format(store=p.parent)}")
+        raise UserError(f"{p.parent}: no feature store here (zarr.json missing)")
+    try:
+        meta = json.loads(p.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        fix = REBUILD.format(store=p.parent) if holds_shards(p.parent) else "the metadata is lost"
+        raise UserError(f"{p}: unreadable ({' '.join(str(exc).split())}); {fix}") from None
+    if not isinstance(meta, dict) or meta.get("node_type") != "group" or not isinstance(meta.get("attributes"), dict):
+        raise UserError(f"{p}: not the metadata of a zarr group")
+    return meta
+
+
+def subgroups(d: str | os.PathLike[str]) -> list[str]:
+    """Child directories that are zarr groups or arrays (have a zarr.json); others are not nodes."""
+    try:
+        entries = os.scandir(os.fspath(d))
+        return sorted(e.name for e in entries if e.is_dir() and os.path.isfile(os.path.join(e.path, "zarr.json")))
+    except OSError:
+        return []
+
+
+def disk_shard_paths(path: str | Path) -> set[str]:
+    """`<backbone key>/<client>/<split>` of every shard group on disk (a directory listing, no zarr)."""
+    p = Path(path)
+    return {f"{b}/{c}/{s}" for b in subgroups(p) for c in subgroups(p / b) for s in subgroups(p / b / c)}
+
+
+def holds_shards(d: Path) -> bool:
+    """`d` looks like a store root: it holds <backbone>/<client>/<train|test> groups."""
+    return any(p.rsplit("/", 1)[1] in SPLITS for p in disk_shard_paths(d))
+
+
+def consolidated_entries(meta: dict) -> dict | str | None:
+    """The flat {path: metadata} of the root's consolidated metadata; None when there is none,
+    a string saying why when it cannot be used."""
+    cm = meta.get("consolidated_metadata")
+    if cm is None:
+        return None
+    entries = cm.get("metadata") if isinstance(cm, dict) else None
+    return entries if isinstance(entries, dict) else "is unreadable"
+
+
+def consolidated_problem(path: str | Path, meta: dict) -> str | None:
+    """Why the root's consolidated metadata cannot stand for the hierarchy (None: it can, or
+    there is none). Cheap: compares the shard groups it lists with the directories on disk."""
+    entries = consolidated_entries(meta)
+    if not isinstance(entries, dict):
+        return entries
+    listed = {k for k, v in entries.items() if k.count("/") == 2 and isinstance(v, dict) and v.get("node_type") == "group"}
+    disk = disk_shard_paths(path)
+    if listed == disk:
+        return None
+    gone, new = sorted(listed - disk), sorted(disk - listed)
+    return "is stale (" + "; ".join(
+        ([f"lists {gone[0]}{f' and {len(gone) - 1} more' if len(gone) > 1 else ''}, gone from disk"] if gone else [])
+        + ([f"misses {new[0]}{f' and {len(new) - 1} more' if len(new) > 1 else ''}"] if new else [])) + ")"
+
+
+def stale_reason(root_attrs: dict, client: str, manifest_hash: str) -> str:
+    """"" when a shard of `client` extracted under `manifest_hash` is current, else why not."""
+    listed = root_attrs.get("clients")
+    if listed is not None and client not in listed:
+        return DROPPED
+    if manifest_hash != root_attrs.get("manifest_hash"):
+        return OLDER
+    return ""
+
+
+def zarr_root(path: str | Path, consolidated: bool) -> zarr.Group:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # consolidated metadata is not yet in the v3 spec
+        return zarr.open_group(str(path), mode="r", zarr_format=3, use_consolidated=None if consolidated else False)
+
+
+def open_group(path: str | Path, consolidated: bool) -> zarr.Group:
+    """The store's root group, through its consolidated metadata or not (UserError when zarr fails)."""
+    try:
+        return zarr_root(path, consolidated)
+    except Exception as exc:  # zarr raises many types for a damaged hierarchy
+        raise UserError(f"{path}: cannot open the store ({type(exc).__name__}: {exc})") from None
+
 
 BACKUP_PREFIX = ".import-backup-"  # a shard an import replaces waits here (no zarr.json: not a node)
 
@@ -234,7 +377,7 @@ def other_shards(store: str | Path, bk: str, skip: Iterable[tuple[str, str]] = (
         for split in subgroups(bdir / client):
             if (client, split) in skipped:
                 continue
-            a = _attrs(bdir / client / split / "zarr.json")
+            a = read_attrs(bdir / client / split / "zarr.json")
             if "cache_key" in a:
                 yield f"{bk}/{client}/{split}", a
 
@@ -259,7 +402,7 @@ def check_backbone_name(store: str | Path, backbone: str) -> None:
                             "to it); use another name or store")
 
 
-def _attrs(path: Path) -> dict:
+def read_attrs(path: Path) -> dict:
     try:
         a = json.loads(path.read_text()).get("attributes", {})
     except (OSError, ValueError, AttributeError):
@@ -267,70 +410,7 @@ def _attrs(path: Path) -> dict:
     return a if isinstance(a, dict) else {}
 
 
-def _dead_backups(cdir: Path) -> list[Path]:
-    """Backups of imports whose process is gone (a killed import); a live one is left alone."""
-    out = []
-    for e in cdir.glob(f"{BACKUP_PREFIX}*"):
-        try:
-            os.kill(int(e.name[len(BACKUP_PREFIX):]), 0)
-        except (ValueError, ProcessLookupError):
-            out.append(e)
-        except PermissionError:
-            pass  # alive, someone else's
-    return out
 
 
-def remove_shards(store: str | Path, paths: Sequence[str], *, only_stale: bool = False) -> list[str]:
-    """Remove shard groups `<backbone key>/<client>/<split>`, then client and backbone groups
-    left without shards, and rewrite the consolidated metadata. With `only_stale`, each shard
-    is re-checked under its client's lock and kept if a concurrent extract made it current.
-    The root's client list never changes (a listed client without shards is reported by the
-    reader as missing, never silently left out). Returns the paths removed."""
-    store = Path(store)
-    by_client: dict[tuple[str, str], list[str]] = {}
-    for path in paths:
-        bk, client, split = path.split("/")
-        by_client.setdefault((bk, client), []).append(split)
-    removed: list[str] = []
-    for (bk, client), splits in sorted(by_client.items()):
-        cdir = store / bk / client
-        if not cdir.is_dir():
-            continue
-        with dir_lock(cdir):
-            root_attrs = root_metadata(store)["attributes"]
-            for split in splits:
-                meta = cdir / split / "zarr.json"
-                if not meta.is_file():
-                    continue
-                if only_stale and not stale_reason(root_attrs, client, str(_attrs(meta).get("manifest_hash", ""))):
-                    continue
-                drop_consolidated(store)
-                shutil.rmtree(cdir / split)
-                removed.append(f"{bk}/{client}/{split}")
-            if not subgroups(cdir):
-                drop_consolidated(store)
-                shutil.rmtree(cdir)
-        with dir_lock(store):
-            if (store / bk).is_dir() and not subgroups(store / bk):
-                drop_consolidated(store, have_lock=True)
-                shutil.rmtree(store / bk)
-    consolidate(store)
-    return removed
 
 
-def sweep_import_leftovers(store: str | Path, *, dry_run: bool = False) -> list[str]:
-    """Shards set aside by imports that were killed before they could restore or drop them
-    (invisible to zarr, but disk space). Returns their paths relative to the store."""
-    store = Path(store)
-    found = []
-    for bk in subgroups(store):
-        for client in subgroups(store / bk):
-            cdir = store / bk / client
-            if not any(cdir.glob(f"{BACKUP_PREFIX}*")):
-                continue
-            with dir_lock(cdir):
-                for backup in _dead_backups(cdir):
-                    found.append(str(backup.relative_to(store)))
-                    if not dry_run:
-                        shutil.rmtree(backup, ignore_errors=True)
-    return found

@@ -13,8 +13,8 @@ import numpy as np
 
 from embedcache.errors import UserError
 from embedcache.parsing import read_json
-from embedcache.store_export import EXPORT_FORMAT, EXPORT_INDEX
-from embedcache.store_layout import backbone_key
+from embedcache.store.export import EXPORT_FORMAT, EXPORT_INDEX
+from embedcache.store.layout import backbone_key
 
 FILE_SUFFIXES = (".npz", ".h5", ".hdf5", ".mat")
 _EXPORTS = (EXPORT_FORMAT, "embedcache/1")  # the root format of exports written before 4a
@@ -201,8 +201,8 @@ def read_source(path: str | Path, *, client: str | None, split: str | None, feat
         if not src.items:
             raise UserError(f"{path}: no {split} split in it")
     if src.exported and backbone is not None:
-        have = sorted({i.backbone for i in src.items})
-        src.items = [i for i in src.items if backbone in (i.backbone, backbone_key(i.backbone))]
+        have = sorted({str(i.backbone) for i in src.items})  # an export names every shard's backbone
+        src.items = [i for i in src.items if backbone in (i.backbone, backbone_key(str(i.backbone)))]
         if not src.items:
             raise UserError(f"{path}: no backbone {backbone!r} in this export (has: {', '.join(have)})")
     if not src.items:

@@ -1,37 +1,47 @@
 """Store maintenance behind `embedcache inspect | verify | gc | rm | export` (and `import`,
-in `embedcache.store_import`).
+in `embedcache.store.importer`).
 
 `verify` never trusts the consolidated metadata: it walks the hierarchy, re-reads every chunk
 and checks it against the digests recorded at finalisation, and reports consolidated metadata
 that no longer matches the files; `inspect` marks every shard current or stale (contract 4);
-`gc` removes the stale ones and `rm` chosen ones (`export` lives in `embedcache.store_export`).
+`gc` removes the stale ones and `rm` chosen ones (`export` lives in `embedcache.store.export`).
 """
 
 from __future__ import annotations
 
 import json
+import os
+import shutil
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import zarr
 
-from embedcache import store as st
 from embedcache.errors import UserError
-from embedcache.reader import STORE_FORMAT, ShardInfo, disk_shard_paths, holds_shards, open_store, root_metadata, subgroups
-from embedcache.store_export import export_h5  # noqa: F401 (historical home of export_h5)
-from embedcache.store_import import import_features  # noqa: F401 (historical home of import_features)
-from embedcache.store_layout import (
+from embedcache.store import writer as st
+from embedcache.store.layout import (
+    BACKUP_PREFIX,
+    STORE_FORMAT,
+    ShardInfo,
     array,
+    consolidate,
     consolidated_mismatch,
     dir_lock,
     disk_clients,
+    disk_shard_paths,
+    drop_consolidated,
+    holds_shards,
     quiet_open,
     read,
-    remove_shards,
+    read_attrs,
+    root_metadata,
+    stale_reason,
     store_writes,
-    sweep_import_leftovers,
+    subgroups,
     write_json_atomic,
 )
+from embedcache.store.reader import open_store
 
 REQUIRED_ATTRS = ("cache_key", "backbone", "weights_sha256", "preprocess", "manifest_hash", "sample_list_hash",
                   "code_version", "dtype", "views", "n", "dim", "domain", "chunk_sha256", "complete")
@@ -161,8 +171,8 @@ def verify_against_manifest(path: str | Path, manifest: object) -> list[str]:
     """Problems between the store and `manifest`: images changed since the manifest was written
     (their fingerprints, contract 2), and shards whose samples are not the manifest's (every
     backbone of the store, every client and split of the manifest)."""
-    from embedcache.reader import shard_attributes
     from embedcache.sources.drift import EXAMPLES, find_changes
+    from embedcache.store.reader import shard_attributes
 
     info = open_store(path)
     probs = []
@@ -281,7 +291,7 @@ def rm_plan(path: str | Path, backbone: str, client: str | None = None, split: s
 
 
 def remove(path: str | Path, shards: list[ShardInfo], *, only_stale: bool = False) -> list[str]:
-    """Remove `shards` under the store's locks (see store_layout.remove_shards); with
+    """Remove `shards` under the store's locks (see remove_shards); with
     `only_stale` (gc), also the shards set aside by killed imports."""
     with store_writes(path, "store"):
         done = remove_shards(path, [s.path for s in shards], only_stale=only_stale)
@@ -291,3 +301,72 @@ def remove(path: str | Path, shards: list[ShardInfo], *, only_stale: bool = Fals
 def import_leftovers(path: str | Path) -> list[str]:
     """What `gc` would sweep besides stale shards (shards set aside by killed imports)."""
     return sweep_import_leftovers(path, dry_run=True)
+
+
+def _dead_backups(cdir: Path) -> list[Path]:
+    """Backups of imports whose process is gone (a killed import); a live one is left alone."""
+    out = []
+    for e in cdir.glob(f"{BACKUP_PREFIX}*"):
+        try:
+            os.kill(int(e.name[len(BACKUP_PREFIX):]), 0)
+        except (ValueError, ProcessLookupError):
+            out.append(e)
+        except PermissionError:
+            pass  # alive, someone else's
+    return out
+
+
+def remove_shards(store: str | Path, paths: Sequence[str], *, only_stale: bool = False) -> list[str]:
+    """Remove shard groups `<backbone key>/<client>/<split>`, then client and backbone groups
+    left without shards, and rewrite the consolidated metadata. With `only_stale`, each shard
+    is re-checked under its client's lock and kept if a concurrent extract made it current.
+    The root's client list never changes (a listed client without shards is reported by the
+    reader as missing, never silently left out). Returns the paths removed."""
+    store = Path(store)
+    by_client: dict[tuple[str, str], list[str]] = {}
+    for path in paths:
+        bk, client, split = path.split("/")
+        by_client.setdefault((bk, client), []).append(split)
+    removed: list[str] = []
+    for (bk, client), splits in sorted(by_client.items()):
+        cdir = store / bk / client
+        if not cdir.is_dir():
+            continue
+        with dir_lock(cdir):
+            root_attrs = root_metadata(store)["attributes"]
+            for split in splits:
+                meta = cdir / split / "zarr.json"
+                if not meta.is_file():
+                    continue
+                if only_stale and not stale_reason(root_attrs, client, str(read_attrs(meta).get("manifest_hash", ""))):
+                    continue
+                drop_consolidated(store)
+                shutil.rmtree(cdir / split)
+                removed.append(f"{bk}/{client}/{split}")
+            if not subgroups(cdir):
+                drop_consolidated(store)
+                shutil.rmtree(cdir)
+        with dir_lock(store):
+            if (store / bk).is_dir() and not subgroups(store / bk):
+                drop_consolidated(store, have_lock=True)
+                shutil.rmtree(store / bk)
+    consolidate(store)
+    return removed
+
+
+def sweep_import_leftovers(store: str | Path, *, dry_run: bool = False) -> list[str]:
+    """Shards set aside by imports that were killed before they could restore or drop them
+    (invisible to zarr, but disk space). Returns their paths relative to the store."""
+    store = Path(store)
+    found = []
+    for bk in subgroups(store):
+        for client in subgroups(store / bk):
+            cdir = store / bk / client
+            if not any(cdir.glob(f"{BACKUP_PREFIX}*")):
+                continue
+            with dir_lock(cdir):
+                for backup in _dead_backups(cdir):
+                    found.append(str(backup.relative_to(store)))
+                    if not dry_run:
+                        shutil.rmtree(backup, ignore_errors=True)
+    return found

@@ -2,7 +2,7 @@
 not written and checked. zarr reads a deleted chunk file as fill values, so every stored chunk
 read is hashed (the bytes just read, no second read; on every core, sha256 releases the GIL)
 and compared with the digests recorded when the shard was finalised. The digests are defined
-here, beside the check, and the writer (`embedcache.store`) imports them. numpy + zarr only.
+here, beside the check, and the writer (`embedcache.store.writer`) imports them. numpy + zarr only.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import zarr
 from embedcache.errors import UserError
 
 if TYPE_CHECKING:
-    from embedcache.reader import ShardInfo
+    from embedcache.store.layout import ShardInfo
 
 
 def chunk_digest(key: str, features: np.ndarray, views: np.ndarray | None, mask: np.ndarray | None = None) -> bytes:

@@ -1,11 +1,10 @@
 """Run frozen backbones once over every client's images and write the feature shards.
 
-The plan is a list of independent chunk tasks: (backbone, client, split, chunk-aligned rows).
-A chunk always goes through the model in the same batches (batch b of a chunk holds rows
-[start + b*B, start + (b+1)*B)), and augmented views use a per-sample seed, so a resumed, a
-fresh and a distributed run write bitwise-identical stores. The single-process runner overlaps
-decode+preprocess (thread pool, prefetching ahead), the forward pass (this thread) and writing
-(a writer thread); `embedcache.distributed` runs the same chunk function on dask workers.
+The plan is a list of independent chunk tasks (`embedcache.chunks.ChunkJob`: backbone, client,
+split, chunk-aligned rows), each embedded in fixed batches by the functions of `embedcache.chunks`,
+so a resumed, a fresh and a distributed run write bitwise-identical stores. The single-process
+runner overlaps decode+preprocess (thread pool, prefetching ahead), the forward pass (this thread)
+and writing (a writer thread); `embedcache.distributed` runs the same chunk functions on dask workers.
 
 Before anything else, every image is re-fingerprinted against the manifest (cache hits
 included; embedcache.sources.drift): features of an image that changed are never served.
@@ -20,9 +19,7 @@ text), embedded, and for token backbones (`minilm-l6-v2:32@layer.5`) written wit
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import queue
-import random
 import shutil
 import sys
 import threading
@@ -34,19 +31,15 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-import torch
 from tqdm import tqdm
 
-from embedcache import store as st
+from embedcache.chunks import ChunkJob, decode_sample, default_factory, embed_chunk, embed_text_chunk, is_text
 from embedcache.devices import resolve_device
 from embedcache.errors import UserError
-from embedcache.extract_text import embed_text_chunk, is_text, text_notes
-from embedcache.plugins import import_plugins  # noqa: F401 (workers import it from here)
-from embedcache.reader import is_imported
-from embedcache.store_layout import other_shards, store_writes
-
-_VIEW_SEED_LOCK = threading.Lock()  # global RNGs: one seeded augmentation at a time
+from embedcache.plugins import import_plugins
+from embedcache.store import writer as st
+from embedcache.store.layout import other_shards, store_writes
+from embedcache.store.reader import is_imported
 
 
 @dataclass(frozen=True)
@@ -60,7 +53,7 @@ class ExtractConfig:
     num_workers: int = 2  # decode+preprocess threads (per process)
     scheduler: str | None = None  # None: this process; "local:N": dask LocalCluster; "tcp://host:port"
     views: int = 1  # V; V > 1 also stores V augmented views per sample
-    dtype: str = "float32"  # storage dtype (float32 default, see embedcache.store.DTYPES)
+    dtype: str = "float32"  # storage dtype (float32 default, see embedcache.store.writer.DTYPES)
     weights_dir: str | None = None  # --weights-dir, passed to create_backbone
     chunk_rows: int = st.DEFAULT_CHUNK_ROWS  # rows per zarr chunk = per task
     plugins: tuple[str, ...] = ()  # modules imported first (e.g. to register custom backbones), also on workers
@@ -68,26 +61,6 @@ class ExtractConfig:
     cut: str | None = None  # --cut BLOCK: store the map after BLOCK of every backbone (names become B@BLOCK)
 
 
-@dataclass(frozen=True)
-class ChunkJob:
-    """One unit of work: a chunk of one shard. Picklable, so dask workers can run it."""
-
-    store: str  # store directory
-    spec: st.ShardSpec  # the shard (with its full row lists)
-    chunk: int  # chunk index
-    locators: tuple[str, ...]  # image locators of the chunk's rows
-    source: Any  # the ImageSource (pickled to workers)
-    weights_dir: str | None  # for create_backbone on workers
-    device: str  # resolved device
-    batch_size: int  # rows per forward pass
-    plugins: tuple[str, ...] = ()  # modules to import before creating the backbone
-    num_workers: int = 1  # decode threads on the worker
-    factory: Callable[[str, str | None, str], Any] | None = None  # picklable; None: create_backbone
-    texts: tuple[str, ...] = ()  # the chunk's texts, for a text backbone (then `locators` is empty)
-
-    @property
-    def n_rows(self) -> int:
-        return len(self.texts) if self.texts else len(self.locators)
 
 
 @dataclass
@@ -108,66 +81,14 @@ class ExtractReport:
         print(f"note: {msg}", file=sys.stderr, flush=True)
 
 
-def view_seed(sample_id: str, view: int) -> int:
-    """Per-sample, per-view seed: the same sample always gets the same augmentations."""
-    digest = hashlib.sha256(f"{sample_id}\0{view}".encode()).digest()
-    return int.from_bytes(digest[:8], "little") & (2**63 - 1)
 
 
-def decode_sample(backbone: Any, source: Any, sample_id: str, locator: str,
-                  views: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """Load one image and preprocess it: the clean view plus V seeded augmented views."""
-    try:
-        img = source.load(locator)
-        clean = backbone.transform(img, train=False)
-        aug: list[torch.Tensor] = []
-        if views > 1:
-            for v in range(views):
-                seed = view_seed(sample_id, v)
-                # torchvision/timm augmentations draw from the global RNGs: seed them all,
-                # one sample at a time, so the views do not depend on thread timing.
-                with _VIEW_SEED_LOCK:
-                    random.seed(seed)
-                    np.random.seed(seed % 2**32)
-                    torch.manual_seed(seed)
-                    aug.append(backbone.transform(img, train=True))
-    except UserError:
-        raise
-    except Exception as exc:  # PIL/decoder errors come in many types
-        raise UserError(f"{sample_id} ({locator}): cannot read or preprocess image: {exc}") from None
-    return clean, aug
 
 
-def forward(backbone: Any, tensors: Sequence[torch.Tensor], expect_dim: int) -> np.ndarray:
-    """One batch through the frozen backbone -> [B, D] float32."""
-    try:
-        batch = torch.stack(list(tensors))
-    except RuntimeError as exc:
-        raise UserError(f"{backbone.name}: preprocessed images differ in shape ({exc})") from None
-    with torch.inference_mode():
-        out = backbone.embed(batch)
-    arr = out.detach().cpu().numpy().astype(np.float32, copy=False)
-    if arr.shape != (len(tensors), expect_dim):
-        raise UserError(f"{backbone.name}: embed() returned shape {arr.shape}, expected ({len(tensors)}, {expect_dim})")
-    return arr
 
 
-def batch_bounds(n: int, batch_size: int) -> list[tuple[int, int]]:
-    """Fixed batches of a chunk of n rows (relative to the chunk start)."""
-    return [(a, min(a + batch_size, n)) for a in range(0, n, batch_size)]
 
 
-def embed_chunk(backbone: Any, items: Sequence[tuple[torch.Tensor, list[torch.Tensor]]], spec: st.ShardSpec,
-                batch_size: int) -> tuple[np.ndarray, np.ndarray | None]:
-    """Features (and views) of one chunk from its decoded rows, in the fixed batches."""
-    feats, views = [], []
-    for a, b in batch_bounds(len(items), batch_size):
-        feats.append(forward(backbone, [items[i][0] for i in range(a, b)], spec.feature_dim))
-        if spec.views > 1:
-            views.append(np.stack([forward(backbone, [items[i][1][v] for i in range(a, b)], spec.feature_dim)
-                                   for v in range(spec.views)]))
-    f = np.concatenate(feats) if feats else np.zeros((0, spec.feature_dim), np.float32)
-    return f, (np.concatenate(views, axis=1) if views else None)
 
 
 def build_specs(manifest: Any, backbone: Any, cfg: ExtractConfig) -> list[tuple[st.ShardSpec, tuple[str, ...]]]:
@@ -293,11 +214,6 @@ def _run_local_text(jobs: Sequence[ChunkJob], backbone: Any, bar: tqdm) -> None:
         writer.close()
 
 
-def default_factory(name: str, weights_dir: str | None, device: str) -> Any:
-    """create_backbone(name, weights_dir=..., device=...) (contract 3)."""
-    from embedcache.backbones import create_backbone
-
-    return create_backbone(name, weights_dir=weights_dir, device=device)
 
 
 def _load_manifest(manifest: Any) -> Any:
@@ -380,7 +296,7 @@ class _LazyClient:
 def _no_imports_beside(store: str, name: str, specs: Sequence[st.ShardSpec]) -> None:
     """Refuse to extract under a backbone name that holds imported features (other than the
     shards this run rewrites): they cannot be shown to come from this backbone's weights, and
-    training would use both as one feature space (embedcache.reader.identity_conflict)."""
+    training would use both as one feature space (embedcache.store.reader.identity_conflict)."""
     if not specs:
         return
     for path, a in other_shards(store, st.backbone_key(name), [(s.client, s.split) for s in specs]):
@@ -444,9 +360,19 @@ def _extract_all(manifest: Any, cfg: ExtractConfig, src: Any, backbone_factory: 
         del bb
 
 
-
-# `embedcache.extract(...)` is the API function (embedcache.api.extract); this module stays importable
-from embedcache import api as _api  # noqa: E402
-from embedcache.callable_module import make_callable  # noqa: E402
-
-make_callable(__name__, _api.extract)
+def text_notes(backbone: Any, texts: Sequence[str]) -> list[str]:
+    """Truncation (texts longer than T) and, for token shards, padding worth a smaller T."""
+    if not texts:
+        return []
+    lengths = backbone.token_lengths(texts)
+    t, longest = backbone.max_length, max(lengths)
+    notes = []
+    cut = sum(n > t for n in lengths)
+    if cut:
+        notes.append(f"{backbone.name}: {cut} of {len(texts)} texts are longer than T={t} tokens and were truncated "
+                     f"(longest {longest} tokens, [CLS]/[SEP] included)")
+    elif getattr(backbone, "token_shape", None) is not None and longest <= t // 2:
+        base, cut_name = backbone.name.rsplit("@", 1)
+        notes.append(f"{backbone.name}: the longest text has {longest} tokens of T={t}: rows are mostly padding; "
+                     f"{base.split(':')[0]}:{longest}@{cut_name} would store {t / longest:.1f}x less")
+    return notes

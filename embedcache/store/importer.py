@@ -18,12 +18,12 @@ from pathlib import Path
 
 import numpy as np
 
-from embedcache import store as st
 from embedcache.errors import UserError
-from embedcache.import_sources import ImportItem, ImportSource, read_source
 from embedcache.manifest import canonical_json, check_client_name, check_domain
-from embedcache.reader import is_imported, root_metadata
-from embedcache.store_layout import BACKUP_PREFIX, case_collision, collides, dir_lock, other_shards, store_writes
+from embedcache.store import writer as st
+from embedcache.store.import_sources import ImportItem, ImportSource, read_source
+from embedcache.store.layout import BACKUP_PREFIX, case_collision, collides, dir_lock, other_shards, root_metadata, store_writes
+from embedcache.store.reader import is_imported
 
 
 def _checked(item: ImportItem, dtype: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
