@@ -43,10 +43,10 @@ from pathlib import Path
 import numpy as np
 from zarr.core.sync import sync as zsync
 
-from embedcache import store as S
 from embedcache.federation_shapes import draw_sizes, load_shape
+from embedcache.store import writer as S
 from embedcache.store.checked_reads import chunk_digest, rows_digest
-from embedcache.store.layout import backbone_key, quiet_open
+from embedcache.store.layout import backbone_key, consolidate, quiet_open
 
 BACKBONE = "synthetic"
 BATCH = 64  # clients written concurrently
@@ -201,7 +201,7 @@ def write(path: Path, cfg: InatConfig, workers: int = 1, progress: bool = False)
             if progress:
                 print(f"  {min((i + 1) * PART, len(items))}/{len(items)} clients, {time.perf_counter() - t0:.0f} s",
                       flush=True)
-    S.consolidate(path)
+    consolidate(path)
     rows = int(fed.n_train.sum() + fed.n_test.sum())
     return {"config": asdict(cfg), "clients": len(fed.names), "train_rows": int(fed.n_train.sum()),
             "test_rows": int(fed.n_test.sum()), "train_rows_median": float(np.median(fed.n_train)),

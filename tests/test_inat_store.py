@@ -11,8 +11,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from embedcache import store as S
 from embedcache.federation_shapes import draw_sizes, load_shape
+from embedcache.store import writer as S
 from embedcache.store.maintenance import verify_store
 from embedcache.store.reader import load_split, open_store
 

@@ -14,7 +14,7 @@ from test_partition import _folder
 from embedcache.cli import main
 from embedcache.federation_shapes import draw_sizes, load_shape
 from embedcache.manifest import load_manifest
-from embedcache.partition import Recipe, sized_split
+from embedcache.partitioning import Recipe, sized_split
 
 SIZES = [10, 6, 4, 3, 2, 2, 1, 1, 1, 1]  # 31 of the folder's 69 images
 
