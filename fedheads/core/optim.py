@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from embedcache.errors import UserError
+from fedheads.core.config import setting
 from fedheads.core.heads import Params
 
 
@@ -21,12 +22,13 @@ from fedheads.core.heads import Params
 class OptimizerConfig:
     """A client optimiser."""
 
-    name: str = "adam"  # "adam" or "sgd"
-    lr: float = 1e-3  # learning rate (FedPCL Sec. 5.1: Adam lr 1e-3)
-    weight_decay: float = 1e-4  # L2 added to the gradient as torch does (FedPCL: 1e-4)
-    momentum: float = 0.0  # SGD momentum (dampening 0, no Nesterov)
-    betas: tuple[float, float] = (0.9, 0.999)  # Adam moment decay rates
-    eps: float = 1e-8  # Adam denominator epsilon
+    name: str = setting("adam", '"adam" or "sgd"')
+    lr: float = setting(1e-3, "learning rate (FedPCL Sec. 5.1: Adam lr 1e-3)", source="FedPCL Sec. 5.1")
+    weight_decay: float = setting(1e-4, "L2 added to the gradient as torch does (FedPCL: 1e-4)",
+                                 source="FedPCL Sec. 5.1")
+    momentum: float = setting(0.0, "SGD momentum (dampening 0, no Nesterov)")
+    betas: tuple[float, float] = setting((0.9, 0.999), "Adam moment decay rates")
+    eps: float = setting(1e-8, "Adam denominator epsilon")
 
     def __post_init__(self) -> None:
         if self.name not in ("adam", "sgd"):
