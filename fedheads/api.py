@@ -296,9 +296,12 @@ def list_algorithms() -> list[Any]:
     return registry()
 
 
-def register_algorithm(name: str, factory: Any, *, description: str) -> None:
+def register_algorithm(name: str, factory: Any, *, description: str, config: type | None = None,
+                       fixed: dict[str, str] | None = None) -> None:
     """Make `factory(**config_fields) -> Algorithm` trainable as `name` by every engine, the
-    CLI included (from a module it imports). See README, "Your own algorithm"."""
+    CLI included (from a module it imports). `config`: its config dataclass, whose fields
+    (declared with fedheads.core.config.setting) are the keys `--set` takes. See
+    docs/custom_algorithm.md."""
     from fedheads.algorithms import register_algorithm as register
 
-    register(name, factory, description=description)
+    register(name, factory, description=description, config=config, fixed=fixed)

@@ -189,11 +189,13 @@ def with_config(f: Callable) -> Callable:
 
 
 def effective_config(command: str, store: str | None, backbones: list[str], algorithms: list[str], opts: Any,
-                     out: str | Path, strict: bool = True, dropped: tuple[str, ...] = ()) -> dict[str, Any]:
+                     out: str | Path, strict: bool = True, dropped: tuple[str, ...] = (),
+                     configs: dict[str, Any] | None = None) -> dict[str, Any]:
     """The effective configuration of `fedheads train` (one algorithm) or `compare`, keyed like
     their options (tests/test_runconfig.py checks the two match): `set` holds every config field
     of the algorithm (compare: `NAME.field` for each) as it is built, defaults included.
-    `dropped`: generic options a comparison did not apply to this algorithm (left out)."""
+    `dropped`: generic options a comparison did not apply to this algorithm (left out).
+    `configs`: {algorithm: the config it was built with} (else each is built once here)."""
     from fedheads.runner import build_algorithm
     from fedheads.settings import resolved_settings
 
@@ -208,8 +210,10 @@ def effective_config(command: str, store: str | None, backbones: list[str], algo
                 "binarize": opts.binarize, "tensorboard": opts.tensorboard, "out": str(out)})
     fields: dict[str, Any] = {}
     for name in algorithms:
-        alg = build_algorithm(name, opts, strict=strict)[0]
+        built = (configs or {}).get(name)
+        if built is None:
+            built = build_algorithm(name, opts, strict=strict)[0]
         prefix = "" if command == "train" else f"{name}."
-        fields.update({prefix + k: v for k, v in resolved_settings(name, alg).items()})
+        fields.update({prefix + k: v for k, v in resolved_settings(name, built).items()})
     cfg["set"] = fields
     return cfg

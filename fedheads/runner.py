@@ -89,44 +89,47 @@ def settings_for(name: str, settings: Sequence[tuple[str, Any]]) -> tuple[dict[s
     return scoped, plain
 
 
-def _not_a_field(e: TypeError) -> bool:
-    """A config built with a keyword it does not have (as opposed to a bad value)."""
-    return any(s in str(e) for s in ("unexpected keyword", "unknown option", "does not apply"))
+def resolve_settings(name: str, opts: TrainOptions, strict: bool = True) -> tuple[dict[str, Any], list[str]]:
+    """(the config fields a run of `name` is built with, the options that do not apply to it),
+    decided from the fields of its config dataclass (fedheads.settings), nothing built.
+
+    A field scoped to this algorithm (`--set lp.lr=0.1`) must be one of its settings. A plain
+    --set key or a generic option (--lr, --batch-size, --local-epochs) that is not: with
+    `strict` an error naming it (`train`); else dropped and returned (`compare`)."""
+    from fedheads.settings import unknown_key_error, valid_keys
+
+    keys = set(valid_keys(name))
+    scoped, plain = settings_for(name, opts.settings)
+    bad = next((k for k in scoped if k not in keys), None)
+    if bad is not None:
+        raise unknown_key_error(bad, [name], f"--set {name}.{bad}")
+    used, ignored = dict(scoped), []
+    generic = opts.generic()
+    for k, v in {**plain, **generic}.items():
+        if k in used:
+            continue  # the scoped value wins
+        if k in keys:
+            used[k] = v
+        elif not strict:
+            ignored.append(k)
+        elif k in generic:
+            raise UserError(f"--{k.replace('_', '-')}: does not apply to algorithm {name}")
+        else:
+            raise unknown_key_error(k, [name])
+    return used, ignored
 
 
 def build_algorithm(name: str, opts: TrainOptions, strict: bool = True) -> tuple[Any, dict[str, Any], list[str]]:
-    """The algorithm with the --set fields and generic options that apply to it.
-
-    Returns (algorithm, the kwargs used, options that do not apply). With `strict` an option
-    that does not apply is an error (`train`); `compare` drops and records it. A field scoped
-    to this algorithm (`--set lp.lr=0.1`) must always apply."""
-    from fedheads.settings import unknown_key_error, valid_keys
-
-    scoped, plain = settings_for(name, opts.settings)
+    """The algorithm, built once with every --set field and generic option that applies to it
+    (resolve_settings). Returns (algorithm, the kwargs used, options that do not apply). A value
+    its config refuses is one line naming the algorithm and the settings given."""
+    used, ignored = resolve_settings(name, opts, strict)
     try:
-        create_algorithm(name, **scoped)
-    except TypeError as e:
-        if _not_a_field(e):
-            bad = next((k for k in scoped if k not in valid_keys(name)), None)
-            if bad is not None:
-                raise unknown_key_error(bad, [name], f"--set {name}.{bad}") from None
-        raise UserError(f"--set for {name}: {e}") from None
-    used, ignored = dict(scoped), []
-    for k, v in {**plain, **opts.generic()}.items():
-        if k in used:
-            continue  # the scoped value wins
-        try:
-            create_algorithm(name, **{**used, k: v})
-            used[k] = v
-        except TypeError as e:
-            if not _not_a_field(e):  # a field of this algorithm, given a value of the wrong type
-                raise UserError(f"{k}={v!r}: not a valid value for {name} ({e})") from None
-            if strict:
-                if k not in opts.generic():
-                    raise unknown_key_error(k, [name]) from None
-                raise UserError(f"--{k.replace('_', '-')}: does not apply to algorithm {name}") from None
-            ignored.append(k)
-    return create_algorithm(name, **used), used, ignored
+        alg = create_algorithm(name, **used)
+    except (TypeError, ValueError) as e:  # a value of the wrong type reaching the config's checks
+        given = ", ".join(f"{k}={v!r}" for k, v in used.items())
+        raise UserError(f"--set for {name}: not valid values ({given}): {e}") from None
+    return alg, used, ignored
 
 
 def _config_dict(obj: Any) -> Any:
@@ -223,12 +226,11 @@ def trains_largest_first(algorithms: Sequence[str], opts: TrainOptions) -> bool:
     """Whether a run of the named algorithms stacks its clients largest first
     (fedheads.data.largest_first): with every client in every round (fraction >= 1), on the
     vectorised engine (the loop runs one client at a time, so there is nothing to skip, and its
-    server sums stay in the store's order: the Flower simulation equals it bit for bit), and only
-    for algorithms that declare which server-state
-    fields hold a row per client (`server_client_fields`, core/protocol.py; () for none), so that
-    every state can be put back in the store's order. Other (plugin) algorithms keep that order."""
-    return (opts.fraction >= 1.0 and opts.engine == "vectorized"
-            and all(hasattr(build_algorithm(a, opts, strict=False)[0], "server_client_fields") for a in algorithms))
+    server sums stay in the store's order: the Flower simulation equals it bit for bit). Every
+    algorithm declares which server-state fields hold a row per client (`server_client_fields`,
+    core/protocol.py; () for none), so that every state can be put back in the store's order."""
+    # every registered algorithm subclasses AlgorithmBase, which declares `server_client_fields`
+    return opts.fraction >= 1.0 and opts.engine == "vectorized"
 
 
 def train_order(data: Federation, algorithms: Sequence[str], opts: TrainOptions) -> tuple[Federation, tuple[int, ...]]:
@@ -325,8 +327,10 @@ def train_data(data: Federation, backbones: Sequence[str], algorithm: str, opts:
                dims: Sequence[int] | None = None, store: str | None = None, strict: bool = True,
                t_start: tuple[float, float] | None = None,
                load: tuple[float, float] | None = None, state_dir: Path | None = None,
-               resume: bool = False, order: Sequence[int] | None = None) -> TrainedRun:
-    """Train `algorithm` once per seed on `data` and build the run's artefacts. `dims`: feature
+               resume: bool = False, order: Sequence[int] | None = None,
+               built: tuple[Any, dict[str, Any], list[str]] | None = None) -> TrainedRun:
+    """Train `algorithm` once per seed on `data` and build the run's artefacts (`built`: what
+    build_algorithm returned for it, else it is built here; one algorithm object runs every seed). `dims`: feature
     dimension per backbone (default: one block of data.dim); `store`: where the features came
     from (recorded with its fingerprint in the config). With `state_dir`, each seed writes a
     checkpoint there after every round (fedheads.resume) and, with `resume`, continues from it;
@@ -336,14 +340,15 @@ def train_data(data: Federation, backbones: Sequence[str], algorithm: str, opts:
     (the per-round checkpoint keeps the training order)."""
     if t_start is None:
         t_start = clock(torch.device("cpu"))
-    build_algorithm(algorithm, opts, strict=strict)  # bad options fail before any training
+    alg, used, ignored = built or build_algorithm(algorithm, opts, strict=strict)  # bad options fail before training
+    alg_cfg = _config_dict(getattr(alg, "cfg", None))
     require_test_samples(data)
     if order is None:
         data, order = train_order(data, [algorithm], opts)
     order = tuple(order)
     names, n_test = in_store_order(data.client_names, order), in_store_order(data.n_test, order)
     dims = [data.dim] if dims is None else list(dims)
-    per_seed, rows, alg_cfg, ignored, used = [], [], None, [], {}
+    per_seed, rows = [], []
     states: dict[int, RunResult] = {}
     extra_rules: dict[str, list[float]] = {}
     data_id = None
@@ -353,8 +358,6 @@ def train_data(data: Federation, backbones: Sequence[str], algorithm: str, opts:
         data_id["train_order"] = "store" if order == tuple(range(len(order))) else "largest first"
     rounds = rounds_needed(algorithm, opts)
     for seed in opts.seeds:
-        alg, used, ignored = build_algorithm(algorithm, opts, strict=strict)
-        alg_cfg = _config_dict(getattr(alg, "cfg", None))
         ck, log = None, None
         if state_dir is not None and opts.tensorboard:
             from fedheads.tracking import RoundLogger
@@ -420,7 +423,7 @@ def train_run(store: str | None, backbones: Sequence[str], algorithm: str, opts:
     Every round is checkpointed in RUN_DIR/state/; `resume` continues from there (fedheads.resume)."""
     out = Path(out)
     rundir.check_resume(out, (), overwrite, resume)
-    build_algorithm(algorithm, opts, strict=strict)  # bad options fail before the old run is touched
+    built = build_algorithm(algorithm, opts, strict=strict)  # bad options fail before the old run is touched
     if opts.tensorboard:
         from fedheads.tracking import require
 
@@ -435,7 +438,7 @@ def train_run(store: str | None, backbones: Sequence[str], algorithm: str, opts:
         rundir.clear_run(out)
     (out / "results.json").unlink(missing_ok=True)  # resumed: complete again only when rewritten
     trained = train_data(data, backbones, algorithm, opts, dims=dims, store=store, strict=strict,
-                         t_start=t_start, load=load, state_dir=out / "state", resume=resume, order=order)
+                         t_start=t_start, load=load, state_dir=out / "state", resume=resume, order=order, built=built)
     write_trained(out, trained)
     return trained.result
 
@@ -448,17 +451,21 @@ def write_trained(out: str | Path, trained: TrainedRun) -> None:
     if trained.opts is not None:
         c = trained.config
         write_config_yaml(out, "train", c["store"], c["backbones"], [c["algorithm"]], trained.opts,
-                          dropped=tuple(c.get("ignored_options", ())))
+                          dropped=tuple(c.get("ignored_options", ())),
+                          configs={c["algorithm"]: c.get("algorithm_config")})
     _write_run_dir(out, trained.result, trained.config, trained.rows)
 
 
 def write_config_yaml(out: Path, command: str, store: str | None, backbones: Sequence[str],
-                      algorithms: Sequence[str], opts: TrainOptions, dropped: tuple[str, ...] = ()) -> None:
+                      algorithms: Sequence[str], opts: TrainOptions, dropped: tuple[str, ...] = (),
+                      configs: dict[str, Any] | None = None) -> None:
     """RUN_DIR/config.yaml: the effective configuration, as `--dump-config` prints it (`fedheads
-    <command> --config RUN_DIR/config.yaml` runs it again)."""
+    <command> --config RUN_DIR/config.yaml` runs it again). `configs`: {algorithm: the config it
+    trained with} (then nothing is built again)."""
     from fedheads.runconfig import dump, effective_config
 
-    cfg = effective_config(command, store, list(backbones), list(algorithms), opts, out, strict=False, dropped=dropped)
+    cfg = effective_config(command, store, list(backbones), list(algorithms), opts, out, strict=False, dropped=dropped,
+                           configs=configs)
     _atomic_bytes(out / "config.yaml", dump(command, cfg).encode())
 
 
@@ -479,9 +486,10 @@ def _write_run_dir(out: Path, result: dict[str, Any], config: dict[str, Any], ro
 
 
 def check_compare_settings(algorithms: Sequence[str], opts: TrainOptions) -> None:
-    """Unknown names and bad values fail before any training; so does a --set key that no
-    compared algorithm has (a typo would otherwise be dropped from every one of them)."""
-    ignored_by = [set(build_algorithm(name, opts, strict=False)[2]) for name in algorithms]
+    """A plain --set key that no compared algorithm has is refused by name (a typo would
+    otherwise be dropped from every one of them); one that some have applies to those.
+    Decided from the algorithms' config fields, nothing built."""
+    ignored_by = [set(resolve_settings(name, opts, strict=False)[1]) for name in algorithms]
     for key, _ in opts.settings:
         if "." not in key and all(key in ig for ig in ignored_by):
             from fedheads.settings import unknown_key_error
@@ -489,25 +497,35 @@ def check_compare_settings(algorithms: Sequence[str], opts: TrainOptions) -> Non
             raise unknown_key_error(key, list(algorithms))
 
 
+def build_compared(algorithms: Sequence[str], opts: TrainOptions) -> dict[str, tuple[Any, dict[str, Any], list[str]]]:
+    """Each compared algorithm built once (what it does not take dropped), so unknown names,
+    keys and bad values fail before any training."""
+    check_compare_settings(algorithms, opts)
+    return {name: build_algorithm(name, opts, strict=False) for name in algorithms}
+
+
 def compare_data(data: Federation, backbones: Sequence[str], algorithms: Sequence[str], opts: TrainOptions, *,
                  dims: Sequence[int] | None = None, store: str | None = None,
                  t_start: tuple[float, float] | None = None, load: tuple[float, float] | None = None,
-                 out: Path | None = None, resume: bool = False,
-                 order: Sequence[int] | None = None) -> tuple[dict[str, TrainedRun], dict[str, Any]]:
+                 out: Path | None = None, resume: bool = False, order: Sequence[int] | None = None,
+                 built: dict[str, tuple[Any, dict[str, Any], list[str]]] | None = None,
+                 ) -> tuple[dict[str, TrainedRun], dict[str, Any]]:
     """Every algorithm trained on the same features, in memory: ({name: TrainedRun}, the
     comparison's results.json dict). Options that do not apply to an algorithm are dropped and
     recorded (`ignored_options`), as `compare` does. With `out`, each algorithm checkpoints every
     round in out/<algorithm>/state/ (and continues from there with `resume`). `order` as in
-    train_data (the clients are put largest first once for all algorithms)."""
+    train_data (the clients are put largest first once for all algorithms); `built`: what
+    build_compared returned (else each algorithm is built here, once)."""
     if t_start is None:
         t_start = clock(torch.device("cpu"))
-    check_compare_settings(algorithms, opts)
+    built = built or build_compared(algorithms, opts)
     require_test_samples(data)
     if order is None:
         data, order = train_order(data, algorithms, opts)
     order = tuple(order)
     runs = {name: train_data(data, backbones, name, opts, dims=dims, store=store, strict=False,
-                             state_dir=None if out is None else out / name / "state", resume=resume, order=order)
+                             state_dir=None if out is None else out / name / "state", resume=resume, order=order,
+                             built=built[name])
             for name in algorithms}
     combined = {"algorithms": {n: r.result for n, r in runs.items()}, "backbones": list(backbones),
                 "dataset": dataset_name(store),
@@ -527,7 +545,7 @@ def compare_runs(store: str | None, backbones: Sequence[str], algorithms: Sequen
     comparison."""
     out = Path(out)
     rundir.check_resume(out, algorithms, overwrite, resume)
-    check_compare_settings(algorithms, opts)
+    built = build_compared(algorithms, opts)
     if opts.tensorboard:
         from fedheads.tracking import require
 
@@ -543,7 +561,7 @@ def compare_runs(store: str | None, backbones: Sequence[str], algorithms: Sequen
     for d in [out, *(out / a for a in algorithms)]:
         (d / "results.json").unlink(missing_ok=True)  # resumed: complete again only when rewritten
     runs, combined = compare_data(data, backbones, algorithms, opts, dims=dims, store=store,
-                                  t_start=t_start, load=load, out=out, resume=resume, order=order)
+                                  t_start=t_start, load=load, out=out, resume=resume, order=order, built=built)
     write_comparison(out, runs, combined, opts)
     return combined
 
@@ -555,7 +573,8 @@ def write_comparison(out: str | Path, runs: dict[str, TrainedRun], combined: dic
     out = Path(out)
     for name, trained in runs.items():
         write_trained(out / name, trained)
-    write_config_yaml(out, "compare", combined["store"], combined["backbones"], list(runs), opts)
+    write_config_yaml(out, "compare", combined["store"], combined["backbones"], list(runs), opts,
+                      configs={n: r.config.get("algorithm_config") for n, r in runs.items()})
     results = list(combined["algorithms"].values())
     where = f" on {report.relative_paths(combined['dataset'], out)}" if combined.get("dataset") else ""
     title = f"{', '.join(combined['backbones'])}{where}: {opts.rounds} rounds"  # the table adds the seeds

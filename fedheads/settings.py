@@ -1,30 +1,28 @@
 """What `--set KEY=VALUE` (and `settings=` in the Python API) can change, read off the
-algorithms' config dataclasses: every field with its type, default, one-line doc (the comment on
-its line) and, where the comment or the class docstring cites the paper (Sec., Table, App., Eq.,
-Alg.), that source. `fedheads algorithms NAME` prints it; an unknown key's error lists the keys.
+algorithm's declared config dataclass (`register_algorithm(..., config=...)`): every field with
+its type, default, and the one-line doc and paper source that fedheads.core.config.setting
+records in the field's metadata. `fedheads algorithms NAME` prints it; `--set`, `--config` and
+`--dump-config` check and write the same keys; an unknown key's error lists them.
 
 The client optimiser is one nested field (`optimizer`); the registry takes its parts as flat keys
 (`lr`, `weight_decay`, `momentum`, `optimizer_name`: fedheads.core.optim.config_from_kwargs), so
-they are listed flat, with the algorithm's own optimiser defaults."""
+they are listed flat, with the algorithm's own optimiser defaults. Fields the registration fixes
+(lp's `hidden`) are not keys."""
 
 from __future__ import annotations
 
 import dataclasses
 import inspect
-import io
 import json
-import re
-import tokenize
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
 from embedcache.errors import UserError
 from embedcache.parsing import loads_json
+from fedheads.core.config import setting_doc
 
 OPT_FIELD = "optimizer"
-_CITE = re.compile(r"\b(?:Sec(?:tion)?\.?|Tables?|App(?:endix|\.)|Eq(?:s|uation)?\.?|Alg(?:orithm|\.)|Fig(?:ure|\.)?)"
-                   r"\s*(?:[A-Z]?\.?\d[\w.\-]*|[A-Z]\b)(?:\s*(?:/|,|and)\s*(?:[A-Z]?\.?\d[\w.\-]*|[A-Z]\b))*")
 
 
 @dataclass(frozen=True)
@@ -34,8 +32,8 @@ class Setting:
     key: str  # what --set takes
     type: str  # the field's annotation
     default: Any  # the algorithm's default value
-    doc: str  # the comment on the field's line (continuation comment lines joined)
-    source: str  # the paper passage(s) the comment cites for it ("" when none)
+    doc: str  # the field's doc (its `setting` metadata)
+    source: str  # the paper passage(s) it comes from ("" when none)
 
 
 def parse_settings(items: Iterable[str]) -> tuple[tuple[str, Any], ...]:
@@ -53,95 +51,81 @@ def parse_settings(items: Iterable[str]) -> tuple[tuple[str, Any], ...]:
     return tuple(out)
 
 
-def field_comments(cls: type) -> dict[str, str]:
-    """{field: its trailing comment, with comment-only lines right below it appended}."""
+_UNDECLARED: dict[tuple[str, int], type | None] = {}
+
+
+def config_class(name: str) -> type | None:
+    """The config dataclass of algorithm `name`: declared at registration; for an algorithm
+    registered without one, the class of one default build's `cfg` (built once, remembered).
+    None: an algorithm without a config dataclass (no keys). UserError for an unknown name."""
+    from fedheads.algorithms import algorithm_info, create_algorithm
+
+    info = algorithm_info(name)
+    if info.config is not None:
+        return info.config
+    key = (name, id(info.factory))
+    if key not in _UNDECLARED:
+        cfg = getattr(create_algorithm(name), "cfg", None)
+        _UNDECLARED[key] = type(cfg) if dataclasses.is_dataclass(cfg) and not isinstance(cfg, type) else None
+    return _UNDECLARED[key]
+
+
+def _defaults(cls: type) -> Any:
+    """A default instance of `cls`, or per-field defaults where it needs arguments."""
     try:
-        src = inspect.getsource(cls)
-    except (OSError, TypeError):  # defined in a notebook or exec'd code: no source to read
-        return {}
-    toks = list(tokenize.generate_tokens(io.StringIO(src).readline))
-    fields: dict[int, str] = {}  # row -> field name, for rows that start with `name:`
-    for a, b in zip(toks, toks[1:]):
-        if (a.type == tokenize.NAME and b.type == tokenize.OP and b.string == ":"
-                and a.line[: a.start[1]].strip() == "" and a.start[0] not in fields):
-            fields[a.start[0]] = a.string
-    out: dict[str, str] = {}
-    current, last_row = None, -1
-    for t in toks:
-        if t.type != tokenize.COMMENT:
-            continue
-        row, text = t.start[0], t.string.lstrip("#").strip()
-        if row in fields:
-            current, last_row = fields[row], row
-            out[current] = text
-        elif current is not None and row == last_row + 1 and t.line.strip().startswith("#"):
-            out[current] += " " + text  # a comment-only line continuing the field's comment
-            last_row = row
-        else:
-            current = None
-    return out
-
-
-def _cites(text: str) -> str:
-    return "; ".join(m.group(0).strip().rstrip(".,;") for m in _CITE.finditer(text))
-
-
-def _config_of(name: str) -> Any:
-    from fedheads.algorithms import create_algorithm
-
-    cfg = getattr(create_algorithm(name), "cfg", None)
-    return cfg if dataclasses.is_dataclass(cfg) and not isinstance(cfg, type) else None
+        return cls()
+    except TypeError:  # a required field: no instance without arguments
+        return type("Defaults", (), {f.name: (f.default if f.default is not dataclasses.MISSING else
+                                               f.default_factory() if f.default_factory is not dataclasses.MISSING
+                                               else None)
+                                     for f in dataclasses.fields(cls)})()
 
 
 def settings_of(name: str) -> tuple[list[Setting], str]:
-    """(every key `--set` takes for algorithm `name`, the config class docstring). UserError for
-    an unknown algorithm; an algorithm without a config dataclass has no keys."""
-    cfg = _config_of(name)
-    if cfg is None:
+    """(every key `--set` takes for algorithm `name`, the config class docstring), read from the
+    declared config class and its fields' metadata (nothing is built). UserError for an unknown
+    algorithm; an algorithm without a config dataclass has no keys."""
+    from fedheads.algorithms import algorithm_info
+
+    cls = config_class(name)
+    if cls is None:
         return [], ""
-    cls = type(cfg)
-    notes = field_comments(cls)
-    doc = inspect.cleandoc(cls.__doc__ or "")
+    fixed = algorithm_info(name).fixed
+    base = _defaults(cls)
+    fields = dataclasses.fields(cls)
+    own = {f.name for f in fields}
     out: list[Setting] = []
-    for f in dataclasses.fields(cls):
-        value = getattr(cfg, f.name)
-        comment = notes.get(f.name, "")
-        if f.name == OPT_FIELD and dataclasses.is_dataclass(value):
-            out += _optimizer_settings(value, comment, {g.name for g in dataclasses.fields(cls)})
+    for f in fields:
+        if f.name in fixed:
             continue
-        out.append(Setting(f.name, str(f.type), value, comment, _cites(comment)))
-    return sorted((s for s in out if _accepted(name, s)), key=lambda s: s.key), doc
+        value = getattr(base, f.name)
+        doc, source = setting_doc(f)
+        if f.name == OPT_FIELD and dataclasses.is_dataclass(value):
+            out += _optimizer_settings(value, doc, source, own)
+            continue
+        out.append(Setting(f.name, str(f.type), value, doc, source))
+    return sorted(out, key=lambda s: s.key), inspect.cleandoc(cls.__doc__ or "")
 
 
-def _accepted(name: str, s: Setting) -> bool:
-    """Whether the algorithm's factory takes the key (lp's config has `hidden`, its factory
-    refuses it: mlp is the one with hidden layers)."""
-    from fedheads.algorithms import create_algorithm
-
-    try:
-        create_algorithm(name, **{s.key: s.default})
-    except TypeError:
-        return False
-    return True
-
-
-_OPT_DOCS = {"lr": "client learning rate", "weight_decay": "client L2 weight decay (added to the gradient)",
-             "momentum": "client SGD momentum", "optimizer_name": "client optimiser: adam | sgd"}
-
-
-def _optimizer_settings(opt: Any, comment: str, own: set[str]) -> list[Setting]:
-    """The flat keys of the nested optimiser field; the algorithm's comment on that field says
-    where its optimiser defaults come from."""
+def _optimizer_settings(opt: Any, doc: str, source: str, own: set[str]) -> list[Setting]:
+    """The flat keys of the nested optimiser field, documented by the optimiser's own fields;
+    the algorithm's doc and source on that field say where its optimiser defaults come from."""
     from fedheads.core.optim import _OPT_KEYS
 
-    types = {f.name: str(f.type) for f in dataclasses.fields(opt)}
+    parts = {f.name: f for f in dataclasses.fields(opt)}
     out = []
     for key, part in _OPT_KEYS.items():
         if key in own:  # the config's own field wins (pFedMe's `lr`)
             continue
-        doc = _OPT_DOCS.get(key, key) + (f" (optimiser: {comment})" if comment else "")
-        out.append(Setting(key, types[part], getattr(opt, part), doc, _cites(comment)))
+        pdoc, psource = setting_doc(parts[part])
+        full = f"client optimiser: {pdoc}" + (f" (this algorithm: {doc})" if doc else "")
+        out.append(Setting(key, str(parts[part].type), getattr(opt, part), full, source or psource))
     return out
+
+
+def applies(name: str, key: str) -> bool:
+    """Whether `key` is a setting of algorithm `name` (decided from its config's fields)."""
+    return key in valid_keys(name)
 
 
 def valid_keys(name: str) -> list[str]:
@@ -198,23 +182,24 @@ def settings_json(name: str) -> dict[str, Any]:
 def _plain(v: Any) -> Any:
     if dataclasses.is_dataclass(v) and not isinstance(v, type):
         return {f.name: _plain(getattr(v, f.name)) for f in dataclasses.fields(v)}
+    if isinstance(v, dict):
+        return {k: _plain(x) for k, x in v.items()}
     if isinstance(v, (list, tuple)):
         return [_plain(x) for x in v]
     return v
 
 
-def resolved_settings(name: str, algorithm: Any) -> dict[str, Any]:
-    """{key: value} of every key `--set` takes for `name`, read off the built `algorithm`'s config
-    (defaults included; the optimiser's parts flat), as YAML/JSON-safe values: passing them all
+def resolved_settings(name: str, config: Any) -> dict[str, Any]:
+    """{key: value} of every key `--set` takes for `name`, read off `config` (the built algorithm,
+    its config dataclass, or that config as a dict, e.g. config.json's `algorithm_config`;
+    defaults included; the optimiser's parts flat), as YAML/JSON-safe values: passing them all
     back to the factory builds the same config (tests/test_runconfig.py)."""
     from fedheads.core.optim import _OPT_KEYS
 
-    cfg = getattr(algorithm, "cfg", None)
+    if hasattr(config, "cfg") and not dataclasses.is_dataclass(config):
+        config = config.cfg
+    cfg = _plain(config) or {}
     out: dict[str, Any] = {}
     for s in settings_of(name)[0]:
-        if hasattr(cfg, s.key):
-            v = getattr(cfg, s.key)
-        else:  # a flat key of the nested optimiser field
-            v = getattr(getattr(cfg, OPT_FIELD), _OPT_KEYS[s.key])
-        out[s.key] = _plain(v)
+        out[s.key] = cfg[s.key] if s.key in cfg else cfg[OPT_FIELD][_OPT_KEYS[s.key]]
     return out

@@ -166,5 +166,7 @@ def _lp_factory(**kw: object) -> FedAvg:
 
 from fedheads.algorithms import register_algorithm  # noqa: E402
 
-register_algorithm("fedavg", _factory, description="FedAvg (McMahan 2017) on the FC-ReLU-BN(256)-L2 + FC head")
-register_algorithm("fedavg-linear", _lp_factory, description="FedAvg of a linear head on the features")
+register_algorithm("fedavg", _factory, description="FedAvg (McMahan 2017) on the FC-ReLU-BN(256)-L2 + FC head",
+                   config=FedAvgConfig)
+register_algorithm("fedavg-linear", _lp_factory, description="FedAvg of a linear head on the features",
+                   config=FedAvgConfig, fixed={"hidden": "its head is linear (fedavg has the hidden layer)"})

@@ -271,4 +271,5 @@ def _factory(**kw: object) -> FedNCM:
 
 from fedheads.algorithms import register_algorithm  # noqa: E402
 
-register_algorithm("fedncm", _factory, description="FedNCM (Legate et al. 2023): exact federated class means, NCM classifier")
+register_algorithm("fedncm", _factory, description="FedNCM (Legate et al. 2023): exact federated class means, NCM classifier",
+                   config=FedNCMConfig)

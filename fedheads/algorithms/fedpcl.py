@@ -419,4 +419,5 @@ def _factory(**kw: object) -> FedPCL:
 from fedheads.algorithms import register_algorithm  # noqa: E402
 
 register_algorithm("fedpcl", _factory,
-                   description="FedPCL (Tan et al. NeurIPS 2022), paper Eq. 5-10; variant='code' = authors' code")
+                   description="FedPCL (Tan et al. NeurIPS 2022), paper Eq. 5-10; variant='code' = authors' code",
+                   config=FedPCLConfig)

@@ -167,4 +167,5 @@ def _factory(**kw: object) -> FedProto:
 
 from fedheads.algorithms import register_algorithm  # noqa: E402
 
-register_algorithm("fedproto", _factory, description="FedProto (Tan et al. AAAI 2022): CE + lambda*MSE to global prototypes")
+register_algorithm("fedproto", _factory, description="FedProto (Tan et al. AAAI 2022): CE + lambda*MSE to global prototypes",
+                   config=FedProtoConfig)

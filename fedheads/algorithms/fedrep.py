@@ -156,4 +156,5 @@ def _factory(**kw: object) -> FedRep:
 
 from fedheads.algorithms import register_algorithm  # noqa: E402
 
-register_algorithm("fedrep", _factory, description="FedRep (Collins et al. 2021): shared projection, personal classifier heads")
+register_algorithm("fedrep", _factory, description="FedRep (Collins et al. 2021): shared projection, personal classifier heads",
+                   config=FedRepConfig)

@@ -250,13 +250,11 @@ class HeadTuning(AlgorithmBase):
 
 
 def _factory(**kw: object) -> HeadTuning:
-    if "hidden" in kw:
-        # TypeError, like any config field an algorithm does not have: `compare` skips it for lp
-        raise TypeError("hidden: does not apply to lp, the linear probe has no hidden layer (use mlp)")
     return HeadTuning(config_from_kwargs(LPConfig, kw), name="lp")  # type: ignore[arg-type]
 
 
 from fedheads.algorithms import register_algorithm  # noqa: E402
 
 register_algorithm("lp", _factory,
-                   description="Linear probe (FedNCM paper) with FedAvg / FedProx / FedAdam, optional FedNCM init")
+                   description="Linear probe (FedNCM paper) with FedAvg / FedProx / FedAdam, optional FedNCM init",
+                   config=LPConfig, fixed={"hidden": "the linear probe has no hidden layer (use mlp)"})

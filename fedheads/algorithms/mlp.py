@@ -57,4 +57,5 @@ def _factory(**kw: object) -> HeadTuning:
 from fedheads.algorithms import register_algorithm  # noqa: E402
 
 register_algorithm("mlp", _factory,
-                   description="Three-layer MLP head (FedNCM App. C.1) with FedAvg / FedProx / FedAdam, optional FedNCM init")
+                   description="Three-layer MLP head (FedNCM App. C.1) with FedAvg / FedProx / FedAdam, optional FedNCM init",
+                   config=MLPConfig)

@@ -181,4 +181,5 @@ def _factory(**kw: object) -> PerFedAvg:
 from fedheads.algorithms import register_algorithm  # noqa: E402
 
 register_algorithm("perfedavg", _factory,
-                   description="Per-FedAvg (Fallah et al. 2020), first-order MAML, one-step personalised eval")
+                   description="Per-FedAvg (Fallah et al. 2020), first-order MAML, one-step personalised eval",
+                   config=PerFedAvgConfig)

@@ -165,4 +165,5 @@ def _factory(**kw: object) -> PFedMe:
 
 from fedheads.algorithms import register_algorithm  # noqa: E402
 
-register_algorithm("pfedme", _factory, description="pFedMe (Dinh et al. 2020): Moreau-envelope personalised heads")
+register_algorithm("pfedme", _factory, description="pFedMe (Dinh et al. 2020): Moreau-envelope personalised heads",
+                   config=PFedMeConfig)

@@ -98,4 +98,5 @@ def _factory(**kw: object) -> Solo:
 
 from fedheads.algorithms import register_algorithm  # noqa: E402
 
-register_algorithm("solo", _factory, description="Solo: local training only, no communication (FedPCL baseline)")
+register_algorithm("solo", _factory, description="Solo: local training only, no communication (FedPCL baseline)",
+                   config=SoloConfig)

@@ -23,9 +23,8 @@ class OptimizerConfig:
     """A client optimiser."""
 
     name: str = setting("adam", '"adam" or "sgd"')
-    lr: float = setting(1e-3, "learning rate (FedPCL Sec. 5.1: Adam lr 1e-3)", source="FedPCL Sec. 5.1")
-    weight_decay: float = setting(1e-4, "L2 added to the gradient as torch does (FedPCL: 1e-4)",
-                                 source="FedPCL Sec. 5.1")
+    lr: float = setting(1e-3, "learning rate", source="FedPCL Sec. 5.1: Adam lr 1e-3")
+    weight_decay: float = setting(1e-4, "L2 added to the gradient as torch does", source="FedPCL Sec. 5.1: 1e-4")
     momentum: float = setting(0.0, "SGD momentum (dampening 0, no Nesterov)")
     betas: tuple[float, float] = setting((0.9, 0.999), "Adam moment decay rates")
     eps: float = setting(1e-8, "Adam denominator epsilon")
