@@ -400,7 +400,7 @@ def train_data(data: Federation, backbones: Sequence[str], algorithm: str, opts:
     extra["timing"] = report.timing_block(per_seed, *_since(t_start, data.device), machine(data.device), load)
     result = report.summarise_runs(per_seed, algorithm=algorithm, backbones=list(backbones),
                                    rounds=opts.rounds, feature_dims=dims, num_classes=data.num_classes,
-                                   fraction=opts.fraction, extra=extra)
+                                   fraction=opts.fraction, extra=extra, built=alg)
     config: dict[str, Any] = {"store": None if store is None else str(store), "backbones": list(backbones),
                               "algorithm": algorithm}
     if store is not None:

@@ -209,8 +209,8 @@ _OPT_KEYS = {"lr": "lr", "weight_decay": "weight_decay", "momentum": "momentum",
 def config_from_kwargs(cfg_cls: type, kw: dict, opt_field: str = "optimizer") -> object:
     """Build a config dataclass from flat registry kwargs: lr / weight_decay / momentum /
     optimizer_name override fields of its OptimizerConfig (keeping the algorithm's defaults).
-    An unknown option raises TypeError, as a dataclass does: fedheads.runner turns it into
-    "does not apply to algorithm X" (train) or drops and records it (compare)."""
+    An unknown option raises TypeError, as a dataclass does; the command line and the API check
+    keys against the config's fields before building (fedheads.settings, fedheads.runner)."""
     fields = {f.name: f for f in dataclasses.fields(cfg_cls)}
     # a config's own field wins (pFedMe's `lr` is its eta, not an optimiser's)
     opt_keys = {k: n for k, n in _OPT_KEYS.items() if k not in fields} if opt_field in fields else {}
