@@ -203,3 +203,90 @@ def resolved_settings(name: str, config: Any) -> dict[str, Any]:
     for s in settings_of(name)[0]:
         out[s.key] = cfg[s.key] if s.key in cfg else cfg[OPT_FIELD][_OPT_KEYS[s.key]]
     return out
+
+
+# ------------------------------------------------------------------ settings of a command (finetune, feddra)
+
+
+@dataclass(frozen=True)
+class Part:
+    """Fields of one config dataclass that a command takes as flat `--set` keys."""
+
+    cls: type
+    keys: tuple[str, ...] | None = None  # None: every field (except those holding a dataclass)
+    exclude: tuple[str, ...] = ()  # fields the command sets from its own options (feddra's rounds)
+
+    def fields(self) -> list[dataclasses.Field]:
+        out = []
+        for f in dataclasses.fields(self.cls):
+            if f.name in self.exclude or (self.keys is not None and f.name not in self.keys):
+                continue
+            default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default  # type: ignore[misc]
+            if self.keys is None and dataclasses.is_dataclass(default):
+                continue  # a nested config: its own Part lists its fields
+            out.append(f)
+        return out
+
+
+def command_settings(parts: Iterable[Part]) -> list[Setting]:
+    """Every key of a command's settings with type, default, doc and source (field metadata)."""
+    out = []
+    for part in parts:
+        base = _defaults(part.cls)
+        for f in part.fields():
+            doc, source = setting_doc(f)
+            out.append(Setting(f.name, str(f.type), getattr(base, f.name), doc, source))
+    return sorted(out, key=lambda s: s.key)
+
+
+def _checked(key: str, type_: str, value: Any) -> Any:
+    """`value` as the field's annotation wants it (an int where a float is declared becomes a float,
+    a number where text is declared becomes text), or one line naming the key."""
+    opts = [t.strip() for t in type_.split("|")]
+    if value is None:
+        if "None" in opts:
+            return None
+    elif "bool" in opts:
+        if isinstance(value, bool):
+            return value
+    elif isinstance(value, bool):
+        pass
+    elif "int" in opts and isinstance(value, int):
+        return value
+    elif "float" in opts and isinstance(value, (int, float)):
+        return float(value)
+    elif "str" in opts and isinstance(value, (str, int, float)):
+        return str(value)
+    elif any(o.startswith("tuple") for o in opts) and isinstance(value, (list, tuple)):
+        return tuple(value)
+    elif not {"bool", "int", "float", "str"} & set(opts) and not any(o.startswith("tuple") for o in opts):
+        return value  # a type this check does not know: the config's own checks decide
+    raise UserError(f"--set {key}={json.dumps(value) if not isinstance(value, str) else value}: expected {type_}")
+
+
+def split_settings(command: str, parts: tuple[Part, ...], items: Iterable[tuple[str, Any]]) -> list[dict[str, Any]]:
+    """`--set` items (later ones win) -> one {field: value} per part, each value checked against
+    its field's type; a key of no part is one line naming it and the valid keys."""
+    owner = {f.name: (i, f) for i, part in enumerate(parts) for f in part.fields()}
+    out: list[dict[str, Any]] = [{} for _ in parts]
+    for key, value in items:
+        if key not in owner:
+            import difflib
+
+            near = difflib.get_close_matches(key, list(owner), n=1)
+            hint = f"did you mean {near[0]}? " if near else ""
+            raise UserError(f"--set {key}: not a setting of `fedheads {command}` ({hint}valid keys: "
+                            f"{', '.join(sorted(owner))})")
+        i, f = owner[key]
+        out[i][key] = _checked(key, str(f.type), value)
+    return out
+
+
+def settings_values(parts: tuple[Part, ...], configs: Iterable[Any]) -> dict[str, Any]:
+    """{key: value} of every setting, read off the configs a command built (one per part), as
+    YAML/JSON-safe values: passing them back as --set builds the same configs."""
+    out: dict[str, Any] = {}
+    for part, cfg in zip(parts, configs):
+        for f in part.fields():
+            out[f.name] = _plain(getattr(cfg, f.name))
+    return dict(sorted(out.items()))

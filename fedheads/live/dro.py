@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from embedcache.errors import UserError
+from fedheads.core.config import setting
 
 DIVERGENCES = ("kl", "chi2")
 RADIUS_CONVENTIONS = ("rho/N", "rho")
@@ -41,11 +42,13 @@ _BISECT = 200  # halvings of [0, 1]: far below float64 resolution
 class DROConfig:
     """The uncertainty set and the mirror step (sources in the module docstring)."""
 
-    rho: float = 0.1  # radius (FedDRA App. A.1: 0.1 on MIMIC-CXR; 0.5 ophthalmology); 0 = uniform weights (FedAvg)
-    divergence: str = "kl"  # f of Eq. 2 (not named by the paper; notes [R]: KL, chi2 as option)
-    radius_convention: str = "rho/N"  # D_f(lambda||u) <= rho/N (Namkoong-Duchi, = Eq. 2 literally) | "rho"
-    chi2_f: str = "(t-1)^2"  # chi2 generator: (t-1)^2 -> R = sqrt(rho)/N, or (t-1)^2/2 -> sqrt(2 rho)/N
-    gamma: float = 1.0  # mirror step size of Alg. 1 line 18 (not given; notes [R]: 1)
+    rho: float = setting(0.1, "radius (FedDRA App. A.1: 0.1 on MIMIC-CXR; 0.5 ophthalmology); 0 = uniform weights (FedAvg)",
+                         source="FedDRA App. A.1")
+    divergence: str = setting("kl", "f of Eq. 2 (not named by the paper; notes [R]: KL, chi2 as option)", source="FedDRA Eq. 2")
+    radius_convention: str = setting("rho/N", 'D_f(lambda||u) <= rho/N (Namkoong-Duchi, = Eq. 2 literally) | "rho"',
+                                     source="FedDRA Eq. 2")
+    chi2_f: str = setting("(t-1)^2", "chi2 generator: (t-1)^2 -> R = sqrt(rho)/N, or (t-1)^2/2 -> sqrt(2 rho)/N")
+    gamma: float = setting(1.0, "mirror step size of Alg. 1 line 18 (not given; notes [R]: 1)", source="FedDRA Alg. 1")
 
     def __post_init__(self) -> None:
         if not (self.rho >= 0 and math.isfinite(self.rho)):
