@@ -242,7 +242,10 @@ def command_settings(parts: Iterable[Part]) -> list[Setting]:
 def _checked(key: str, type_: str, value: Any) -> Any:
     """`value` as the field's annotation wants it (an int where a float is declared becomes a float,
     a number where text is declared becomes text), or one line naming the key."""
+    import math
+
     opts = [t.strip() for t in type_.split("|")]
+    shown = value if isinstance(value, str) else json.dumps(value)
     if value is None:
         if "None" in opts:
             return None
@@ -253,15 +256,22 @@ def _checked(key: str, type_: str, value: Any) -> Any:
         pass
     elif "int" in opts and isinstance(value, int):
         return value
-    elif "float" in opts and isinstance(value, (int, float)):
-        return float(value)
+    elif "float" in opts and isinstance(value, (int, float, str)):
+        try:
+            number = float(value)
+        except ValueError:
+            number = None
+        if number is not None:
+            if not math.isfinite(number):
+                raise UserError(f"--set {key}={shown}: must be a finite number")
+            return number
     elif "str" in opts and isinstance(value, (str, int, float)):
         return str(value)
     elif any(o.startswith("tuple") for o in opts) and isinstance(value, (list, tuple)):
         return tuple(value)
     elif not {"bool", "int", "float", "str"} & set(opts) and not any(o.startswith("tuple") for o in opts):
         return value  # a type this check does not know: the config's own checks decide
-    raise UserError(f"--set {key}={json.dumps(value) if not isinstance(value, str) else value}: expected {type_}")
+    raise UserError(f"--set {key}={shown}: expected {type_}")
 
 
 def split_settings(command: str, parts: tuple[Part, ...], items: Iterable[tuple[str, Any]]) -> list[dict[str, Any]]:

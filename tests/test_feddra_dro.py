@@ -119,7 +119,7 @@ def test_edge_cases():
     assert np.isfinite(dro.update(lam, np.array([1e4, 0.0, 0.0]), dro.DROConfig(rho=1.0))).all()
     with pytest.raises(UserError, match="--rho"):
         dro.DROConfig(rho=-1)
-    with pytest.raises(UserError, match="--divergence"):
+    with pytest.raises(UserError, match="divergence"):
         dro.DROConfig(divergence="tv")
     with pytest.raises(UserError, match="finite"):
         dro.update(lam, np.array([np.nan, 0, 0]), dro.DROConfig())

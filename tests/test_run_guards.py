@@ -93,21 +93,21 @@ def test_live_options_refuse_non_finite_settings():
         FedDRAConfig(encoder_lr=float("nan"))
     with pytest.raises(UserError, match="--tau inf"):
         FedDRAConfig(tau=float("inf"))
-    with pytest.raises(UserError, match="--rho nan"):
+    with pytest.raises(UserError, match="rho nan"):
         FedDRAOptions(fd=FedDRAConfig(dro=DROConfig(rho=float("nan"))))
 
 
 @pytest.mark.parametrize("args", [
-    ["finetune", "--manifest", "m.json", "--store", "s.zarr", "--backbone", "resnet20-cifar10", "--lr", "nan"],
-    ["finetune", "--manifest", "m.json", "--store", "s.zarr", "--backbone", "resnet20-cifar10", "--momentum", "inf"],
+    ["finetune", "--manifest", "m.json", "--store", "s.zarr", "--backbone", "resnet20-cifar10", "--set", "lr=nan"],
+    ["finetune", "--manifest", "m.json", "--store", "s.zarr", "--backbone", "resnet20-cifar10", "--set", "momentum=inf"],
     ["feddra", "--manifest", "m.json", "--image-encoder", "resnet20-cifar10", "--text-encoder", "minilm-l6-v2",
-     "--mu", "nan"],
+     "--set", "mu=nan"],
     ["feddra", "--manifest", "m.json", "--image-encoder", "resnet20-cifar10", "--text-encoder", "minilm-l6-v2",
-     "--gamma", "-inf"],
+     "--set", "gamma=-Infinity"],
 ])
 def test_live_cli_refuses_non_finite_settings(tmp_path, args):
     res = CliRunner().invoke(main, [*args, "--out", str(tmp_path / "o")])
-    assert_one_line(res, 2, f"{args[-2]} {args[-1]}: must be a finite number")
+    assert_one_line(res, 2, f"--set {args[-1]}: must be a finite number")
 
 
 def test_a_diverged_run_is_reported_failed_and_not_complete(store, tmp_path):

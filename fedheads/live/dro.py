@@ -52,15 +52,15 @@ class DROConfig:
 
     def __post_init__(self) -> None:
         if not (self.rho >= 0 and math.isfinite(self.rho)):
-            raise UserError(f"--rho {self.rho}: must be a finite number >= 0")
+            raise UserError(f"rho {self.rho}: must be a finite number >= 0")
         if self.divergence not in DIVERGENCES:
-            raise UserError(f"--divergence {self.divergence!r}: use one of {', '.join(DIVERGENCES)}")
+            raise UserError(f"divergence {self.divergence!r}: use one of {', '.join(DIVERGENCES)}")
         if self.radius_convention not in RADIUS_CONVENTIONS:
-            raise UserError(f"radius convention {self.radius_convention!r}: use one of {', '.join(RADIUS_CONVENTIONS)}")
+            raise UserError(f"radius_convention {self.radius_convention!r}: use one of {', '.join(RADIUS_CONVENTIONS)}")
         if self.chi2_f not in CHI2_F:
-            raise UserError(f"chi2 f {self.chi2_f!r}: use one of {', '.join(CHI2_F)}")
+            raise UserError(f"chi2_f {self.chi2_f!r}: use one of {', '.join(CHI2_F)}")
         if not (self.gamma >= 0 and math.isfinite(self.gamma)):
-            raise UserError(f"--gamma {self.gamma}: must be a finite number >= 0")
+            raise UserError(f"gamma {self.gamma}: must be a finite number >= 0")
 
 
 def uniform(n: int) -> np.ndarray:

@@ -102,23 +102,23 @@ class FedDRAConfig:
 
     def __post_init__(self) -> None:
         check_finite(self)
-        checks = [(self.schedule in SCHEDULES, f"--schedule {self.schedule!r}: use {' or '.join(SCHEDULES)}"),
+        checks = [(self.schedule in SCHEDULES, f"schedule {self.schedule!r}: use {' or '.join(SCHEDULES)}"),
                   (self.infonce in ("both", "image-to-text"), f"infonce {self.infonce!r}: use both or image-to-text"),
                   (self.constraint in ("squared", "as-printed"), f"constraint {self.constraint!r}: use squared or as-printed"),
                   (self.constraint_on in ("normalized", "raw"), f"constraint_on {self.constraint_on!r}: use normalized or raw"),
-                  (self.optimizer in OPTIMIZERS, f"--optimizer {self.optimizer!r}: use {' or '.join(OPTIMIZERS)}"),
-                  (self.step_scaling in ("n_lambda", "lambda"), f"--step-scaling {self.step_scaling!r}: use n_lambda or lambda"),
-                  (self.aggregation in AGGREGATIONS, f"--aggregation {self.aggregation!r}: use {' or '.join(AGGREGATIONS)}"),
-                  (self.dro_loss in ("infonce", "local"), f"--dro-loss {self.dro_loss!r}: use infonce or local"),
-                  (self.dro_model in ("local", "global"), f"--dro-model {self.dro_model!r}: use local or global"),
+                  (self.optimizer in OPTIMIZERS, f"optimizer {self.optimizer!r}: use {' or '.join(OPTIMIZERS)}"),
+                  (self.step_scaling in ("n_lambda", "lambda"), f"step_scaling {self.step_scaling!r}: use n_lambda or lambda"),
+                  (self.aggregation in AGGREGATIONS, f"aggregation {self.aggregation!r}: use {' or '.join(AGGREGATIONS)}"),
+                  (self.dro_loss in ("infonce", "local"), f"dro_loss {self.dro_loss!r}: use infonce or local"),
+                  (self.dro_model in ("local", "global"), f"dro_model {self.dro_model!r}: use local or global"),
                   (self.amp in AMP, f"amp {self.amp!r}: use one of {', '.join(AMP)}"),
                   (self.rounds >= 1 and self.steps >= 1 and self.batch_size >= 2 and self.dro_batches >= 1,
-                   "--rounds, --steps-per-stage, --dro-batches must be >= 1 and --batch-size >= 2"),
-                  (self.mu >= 0 and self.prox_mu >= 0 and self.tau > 0, "--mu, --prox-mu must be >= 0, tau > 0"),
+                   "--rounds, steps, dro_batches must be >= 1 and batch_size >= 2"),
+                  (self.mu >= 0 and self.prox_mu >= 0 and self.tau > 0, "mu, prox_mu must be >= 0, tau > 0"),
                   (self.lr > 0 and self.encoder_lr >= 0 and self.weight_decay >= 0,
-                   "--lr > 0, --encoder-lr >= 0, weight decay >= 0"),
+                   "lr > 0, encoder_lr >= 0, weight_decay >= 0"),
                   (self.stage1_rounds is None or 0 <= self.stage1_rounds <= self.rounds,
-                   f"--stage1-rounds {self.stage1_rounds}: must be between 0 and --rounds {self.rounds}")]
+                   f"stage1_rounds {self.stage1_rounds}: must be between 0 and --rounds {self.rounds}")]
         for ok, msg in checks:
             if not ok:
                 raise UserError(msg)

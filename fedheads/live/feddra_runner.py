@@ -202,8 +202,8 @@ def _setup(manifest: Any, store: str | None, image_encoder: str, text_encoder: s
     if needs_text:
         vl.text_trainable(text_bb)  # UserError naming the encoder when it cannot train
     if stage2 and opts.image_trainable == "frozen" and opts.text_trainable == "frozen":
-        raise UserError("stage 2 with both encoders frozen trains nothing new; use --schedule sequential "
-                        "--stage1-rounds R (stage 1 only) or let an encoder train")
+        raise UserError("stage 2 with both encoders frozen trains nothing new; use --set schedule=sequential "
+                        "--set stage1_rounds=R (stage 1 only) or let an encoder train")
     DualEncoder(staged, cut, vl.FrozenText(text_bb, tcut), text_bb.token_dim, image_trainable=opts.image_trainable,
                 text_trainable="frozen", bn=opts.bn, text_cut=tcut)  # cut and trainable specs checked here
     clients = pair_clients(m, open_source(m.source), bb.transform, text_bb, opts.num_workers, device)

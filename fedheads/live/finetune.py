@@ -104,13 +104,13 @@ class FTConfig:
     def __post_init__(self) -> None:
         check_finite(self)
         if self.server not in SERVER_OPTS:
-            raise UserError(f"--server {self.server!r}: use one of {', '.join(SERVER_OPTS)}")
+            raise UserError(f"server {self.server!r}: use one of {', '.join(SERVER_OPTS)}")
         if self.server_buffers not in ("average", "flsim"):
-            raise UserError(f"--server-buffers {self.server_buffers!r}: use average or flsim")
+            raise UserError(f"server_buffers {self.server_buffers!r}: use average or flsim")
         if self.lr <= 0 or self.batch_size < 1 or self.local_epochs < 1:
-            raise UserError(f"--lr {self.lr} / --batch-size {self.batch_size} / --local-epochs "
+            raise UserError(f"lr {self.lr} / batch_size {self.batch_size} / local_epochs "
                             f"{self.local_epochs}: must be positive")
-        negative = [f"--{k.replace('_', '-')} {v}" for k, v in (("momentum", self.momentum),
+        negative = [f"{k} {v}" for k, v in (("momentum", self.momentum),
                     ("weight_decay", self.weight_decay), ("prox_mu", self.prox_mu),
                     ("warmup_rounds", self.warmup_rounds)) if v < 0]
         if negative:

@@ -46,12 +46,12 @@ class Trainable:
             return Trainable("after", cut)
         if kind in ("all", "head") and not cut:
             return Trainable(kind)
-        raise UserError(f"--trainable {spec!r}: use all, head or after:BLOCK (e.g. after:layer2)")
+        raise UserError(f"trainable {spec!r}: use all, head or after:BLOCK (e.g. after:layer2)")
 
     def check(self, staged: nn.Module) -> Trainable:
         """UserError naming the cut points when the backbone has no such cut."""
         if self.mode == "after" and self.cut not in staged.cut_points():
-            raise UserError(f"--trainable after:{self.cut}: {staged.name} has no cut {self.cut!r} "
+            raise UserError(f"trainable after:{self.cut}: {staged.name} has no cut {self.cut!r} "
                             f"(cut points: {', '.join(staged.cut_points()) or 'none'})")
         return self
 
@@ -75,7 +75,7 @@ class LiveNet(nn.Module):
                  bn: str = "train", live_prefix: bool = False) -> None:
         super().__init__()
         if bn not in BN_MODES:
-            raise UserError(f"--bn {bn!r}: use train or frozen")
+            raise UserError(f"bn {bn!r}: use train or frozen")
         trainable.check(staged)
         self.trainable, self.bn, self.live_prefix = trainable, bn, live_prefix
         self.staged = staged

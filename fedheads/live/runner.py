@@ -136,8 +136,8 @@ def finetune_run(manifest: str | Path | Any, store: str, backbone: str, out: str
     check_choices(opts.heads, FINETUNE_HEADS, "head", "--head")
     trainable = Trainable.parse(opts.trainable)
     if not opts.pretrained and (trainable.mode != "all" or set(opts.heads) != {"random"}):
-        raise UserError("--no-pretrained (the Random baseline) trains everything from scratch: use "
-                        "--trainable all --head random")
+        raise UserError("pretrained=false (the Random baseline) trains everything from scratch: use "
+                        "--set trainable=all --head random")
     m = load_manifest(manifest) if isinstance(manifest, (str, Path)) else manifest
     device = resolve_device(opts.device)
     bb = create_backbone(backbone, weights_dir=opts.weights_dir, device="cpu")
