@@ -120,3 +120,114 @@ def test_a_wrong_value_is_one_line_naming_the_algorithm(store, tmp_path):
     assert_one_line(res, 2, "server_opt 'nope'")
     with pytest.raises(Exception, match="hidden: not a setting of lp: the linear probe has no hidden layer"):
         create_algorithm("lp", hidden=(4,))
+
+
+# ------------------------------------------------------------------ finetune / feddra: --set, aliases, files
+
+FT = ["finetune", "--manifest", "m.json", "--store", "s.zarr", "--backbone", "resnet20-cifar10", "--out", "o"]
+FD = ["feddra", "--manifest", "m.json", "--image-encoder", "resnet20-cifar10", "--text-encoder", "minilm-l6-v2",
+      "--out", "o"]
+
+
+@pytest.fixture
+def ran(monkeypatch):
+    """The options each finetune / feddra command would run with (nothing trains)."""
+    import fedheads.live.feddra_runner as fd_runner
+    import fedheads.live.runner as ft_runner
+
+    seen: list = []
+    monkeypatch.setattr(ft_runner, "finetune_run", lambda *a: seen.append(a[-1]) or {"algorithms": {}})
+    monkeypatch.setattr(fd_runner, "feddra_run", lambda *a: seen.append(a[-1]) or {"algorithms": {}})
+    return seen
+
+
+def _notes(res) -> list[str]:
+    return [ln for ln in res.stderr.splitlines() if ln.startswith("note:")]
+
+
+def test_finetune_takes_its_settings_with_set(ran):
+    res = _cli(*FT, "--set", "server=fedadam", "--set", "lr=0.01", "--set", "trainable=after:layer2",
+               "--set", "head_rounds=3", "--set", "augment=false", "--set", "server_lr=null")
+    assert res.exit_code == 0, res.output
+    (opts,) = ran
+    assert (opts.ft.server, opts.ft.lr, opts.ft.server_lr) == ("fedadam", 0.01, None)
+    assert (opts.trainable, opts.head_rounds, opts.augment, opts.pretrained) == ("after:layer2", 3, False, True)
+    assert _notes(res) == []
+
+
+def test_finetune_former_options_are_aliases_with_one_note_each(ran):
+    res = _cli(*FT, "--server", "fedadam", "--lr", "0.01", "--trainable", "after:layer2", "--no-pretrained",
+               "--warmup-rounds", "2")
+    assert res.exit_code == 0, res.output
+    (opts,) = ran
+    assert (opts.ft.server, opts.ft.lr, opts.ft.warmup_rounds) == ("fedadam", 0.01, 2)
+    assert opts.trainable == "after:layer2" and opts.pretrained is False
+    assert _notes(res) == ["note: --server is now --set server=fedadam (--server is kept for one release)",
+                           "note: --lr is now --set lr=0.01 (--lr is kept for one release)",
+                           "note: --warmup-rounds is now --set warmup_rounds=2 (--warmup-rounds is kept for one release)",
+                           "note: --trainable is now --set trainable=after:layer2 (--trainable is kept for one release)",
+                           "note: --no-pretrained is now --set pretrained=false (--no-pretrained is kept for one release)"]
+    ran.clear()
+    res = _cli(*FT, "--lr", "0.5", "--set", "lr=0.02")  # --set wins over the alias
+    assert res.exit_code == 0 and ran[0].ft.lr == 0.02 and len(_notes(res)) == 1
+
+
+def test_feddra_takes_its_settings_with_set_and_keeps_its_former_options(ran):
+    res = _cli(*FD, "--preset", "quick", "--set", "mu=1", "--rho", "0.3", "--steps-per-stage", "7", "--no-two-stage")
+    assert res.exit_code == 0, res.output
+    (opts,) = ran
+    assert (opts.fd.mu, opts.fd.dro.rho, opts.fd.steps, opts.fd.two_stage) == (1.0, 0.3, 7, False)
+    assert (opts.fd.rounds, opts.fd.batch_size, opts.text_trainable) == (4, 32, "frozen")  # the preset's
+    assert [n.split(" is now ")[1].split(" (")[0] for n in _notes(res)] == \
+        ["--set steps=7", "--set rho=0.3", "--set two_stage=false"]
+
+
+@pytest.mark.parametrize("args,needle", [
+    (FT + ["--set", "servr=fedadam"], "--set servr: not a setting of `fedheads finetune` (did you mean server?"),
+    (FT + ["--set", "pretrained=maybe"], "--set pretrained=maybe: expected bool"),
+    (FT + ["--set", "server=nope"], "server 'nope': use one of"),
+    (FD + ["--set", "rho=abc"], "--set rho=abc: expected float"),
+    (FD + ["--set", "rounds=3"], "--set rounds: not a setting of `fedheads feddra`"),  # it is --rounds
+])
+def test_a_bad_setting_is_one_line_naming_it(ran, args, needle):
+    assert_one_line(_cli(*args), 2, needle)
+    assert ran == []
+
+
+@pytest.mark.parametrize("args", [FT + ["--set", "server=fedprox", "--lr", "0.05"],
+                                  FD + ["--preset", "quick", "--set", "rho=0.2"]])
+def test_the_dump_has_every_setting_and_reads_back_as_yaml_or_json(tmp_path, args):
+    from fedheads.live.feddra_runner import SETTINGS as FD_SETTINGS
+    from fedheads.live.runner import SETTINGS as FT_SETTINGS
+    from fedheads.settings import command_settings
+
+    first = _cli(*args, "--dump-config")
+    assert first.exit_code == 0, first.output
+    doc = yaml.safe_load(first.stdout)
+    parts = FT_SETTINGS if args[0] == "finetune" else FD_SETTINGS
+    assert set(doc["set"]) == {s.key for s in command_settings(parts)}  # every setting, with its value
+    assert not {"lr", "server", "rho", "steps_per_stage", "no_pretrained"} & set(doc)  # no alias is written
+    (tmp_path / "f.json").write_text(json.dumps(doc))
+    for f in ("f.json",):
+        again = _cli(args[0], "--config", tmp_path / f, "--dump-config")
+        assert again.exit_code == 0 and again.stdout == first.stdout, again.output
+
+
+def test_a_file_written_with_the_former_options_still_reads(ran, tmp_path):
+    (tmp_path / "old.yaml").write_text("command: finetune\nmanifest: m.json\nstore: s.zarr\nbackbone: resnet20-cifar10\n"
+                                       "server: fedadam\nlr: 0.02\nno_augment: true\nout: o\n")
+    res = _cli("finetune", "--config", tmp_path / "old.yaml")
+    assert res.exit_code == 0, res.output
+    assert (ran[0].ft.server, ran[0].ft.lr, ran[0].augment) == ("fedadam", 0.02, False) and len(_notes(res)) == 3
+
+
+def test_api_finetune_takes_settings_and_its_former_keywords_warn(ran, tmp_path):
+    import fedheads
+
+    fedheads.finetune("m.json", "s.zarr", "resnet20-cifar10", tmp_path / "a", settings={"server": "fedadam", "lr": 0.01})
+    assert (ran[0].ft.server, ran[0].ft.lr) == ("fedadam", 0.01)
+    with pytest.warns(FutureWarning, match=r"settings=\{'trainable': 'head'\}"):
+        fedheads.finetune("m.json", "s.zarr", "resnet20-cifar10", tmp_path / "b", trainable="head")
+    assert ran[1].trainable == "head"
+    with pytest.raises(TypeError, match="unexpected keyword argument 'servr'"):
+        fedheads.finetune("m.json", "s.zarr", "resnet20-cifar10", tmp_path / "c", servr="fedadam")

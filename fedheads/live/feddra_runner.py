@@ -15,7 +15,7 @@ feddra (all parts); fedavg, the paper's FedAvg baseline (Sec. 5.1.3, McMahan et 
 one-stage averaging, i.e. rho = 0, mu = 0 and no two-stage schedule (the schedule is one of FedDRA's
 own components, Sec. 4.2, ablated in Table 3); fedavg-two-stage (rho = 0, mu = 0 with FedDRA's
 two-stage schedule kept: what `fedavg` meant before); fedprox (fedavg + proximal term; the
-two-stage variant is `fedavg-two-stage --prox-mu 0.01`); no-two-stage, no-constraint (mu = 0),
+two-stage variant is `fedavg-two-stage --set prox_mu=0.01`); no-two-stage, no-constraint (mu = 0),
 no-dro (rho = 0); each keeps every other option.
 
 Budget of the one-stage baselines: the same R rounds of E local steps per client as every method,
@@ -24,7 +24,7 @@ stage 2 alone, as the Table 3 "w/o two-stage" row). FedDRA under the per-stage r
 more steps per round on the alignment modules only (stage 1, encoders frozen): one-stage FedAvg
 gets the same rounds and the same E full-model steps per client and round (the paper's budget for
 every method), not FedDRA's extra module-only steps; a step-matched FedAvg (2E full-model steps) is
-`--baseline fedavg --steps-per-stage 2E`, run on its own. Every preset averages with Alg. 1's 1/N unless `aggregation = "samples"`
+`--baseline fedavg --set steps=2E`, run on its own. Every preset averages with Alg. 1's 1/N unless `aggregation = "samples"`
 (n_i / sum_j n_j weights, FedDRAConfig.aggregation).
 """
 

@@ -2,7 +2,7 @@
 
 FedNCM paper (Legate et al., "Guiding The Last Layer in Federated Learning with Pre-Trained
 Models", NeurIPS 2023), Sec. 3.1: the model is g(f(x; w); v) with f the pre-trained base and g a
-linear task head. `--trainable` says which part of f trains (the rest stays frozen):
+linear task head. The `trainable` setting says which part of f trains (the rest stays frozen):
 
     all          every stage of f and the head (the paper's FT);
     after:CUT    the stages after CUT and the head; the frozen prefix (stages up to CUT) is
@@ -34,7 +34,7 @@ BN_MODES = ("train", "frozen")
 
 @dataclass(frozen=True)
 class Trainable:
-    """Which part of the network trains (`--trainable all|after:CUT|head`)."""
+    """Which part of the network trains (`--set trainable=all|after:CUT|head`)."""
 
     mode: str  # "all" | "after" | "head"
     cut: str | None = None  # the last frozen stage for mode "after"
