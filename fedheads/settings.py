@@ -20,9 +20,16 @@ from typing import Any
 
 from embedcache.errors import UserError
 from embedcache.parsing import loads_json
-from fedheads.core.config import setting_doc
 
 OPT_FIELD = "optimizer"
+
+
+def setting_doc(f: dataclasses.Field) -> tuple[str, str]:
+    """(doc, source) of a config field (fedheads.core.config.setting_doc; imported when called,
+    so that checking a typed name on the command line does not load torch with fedheads.core)."""
+    from fedheads.core.config import setting_doc as read
+
+    return read(f)
 
 
 @dataclass(frozen=True)
