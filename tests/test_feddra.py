@@ -280,7 +280,7 @@ def test_stages_train_what_the_paper_says(paired):
     assert {k.split("/")[0] for k in early.state(2)} == {"psi", "phi", "image:stem", "text:embeddings", "text:layer.0"}
     with pytest.raises(UserError, match="--text-cut pool"):
         make(text_cut="pool")
-    with pytest.raises(UserError, match="--image-trainable 'after:block'"):
+    with pytest.raises(UserError, match="image_trainable 'after:block'"):
         make(image_trainable="after:block")  # after the token cut: unused stages
     with pytest.raises(UserError, match="no cut 'pool'"):
         DualEncoder(make().image, "pool", make().text, 16)

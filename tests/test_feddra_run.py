@@ -119,7 +119,7 @@ def test_bad_input_is_one_line(paired, tmp_path):
     # ... fine when nothing trains it: a stage-1-only run, or the text encoder kept frozen
     feddra_run(root / "m.json", None, "tiny-staged", "tinytext-frozen", tmp_path / "s1",
                _opts(fd=FedDRAConfig(rounds=1, steps=1, batch_size=4, schedule="sequential", stage1_rounds=1)))
-    with pytest.raises(UserError, match="--image-trainable 'after:pool'"):
+    with pytest.raises(UserError, match="image_trainable 'after:pool'"):
         run("tiny-staged", "tinytext", image_trainable="after:pool")
     with pytest.raises(UserError, match="--baseline 'fedsgd'"):
         run("tiny-staged", "tinytext", baselines=("fedsgd",))
