@@ -126,7 +126,10 @@ def _optimizer_settings(opt: Any, doc: str, source: str, own: set[str]) -> list[
             continue
         pdoc, psource = setting_doc(parts[part])
         full = f"client optimiser: {pdoc}" + (f" (this algorithm: {doc})" if doc else "")
-        out.append(Setting(key, str(parts[part].type), getattr(opt, part), full, source or psource))
+        value = getattr(opt, part)
+        # the optimiser's own source describes its own default only
+        own_source = psource if value == getattr(type(opt)(), part) else ""
+        out.append(Setting(key, str(parts[part].type), value, full, source or own_source))
     return out
 
 

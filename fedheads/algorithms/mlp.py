@@ -32,7 +32,8 @@ class MLPConfig(LPConfig):
     server_opt: str = setting("fedadam", "FLSim's torch Adam, server lr 1e-3 (App. B grid; measured, see lp.py)",
                               source="FedNCM App. B")
     optimizer: OptimizerConfig = setting(doc="client SGD",
-                                         default_factory=lambda: OptimizerConfig("sgd", lr=0.01, weight_decay=0.0))
+                                         default_factory=lambda: OptimizerConfig("sgd", lr=0.01, weight_decay=0.0),
+                                         source="FedNCM App. B")
 
     def __post_init__(self) -> None:
         super().__post_init__()
