@@ -78,14 +78,15 @@ def config_class(name: str) -> type | None:
 
 
 def _defaults(cls: type) -> Any:
-    """A default instance of `cls`, or per-field defaults where it needs arguments."""
-    try:
+    """A default instance of `cls` (its checks applied), or its fields' declared defaults where a
+    field has none (None there)."""
+    fields = dataclasses.fields(cls)
+    missing = dataclasses.MISSING
+    if all(f.default is not missing or f.default_factory is not missing for f in fields):
         return cls()
-    except TypeError:  # a required field: no instance without arguments
-        return type("Defaults", (), {f.name: (f.default if f.default is not dataclasses.MISSING else
-                                               f.default_factory() if f.default_factory is not dataclasses.MISSING
-                                               else None)
-                                     for f in dataclasses.fields(cls)})()
+    return type("Defaults", (), {f.name: f.default if f.default is not missing else
+                                 f.default_factory() if f.default_factory is not missing else None  # type: ignore[misc]
+                                 for f in fields})()
 
 
 def settings_of(name: str) -> tuple[list[Setting], str]:
@@ -131,11 +132,6 @@ def _optimizer_settings(opt: Any, doc: str, source: str, own: set[str]) -> list[
         own_source = psource if value == getattr(type(opt)(), part) else ""
         out.append(Setting(key, str(parts[part].type), value, full, source or own_source))
     return out
-
-
-def applies(name: str, key: str) -> bool:
-    """Whether `key` is a setting of algorithm `name` (decided from its config's fields)."""
-    return key in valid_keys(name)
 
 
 def valid_keys(name: str) -> list[str]:
