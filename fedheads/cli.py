@@ -283,7 +283,25 @@ def _method_settings(ctx: click.Context, spec: dict[str, tuple[str, Any]], kw: d
     return tuple((preset or {}).items()) + merged_settings(ctx, cli)
 
 
-_SET_HELP = "Method setting (repeatable); --dump-config lists every key with its value, a wrong key the valid ones."
+_SET_HELP = "Method setting (repeatable); --list-settings describes every key, --dump-config gives their values."
+
+
+def _list_settings(module: str):
+    """An eager --list-settings flag: the command's settings (key, type, default, doc [source],
+    read from the config fields' metadata), then exit."""
+
+    def show(ctx: click.Context, param: click.Parameter, value: bool) -> None:
+        if not value or ctx.resilient_parsing:
+            return
+        import importlib
+
+        from fedheads.settings import command_settings, rows_table
+
+        click.echo("\n".join(rows_table(command_settings(importlib.import_module(module).SETTINGS))))
+        ctx.exit()
+
+    return click.option("--list-settings", is_flag=True, is_eager=True, expose_value=False, callback=show,
+                        help="Every --set key with its type, default, doc and paper source, and exit.")
 # options that became --set keys: {param: (key, value of a flag)}
 _FT_ALIASES: dict[str, tuple[str, Any]] = {
     **{k: (k, None) for k in ("head_rounds", "server", "server_lr", "server_momentum", "server_buffers", "prox_mu",
@@ -302,6 +320,7 @@ _FT_ALIASES: dict[str, tuple[str, Any]] = {
 @click.option("--fraction", default=1.0, show_default=True, help="Client participation per round.")
 @click.option("--set", "settings", multiple=True, metavar="KEY=VALUE",
               help="e.g. --set server=fedadam --set lr=0.01 --set trainable=after:layer2. " + _SET_HELP)
+@_list_settings("fedheads.live.runner")
 @_aliases(_FT_ALIASES)
 @_live_run_options
 @config_options
@@ -500,6 +519,7 @@ _FD_ALIASES: dict[str, tuple[str, Any]] = {
 @click.option("--probe-manifest", default=None, type=click.Path(), help="Out-of-distribution manifest for the few-shot probe.")
 @click.option("--probe-shots", default="1,5", show_default=True, help="Labelled images per class, comma-separated.")
 @click.option("--probe-draws", default=5, show_default=True)
+@_list_settings("fedheads.live.feddra_runner")
 @_aliases(_FD_ALIASES)
 @_live_run_options
 @config_options

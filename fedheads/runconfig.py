@@ -23,7 +23,7 @@ import click
 
 from embedcache.errors import UserError
 
-OPERATIONAL = ("config", "dump_config", "overwrite", "resume", "quiet")  # how to run, not what: never in a file
+OPERATIONAL = ("config", "dump_config", "list_settings", "overwrite", "resume", "quiet")  # how to run, not what: never in a file
 LIST_PARAMS = ("backbones", "seeds", "algorithms", "heads", "baselines", "probe_shots")  # comma lists on the CLI
 SETTINGS_PARAM = "settings"  # --set, the file's `set:`
 META = "fedheads.config_settings"  # ctx.meta key: the file's `set:` entries

@@ -167,15 +167,21 @@ def settings_table(name: str) -> str:
         head += ["", *("  " + ln for ln in doc.splitlines())]
     if not rows:
         return "\n".join(head + ["", "no settings"])
-    w = [max(len(c) for c in col) for col in zip(*[("key", "type", "default")] +
-                                                     [(r.key, r.type, _fmt(r.default)) for r in rows])]
-    lines = ["", f"{'key':{w[0]}}  {'type':{w[1]}}  {'default':{w[2]}}  doc [source]"]
-    for r in rows:
-        src = f" [{r.source}]" if r.source else ""
-        lines.append(f"{r.key:{w[0]}}  {r.type:{w[1]}}  {_fmt(r.default):{w[2]}}  {r.doc}{src}")
+    lines = ["", *rows_table(rows)]
     generic = [f"--{k.replace('_', '-')}" for k in ("lr", "batch_size", "local_epochs") if k in {r.key for r in rows}]
     also = f"; {'/'.join(generic)} set the key{'s' if len(generic) > 1 else ''} of that name" if generic else ""
     return "\n".join(head + lines + ["", f"set with --set KEY=VALUE (or --set {name}.KEY=VALUE in compare){also}"])
+
+
+def rows_table(rows: list[Setting]) -> list[str]:
+    """Lines of a settings table: key, type, default, doc [source]."""
+    w = [max(len(c) for c in col) for col in zip(*[("key", "type", "default")] +
+                                                     [(r.key, r.type, _fmt(r.default)) for r in rows])]
+    lines = [f"{'key':{w[0]}}  {'type':{w[1]}}  {'default':{w[2]}}  doc [source]"]
+    for r in rows:
+        src = f" [{r.source}]" if r.source else ""
+        lines.append(f"{r.key:{w[0]}}  {r.type:{w[1]}}  {_fmt(r.default):{w[2]}}  {r.doc}{src}")
+    return lines
 
 
 def settings_json(name: str) -> dict[str, Any]:

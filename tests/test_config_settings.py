@@ -231,3 +231,12 @@ def test_api_finetune_takes_settings_and_its_former_keywords_warn(ran, tmp_path)
     assert ran[1].trainable == "head"
     with pytest.raises(TypeError, match="unexpected keyword argument 'servr'"):
         fedheads.finetune("m.json", "s.zarr", "resnet20-cifar10", tmp_path / "c", servr="fedadam")
+
+
+@pytest.mark.parametrize("command,line", [("finetune", ("lr", "0.1", "client SGD learning rate", "[FedNCM App. B]")),
+                                          ("feddra", ("rho", "0.1", "radius", "[FedDRA App. A.1]"))])
+def test_list_settings_reads_the_docs_from_the_fields(command, line):
+    res = _cli(command, "--list-settings")  # no other option needed
+    assert res.exit_code == 0, res.output
+    row = next(ln for ln in res.output.splitlines() if ln.split()[0] == line[0])
+    assert all(part in row for part in line), row
