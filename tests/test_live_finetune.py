@@ -83,7 +83,7 @@ def test_cache_first_equals_live_frozen_prefix(setup, tmp_path):
 
 
 def test_lr_warmup_scales_the_first_rounds_client_lr(setup, tmp_path):
-    """--warmup-rounds K (FedNCM paper Sec. 4.2's proposed warm-up): FT round r < K runs at
+    """--set warmup_rounds=K (FedNCM paper Sec. 4.2's proposed warm-up): FT round r < K runs at
     lr (r+1)/(K+1); with plain SGD, one warm-up round at lr 0.1 is one round at lr 0.05."""
     cfg = FTConfig(lr=0.3, warmup_rounds=2)
     assert [cfg.client_lr(r) for r in range(4)] == pytest.approx([0.1, 0.2, 0.3, 0.3])
