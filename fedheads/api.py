@@ -262,31 +262,36 @@ def predict(run: str | Path, store: str | Path | None = None, *, images: str | N
 
 
 def finetune(manifest: Any, store: str | Path, backbone: str, out: str | Path, *,
-             heads: Sequence[str] | str = ("fedncm",), head_rounds: int = 5, rounds: int = 10,
-             server: str = "fedavg", server_lr: float | None = None, prox_mu: float = 0.01, lr: float = 0.1,
-             momentum: float = 0.0, weight_decay: float = 0.0, local_epochs: int = 1, batch_size: int = 32,
-             fraction: float = 1.0, trainable: str = "all", bn: str = "train", live_prefix: bool = False,
-             pretrained: bool = True, augment: bool = True, seeds: Sequence[int] | int = (0,),
-             eval_every: int = 1, device: str = "auto", num_workers: int = 2, weights_dir: str | None = None,
-             resume: bool = False, overwrite: bool = False, progress: bool = False,
-             warmup_rounds: int = 0, server_momentum: float = 0.9, server_buffers: str = "average") -> Result:
+             heads: Sequence[str] | str = ("fedncm",), rounds: int = 10, settings: Mapping[str, Any] | None = None,
+             fraction: float = 1.0, seeds: Sequence[int] | int = (0,), eval_every: int = 1, device: str = "auto",
+             num_workers: int = 2, weights_dir: str | None = None, resume: bool = False, overwrite: bool = False,
+             progress: bool = False, **former: Any) -> Result:
     """Fine-tune `backbone` federatedly from a stage-1 head computed on the store, as `fedheads
     finetune` (FedNCM+FT with heads="fedncm", Fed3R+FT "fed3r", FedCOF+FT "fedcof", LP+FT "lp",
     FT "random"; several heads:
     a comparison). `manifest`: the manifest the store was extracted from (path or Manifest).
-    Always writes `out` (a checkpoint after every round, so `resume=True` can continue)."""
-    from fedheads.live.finetune import FTConfig
-    from fedheads.live.runner import FinetuneOptions, finetune_run
+    `settings`: the method's settings as `fedheads finetune --set` takes them, e.g.
+    {"server": "fedadam", "lr": 0.01, "trainable": "after:layer2"} (`--dump-config` lists every
+    key). The former keywords (server=, lr=, pretrained=, ...) still work for one release, each
+    with a FutureWarning naming its settings key. Always writes `out` (a checkpoint after every
+    round, so `resume=True` can continue)."""
+    import warnings
 
-    ft = FTConfig(server=server, server_lr=server_lr, prox_mu=prox_mu, lr=lr, momentum=momentum,
-                  weight_decay=weight_decay, batch_size=batch_size, local_epochs=local_epochs,
-                  warmup_rounds=warmup_rounds, server_momentum=server_momentum, server_buffers=server_buffers)
+    from fedheads.live.runner import SETTINGS, finetune_options, finetune_run
+
+    keys = {f.name for part in SETTINGS for f in part.fields()}
+    unknown = sorted(set(former) - keys)
+    if unknown:
+        raise TypeError(f"finetune() got an unexpected keyword argument {unknown[0]!r}")
+    for k, v in former.items():
+        warnings.warn(f"fedheads.finetune({k}=...) is now settings={{{k!r}: {v!r}}} (kept for one release)",
+                      FutureWarning, stacklevel=2)
     names = tuple(h.strip() for h in heads.split(",")) if isinstance(heads, str) else tuple(heads)
-    opts = FinetuneOptions(heads=names, head_rounds=head_rounds, rounds=rounds, ft=ft, trainable=trainable,
-                           bn=bn, live_prefix=live_prefix, pretrained=pretrained, augment=augment,
-                           seeds=(seeds,) if isinstance(seeds, int) else tuple(seeds), fraction=fraction,
-                           eval_every=eval_every, device=device, num_workers=num_workers,
-                           weights_dir=weights_dir, resume=resume, overwrite=overwrite, progress=progress)
+    items = [*former.items(), *(settings or {}).items()]  # settings= wins over a former keyword
+    opts = finetune_options(items, heads=names, rounds=rounds, fraction=fraction,
+                            seeds=(seeds,) if isinstance(seeds, int) else tuple(seeds), eval_every=eval_every,
+                            device=device, num_workers=num_workers, weights_dir=weights_dir, resume=resume,
+                            overwrite=overwrite, progress=progress)
     return Result(finetune_run(manifest, str(store), backbone, out, opts), out)
 
 
@@ -297,9 +302,12 @@ def list_algorithms() -> list[Any]:
     return registry()
 
 
-def register_algorithm(name: str, factory: Any, *, description: str) -> None:
+def register_algorithm(name: str, factory: Any, *, description: str, config: type | None = None,
+                       fixed: dict[str, str] | None = None) -> None:
     """Make `factory(**config_fields) -> Algorithm` trainable as `name` by every engine, the
-    CLI included (from a module it imports). See README, "Your own algorithm"."""
+    CLI included (from a module it imports). `config`: its config dataclass, whose fields
+    (declared with fedheads.core.config.setting) are the keys `--set` takes. See
+    docs/custom_algorithm.md."""
     from fedheads.algorithms import register_algorithm as register
 
-    register(name, factory, description=description)
+    register(name, factory, description=description, config=config, fixed=fixed)

@@ -16,7 +16,7 @@ import click
 from embedcache.cli_base import UserErrorGroup
 from embedcache.errors import UserError
 from fedheads import __version__
-from fedheads.runconfig import config_options, with_config
+from fedheads.runconfig import config_options
 
 
 @click.group(cls=UserErrorGroup)
@@ -285,6 +285,83 @@ def _live_run_options(f):
     return f
 
 
+def _aliases(spec: dict[str, tuple[str, Any]]):
+    """Hidden one-release aliases of options replaced by `--set KEY=VALUE`: {param: (key, value
+    when the option is a flag, else None: the option's value)}. Each given (on the command line
+    or in a --config file) prints one `note:` line naming its --set key (fedheads.cli._alias_settings)."""
+
+    def deco(f):
+        for name, (key, flag_value) in reversed(list(spec.items())):
+            flag = "--" + name.replace("_", "-") if name != "steps" else "--steps-per-stage"
+            decl = [flag] if name != "steps" else [flag, "steps"]
+            if flag_value is not None:
+                f = click.option(*decl, is_flag=True, hidden=True, help=f"Alias of --set {key}=...")(f)
+            else:
+                f = click.option(*decl, default=None, hidden=True, help=f"Alias of --set {key}=VALUE.")(f)
+        return f
+
+    return deco
+
+
+def _alias_settings(ctx: click.Context, spec: dict[str, tuple[str, Any]], kw: dict[str, Any]) -> list[tuple[str, Any]]:
+    """The (key, value) settings the alias options given stand for, each with its `note:` line;
+    removes the aliases from `kw`."""
+    from fedheads.settings import parse_settings
+
+    out = []
+    for name, (key, flag_value) in spec.items():
+        value = kw.pop(name, None)
+        if value is None or value is False:
+            continue
+        flag = next(o for o in ctx.command.params if o.name == name).opts[0]
+        if flag_value is not None:
+            out.append((key, flag_value))
+            shown = json.dumps(flag_value)
+        else:
+            out += list(parse_settings([f"{key}={value}"]))
+            shown = str(value)
+        click.echo(f"note: {flag} is now --set {key}={shown} ({flag} is kept for one release)", err=True)
+    return out
+
+
+def _method_settings(ctx: click.Context, spec: dict[str, tuple[str, Any]], kw: dict[str, Any],
+                     settings: tuple[str, ...], preset: dict[str, Any] | None = None) -> tuple[tuple[str, Any], ...]:
+    """The method's --set items, in merge order: a preset's values < the --config file's `set:`
+    < the alias options < --set on the command line (later items win)."""
+    from fedheads.runconfig import merged_settings
+    from fedheads.settings import parse_settings
+
+    cli = tuple(_alias_settings(ctx, spec, kw)) + parse_settings(settings)
+    return tuple((preset or {}).items()) + merged_settings(ctx, cli)
+
+
+_SET_HELP = "Method setting (repeatable); --list-settings describes every key, --dump-config gives their values."
+
+
+def _list_settings(module: str):
+    """An eager --list-settings flag: the command's settings (key, type, default, doc [source],
+    read from the config fields' metadata), then exit."""
+
+    def show(ctx: click.Context, param: click.Parameter, value: bool) -> None:
+        if not value or ctx.resilient_parsing:
+            return
+        import importlib
+
+        from fedheads.settings import command_settings, rows_table
+
+        click.echo("\n".join(rows_table(command_settings(importlib.import_module(module).SETTINGS))))
+        ctx.exit()
+
+    return click.option("--list-settings", is_flag=True, is_eager=True, expose_value=False, callback=show,
+                        help="Every --set key with its type, default, doc and paper source, and exit.")
+# options that became --set keys: {param: (key, value of a flag)}
+_FT_ALIASES: dict[str, tuple[str, Any]] = {
+    **{k: (k, None) for k in ("head_rounds", "server", "server_lr", "server_momentum", "server_buffers", "prox_mu",
+                              "lr", "warmup_rounds", "momentum", "weight_decay", "local_epochs", "batch_size",
+                              "trainable", "bn")},
+    "live_prefix": ("live_prefix", True), "no_pretrained": ("pretrained", False), "no_augment": ("augment", False)}
+
+
 @main.command()
 @click.option("--manifest", "manifest_path", required=True, type=click.Path(), help="The manifest the store was extracted from.")
 @click.option("--store", required=True, type=click.Path(), help="Feature store with the backbone's features (and B@CUT maps).")
@@ -292,56 +369,40 @@ def _live_run_options(f):
 @click.option("--head", "heads", default="fedncm", show_default=True,
               help="Stage 1, comma-separated for a comparison: fedncm (FedNCM+FT) | fed3r (Fed3R+FT) | "
                    "fedcof (FedCOF+FT) | lp (LP+FT) | random (FT).")
-@click.option("--head-rounds", default=5, show_default=True, help="LP rounds of stage 1 (FedNCM App. C.2: 5, 10).")
 @click.option("--rounds", default=10, show_default=True, help="Fine-tuning rounds.")
-@click.option("--server", default="fedavg", show_default=True,
-              type=click.Choice(["fedavg", "fedprox", "fedadam", "fedavgm"]))
-@click.option("--server-lr", type=float, default=None, help="Server lr (default 1.0; FedAdam 1e-3).")
-@click.option("--server-momentum", type=float, default=0.9, show_default=True,
-              help="FedAvgM's server momentum (--server fedavgm; FLSim's FedAvgWithLR).")
-@click.option("--server-buffers", type=click.Choice(["average", "flsim"]), default="average", show_default=True,
-              help="BatchNorm buffers under fedadam/fedavgm: their mean change, or kept as FLSim does.")
-@click.option("--prox-mu", type=float, default=0.01, show_default=True, help="FedProx mu.")
-@click.option("--lr", type=float, default=0.1, show_default=True, help="Client SGD lr (top of the FedNCM App. B grid).")
-@click.option("--warmup-rounds", default=0, show_default=True,
-              help="Client lr rises linearly over the first K FT rounds (FedNCM paper Sec. 4.2's proposed warm-up).")
-@click.option("--momentum", type=float, default=0.0, show_default=True, help="Client SGD momentum.")
-@click.option("--weight-decay", type=float, default=0.0, show_default=True, help="Client SGD weight decay.")
-@click.option("--local-epochs", default=1, show_default=True)
-@click.option("--batch-size", default=32, show_default=True)
 @click.option("--fraction", default=1.0, show_default=True, help="Client participation per round.")
-@click.option("--trainable", default="all", show_default=True, help="all | after:BLOCK (cache-first) | head.")
-@click.option("--bn", default="train", show_default=True, type=click.Choice(["train", "frozen"]),
-              help="BatchNorm while fine-tuning: train (paper's code) or frozen pre-trained statistics.")
-@click.option("--live-prefix", is_flag=True, help="after:BLOCK/head: run the frozen prefix live instead of reading the cache.")
-@click.option("--no-pretrained", is_flag=True, help="The paper's Random baseline (with --head random --trainable all).")
-@click.option("--no-augment", is_flag=True, help="Live images without training augmentation.")
+@click.option("--set", "settings", multiple=True, metavar="KEY=VALUE",
+              help="e.g. --set server=fedadam --set lr=0.01 --set trainable=after:layer2. " + _SET_HELP)
+@_list_settings("fedheads.live.runner")
+@_aliases(_FT_ALIASES)
 @_live_run_options
-@with_config
-def finetune(manifest_path, store, backbone, heads, head_rounds, rounds, server, server_lr, server_momentum,
-             server_buffers, prox_mu, lr,
-             warmup_rounds, momentum, weight_decay, local_epochs, batch_size, fraction, trainable, bn, live_prefix,
-             no_pretrained, no_augment, seeds, eval_every, device, num_workers, weights_dir, resume,
-             overwrite, quiet, out) -> None:
+@config_options
+@click.pass_context
+def finetune(ctx, dump_config, manifest_path, store, backbone, heads, rounds, fraction, settings, seeds, eval_every,
+             device, num_workers, weights_dir, resume, overwrite, quiet, out, **aliases) -> None:
     """Fine-tune a backbone federatedly from a stage-1 head computed on the store (FedNCM+FT, LP+FT, FT).
 
-    Options also come from --config FILE (YAML; defaults < file < command-line flags); --dump-config
-    prints the effective configuration."""
+    Method settings (the server and client optimisers, stage-1 LP rounds, which blocks train, BatchNorm,
+    augmentation) are --set KEY=VALUE. Options also come from --config FILE (YAML or JSON; defaults < file <
+    command-line flags); --dump-config prints the effective configuration, every setting included."""
     from fedheads.checks import check_finetune_heads
 
-    check_finetune_heads(_csv(heads, "--head"))
-    _check_plain(click.get_current_context(), backbones=[backbone])
-    from fedheads.api import finetune as run_finetune
+    names = _csv(heads, "--head")
+    if not dump_config:  # a dump is written as given, checked when it is run
+        check_finetune_heads(names)
+        _check_plain(ctx, backbones=[backbone])
+    fields = _method_settings(ctx, _FT_ALIASES, aliases, settings)
+    from fedheads.live.runner import finetune_options, finetune_run, finetune_settings
 
-    res = run_finetune(manifest_path, store, backbone, out, heads=_csv(heads, "--head"), head_rounds=head_rounds,
-                       rounds=rounds, server=server, server_lr=server_lr, prox_mu=prox_mu, lr=lr,
-                       momentum=momentum, weight_decay=weight_decay, local_epochs=local_epochs,
-                       batch_size=batch_size, fraction=fraction, trainable=trainable, bn=bn,
-                       live_prefix=live_prefix, pretrained=not no_pretrained, augment=not no_augment,
-                       seeds=_seeds(seeds), eval_every=eval_every, device=device, num_workers=num_workers,
-                       weights_dir=weights_dir, resume=resume, overwrite=overwrite, progress=not quiet,
-                       warmup_rounds=warmup_rounds, server_momentum=server_momentum,
-                       server_buffers=server_buffers)
+    opts = finetune_options(fields, heads=tuple(names), rounds=rounds, fraction=fraction, seeds=_seeds(seeds),
+                            eval_every=eval_every, device=device, num_workers=num_workers, weights_dir=weights_dir,
+                            resume=resume, overwrite=overwrite, progress=not quiet)
+    if dump_config:
+        from fedheads.runconfig import dump, params_config
+
+        click.echo(dump("finetune", {**params_config(ctx), "set": finetune_settings(opts)}), nl=False)
+        return
+    res = finetune_run(manifest_path, str(store), backbone, out, opts)
     for r in res.get("algorithms", {"": res}).values():
         click.echo(f"{r['algorithm']}: accuracy {r['accuracy_cell']} after {r['rounds']} rounds "
                    f"(round 0: {r['figure1'][0]['accuracy']:.2f})")
@@ -484,6 +545,14 @@ def join(superlink, store, client, manifest, device, weights_dir, port, root_cer
     os.execve(cmd[0], cmd, env)  # the SuperNode takes this process over: signals reach it directly
 
 
+_FD_ALIASES: dict[str, tuple[str, Any]] = {
+    **{k: (k, None) for k in ("schedule", "stage1_rounds", "steps", "batch_size", "rho", "divergence",
+                              "radius_convention", "gamma", "mu", "tau", "lr", "encoder_lr", "weight_decay",
+                              "step_scaling", "aggregation", "dro_loss", "dro_model", "dro_batches", "prox_mu",
+                              "image_trainable", "text_trainable", "bn", "stage1_inputs")},
+    "no_two_stage": ("two_stage", False), "no_augment": ("augment", False)}
+
+
 @main.command()
 @click.option("--manifest", "manifest_path", required=True, type=click.Path(), help="A paired (image, text) manifest.")
 @click.option("--store", default=None, type=click.Path(),
@@ -497,80 +566,41 @@ def join(superlink, store, client, manifest, device, weights_dir, port, root_cer
               help="Comma-separated presets: feddra, fedavg (the paper's: one stage), fedavg-two-stage, fedprox, "
                    "no-two-stage, no-constraint, no-dro.")
 @click.option("--preset", type=click.Choice(["paper", "quick"]), default="paper", show_default=True,
-              help="Defaults of the options not given: paper (25 rounds x 50 steps, both encoders train) or quick "
+              help="Defaults of the settings not given: paper (25 rounds x 50 steps, both encoders train) or quick "
                    "(4 rounds x 5 steps at batch 32, text encoder frozen: minutes on 2 CPU cores).")
-@click.option("--schedule", type=click.Choice(["interleaved", "sequential"]), default="interleaved", show_default=True,
-              help="Alg. 1 as printed, or R1 rounds of stage 1 then stage 2.")
-@click.option("--stage1-rounds", type=int, default=None, help="Sequential: rounds of stage 1 (default half of --rounds).")
-@click.option("--no-two-stage", is_flag=True, help="Stage 2 alone (Table 3 ablation).")
 @click.option("--rounds", default=25, show_default=True, help="Communication rounds (paper: 25).")
-@click.option("--steps-per-stage", "steps", default=50, show_default=True, help="Local steps E per stage (paper: 50).")
-@click.option("--batch-size", default=64, show_default=True, help="Local batch B (paper: 288-388).")
-@click.option("--rho", type=float, default=0.1, show_default=True, help="DRO radius (paper: 0.1; 0 = uniform weights).")
-@click.option("--divergence", type=click.Choice(["kl", "chi2"]), default="kl", show_default=True)
-@click.option("--radius-convention", type=click.Choice(["rho/N", "rho"]), default="rho/N", show_default=True)
-@click.option("--gamma", type=float, default=1.0, show_default=True, help="Mirror-ascent step of lambda.")
-@click.option("--mu", type=float, default=5.0, show_default=True, help="Weight of the global constraint L_C (paper: 5).")
-@click.option("--tau", type=float, default=0.1, show_default=True, help="InfoNCE temperature.")
-@click.option("--lr", type=float, default=1e-3, show_default=True, help="AdamW lr of the alignment modules.")
-@click.option("--encoder-lr", type=float, default=2e-5, show_default=True, help="AdamW lr of the encoders in stage 2 (paper).")
-@click.option("--weight-decay", type=float, default=0.01, show_default=True)
-@click.option("--step-scaling", type=click.Choice(["n_lambda", "lambda"]), default="n_lambda", show_default=True)
-@click.option("--aggregation", type=click.Choice(["uniform", "samples"]), default="uniform", show_default=True,
-              help="Server mean: 1/N as Alg. 1, or n_i (training pairs) weights as McMahan et al.'s FedAvg.")
-@click.option("--dro-loss", type=click.Choice(["infonce", "local"]), default="infonce", show_default=True)
-@click.option("--dro-model", type=click.Choice(["local", "global"]), default="local", show_default=True)
-@click.option("--dro-batches", default=4, show_default=True, help="Fixed batches per client for v_i.")
-@click.option("--prox-mu", type=float, default=0.0, show_default=True,
-              help="FedProx proximal term (0: off; the fedprox preset uses 0.01 unless given).")
-@click.option("--image-trainable", default="all", show_default=True, help="Stage 2: all | after:STAGE | frozen.")
-@click.option("--text-trainable", default="all", show_default=True, help="Stage 2: all | after:STAGE | frozen.")
-@click.option("--bn", type=click.Choice(["frozen", "train"]), default="frozen", show_default=True)
-@click.option("--stage1-inputs", type=click.Choice(["auto", "reencode", "live"]), default="auto", show_default=True,
-              help="Stage 1 after the encoders changed: re-encode the client once, or encode every batch.")
-@click.option("--no-augment", is_flag=True, help="Stage 2 without training augmentation.")
+@click.option("--set", "settings", multiple=True, metavar="KEY=VALUE",
+              help="e.g. --set rho=0.1 --set mu=1 --set steps=50 --set schedule=sequential. " + _SET_HELP)
 @click.option("--probe-manifest", default=None, type=click.Path(), help="Out-of-distribution manifest for the few-shot probe.")
 @click.option("--probe-shots", default="1,5", show_default=True, help="Labelled images per class, comma-separated.")
 @click.option("--probe-draws", default=5, show_default=True)
+@_list_settings("fedheads.live.feddra_runner")
+@_aliases(_FD_ALIASES)
 @_live_run_options
 @config_options
 @click.pass_context
-def feddra(ctx, dump_config, manifest_path, store, image_encoder, image_cut, text_encoder, text_cut, baselines, preset, schedule,
-           stage1_rounds,
-           no_two_stage, rounds, steps, batch_size, rho, divergence, radius_convention, gamma, mu, tau, lr, encoder_lr,
-           weight_decay, step_scaling, aggregation, dro_loss, dro_model, dro_batches, prox_mu, image_trainable,
-           text_trainable, bn,
-           stage1_inputs, no_augment, probe_manifest, probe_shots, probe_draws, seeds, eval_every, device, num_workers,
-           weights_dir, resume, overwrite, quiet, out) -> None:
+def feddra(ctx, dump_config, manifest_path, store, image_encoder, image_cut, text_encoder, text_cut, baselines, preset,
+           rounds, settings, probe_manifest, probe_shots, probe_draws, seeds, eval_every, device, num_workers,
+           weights_dir, resume, overwrite, quiet, out, **aliases) -> None:
     """FedDRA (federated distributionally robust vision-language alignment) and its baselines.
 
-    Options also come from --config FILE (YAML; defaults < preset < file < command-line flags);
-    --dump-config prints the effective configuration."""
+    Method settings (DRO radius and divergence, the constraint weight mu, local steps, learning rates, the
+    schedule, which encoder blocks train) are --set KEY=VALUE. Options also come from --config FILE (YAML or
+    JSON; defaults < preset < file < command-line flags); --dump-config prints the effective configuration,
+    every setting included (the preset's values resolved)."""
     from fedheads.checks import FEDDRA_BASELINES, check_choices
 
     if not dump_config:  # a dump is written as given, checked when it is run
         check_choices(_csv(baselines, "--baseline"), FEDDRA_BASELINES, "baseline", "--baseline")
         _check_plain(ctx, backbones=[image_encoder, text_encoder])
-    from fedheads.live.dro import DROConfig
-    from fedheads.live.feddra import FedDRAConfig
     from fedheads.live.feddra_probe import ProbeOptions
-    from fedheads.live.feddra_runner import PRESETS, FedDRAOptions, feddra_run, summary_line
+    from fedheads.live.feddra_runner import PRESETS, feddra_options, feddra_run, feddra_settings, summary_line
 
-    given = {k: v for k, v in ctx.params.items()
-             if ctx.get_parameter_source(k) is not click.core.ParameterSource.DEFAULT}
-    p = {**ctx.params, **PRESETS[preset], **given}  # what the user typed wins over the preset
-    if dump_config:  # the preset's values resolved, so the file means the same under any preset
-        from fedheads.runconfig import dump, params_config
-
-        click.echo(dump("feddra", params_config(ctx, p)), nl=False)
-        return
-    rounds, steps, batch_size, text_trainable = p["rounds"], p["steps"], p["batch_size"], p["text_trainable"]
-    fd = FedDRAConfig(mu=mu, tau=tau, rounds=rounds, schedule=schedule, stage1_rounds=stage1_rounds,
-                      two_stage=not no_two_stage, steps=steps, batch_size=batch_size, lr=lr, encoder_lr=encoder_lr,
-                      weight_decay=weight_decay, step_scaling=step_scaling, aggregation=aggregation, prox_mu=prox_mu,
-                      dro=DROConfig(rho=rho, divergence=divergence, radius_convention=radius_convention, gamma=gamma),
-                      dro_loss=dro_loss, dro_model=dro_model, dro_batches=dro_batches)
-    names = tuple(_csv(baselines, "--baseline"))
+    chosen = dict(PRESETS[preset])
+    if ctx.get_parameter_source("rounds") is click.core.ParameterSource.DEFAULT:
+        rounds = chosen.get("rounds", rounds)
+    chosen.pop("rounds", None)
+    fields = _method_settings(ctx, _FD_ALIASES, aliases, settings, preset=chosen)
     probe = None
     if probe_manifest:
         try:
@@ -578,11 +608,16 @@ def feddra(ctx, dump_config, manifest_path, store, image_encoder, image_cut, tex
         except ValueError:
             raise UserError(f"--probe-shots {probe_shots!r}: expected comma-separated integers") from None
         probe = ProbeOptions(manifest=probe_manifest, shots=shots, draws=probe_draws)
-    opts = FedDRAOptions(fd=fd, baselines=names, image_cut=image_cut, text_cut=text_cut, image_trainable=image_trainable,
-                         text_trainable=text_trainable, bn=bn, seeds=_seeds(seeds), eval_every=eval_every,
-                         augment=not no_augment, stage1_inputs=stage1_inputs, probe=probe, device=device,
-                         num_workers=num_workers, weights_dir=weights_dir, resume=resume, overwrite=overwrite,
-                         progress=not quiet)
+    opts = feddra_options(fields, rounds=rounds, baselines=tuple(_csv(baselines, "--baseline")), image_cut=image_cut,
+                          text_cut=text_cut, probe=probe, seeds=_seeds(seeds), eval_every=eval_every, device=device,
+                          num_workers=num_workers, weights_dir=weights_dir, resume=resume, overwrite=overwrite,
+                          progress=not quiet)
+    if dump_config:  # the preset's values resolved, so the file means the same under any preset
+        from fedheads.runconfig import dump, params_config
+
+        click.echo(dump("feddra", {**params_config(ctx, {**ctx.params, "rounds": rounds}),
+                                   "set": feddra_settings(opts)}), nl=False)
+        return
     res = feddra_run(manifest_path, store, image_encoder, text_encoder, out, opts)
     for r in res.get("algorithms", {"": res}).values():
         click.echo(summary_line(r))

@@ -173,21 +173,33 @@ def fedpcl_trainable_params(arch: HeadArch) -> int:
 _ALIASES = {"linearprobe": "lp", "fedavglinear": "fedavg-linear"}
 
 
-def _convention(method: str, arch: HeadArch, clients: int) -> PaperRoundComm:
-    """The registered algorithm's own convention (AlgorithmBase.paper_round_comm)."""
+def round_comm_of(method: Any, arch: HeadArch, clients: int) -> PaperRoundComm | None:
+    """The papers' per-client round traffic by the algorithm's own convention
+    (AlgorithmBase.paper_round_comm), None where it has none. `method`: a registered name (its
+    default configuration) or a built algorithm (a run's own, so nothing is built again)."""
+    if not isinstance(method, str):
+        return method.paper_round_comm(arch, clients)
     from fedheads.algorithms import create_algorithm, list_algorithms
 
     key = method_key(method)
     names = {method_key(i.name): i.name for i in list_algorithms()}
     name = _ALIASES.get(key) or names.get(key)
-    rc = create_algorithm(name).paper_round_comm(arch, clients) if name else None
+    return create_algorithm(name).paper_round_comm(arch, clients) if name else None
+
+
+def _convention(method: Any, arch: HeadArch, clients: int) -> PaperRoundComm:
+    """round_comm_of, or one line naming the methods that have a convention."""
+    from fedheads.algorithms import create_algorithm, list_algorithms
+
+    rc = round_comm_of(method, arch, clients)
     if rc is None:
+        names = {method_key(i.name): i.name for i in list_algorithms()}
         known = sorted(n for n in names.values() if create_algorithm(n).paper_round_comm(arch, clients) is not None)
-        raise UserError(f"method={method!r}: no paper convention (known: {', '.join(known)})")
+        raise UserError(f"method={getattr(method, 'name', method)!r}: no paper convention (known: {', '.join(known)})")
     return rc
 
 
-def fedpcl_comm_params(method: str, arch: HeadArch) -> int:
+def fedpcl_comm_params(method: Any, arch: HeadArch) -> int:
     """FedPCL Table 2 "# of Comm Params": parameters one client sends per round, by the
     algorithm's own convention (its file's `paper_round_comm`)."""
     return _convention(method, arch, 1).upload
@@ -209,14 +221,14 @@ def _check_krf(clients: int, rounds: int, fraction: float) -> None:
         raise UserError("clients/rounds: must be >= 0")
 
 
-def paper_round_comm(method: str, arch: HeadArch, clients: int) -> PaperRoundComm:
+def paper_round_comm(method: Any, arch: HeadArch, clients: int) -> PaperRoundComm:
     """Per-client, per-round upload and download of ``method`` with ``clients`` clients, as its
     algorithm file states its papers' convention (FedPCL: (m + 1) x C x d down, one silent
     round; every other method receives what it sends)."""
     return _convention(method, arch, clients)
 
 
-def paper_comm_bytes(method: str, arch: HeadArch, clients: int, rounds: int,
+def paper_comm_bytes(method: Any, arch: HeadArch, clients: int, rounds: int,
                      fraction: float = 1.0, bits: int = BITS_PER_PARAM) -> tuple[float, float]:
     """(upload, download) bytes over a run by the papers' convention (FedNCM Appendix A's
     K * R * F * 32 bit, per direction):

@@ -140,7 +140,7 @@ def summarise_runs(per_seed: Sequence[Mapping[str, Any]], *, algorithm: str,
                    feature_dims: Sequence[int] | None = None, num_classes: int | None = None,
                    proj_dim: int = 256, fraction: float = 1.0,
                    extra: Mapping[str, Any] | None = None,
-                   ddof: int = metrics.STD_DDOF) -> dict[str, Any]:
+                   ddof: int = metrics.STD_DDOF, built: Any = None) -> dict[str, Any]:
     """Build one results.json dict from per-seed runs.
 
     Each seed is ``{"seed": int, "per_client": {client: acc%}, "history": [{round,
@@ -149,7 +149,8 @@ def summarise_runs(per_seed: Sequence[Mapping[str, Any]], *, algorithm: str,
     (optional), "n_test": {client: int} (optional)}``. ``feature_dims`` (one per backbone)
     and ``num_classes`` enable the papers' conventions (FedPCL Table 2/14, FedNCM App. A);
     algorithms with no published convention get ``None`` there. ``ddof`` is that of every std
-    over seeds (default: the sample std, as the papers' authors)."""
+    over seeds (default: the sample std, as the papers' authors). ``built``: the run's algorithm
+    object, whose own convention is used (else the registered name's default is built)."""
     if not per_seed:
         raise UserError("per_seed: no seed results to summarise")
     for i, s in enumerate(per_seed):
@@ -179,11 +180,10 @@ def summarise_runs(per_seed: Sequence[Mapping[str, Any]], *, algorithm: str,
     comm_rounds = 1 if one_pass(algorithm) else rounds
     if feature_dims is not None and num_classes is not None:
         arch = comm.HeadArch(tuple(int(d) for d in feature_dims), proj_dim, num_classes)
-        try:
-            paper_params = comm.fedpcl_comm_params(algorithm, arch)
-            paper_bytes = comm.paper_comm_bytes(algorithm, arch, n_clients, comm_rounds, fraction)
-        except UserError:
-            paper_params = None  # no published convention for this algorithm
+        who = algorithm if built is None else built  # the run's algorithm object: not built again
+        if comm.round_comm_of(who, arch, 1) is not None:  # else no published convention for this algorithm
+            paper_params = comm.fedpcl_comm_params(who, arch)
+            paper_bytes = comm.paper_comm_bytes(who, arch, n_clients, comm_rounds, fraction)
         if comm.method_key(algorithm) in comm.FEDPCL_TABLE2_METHODS:  # same head (FedPCL Sec. 5.1)
             paper_trainable = comm.fedpcl_trainable_params(arch)
     comm_out["paper_comm_params_per_client_per_round"] = paper_params

@@ -1,11 +1,13 @@
-"""Config files for the `fedheads` commands: `--config run.yaml` and `--dump-config`.
+"""Config files for the `fedheads` commands: `--config run.yaml` (or run.json) and `--dump-config`.
 
 Merge order: built-in defaults < the config file < command-line flags (incl. --set). The file is
 read by click itself: its values become the command's `default_map`, so a flag typed on the command
 line wins as it would over any default. Its keys are the command's long option names (`-` or `_`),
-plus `set:` (a mapping of algorithm config fields, merged key by key with --set: a key given on the
-command line, or by --lr / --batch-size / --local-epochs, replaces the file's) and `command:` (the
-command it was written for). Unknown keys and values of the wrong type are one `error:` line.
+plus `set:` (a mapping of the method's settings: algorithm config fields for train/compare, the
+fine-tuning or FedDRA settings for finetune/feddra; merged key by key with --set: a key given on
+the command line, or by --lr / --batch-size / --local-epochs, replaces the file's) and `command:`
+(the command it was written for). A `.json` file is read as strict JSON, anything else as YAML.
+Unknown keys and values of the wrong type are one `error:` line.
 
 `--dump-config` prints the effective configuration as YAML and exits; `fedheads train ...
 --dump-config > run.yaml; fedheads train --config run.yaml` runs the same thing. `train` and
@@ -13,7 +15,6 @@ command it was written for). Unknown keys and values of the wrong type are one `
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -22,7 +23,7 @@ import click
 
 from embedcache.errors import UserError
 
-OPERATIONAL = ("config", "dump_config", "overwrite", "resume", "quiet")  # how to run, not what: never in a file
+OPERATIONAL = ("config", "dump_config", "list_settings", "overwrite", "resume", "quiet")  # how to run, not what: never in a file
 LIST_PARAMS = ("backbones", "seeds", "algorithms", "heads", "baselines", "probe_shots")  # comma lists on the CLI
 SETTINGS_PARAM = "settings"  # --set, the file's `set:`
 META = "fedheads.config_settings"  # ctx.meta key: the file's `set:` entries
@@ -36,8 +37,11 @@ def key_of(param: click.Parameter) -> str:
     return (longs[0][2:] if longs else str(param.name)).replace("-", "_")
 
 
-def _file_params(command: click.Command) -> dict[str, click.Parameter]:
-    return {key_of(p): p for p in command.params if p.name not in OPERATIONAL and isinstance(p, click.Option)}
+def _file_params(command: click.Command, aliases: bool = False) -> dict[str, click.Parameter]:
+    """{file key: option}; `aliases`: with the hidden one-release aliases of options that became
+    --set keys (read from a file written before, never written)."""
+    return {key_of(p): p for p in command.params if p.name not in OPERATIONAL and isinstance(p, click.Option)
+            and (aliases or not p.hidden)}
 
 
 def _expected(param: click.Parameter) -> str:
@@ -57,6 +61,8 @@ def _value(param: click.Parameter, key: str, value: Any, path: str) -> Any:
     """The file's value as the command line would pass it, or one UserError line naming the key."""
     if value is None and param.default is None and not param.required:
         return None
+    if getattr(param, "hidden", False) and not isinstance(param.type, click.types.BoolParamType):
+        return value  # an alias of a --set key: its value is parsed as --set parses it
     t, ok = param.type, False
     if param.name in LIST_PARAMS and isinstance(value, (list, tuple, int, str)) and not isinstance(value, bool):
         items = value if isinstance(value, (list, tuple)) else [value]
@@ -82,12 +88,20 @@ def read_config(ctx: click.Context, param: click.Parameter, value: str | None) -
     """--config's callback (eager: it runs before the other options are read)."""
     if value is None:
         return None
+    import json
+
     import yaml
 
-    from embedcache.parsing import loads_yaml
+    from embedcache.parsing import loads_json, loads_yaml
 
     try:
-        doc = loads_yaml(Path(value).read_text(), f"--config {value}")
+        text = Path(value).read_text()
+        if value.lower().endswith(".json"):
+            doc = loads_json(text, f"--config {value}")
+        else:
+            doc = loads_yaml(text, f"--config {value}")
+    except json.JSONDecodeError as exc:
+        raise UserError(f"--config {value}: not valid JSON at line {exc.lineno} ({exc.msg})") from None
     except OSError as exc:
         raise UserError(f"--config {value}: cannot read ({exc.strerror or exc})") from None
     except yaml.YAMLError as exc:
@@ -98,7 +112,7 @@ def read_config(ctx: click.Context, param: click.Parameter, value: str | None) -
     if not isinstance(doc, dict):
         raise UserError(f"--config {value}: expected a mapping of option: value, got {type(doc).__name__}")
     cmd = ctx.command
-    params = _file_params(cmd)
+    params = _file_params(cmd, aliases=True)
     dm: dict[str, Any] = {}
     for raw, v in doc.items():
         key = str(raw).replace("-", "_")
@@ -112,7 +126,7 @@ def read_config(ctx: click.Context, param: click.Parameter, value: str | None) -
         elif key in params and params[key].name != SETTINGS_PARAM:
             dm[str(params[key].name)] = _value(params[key], key, v, value)
         else:
-            valid = sorted(k for k, p in params.items() if p.name != SETTINGS_PARAM)
+            valid = sorted(k for k, p in params.items() if p.name != SETTINGS_PARAM and not p.hidden)
             if any(p.name == SETTINGS_PARAM for p in params.values()):
                 valid.append("set")
             raise UserError(f"{value}: unknown key {raw!r} for `fedheads {cmd.name}` (valid keys: command, "
@@ -124,12 +138,12 @@ def read_config(ctx: click.Context, param: click.Parameter, value: str | None) -
 def config_options(f: Callable) -> Callable:
     """Add --config and --dump-config to a command (the command receives `dump_config`)."""
     f = click.option("--dump-config", is_flag=True,
-                     help="Print the effective configuration as YAML (every option, the algorithm's config "
-                          "with its defaults) and exit.")(f)
+                     help="Print the effective configuration as YAML (every option, and under set: every "
+                          "setting of the method with its value) and exit.")(f)
     f = click.option("--config", type=click.Path(dir_okay=False), is_eager=True, expose_value=False,
                      callback=read_config,
-                     help="YAML file of options (keys: the long option names, and set: for algorithm "
-                          "fields). Merge order: defaults < config file < command-line flags (incl. --set).")(f)
+                     help="YAML or JSON file of options (keys: the long option names, and set: for the "
+                          "method's settings). Merge order: defaults < config file < command-line flags (incl. --set).")(f)
     return f
 
 
@@ -174,26 +188,14 @@ def params_config(ctx: click.Context, values: dict[str, Any] | None = None) -> d
     return out
 
 
-def with_config(f: Callable) -> Callable:
-    """config_options for a command whose dump is its own option values (finetune, feddra)."""
-
-    @functools.wraps(f)
-    def wrapper(*args: Any, dump_config: bool, **kw: Any) -> Any:
-        if dump_config:
-            ctx = click.get_current_context()
-            click.echo(dump(str(ctx.command.name), params_config(ctx)), nl=False)
-            return None
-        return f(*args, **kw)
-
-    return config_options(wrapper)
-
-
 def effective_config(command: str, store: str | None, backbones: list[str], algorithms: list[str], opts: Any,
-                     out: str | Path, strict: bool = True, dropped: tuple[str, ...] = ()) -> dict[str, Any]:
+                     out: str | Path, strict: bool = True, dropped: tuple[str, ...] = (),
+                     configs: dict[str, Any] | None = None) -> dict[str, Any]:
     """The effective configuration of `fedheads train` (one algorithm) or `compare`, keyed like
     their options (tests/test_runconfig.py checks the two match): `set` holds every config field
     of the algorithm (compare: `NAME.field` for each) as it is built, defaults included.
-    `dropped`: generic options a comparison did not apply to this algorithm (left out)."""
+    `dropped`: generic options a comparison did not apply to this algorithm (left out).
+    `configs`: {algorithm: the config it was built with} (else each is built once here)."""
     from fedheads.runner import build_algorithm
     from fedheads.settings import resolved_settings
 
@@ -211,8 +213,10 @@ def effective_config(command: str, store: str | None, backbones: list[str], algo
     cfg.update(cli_values(getattr(opts, "dp", None)))  # --dp-* (fedheads.privacy)
     fields: dict[str, Any] = {}
     for name in algorithms:
-        alg = build_algorithm(name, opts, strict=strict)[0]
+        built = (configs or {}).get(name)
+        if built is None:
+            built = build_algorithm(name, opts, strict=strict)[0]
         prefix = "" if command == "train" else f"{name}."
-        fields.update({prefix + k: v for k, v in resolved_settings(name, alg).items()})
+        fields.update({prefix + k: v for k, v in resolved_settings(name, built).items()})
     cfg["set"] = fields
     return cfg

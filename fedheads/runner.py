@@ -93,44 +93,46 @@ def settings_for(name: str, settings: Sequence[tuple[str, Any]]) -> tuple[dict[s
     return scoped, plain
 
 
-def _not_a_field(e: TypeError) -> bool:
-    """A config built with a keyword it does not have (as opposed to a bad value)."""
-    return any(s in str(e) for s in ("unexpected keyword", "unknown option", "does not apply"))
+def resolve_settings(name: str, opts: TrainOptions, strict: bool = True) -> tuple[dict[str, Any], list[str]]:
+    """(the config fields a run of `name` is built with, the options that do not apply to it),
+    decided from the fields of its config dataclass (fedheads.settings), nothing built.
+
+    A field scoped to this algorithm (`--set lp.lr=0.1`) must be one of its settings. A plain
+    --set key or a generic option (--lr, --batch-size, --local-epochs) that is not: with
+    `strict` an error naming it (`train`); else dropped and returned (`compare`)."""
+    from fedheads.settings import unknown_key_error, valid_keys
+
+    keys = set(valid_keys(name))
+    scoped, plain = settings_for(name, opts.settings)
+    bad = next((k for k in scoped if k not in keys), None)
+    if bad is not None:
+        raise unknown_key_error(bad, [name], f"--set {name}.{bad}")
+    used, ignored = dict(scoped), []
+    generic = opts.generic()
+    for k, v in {**plain, **generic}.items():
+        if k in used:
+            continue  # the scoped value wins
+        if k in keys:
+            used[k] = v
+        elif not strict:
+            ignored.append(k)
+        elif k in generic:
+            raise UserError(f"--{k.replace('_', '-')}: does not apply to algorithm {name}")
+        else:
+            raise unknown_key_error(k, [name])
+    return used, ignored
 
 
 def build_algorithm(name: str, opts: TrainOptions, strict: bool = True) -> tuple[Any, dict[str, Any], list[str]]:
-    """The algorithm with the --set fields and generic options that apply to it.
-
-    Returns (algorithm, the kwargs used, options that do not apply). With `strict` an option
-    that does not apply is an error (`train`); `compare` drops and records it. A field scoped
-    to this algorithm (`--set lp.lr=0.1`) must always apply."""
-    from fedheads.settings import unknown_key_error, valid_keys
-
-    scoped, plain = settings_for(name, opts.settings)
+    """The algorithm, built once with every --set field and generic option that applies to it
+    (resolve_settings). Returns (algorithm, the kwargs used, options that do not apply). A value
+    its config refuses is one line naming the algorithm and the settings given."""
+    used, ignored = resolve_settings(name, opts, strict)
     try:
-        create_algorithm(name, **scoped)
-    except TypeError as e:
-        if _not_a_field(e):
-            bad = next((k for k in scoped if k not in valid_keys(name)), None)
-            if bad is not None:
-                raise unknown_key_error(bad, [name], f"--set {name}.{bad}") from None
-        raise UserError(f"--set for {name}: {e}") from None
-    used, ignored = dict(scoped), []
-    for k, v in {**plain, **opts.generic()}.items():
-        if k in used:
-            continue  # the scoped value wins
-        try:
-            create_algorithm(name, **{**used, k: v})
-            used[k] = v
-        except TypeError as e:
-            if not _not_a_field(e):  # a field of this algorithm, given a value of the wrong type
-                raise UserError(f"{k}={v!r}: not a valid value for {name} ({e})") from None
-            if strict:
-                if k not in opts.generic():
-                    raise unknown_key_error(k, [name]) from None
-                raise UserError(f"--{k.replace('_', '-')}: does not apply to algorithm {name}") from None
-            ignored.append(k)
-    alg = create_algorithm(name, **used)
+        alg = create_algorithm(name, **used)
+    except (TypeError, ValueError) as e:  # a value of the wrong type reaching the config's checks
+        given = ", ".join(f"{k}={v!r}" for k, v in used.items())
+        raise UserError(f"--set for {name}: not valid values ({given}): {e}") from None
     if opts.dp is not None:  # refuses an algorithm without a DP form in one line
         from fedheads.privacy import Private
 
@@ -346,21 +348,24 @@ def train_data(data: Federation, backbones: Sequence[str], algorithm: str, opts:
                store: str | Path | StoreRecord | None = None, strict: bool = True,
                t_start: tuple[float, float] | None = None,
                load: tuple[float, float] | None = None, state_dir: Path | None = None,
-               resume: bool = False, heap: GlibcHeap | None = None) -> TrainedRun:
+               resume: bool = False, heap: GlibcHeap | None = None,
+               built: tuple[Any, dict[str, Any], list[str]] | None = None) -> TrainedRun:
     """Train `algorithm` once per seed on `data` and build the run's artefacts, every per-client
-    result, saved state and row in `data`'s client order. `store`: where the features came from
+    result, saved state and row in `data`'s client order (`built`: what build_algorithm returned
+    for it, else it is built here; one algorithm object runs every seed). `store`: where the features came from
     (its record, or its path, opened here once; recorded with its fingerprint and feature
     dimensions in the config; None: one block of data.dim). With `state_dir`, each seed writes a
     checkpoint there after every round (fedheads.resume) and, with `resume`, continues from it;
     without, nothing is written. `heap`: the process's heap policy (fedheads.heap; None: none)."""
     if t_start is None:
         t_start = clock(torch.device("cpu"))
-    build_algorithm(algorithm, opts, strict=strict)  # bad options fail before any training
+    alg, used, ignored = built or build_algorithm(algorithm, opts, strict=strict)  # bad options fail before training
+    alg_cfg = _config_dict(getattr(alg, "cfg", None))
     require_test_samples(data)
     record = _store_record(store, backbones)
     names, n_test = list(data.client_names), list(data.n_test)
     dims = [data.dim] if record is None else list(record.dims)
-    per_seed, rows, alg_cfg, ignored, used = [], [], None, [], {}
+    per_seed, rows = [], []
     states: dict[int, RunResult] = {}
     extra_rules: dict[str, list[float]] = {}
     data_id = None
@@ -369,8 +374,6 @@ def train_data(data: Federation, backbones: Sequence[str], algorithm: str, opts:
     rounds = rounds_needed(algorithm, opts)
     releases: list[int] = []  # per seed, under DP: the most rounds one client's statistics were released in
     for seed in opts.seeds:
-        alg, used, ignored = build_algorithm(algorithm, opts, strict=strict)
-        alg_cfg = _config_dict(getattr(alg, "cfg", None))
         ck, log = None, None
         if state_dir is not None and opts.tensorboard:
             from fedheads.tracking import RoundLogger
@@ -421,7 +424,7 @@ def train_data(data: Federation, backbones: Sequence[str], algorithm: str, opts:
     extra["timing"] = report.timing_block(per_seed, *_since(t_start, data.device), machine(data.device), load)
     result = report.summarise_runs(per_seed, algorithm=algorithm, backbones=list(backbones),
                                    rounds=opts.rounds, feature_dims=dims, num_classes=data.num_classes,
-                                   fraction=opts.fraction, extra=extra)
+                                   fraction=opts.fraction, extra=extra, built=alg)
     config: dict[str, Any] = {"store": None if record is None else record.path, "backbones": list(backbones),
                               "algorithm": algorithm}
     if record is not None:
@@ -445,7 +448,7 @@ def train_run(store: str | Path | StoreInfo | None, backbones: Sequence[str], al
     policy (fedheads.heap.GlibcHeap, which the `fedheads` command chooses; None: none)."""
     out = Path(out)
     rundir.check_resume(out, (), overwrite, resume)
-    build_algorithm(algorithm, opts, strict=strict)  # bad options fail before the old run is touched
+    built = build_algorithm(algorithm, opts, strict=strict)  # bad options fail before the old run is touched
     if opts.tensorboard:
         from fedheads.tracking import require
 
@@ -457,7 +460,7 @@ def train_run(store: str | Path | StoreInfo | None, backbones: Sequence[str], al
         rundir.clear_run(out)
     (out / "results.json").unlink(missing_ok=True)  # resumed: complete again only when rewritten
     trained = train_data(data, backbones, algorithm, opts, store=record, strict=strict,
-                         t_start=t_start, load=load, state_dir=out / "state", resume=resume, heap=heap)
+                         t_start=t_start, load=load, state_dir=out / "state", resume=resume, heap=heap, built=built)
     write_trained(out, trained)
     return trained.result
 
@@ -470,17 +473,21 @@ def write_trained(out: str | Path, trained: TrainedRun) -> None:
     if trained.opts is not None:
         c = trained.config
         write_config_yaml(out, "train", c["store"], c["backbones"], [c["algorithm"]], trained.opts,
-                          dropped=tuple(c.get("ignored_options", ())))
+                          dropped=tuple(c.get("ignored_options", ())),
+                          configs={c["algorithm"]: c.get("algorithm_config")})
     _write_run_dir(out, trained.result, trained.config, trained.rows)
 
 
 def write_config_yaml(out: Path, command: str, store: str | None, backbones: Sequence[str],
-                      algorithms: Sequence[str], opts: TrainOptions, dropped: tuple[str, ...] = ()) -> None:
+                      algorithms: Sequence[str], opts: TrainOptions, dropped: tuple[str, ...] = (),
+                      configs: dict[str, Any] | None = None) -> None:
     """RUN_DIR/config.yaml: the effective configuration, as `--dump-config` prints it (`fedheads
-    <command> --config RUN_DIR/config.yaml` runs it again)."""
+    <command> --config RUN_DIR/config.yaml` runs it again). `configs`: {algorithm: the config it
+    trained with} (then nothing is built again)."""
     from fedheads.runconfig import dump, effective_config
 
-    cfg = effective_config(command, store, list(backbones), list(algorithms), opts, out, strict=False, dropped=dropped)
+    cfg = effective_config(command, store, list(backbones), list(algorithms), opts, out, strict=False, dropped=dropped,
+                           configs=configs)
     _atomic_bytes(out / "config.yaml", dump(command, cfg).encode())
 
 
@@ -501,9 +508,10 @@ def _write_run_dir(out: Path, result: dict[str, Any], config: dict[str, Any], ro
 
 
 def check_compare_settings(algorithms: Sequence[str], opts: TrainOptions) -> None:
-    """Unknown names and bad values fail before any training; so does a --set key that no
-    compared algorithm has (a typo would otherwise be dropped from every one of them)."""
-    ignored_by = [set(build_algorithm(name, opts, strict=False)[2]) for name in algorithms]
+    """A plain --set key that no compared algorithm has is refused by name (a typo would
+    otherwise be dropped from every one of them); one that some have applies to those.
+    Decided from the algorithms' config fields, nothing built."""
+    ignored_by = [set(resolve_settings(name, opts, strict=False)[1]) for name in algorithms]
     for key, _ in opts.settings:
         if "." not in key and all(key in ig for ig in ignored_by):
             from fedheads.settings import unknown_key_error
@@ -511,23 +519,34 @@ def check_compare_settings(algorithms: Sequence[str], opts: TrainOptions) -> Non
             raise unknown_key_error(key, list(algorithms))
 
 
+def build_compared(algorithms: Sequence[str], opts: TrainOptions) -> dict[str, tuple[Any, dict[str, Any], list[str]]]:
+    """Each compared algorithm built once (what it does not take dropped), so unknown names,
+    keys and bad values fail before any training."""
+    check_compare_settings(algorithms, opts)
+    return {name: build_algorithm(name, opts, strict=False) for name in algorithms}
+
+
 def compare_data(data: Federation, backbones: Sequence[str], algorithms: Sequence[str], opts: TrainOptions, *,
                  store: str | Path | StoreRecord | None = None,
                  t_start: tuple[float, float] | None = None, load: tuple[float, float] | None = None,
                  out: Path | None = None, resume: bool = False,
-                 heap: GlibcHeap | None = None) -> tuple[dict[str, TrainedRun], dict[str, Any]]:
+                 heap: GlibcHeap | None = None,
+                 built: dict[str, tuple[Any, dict[str, Any], list[str]]] | None = None,
+                 ) -> tuple[dict[str, TrainedRun], dict[str, Any]]:
     """Every algorithm trained on the same features, in memory: ({name: TrainedRun}, the
     comparison's results.json dict). Options that do not apply to an algorithm are dropped and
     recorded (`ignored_options`), as `compare` does. With `out`, each algorithm checkpoints every
     round in out/<algorithm>/state/ (and continues from there with `resume`). `store` and `heap`
-    as in train_data (a path is opened once for all algorithms)."""
+    as in train_data (a path is opened once for all algorithms); `built`: what build_compared
+    returned (else each algorithm is built here, once)."""
     if t_start is None:
         t_start = clock(torch.device("cpu"))
-    check_compare_settings(algorithms, opts)
+    built = built or build_compared(algorithms, opts)
     require_test_samples(data)
     record = _store_record(store, backbones)
     runs = {name: train_data(data, backbones, name, opts, store=record, strict=False,
-                             state_dir=None if out is None else out / name / "state", resume=resume, heap=heap)
+                             state_dir=None if out is None else out / name / "state", resume=resume, heap=heap,
+                             built=built[name])
             for name in algorithms}
     combined = {"algorithms": {n: r.result for n, r in runs.items()}, "backbones": list(backbones),
                 "dataset": None if record is None else record.dataset,
@@ -546,7 +565,7 @@ def compare_runs(store: str | Path | StoreInfo | None, backbones: Sequence[str],
     `data` and `heap` as in train_run; `resume` continues an interrupted comparison."""
     out = Path(out)
     rundir.check_resume(out, algorithms, overwrite, resume)
-    check_compare_settings(algorithms, opts)
+    built = build_compared(algorithms, opts)
     if opts.tensorboard:
         from fedheads.tracking import require
 
@@ -559,7 +578,7 @@ def compare_runs(store: str | Path | StoreInfo | None, backbones: Sequence[str],
     for d in [out, *(out / a for a in algorithms)]:
         (d / "results.json").unlink(missing_ok=True)  # resumed: complete again only when rewritten
     runs, combined = compare_data(data, backbones, algorithms, opts, store=record,
-                                  t_start=t_start, load=load, out=out, resume=resume, heap=heap)
+                                  t_start=t_start, load=load, out=out, resume=resume, heap=heap, built=built)
     write_comparison(out, runs, combined, opts)
     return combined
 
@@ -571,7 +590,8 @@ def write_comparison(out: str | Path, runs: dict[str, TrainedRun], combined: dic
     out = Path(out)
     for name, trained in runs.items():
         write_trained(out / name, trained)
-    write_config_yaml(out, "compare", combined["store"], combined["backbones"], list(runs), opts)
+    write_config_yaml(out, "compare", combined["store"], combined["backbones"], list(runs), opts,
+                      configs={n: r.config.get("algorithm_config") for n, r in runs.items()})
     results = list(combined["algorithms"].values())
     where = f" on {report.relative_paths(combined['dataset'], out)}" if combined.get("dataset") else ""
     title = f"{', '.join(combined['backbones'])}{where}: {opts.rounds} rounds"  # the table adds the seeds

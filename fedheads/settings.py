@@ -1,20 +1,19 @@
 """What `--set KEY=VALUE` (and `settings=` in the Python API) can change, read off the
-algorithms' config dataclasses: every field with its type, default, one-line doc (the comment on
-its line) and, where the comment or the class docstring cites the paper (Sec., Table, App., Eq.,
-Alg.), that source. `fedheads algorithms NAME` prints it; an unknown key's error lists the keys.
+algorithm's declared config dataclass (`register_algorithm(..., config=...)`): every field with
+its type, default, and the one-line doc and paper source that fedheads.core.config.setting
+records in the field's metadata. `fedheads algorithms NAME` prints it; `--set`, `--config` and
+`--dump-config` check and write the same keys; an unknown key's error lists them.
 
 The client optimiser is one nested field (`optimizer`); the registry takes its parts as flat keys
 (`lr`, `weight_decay`, `momentum`, `optimizer_name`: fedheads.core.optim.config_from_kwargs), so
-they are listed flat, with the algorithm's own optimiser defaults."""
+they are listed flat, with the algorithm's own optimiser defaults. Fields the registration fixes
+(lp's `hidden`) are not keys."""
 
 from __future__ import annotations
 
 import dataclasses
 import inspect
-import io
 import json
-import re
-import tokenize
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -23,8 +22,14 @@ from embedcache.errors import UserError
 from embedcache.parsing import loads_json
 
 OPT_FIELD = "optimizer"
-_CITE = re.compile(r"\b(?:Sec(?:tion)?\.?|Tables?|App(?:endix|\.)|Eq(?:s|uation)?\.?|Alg(?:orithm|\.)|Fig(?:ure|\.)?)"
-                   r"\s*(?:[A-Z]?\.?\d[\w.\-]*|[A-Z]\b)(?:\s*(?:/|,|and)\s*(?:[A-Z]?\.?\d[\w.\-]*|[A-Z]\b))*")
+
+
+def setting_doc(f: dataclasses.Field) -> tuple[str, str]:
+    """(doc, source) of a config field (fedheads.core.config.setting_doc; imported when called,
+    so that checking a typed name on the command line does not load torch with fedheads.core)."""
+    from fedheads.core.config import setting_doc as read
+
+    return read(f)
 
 
 @dataclass(frozen=True)
@@ -34,8 +39,8 @@ class Setting:
     key: str  # what --set takes
     type: str  # the field's annotation
     default: Any  # the algorithm's default value
-    doc: str  # the comment on the field's line (continuation comment lines joined)
-    source: str  # the paper passage(s) the comment cites for it ("" when none)
+    doc: str  # the field's doc (its `setting` metadata)
+    source: str  # the paper passage(s) it comes from ("" when none)
 
 
 def parse_settings(items: Iterable[str]) -> tuple[tuple[str, Any], ...]:
@@ -53,101 +58,79 @@ def parse_settings(items: Iterable[str]) -> tuple[tuple[str, Any], ...]:
     return tuple(out)
 
 
-def field_comments(cls: type) -> dict[str, str]:
-    """{field: its trailing comment, with comment-only lines right below it appended}."""
-    try:
-        src = inspect.getsource(cls)
-    except (OSError, TypeError):  # defined in a notebook or exec'd code: no source to read
-        return {}
-    toks = list(tokenize.generate_tokens(io.StringIO(src).readline))
-    fields: dict[int, str] = {}  # row -> field name, for rows that start with `name:`
-    for a, b in zip(toks, toks[1:]):
-        if (a.type == tokenize.NAME and b.type == tokenize.OP and b.string == ":"
-                and a.line[: a.start[1]].strip() == "" and a.start[0] not in fields):
-            fields[a.start[0]] = a.string
-    out: dict[str, str] = {}
-    current, last_row = None, -1
-    for t in toks:
-        if t.type != tokenize.COMMENT:
-            continue
-        row, text = t.start[0], t.string.lstrip("#").strip()
-        if row in fields:
-            current, last_row = fields[row], row
-            out[current] = text
-        elif current is not None and row == last_row + 1 and t.line.strip().startswith("#"):
-            out[current] += " " + text  # a comment-only line continuing the field's comment
-            last_row = row
-        else:
-            current = None
-    return out
+_UNDECLARED: dict[tuple[str, int], type | None] = {}
 
 
-def _cites(text: str) -> str:
-    return "; ".join(m.group(0).strip().rstrip(".,;") for m in _CITE.finditer(text))
+def config_class(name: str) -> type | None:
+    """The config dataclass of algorithm `name`: declared at registration; for an algorithm
+    registered without one, the class of one default build's `cfg` (built once, remembered).
+    None: an algorithm without a config dataclass (no keys). UserError for an unknown name."""
+    from fedheads.algorithms import algorithm_info, create_algorithm
+
+    info = algorithm_info(name)
+    if info.config is not None:
+        return info.config
+    key = (name, id(info.factory))
+    if key not in _UNDECLARED:
+        cfg = getattr(create_algorithm(name), "cfg", None)
+        _UNDECLARED[key] = type(cfg) if dataclasses.is_dataclass(cfg) and not isinstance(cfg, type) else None
+    return _UNDECLARED[key]
 
 
-def _config_of(name: str) -> Any:
-    from fedheads.algorithms import create_algorithm
-
-    cfg = getattr(create_algorithm(name), "cfg", None)
-    return cfg if dataclasses.is_dataclass(cfg) and not isinstance(cfg, type) else None
+def _defaults(cls: type) -> Any:
+    """A default instance of `cls` (its checks applied), or its fields' declared defaults where a
+    field has none (None there)."""
+    fields = dataclasses.fields(cls)
+    missing = dataclasses.MISSING
+    if all(f.default is not missing or f.default_factory is not missing for f in fields):
+        return cls()
+    return type("Defaults", (), {f.name: f.default if f.default is not missing else
+                                 f.default_factory() if f.default_factory is not missing else None  # type: ignore[misc]
+                                 for f in fields})()
 
 
 def settings_of(name: str) -> tuple[list[Setting], str]:
-    """(every key `--set` takes for algorithm `name`, the config class docstring). UserError for
-    an unknown algorithm; an algorithm without a config dataclass has no keys."""
-    from fedheads.core.config import setting_doc  # here: this module is read before torch loads
+    """(every key `--set` takes for algorithm `name`, the config class docstring), read from the
+    declared config class and its fields' metadata (nothing is built). UserError for an unknown
+    algorithm; an algorithm without a config dataclass has no keys."""
+    from fedheads.algorithms import algorithm_info
 
-    cfg = _config_of(name)
-    if cfg is None:
+    cls = config_class(name)
+    if cls is None:
         return [], ""
-    cls = type(cfg)
-    notes = field_comments(cls)
-    doc = inspect.cleandoc(cls.__doc__ or "")
+    fixed = algorithm_info(name).fixed
+    base = _defaults(cls)
+    fields = dataclasses.fields(cls)
+    own = {f.name for f in fields}
     out: list[Setting] = []
-    for f in dataclasses.fields(cls):
-        value = getattr(cfg, f.name)
-        comment = notes.get(f.name, "")
+    for f in fields:
+        if f.name in fixed:
+            continue
+        value = getattr(base, f.name)
+        doc, source = setting_doc(f)
         if f.name == OPT_FIELD and dataclasses.is_dataclass(value):
-            why = comment or "; ".join(p for p in setting_doc(f) if p)
-            out += _optimizer_settings(value, why, {g.name for g in dataclasses.fields(cls)})
+            out += _optimizer_settings(value, doc, source, own)
             continue
-        if not comment:  # declared with fedheads.core.config.setting: its doc and source travel with the field
-            doc_, source = setting_doc(f)
-            out.append(Setting(f.name, str(f.type), value, doc_, source))
-            continue
-        out.append(Setting(f.name, str(f.type), value, comment, _cites(comment)))
-    return sorted((s for s in out if _accepted(name, s)), key=lambda s: s.key), doc
+        out.append(Setting(f.name, str(f.type), value, doc, source))
+    return sorted(out, key=lambda s: s.key), inspect.cleandoc(cls.__doc__ or "")
 
 
-def _accepted(name: str, s: Setting) -> bool:
-    """Whether the algorithm's factory takes the key (lp's config has `hidden`, its factory
-    refuses it: mlp is the one with hidden layers)."""
-    from fedheads.algorithms import create_algorithm
-
-    try:
-        create_algorithm(name, **{s.key: s.default})
-    except TypeError:
-        return False
-    return True
-
-
-_OPT_DOCS = {"lr": "client learning rate", "weight_decay": "client L2 weight decay (added to the gradient)",
-             "momentum": "client SGD momentum", "optimizer_name": "client optimiser: adam | sgd"}
-
-
-def _optimizer_settings(opt: Any, comment: str, own: set[str]) -> list[Setting]:
-    """The flat keys of the nested optimiser field; the algorithm's comment on that field says
-    where its optimiser defaults come from."""
+def _optimizer_settings(opt: Any, doc: str, source: str, own: set[str]) -> list[Setting]:
+    """The flat keys of the nested optimiser field, documented by the optimiser's own fields;
+    the algorithm's doc and source on that field say where its optimiser defaults come from."""
     from fedheads.core.optim import _OPT_KEYS
 
-    types = {f.name: str(f.type) for f in dataclasses.fields(opt)}
+    parts = {f.name: f for f in dataclasses.fields(opt)}
     out = []
     for key, part in _OPT_KEYS.items():
         if key in own:  # the config's own field wins (pFedMe's `lr`)
             continue
-        doc = _OPT_DOCS.get(key, key) + (f" (optimiser: {comment})" if comment else "")
-        out.append(Setting(key, types[part], getattr(opt, part), doc, _cites(comment)))
+        pdoc, psource = setting_doc(parts[part])
+        full = f"client optimiser: {pdoc}" + (f" (this algorithm: {doc})" if doc else "")
+        value = getattr(opt, part)
+        # the optimiser's own source describes its own default only
+        own_source = psource if value == getattr(type(opt)(), part) else ""
+        out.append(Setting(key, str(parts[part].type), value, full, source or own_source))
     return out
 
 
@@ -184,15 +167,21 @@ def settings_table(name: str) -> str:
         head += ["", *("  " + ln for ln in doc.splitlines())]
     if not rows:
         return "\n".join(head + ["", "no settings"])
-    w = [max(len(c) for c in col) for col in zip(*[("key", "type", "default")] +
-                                                     [(r.key, r.type, _fmt(r.default)) for r in rows])]
-    lines = ["", f"{'key':{w[0]}}  {'type':{w[1]}}  {'default':{w[2]}}  doc [source]"]
-    for r in rows:
-        src = f" [{r.source}]" if r.source else ""
-        lines.append(f"{r.key:{w[0]}}  {r.type:{w[1]}}  {_fmt(r.default):{w[2]}}  {r.doc}{src}")
+    lines = ["", *rows_table(rows)]
     generic = [f"--{k.replace('_', '-')}" for k in ("lr", "batch_size", "local_epochs") if k in {r.key for r in rows}]
     also = f"; {'/'.join(generic)} set the key{'s' if len(generic) > 1 else ''} of that name" if generic else ""
     return "\n".join(head + lines + ["", f"set with --set KEY=VALUE (or --set {name}.KEY=VALUE in compare){also}"])
+
+
+def rows_table(rows: list[Setting]) -> list[str]:
+    """Lines of a settings table: key, type, default, doc [source]."""
+    w = [max(len(c) for c in col) for col in zip(*[("key", "type", "default")] +
+                                                     [(r.key, r.type, _fmt(r.default)) for r in rows])]
+    lines = [f"{'key':{w[0]}}  {'type':{w[1]}}  {'default':{w[2]}}  doc [source]"]
+    for r in rows:
+        src = f" [{r.source}]" if r.source else ""
+        lines.append(f"{r.key:{w[0]}}  {r.type:{w[1]}}  {_fmt(r.default):{w[2]}}  {r.doc}{src}")
+    return lines
 
 
 def settings_json(name: str) -> dict[str, Any]:
@@ -205,23 +194,121 @@ def settings_json(name: str) -> dict[str, Any]:
 def _plain(v: Any) -> Any:
     if dataclasses.is_dataclass(v) and not isinstance(v, type):
         return {f.name: _plain(getattr(v, f.name)) for f in dataclasses.fields(v)}
+    if isinstance(v, dict):
+        return {k: _plain(x) for k, x in v.items()}
     if isinstance(v, (list, tuple)):
         return [_plain(x) for x in v]
     return v
 
 
-def resolved_settings(name: str, algorithm: Any) -> dict[str, Any]:
-    """{key: value} of every key `--set` takes for `name`, read off the built `algorithm`'s config
-    (defaults included; the optimiser's parts flat), as YAML/JSON-safe values: passing them all
+def resolved_settings(name: str, config: Any) -> dict[str, Any]:
+    """{key: value} of every key `--set` takes for `name`, read off `config` (the built algorithm,
+    its config dataclass, or that config as a dict, e.g. config.json's `algorithm_config`;
+    defaults included; the optimiser's parts flat), as YAML/JSON-safe values: passing them all
     back to the factory builds the same config (tests/test_runconfig.py)."""
     from fedheads.core.optim import _OPT_KEYS
 
-    cfg = getattr(algorithm, "cfg", None)
+    if hasattr(config, "cfg") and not dataclasses.is_dataclass(config):
+        config = config.cfg
+    cfg = _plain(config) or {}
     out: dict[str, Any] = {}
     for s in settings_of(name)[0]:
-        if hasattr(cfg, s.key):
-            v = getattr(cfg, s.key)
-        else:  # a flat key of the nested optimiser field
-            v = getattr(getattr(cfg, OPT_FIELD), _OPT_KEYS[s.key])
-        out[s.key] = _plain(v)
+        out[s.key] = cfg[s.key] if s.key in cfg else cfg[OPT_FIELD][_OPT_KEYS[s.key]]
     return out
+
+
+# ------------------------------------------------------------------ settings of a command (finetune, feddra)
+
+
+@dataclass(frozen=True)
+class Part:
+    """Fields of one config dataclass that a command takes as flat `--set` keys."""
+
+    cls: type
+    keys: tuple[str, ...] | None = None  # None: every field (except those holding a dataclass)
+    exclude: tuple[str, ...] = ()  # fields the command sets from its own options (feddra's rounds)
+
+    def fields(self) -> list[dataclasses.Field]:
+        out = []
+        for f in dataclasses.fields(self.cls):
+            if f.name in self.exclude or (self.keys is not None and f.name not in self.keys):
+                continue
+            default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default  # type: ignore[misc]
+            if self.keys is None and dataclasses.is_dataclass(default):
+                continue  # a nested config: its own Part lists its fields
+            out.append(f)
+        return out
+
+
+def command_settings(parts: Iterable[Part]) -> list[Setting]:
+    """Every key of a command's settings with type, default, doc and source (field metadata)."""
+    out = []
+    for part in parts:
+        base = _defaults(part.cls)
+        for f in part.fields():
+            doc, source = setting_doc(f)
+            out.append(Setting(f.name, str(f.type), getattr(base, f.name), doc, source))
+    return sorted(out, key=lambda s: s.key)
+
+
+def _checked(key: str, type_: str, value: Any) -> Any:
+    """`value` as the field's annotation wants it (an int where a float is declared becomes a float,
+    a number where text is declared becomes text), or one line naming the key."""
+    import math
+
+    opts = [t.strip() for t in type_.split("|")]
+    shown = value if isinstance(value, str) else json.dumps(value)
+    if value is None:
+        if "None" in opts:
+            return None
+    elif "bool" in opts:
+        if isinstance(value, bool):
+            return value
+    elif isinstance(value, bool):
+        pass
+    elif "int" in opts and isinstance(value, int):
+        return value
+    elif "float" in opts and isinstance(value, (int, float, str)):
+        try:
+            number = float(value)
+        except ValueError:
+            number = None
+        if number is not None:
+            if not math.isfinite(number):
+                raise UserError(f"--set {key}={shown}: must be a finite number")
+            return number
+    elif "str" in opts and isinstance(value, (str, int, float)):
+        return str(value)
+    elif any(o.startswith("tuple") for o in opts) and isinstance(value, (list, tuple)):
+        return tuple(value)
+    elif not {"bool", "int", "float", "str"} & set(opts) and not any(o.startswith("tuple") for o in opts):
+        return value  # a type this check does not know: the config's own checks decide
+    raise UserError(f"--set {key}={shown}: expected {type_}")
+
+
+def split_settings(command: str, parts: tuple[Part, ...], items: Iterable[tuple[str, Any]]) -> list[dict[str, Any]]:
+    """`--set` items (later ones win) -> one {field: value} per part, each value checked against
+    its field's type; a key of no part is one line naming it and the valid keys."""
+    owner = {f.name: (i, f) for i, part in enumerate(parts) for f in part.fields()}
+    out: list[dict[str, Any]] = [{} for _ in parts]
+    for key, value in items:
+        if key not in owner:
+            import difflib
+
+            near = difflib.get_close_matches(key, list(owner), n=1)
+            hint = f"did you mean {near[0]}? " if near else ""
+            raise UserError(f"--set {key}: not a setting of `fedheads {command}` ({hint}valid keys: "
+                            f"{', '.join(sorted(owner))})")
+        i, f = owner[key]
+        out[i][key] = _checked(key, str(f.type), value)
+    return out
+
+
+def settings_values(parts: tuple[Part, ...], configs: Iterable[Any]) -> dict[str, Any]:
+    """{key: value} of every setting, read off the configs a command built (one per part), as
+    YAML/JSON-safe values: passing them back as --set builds the same configs."""
+    out: dict[str, Any] = {}
+    for part, cfg in zip(parts, configs):
+        for f in part.fields():
+            out[f.name] = _plain(getattr(cfg, f.name))
+    return dict(sorted(out.items()))

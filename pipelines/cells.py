@@ -13,7 +13,6 @@ public `fedheads feddra` command (when this build has it) with the options a use
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import socket
@@ -102,26 +101,26 @@ def run_head(cfg: dict[str, Any], paths: dict[str, Any], heap: Any = None) -> di
 
 
 def _finetune_options(cfg: dict[str, Any], paths: dict[str, Any]) -> Any:
-    from fedheads.live.finetune import FTConfig
-    from fedheads.live.runner import FinetuneOptions
+    """FinetuneOptions of a cell: its settings are `fedheads finetune --set` keys (`ft.KEY` names
+    the same key); method settings must apply, common ones apply where they are a key."""
+    from fedheads.live.runner import SETTINGS, finetune_options
 
+    keys = {f.name for part in SETTINGS for f in part.fields()}
     o = cfg["options"]
-    fields = {f.name for f in dataclasses.fields(FinetuneOptions)}
-    ft_fields = {f.name for f in dataclasses.fields(FTConfig)}
-    top: dict[str, Any] = {}
-    ft: dict[str, Any] = {}
+    run = {"fraction": o["fraction"]}
+    items: list[tuple[str, Any]] = []
     for scope in ("common", "method"):  # method settings last: they win, and they must apply
         for k, v in cfg["settings"][scope].items():
-            sub = k[3:] if k.startswith("ft.") else k
-            if k.startswith("ft.") and sub in ft_fields or k in ("lr", "batch_size", "local_epochs") and sub in ft_fields:
-                ft[sub] = v
-            elif k in fields and k not in ("heads", "ft", "seeds"):
-                top[k] = v
+            key = k[3:] if k.startswith("ft.") else k
+            if key in keys:
+                items.append((key, v))
+            elif key in run:
+                run[key] = v
             elif scope == "method":
-                raise ValueError(f"setting {k!r}: not a field of fedheads finetune (FinetuneOptions / FTConfig)")
-    return FinetuneOptions(heads=(cfg["algorithm"],), rounds=o["rounds"], ft=FTConfig(**ft), seeds=(cfg["seed"],),
-                           fraction=o["fraction"], eval_every=o["eval_every"], device=o["device"], num_workers=0,
-                           weights_dir=paths.get("weights_dir"), resume=True, progress=False, **top)
+                raise ValueError(f"setting {k!r}: not a setting of fedheads finetune (fedheads.live.runner.SETTINGS)")
+    return finetune_options(items, heads=(cfg["algorithm"],), rounds=o["rounds"], seeds=(cfg["seed"],),
+                            eval_every=o["eval_every"], device=o["device"], num_workers=0,
+                            weights_dir=paths.get("weights_dir"), resume=True, progress=False, **run)
 
 
 def run_finetune(cfg: dict[str, Any], paths: dict[str, Any], out: Path) -> dict[str, Any]:
@@ -163,7 +162,7 @@ def feddra_available() -> bool:
 
 def feddra_args(cfg: dict[str, Any], paths: dict[str, Any], out: Path) -> list[str]:
     """The `fedheads feddra` command line of one cell, as a user would type it: the preset is its
-    --baseline and every setting one of its options (("rho", 0.1) -> --rho 0.1; True -> a flag)."""
+    --baseline and every setting a --set (("rho", 0.1) -> --set rho=0.1)."""
     o = cfg["options"]
     image, text = cfg["backbones"][:2]
     args = ["feddra", "--manifest", str(paths["manifest"]), "--image-encoder", image, "--text-encoder", text,
@@ -175,11 +174,7 @@ def feddra_args(cfg: dict[str, Any], paths: dict[str, Any], out: Path) -> list[s
     if out.exists():
         args.append("--resume")  # a killed cell continues from its last per-round checkpoint
     for k, v in {**cfg["settings"]["common"], **cfg["settings"]["method"]}.items():
-        flag = "--" + k.replace("_", "-")
-        if v is True:
-            args.append(flag)
-        elif v is not False and v is not None:
-            args += [flag, str(v)]
+        args += ["--set", f"{k}={v if isinstance(v, str) else json.dumps(v)}"]
     return args
 
 

@@ -25,7 +25,7 @@ SCALES = (("smoke", ScaleSpec(rounds=2, seeds=(0,), eval_every=1, settings=CACHE
           ("ci", ScaleSpec(rounds=10, seeds=(0, 1, 2), eval_every=2, settings=CACHE_FIRST)))
 NOTES = (
     "ci and smoke fine-tune cache-first: the backbone's last stage and the head train on the cached maps of "
-    "its last cut point but one (--trainable after:<cut>, under Setting; layer2 for resnet20-cifar10); paper "
+    "its last cut point but one (--set trainable=after:<cut>, under Setting; layer2 for resnet20-cifar10); paper "
     "scale trains the whole network on live images, as the paper.",
     "FedNCM+FT starts from the paper's head (b = 0); the authors' code keeps nn.Linear's random bias there "
     "too (the fine-tuning setting ncm_bias=random), which fine-tuning then trains.",

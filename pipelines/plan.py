@@ -79,10 +79,10 @@ def _module_exists(name: str) -> bool:
 
 @cache
 def _has_field(algorithm: str, name: str) -> bool:
-    from fedheads.algorithms import create_algorithm
+    from fedheads.settings import config_class
 
-    cfg = getattr(create_algorithm(algorithm), "cfg", None)
-    return cfg is not None and name in {f.name for f in dataclasses.fields(cfg)}
+    cls = config_class(algorithm)
+    return cls is not None and name in {f.name for f in dataclasses.fields(cls)}
 
 
 def missing_requirement(requires: tuple[str, ...]) -> str:

@@ -100,7 +100,7 @@ def _finetune(backbone: str, manifest: Path, store: Path, outdir: Path, rounds: 
     _run(["embedcache.cli", "extract", "--manifest", str(manifest), "--backbones", backbone, "--cut", cut,
           "--store", str(store)])
     _run(["fedheads.cli", "finetune", "--manifest", str(manifest), "--store", str(store), "--backbone", backbone,
-          "--head", "fedncm,random", "--rounds", str(rounds), "--trainable", f"after:{cut}", "--overwrite",
+          "--head", "fedncm,random", "--rounds", str(rounds), "--set", f"trainable=after:{cut}", "--overwrite",
           "--out", str(outdir / "finetune")])
     return True
 

@@ -232,7 +232,7 @@ def _setting_lines(views: Sequence[dict[str, Any]]) -> list[str]:
         for line in (v["data_note"] and f"data ({v['point']}): {v['data_note']}",
                      v["backbones"] and f"backbones ({v['point']}): {', '.join(v['backbones'])}, {v['backbone_note']}",
                      trainable and v["backbones"] and
-                     f"fine-tuned ({v['point']}): {v['backbones'][0]} with --trainable {trainable}"):
+                     f"fine-tuned ({v['point']}): {v['backbones'][0]} with --set trainable={trainable}"):
             if line and line not in seen:
                 seen.add(line)
                 out.append(f"- {line}")

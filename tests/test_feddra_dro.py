@@ -117,9 +117,9 @@ def test_edge_cases():
     lam = np.array([0.2, 0.3, 0.5])
     np.testing.assert_allclose(dro.mirror_step(lam, np.full(3, 7.0), 1.0), lam, rtol=1e-14)
     assert np.isfinite(dro.update(lam, np.array([1e4, 0.0, 0.0]), dro.DROConfig(rho=1.0))).all()
-    with pytest.raises(UserError, match="--rho"):
+    with pytest.raises(UserError, match="rho -1"):
         dro.DROConfig(rho=-1)
-    with pytest.raises(UserError, match="--divergence"):
+    with pytest.raises(UserError, match="divergence"):
         dro.DROConfig(divergence="tv")
     with pytest.raises(UserError, match="finite"):
         dro.update(lam, np.array([np.nan, 0, 0]), dro.DROConfig())

@@ -119,7 +119,7 @@ def test_bad_input_is_one_line(paired, tmp_path):
     # ... fine when nothing trains it: a stage-1-only run, or the text encoder kept frozen
     feddra_run(root / "m.json", None, "tiny-staged", "tinytext-frozen", tmp_path / "s1",
                _opts(fd=FedDRAConfig(rounds=1, steps=1, batch_size=4, schedule="sequential", stage1_rounds=1)))
-    with pytest.raises(UserError, match="--image-trainable 'after:pool'"):
+    with pytest.raises(UserError, match="image_trainable 'after:pool'"):
         run("tiny-staged", "tinytext", image_trainable="after:pool")
     with pytest.raises(UserError, match="--baseline 'fedsgd'"):
         run("tiny-staged", "tinytext", baselines=("fedsgd",))
@@ -147,16 +147,16 @@ def test_cli_feddra(paired, tmp_path):
 
     root, _, store = paired
     args = ["feddra", "--manifest", str(root / "m.json"), "--store", store, "--image-encoder", "tiny-staged",
-            "--image-cut", "stem", "--text-encoder", "tinytext", "--rounds", "1", "--steps-per-stage", "1",
-            "--batch-size", "4", "--baseline", "no-dro", "--num-workers", "0", "--device", "cpu", "--quiet",
+            "--image-cut", "stem", "--text-encoder", "tinytext", "--rounds", "1", "--set", "steps=1",
+            "--set", "batch_size=4", "--baseline", "no-dro", "--num-workers", "0", "--device", "cpu", "--quiet",
             "--out", str(tmp_path / "cli")]
     r = CliRunner().invoke(main, args)
     assert r.exit_code == 0, r.output
     assert r.output.startswith("no-dro: text->image R@1")
     res = json.loads((tmp_path / "cli" / "results.json").read_text())
     assert res["config"]["dro"]["rho"] == 0.0 and res["config"]["mu"] == 5.0
-    bad = CliRunner().invoke(main, args[:-1] + [str(tmp_path / "cli2"), "--divergence", "tv"])
-    assert bad.exit_code == 2
+    bad = CliRunner().invoke(main, args[:-1] + [str(tmp_path / "cli2"), "--set", "divergence=tv"])
+    assert bad.exit_code == 2 and "divergence" in bad.output
     env = kill_helpers.subprocess_env()
     p = subprocess.run([sys.executable, "-m", "fedheads.cli", "feddra", "--manifest", str(root / "m.json"),
                         "--image-encoder", "digitnet-builtin", "--text-encoder", "no-such-encoder",
@@ -175,7 +175,7 @@ def test_cli_preset_fills_only_what_the_user_did_not_give(paired, tmp_path, monk
     monkeypatch.setattr(runner, "feddra_run", lambda *a: seen.append(a[-1]) or {"algorithms": {}})
     base = ["feddra", "--manifest", str(root / "m.json"), "--image-encoder", "tiny-staged", "--text-encoder",
             "tinytext", "--out", str(tmp_path / "p")]
-    for extra in ([], ["--preset", "quick"], ["--preset", "quick", "--rounds", "7", "--text-trainable", "all"]):
+    for extra in ([], ["--preset", "quick"], ["--preset", "quick", "--rounds", "7", "--set", "text_trainable=all"]):
         r = CliRunner().invoke(main, base + extra)
         assert r.exit_code == 0, r.output
     paper, quick, mixed = seen

@@ -113,12 +113,12 @@ def test_cache_first_equals_live_frozen_prefix(setup, tmp_path):
 
 
 def test_lr_warmup_scales_the_first_rounds_client_lr(setup, tmp_path):
-    """--warmup-rounds K (FedNCM paper Sec. 4.2's proposed warm-up): FT round r < K runs at
+    """--set warmup_rounds=K (FedNCM paper Sec. 4.2's proposed warm-up): FT round r < K runs at
     lr (r+1)/(K+1); with plain SGD, one warm-up round at lr 0.1 is one round at lr 0.05."""
     cfg = FTConfig(lr=0.3, warmup_rounds=2)
     assert [cfg.client_lr(r) for r in range(4)] == pytest.approx([0.1, 0.2, 0.3, 0.3])
     assert FTConfig(lr=0.3).client_lr(0) == 0.3
-    with pytest.raises(UserError, match="--warmup-rounds -1: must be >= 0"):
+    with pytest.raises(UserError, match="warmup_rounds -1: must be >= 0"):
         FTConfig(warmup_rounds=-1)
     root, _ = setup
     args = (root / "manifest.json", str(root / "s.zarr"), "tiny-staged")
@@ -184,7 +184,7 @@ def test_fedavgm_server_equals_torch_sgd_momentum_and_flsim_buffers():
         got, _ = alg.server_aggregate(alg.init(start), msgs[0], ctx)
         want = start.buffers["bn"] if kept else start.buffers["bn"] + (w.view(-1, 1) * msgs[0].buffer_delta["bn"]).sum(0)
         torch.testing.assert_close(got.model.buffers["bn"], want)
-    with pytest.raises(UserError, match="--server-buffers"):
+    with pytest.raises(UserError, match="server_buffers"):
         FTConfig(server_buffers="keep")
     with pytest.raises(UserError, match="server_momentum"):
         FineTune(FTConfig(server="fedavgm", server_momentum=1.0))
@@ -237,7 +237,7 @@ def test_bad_input_is_one_line(setup, tmp_path):
     args = (root / "manifest.json", str(root / "s.zarr"))
     with pytest.raises(UserError, match="no cut 'nope'.*cut points: stem, block"):
         finetune_run(*args, "tiny-staged", tmp_path / "a", _opts(trainable="after:nope"))
-    with pytest.raises(UserError, match="--trainable 'sideways'"):
+    with pytest.raises(UserError, match="trainable 'sideways'"):
         finetune_run(*args, "tiny-staged", tmp_path / "b", _opts(trainable="sideways"))
     with pytest.raises(UserError, match="Random baseline"):
         finetune_run(*args, "tiny-staged", tmp_path / "c", _opts(pretrained=False))

@@ -38,12 +38,15 @@ def test_without_the_command_feddra_experiments_fail_in_one_line(without_feddra,
 
 
 def _opts(argv: list[str]) -> dict[str, str | bool]:
-    """--name value pairs and --flags of a command line."""
+    """--name value pairs and --flags of a command line; each `--set KEY=VALUE` as KEY: VALUE."""
     out: dict[str, str | bool] = {}
     for i, a in enumerate(argv):
         if a.startswith("--"):
             nxt = argv[i + 1] if i + 1 < len(argv) else "--"
             out[a] = True if nxt.startswith("--") else nxt
+            if a == "--set":
+                key, _, value = nxt.partition("=")
+                out[key] = value
     return out
 
 
@@ -57,7 +60,7 @@ def _fake_feddra(calls: list[list[str]]) -> click.Command:
         opts = _opts(list(args))
         out = Path(str(opts["--out"]))
         out.mkdir(parents=True, exist_ok=True)
-        rho = float(str(opts["--rho"]))
+        rho = float(str(opts["rho"]))
         per_client = {f"c{i}": {"mean": 20.0 + 10 * rho + i, "n_test": 4} for i in range(5)}
         (out / "results.json").write_text(json.dumps({
             "per_client": per_client, "clients": list(per_client), "domains": ["mimic"] * 5,
@@ -83,7 +86,7 @@ def test_each_cell_is_a_feddra_command_line(monkeypatch, tmp_path):
                 opts["--seeds"]) == ("feddra", "pl-tiny-a", "pl-tiny-b", "1", "0")
         assert opts["--quiet"] is True and "--resume" not in opts  # a fresh cell starts afresh
         assert json.loads(Path(str(opts["--manifest"])).read_text())["classes"] == list("abcde")
-    assert sorted(float(str(_opts(a)["--rho"])) for a in calls) == [0.01, 0.1, 1.0]
+    assert sorted(float(str(_opts(a)["rho"])) for a in calls) == [0.01, 0.1, 1.0]
     results = json.loads((tmp_path / "out" / "feddra-table8" / "results.json").read_text())
     r1 = {a["point"]: a["values"]["r1"]["mean"] for a in results["arms"]}
     assert r1 == pytest.approx({"rho=0.01": 22.1, "rho=0.1": 23.0, "rho=1.0": 32.0})  # mean client R@1

@@ -180,6 +180,6 @@ def test_figure_title_names_only_the_data_sets_that_ran():
 def test_setting_names_the_cut_a_fine_tuning_arm_trained_from():
     v = _view("FT", (("dataset", "CIFAR-10"),), {}, kind="finetune", settings={"trainable": "after:stem"},
               backbones=["digitnet-builtin"], data_note="d")
-    assert "- fine-tuned (dataset=CIFAR-10): digitnet-builtin with --trainable after:stem" in report._setting_lines([v])
+    assert "- fine-tuned (dataset=CIFAR-10): digitnet-builtin with --set trainable=after:stem" in report._setting_lines([v])
     assert not any("layer2" in n for n in registry.get("fedncm-table2").notes if "cache-first" in n
                    and "resnet20" not in n)

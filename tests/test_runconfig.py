@@ -117,6 +117,8 @@ def test_live_commands_read_back_what_they_dump(tmp_path, args):
     assert again.exit_code == 0 and again.output == first.output
     doc = yaml.safe_load(first.output)
     if args[0] == "feddra":  # the preset's values, resolved: the file means the same under any preset
-        assert doc["rounds"] == 4 and doc["steps_per_stage"] == 5 and doc["baseline"] == ["feddra", "fedavg"]
+        assert doc["rounds"] == 4 and doc["set"]["steps"] == 5 and doc["baseline"] == ["feddra", "fedavg"]
+        assert doc["set"]["text_trainable"] == "frozen" and doc["set"]["rho"] == 0.1  # every setting, with its value
     else:
         assert doc["head"] == ["fedncm", "lp"] and doc["rounds"] == 3 and doc["seeds"] == [0]
+        assert doc["set"]["server"] == "fedavg" and doc["set"]["lr"] == 0.1 and doc["set"]["pretrained"] is True

@@ -9,7 +9,8 @@ import json
 import pytest
 from click.testing import CliRunner
 
-from fedheads.algorithms import create_algorithm, list_algorithms
+from embedcache.errors import UserError
+from fedheads.algorithms import algorithm_info, create_algorithm, list_algorithms
 from fedheads.cli import main
 from fedheads.settings import settings_of, valid_keys
 from tests.test_fedheads_cli import _write_store
@@ -28,8 +29,9 @@ def test_every_listed_key_is_accepted_with_its_default(name):
     assert dataclasses.asdict(alg.cfg) == dataclasses.asdict(create_algorithm(name).cfg)
     cfg_fields = {f.name for f in dataclasses.fields(alg.cfg)} - {"optimizer"}
     missing = cfg_fields - set(defaults)
-    for key in missing:  # only fields the factory refuses may be left out
-        with pytest.raises(TypeError):
+    assert missing == set(algorithm_info(name).fixed)  # only fields the registration fixes are left out
+    for key in missing:  # and they are refused by name, with why
+        with pytest.raises(UserError, match=f"^{key}: not a setting of {name}: "):
             create_algorithm(name, **{key: getattr(alg.cfg, key)})
 
 
@@ -37,7 +39,7 @@ def test_show_lists_type_default_doc_and_source():
     res = _invoke(["algorithms", "fedpcl"])
     assert res.exit_code == 0, res.output
     lines = {ln.split()[0]: ln for ln in res.output.splitlines() if ln.strip()}
-    assert "0.07" in lines["tau"] and "float" in lines["tau"] and "[Eq. 8/9]" in lines["tau"]
+    assert "0.07" in lines["tau"] and "float" in lines["tau"] and "[FedPCL Eq. 8/9]" in lines["tau"]
     assert "'adam'" in lines["optimizer_name"] and "0.001" in lines["lr"]
     assert "Sec. 5.1" in res.output  # the class docstring: where the defaults come from
     # lp's optimiser defaults are its own (SGD 0.1), not FedPCL's; `hidden` belongs to mlp

@@ -1,13 +1,16 @@
 """Algorithm registry: one file per paper; `create_algorithm(name, **config_fields)`.
 
-Other modules register themselves with `register_algorithm(name, factory, description=...)`,
-where `factory(**kwargs) -> Algorithm` builds the algorithm from its config fields."""
+Other modules register themselves with `register_algorithm(name, factory, description=...,
+config=ConfigClass)`, where `factory(**kwargs) -> Algorithm` builds the algorithm from the
+fields of its config dataclass. The declared `config` is what `--set`, `--config`,
+`--dump-config` and `fedheads algorithms NAME` read (fedheads.settings): the keys an algorithm
+takes are known without building it."""
 
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 from fedheads.core.protocol import AlgorithmBase
@@ -18,6 +21,8 @@ class AlgorithmInfo:
     name: str  # registry name
     description: str  # one line
     factory: Callable[..., AlgorithmBase]  # kwargs -> algorithm
+    config: type | None = None  # the config dataclass whose fields the factory takes (None: undeclared)
+    fixed: Mapping[str, str] = field(default_factory=dict)  # {field of `config` this registration sets itself: why}
 
 
 _REGISTRY: dict[str, AlgorithmInfo] = {}
@@ -27,9 +32,23 @@ _MODULES = tuple(f"fedheads.algorithms.{m}" for m in (
     "ccvr", "fedpft"))
 
 
-def register_algorithm(name: str, factory: Callable[..., AlgorithmBase], *, description: str) -> None:
-    """Add (or replace) an algorithm under `name`."""
-    _REGISTRY[name] = AlgorithmInfo(name, description, factory)
+def register_algorithm(name: str, factory: Callable[..., AlgorithmBase], *, description: str,
+                       config: type | None = None, fixed: Mapping[str, str] | None = None) -> None:
+    """Add (or replace) an algorithm under `name`. `config`: the frozen config dataclass whose
+    fields `factory` takes as keywords (the optimiser's parts flat: fedheads.core.optim.config_from_kwargs);
+    without it the keys are read off one default build. `fixed`: fields of `config` that this
+    registration sets itself (lp's `hidden`), refused as settings, with why."""
+    _REGISTRY[name] = AlgorithmInfo(name, description, factory, config, dict(fixed or {}))
+
+
+def algorithm_info(name: str) -> AlgorithmInfo:
+    """The registration of `name` (UserError naming the known ones for an unknown name)."""
+    _load()
+    if name not in _REGISTRY:
+        from embedcache.errors import unknown_name
+
+        raise unknown_name(name, _REGISTRY, "algorithm")
+    return _REGISTRY[name]
 
 
 def _load() -> None:
@@ -47,14 +66,15 @@ def list_algorithms() -> list[AlgorithmInfo]:
 
 
 def create_algorithm(name: str, **kwargs: Any) -> AlgorithmBase:
-    """Build a registered algorithm from its config fields (UserError on unknown name, or on a
-    factory whose result does not subclass the declared protocol)."""
-    _load()
-    if name not in _REGISTRY:
-        from embedcache.errors import unknown_name
+    """Build a registered algorithm from its config fields (UserError on unknown name, on a field
+    the registration fixes, or on a factory whose result does not subclass the declared protocol)."""
+    info = algorithm_info(name)
+    fixed = next((k for k in kwargs if k in info.fixed), None)
+    if fixed is not None:
+        from embedcache.errors import UserError
 
-        raise unknown_name(name, _REGISTRY, "algorithm")
-    alg = _REGISTRY[name].factory(**kwargs)
+        raise UserError(f"{fixed}: not a setting of {name}: {info.fixed[fixed]}")
+    alg = info.factory(**kwargs)
     if not isinstance(alg, AlgorithmBase):
         from embedcache.errors import UserError
 

@@ -422,4 +422,4 @@ def _factory(**kw: object) -> CCVR:
 
 from fedheads.algorithms import register_algorithm  # noqa: E402
 
-register_algorithm("ccvr", _factory, description=CCVR.description)
+register_algorithm("ccvr", _factory, description=CCVR.description, config=CCVR.config)

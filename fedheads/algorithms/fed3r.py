@@ -261,4 +261,4 @@ def _factory(**kw: object) -> Fed3R:
 
 from fedheads.algorithms import register_algorithm  # noqa: E402
 
-register_algorithm("fed3r", _factory, description=Fed3R.description)
+register_algorithm("fed3r", _factory, description=Fed3R.description, config=Fed3R.config)

@@ -13,13 +13,14 @@ Inference: "main" = the global model on each client's test split (= "global_mode
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from embedcache.errors import UserError
 from fedheads.algorithms.pfl_common import expand, expand_view, weighted_mean
 from fedheads.core import heads, ops
+from fedheads.core.config import setting
 from fedheads.core.heads import HeadSpec, Params
 from fedheads.core.optim import OptimizerConfig, OptState, config_from_kwargs, opt_initial
 from fedheads.core.protocol import AlgorithmBase, HeadArch, Init, PaperRoundComm, RoundCtx
@@ -32,14 +33,14 @@ from fedheads.data import DataSpec, FedData
 class FedAvgConfig:
     """FedAvg hyper-parameters (FedPCL Sec. 5.1 training setting for all baselines)."""
 
-    hidden: int = 256  # projection width; 0 = linear head on the features ("LP")
-    batch_norm: bool = True  # BN(hidden) in the projection (FedPCL Table 7 head)
-    normalize: bool = True  # L2-normalise the projection output before the classifier
-    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)  # Adam lr 1e-3, wd 1e-4
-    batch_size: int = 32  # local mini-batch size B
-    local_epochs: int = 1  # E
-    proximal_mu: float = 0.0  # FedProx proximal weight mu (0 = plain FedAvg)
-    reset_optimizer: bool = True  # fresh client optimiser state every round (as the papers' code)
+    hidden: int = setting(256, 'projection width; 0 = linear head on the features ("LP")')
+    batch_norm: bool = setting(True, "BN(hidden) in the projection (FedPCL Table 7 head)", source="FedPCL Table 7")
+    normalize: bool = setting(True, "L2-normalise the projection output before the classifier")
+    optimizer: OptimizerConfig = setting(doc="Adam lr 1e-3, wd 1e-4", default_factory=OptimizerConfig, source="FedPCL Sec. 5.1")
+    batch_size: int = setting(32, "local mini-batch size B")
+    local_epochs: int = setting(1, "E")
+    proximal_mu: float = setting(0.0, "FedProx proximal weight mu (0 = plain FedAvg)")
+    reset_optimizer: bool = setting(True, "fresh client optimiser state every round (as the papers' code)")
 
 
 @dataclass(frozen=True)
@@ -165,5 +166,7 @@ def _lp_factory(**kw: object) -> FedAvg:
 
 from fedheads.algorithms import register_algorithm  # noqa: E402
 
-register_algorithm("fedavg", _factory, description="FedAvg (McMahan 2017) on the FC-ReLU-BN(256)-L2 + FC head")
-register_algorithm("fedavg-linear", _lp_factory, description="FedAvg of a linear head on the features")
+register_algorithm("fedavg", _factory, description="FedAvg (McMahan 2017) on the FC-ReLU-BN(256)-L2 + FC head",
+                   config=FedAvgConfig)
+register_algorithm("fedavg-linear", _lp_factory, description="FedAvg of a linear head on the features",
+                   config=FedAvgConfig, fixed={"hidden": "its head is linear (fedavg has the hidden layer)"})

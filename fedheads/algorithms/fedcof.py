@@ -220,4 +220,4 @@ def _factory(**kw: object) -> FedCOF:
 
 from fedheads.algorithms import register_algorithm  # noqa: E402
 
-register_algorithm("fedcof", _factory, description=FedCOF.description)
+register_algorithm("fedcof", _factory, description=FedCOF.description, config=FedCOF.config)

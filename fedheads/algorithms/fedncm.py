@@ -42,6 +42,7 @@ from dataclasses import dataclass
 import torch
 
 from embedcache.errors import UserError
+from fedheads.core.config import setting
 from fedheads.core.heads import Params
 from fedheads.core.protocol import AlgorithmBase, HeadArch, Init, PaperRoundComm, RoundCtx, SecureForm
 from fedheads.data import DataSpec, FedData
@@ -56,9 +57,10 @@ _DTYPES = {"float64": torch.float64, "float32": torch.float32}
 class FedNCMConfig:
     """FedNCM settings (the paper has no hyper-parameters)."""
 
-    rule: str = "cosine"  # "main" prediction rule: "cosine" (paper's head) or "sqeuclidean"
-    dtype: str = "float64"  # accumulation and message dtype of the sums: "float64" | "float32"
-    bias: str = "paper"  # head bias: "paper" (b = 0, Sec. 3.2) | "authors-code" (nn.Linear's random bias kept)
+    rule: str = setting("cosine", "\"main\" prediction rule: \"cosine\" (paper's head) or \"sqeuclidean\"")
+    dtype: str = setting("float64", 'accumulation and message dtype of the sums: "float64" | "float32"')
+    bias: str = setting("paper", "head bias: \"paper\" (b = 0, Sec. 3.2) | \"authors-code\" (nn.Linear's random bias kept)",
+                        source="FedNCM Sec. 3.2")
 
 
 @dataclass(frozen=True)
@@ -289,4 +291,5 @@ def _factory(**kw: object) -> FedNCM:
 
 from fedheads.algorithms import register_algorithm  # noqa: E402
 
-register_algorithm("fedncm", _factory, description="FedNCM (Legate et al. 2023): exact federated class means, NCM classifier")
+register_algorithm("fedncm", _factory, description="FedNCM (Legate et al. 2023): exact federated class means, NCM classifier",
+                   config=FedNCMConfig)

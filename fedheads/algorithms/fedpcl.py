@@ -51,12 +51,13 @@ N(0, s^2), seeded by (seed, round, client, class, dim)."""
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from embedcache.errors import UserError
 from fedheads.core import heads, ops, rng
+from fedheads.core.config import setting
 from fedheads.core.heads import HeadSpec, Params
 from fedheads.core.optim import OptimizerConfig, OptState, config_from_kwargs, opt_initial
 from fedheads.core.protocol import AlgorithmBase, HeadArch, Init, PaperRoundComm, RoundCtx, SecureForm
@@ -78,23 +79,25 @@ class FedPCLConfig:
     0.001, 0.0001}, weight decay {1e-3 ... 1e-5}). Fields left at None / "" take the value of
     the chosen `variant` (see the module docstring)."""
 
-    hidden: int = 256  # projection width (Table 7: FC(K*d, 256))
-    tau: float = 0.07  # temperature of Eq. 8/9
-    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)  # Adam lr 1e-3, wd 1e-4
-    batch_size: int = 32  # local mini-batch size
-    local_epochs: int = 1  # E
-    variant: str = "paper"  # "paper" (Eq. 8-10) or "code" (authors' SupCon-style loss)
-    aggregation: str = ""  # "weighted" | "eq6_literal" | "mean"; "" = weighted (paper) / mean (code)
-    inference: str = ""  # "dot" | "sqdist"; "" = dot (paper) / sqdist (code)
-    code_views: int = 2  # views per sample in the code variant (stored augmented views if loaded, else copies)
-    binarize_features: bool = False  # x -> sign(x), the code's L2-norm over a size-1 axis
-    noise: str = "none"  # noise on uploaded prototypes: "none" | "laplace" | "gaussian" (Table 15)
-    noise_scale: float = 0.05  # s, scale of the noise distribution
-    noise_p: float = 0.1  # p, perturbation coefficient: x~ = (1-p) x + e
-    reset_optimizer: bool = True  # fresh Adam state every round (as the authors' code)
-    batch_norm: bool | None = None  # BN(hidden) after the ReLU; None = on (paper, Table 7) / off (code)
-    drop_last: bool | None = None  # drop each epoch's last partial batch; None = off (paper) / on (code)
-    noisy_inference: bool | None = None  # classify with the noised uploaded prototypes; None = off / on (code)
+    hidden: int = setting(256, "projection width (Table 7: FC(K*d, 256))", source="FedPCL Table 7")
+    tau: float = setting(0.07, "temperature of Eq. 8/9", source="FedPCL Eq. 8/9")
+    optimizer: OptimizerConfig = setting(doc="Adam lr 1e-3, wd 1e-4", default_factory=OptimizerConfig, source="FedPCL Sec. 5.1")
+    batch_size: int = setting(32, "local mini-batch size")
+    local_epochs: int = setting(1, "E")
+    variant: str = setting("paper", "\"paper\" (Eq. 8-10) or \"code\" (authors' SupCon-style loss)", source="FedPCL Eq. 8-10")
+    aggregation: str = setting("", '"weighted" | "eq6_literal" | "mean"; "" = weighted (paper) / mean (code)')
+    inference: str = setting("", '"dot" | "sqdist"; "" = dot (paper) / sqdist (code)')
+    code_views: int = setting(2, "views per sample in the code variant (stored augmented views if loaded, else copies)")
+    binarize_features: bool = setting(False, "x -> sign(x), the code's L2-norm over a size-1 axis")
+    noise: str = setting("none", 'noise on uploaded prototypes: "none" | "laplace" | "gaussian" (Table 15)',
+                         source="FedPCL Table 15")
+    noise_scale: float = setting(0.05, "s, scale of the noise distribution")
+    noise_p: float = setting(0.1, "p, perturbation coefficient: x~ = (1-p) x + e")
+    reset_optimizer: bool = setting(True, "fresh Adam state every round (as the authors' code)")
+    batch_norm: bool | None = setting(None, "BN(hidden) after the ReLU; None = on (paper, Table 7) / off (code)",
+                                      source="FedPCL Table 7")
+    drop_last: bool | None = setting(None, "drop each epoch's last partial batch; None = off (paper) / on (code)")
+    noisy_inference: bool | None = setting(None, "classify with the noised uploaded prototypes; None = off / on (code)")
 
     def __post_init__(self) -> None:
         checks = [("variant", self.variant, ("paper", "code")),
@@ -416,4 +419,5 @@ def _factory(**kw: object) -> FedPCL:
 from fedheads.algorithms import register_algorithm  # noqa: E402
 
 register_algorithm("fedpcl", _factory,
-                   description="FedPCL (Tan et al. NeurIPS 2022), paper Eq. 5-10; variant='code' = authors' code")
+                   description="FedPCL (Tan et al. NeurIPS 2022), paper Eq. 5-10; variant='code' = authors' code",
+                   config=FedPCLConfig)

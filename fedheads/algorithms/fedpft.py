@@ -253,4 +253,4 @@ def _factory(**kw: object) -> FedPFT:
 
 from fedheads.algorithms import register_algorithm  # noqa: E402
 
-register_algorithm("fedpft", _factory, description=FedPFT.description)
+register_algorithm("fedpft", _factory, description=FedPFT.description, config=FedPFT.config)

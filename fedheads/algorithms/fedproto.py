@@ -24,12 +24,13 @@ AAAI 2022, on the FedPCL head (projection FC-ReLU-BN(256)-L2 = z, then a local c
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from embedcache.errors import UserError
 from fedheads.core import heads, ops
+from fedheads.core.config import setting
 from fedheads.core.heads import HeadSpec, Params
 from fedheads.core.optim import OptimizerConfig, OptState, config_from_kwargs, opt_initial
 from fedheads.core.protocol import AlgorithmBase, HeadArch, Init, PaperRoundComm, RoundCtx, SecureForm
@@ -41,14 +42,14 @@ from fedheads.data import DataSpec, FedData
 class FedProtoConfig:
     """FedProto hyper-parameters (training setting of FedPCL Sec. 5.1 for all baselines)."""
 
-    hidden: int = 256  # projection width (FedPCL Table 7 head)
-    normalize: bool = True  # L2-normalise z as in the FedPCL head
-    lam: float = 1.0  # lambda, weight of the prototype regulariser
-    aggregation: str = "weighted"  # global prototypes: "weighted" (by |D_ij|) or "mean" (authors' code)
-    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)  # Adam lr 1e-3, wd 1e-4
-    batch_size: int = 32  # local mini-batch size
-    local_epochs: int = 1  # E
-    reset_optimizer: bool = True  # fresh client optimiser state every round
+    hidden: int = setting(256, "projection width (FedPCL Table 7 head)", source="FedPCL Table 7")
+    normalize: bool = setting(True, "L2-normalise z as in the FedPCL head")
+    lam: float = setting(1.0, "lambda, weight of the prototype regulariser")
+    aggregation: str = setting("weighted", "global prototypes: \"weighted\" (by |D_ij|) or \"mean\" (authors' code)")
+    optimizer: OptimizerConfig = setting(doc="Adam lr 1e-3, wd 1e-4", default_factory=OptimizerConfig, source="FedPCL Sec. 5.1")
+    batch_size: int = setting(32, "local mini-batch size")
+    local_epochs: int = setting(1, "E")
+    reset_optimizer: bool = setting(True, "fresh client optimiser state every round")
 
     def __post_init__(self) -> None:
         if self.hidden < 1 or self.lam < 0 or self.batch_size < 1 or self.local_epochs < 1:
@@ -166,4 +167,5 @@ def _factory(**kw: object) -> FedProto:
 
 from fedheads.algorithms import register_algorithm  # noqa: E402
 
-register_algorithm("fedproto", _factory, description="FedProto (Tan et al. AAAI 2022): CE + lambda*MSE to global prototypes")
+register_algorithm("fedproto", _factory, description="FedProto (Tan et al. AAAI 2022): CE + lambda*MSE to global prototypes",
+                   config=FedProtoConfig)

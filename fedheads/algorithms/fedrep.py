@@ -28,7 +28,7 @@ Decisions, stated explicitly:
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -44,6 +44,7 @@ from fedheads.algorithms.pfl_common import (
     salted,
 )
 from fedheads.core import heads, ops
+from fedheads.core.config import setting
 from fedheads.core.heads import HeadSpec, Params
 from fedheads.core.optim import OptimizerConfig
 from fedheads.core.protocol import AlgorithmBase, HeadArch, Init, PaperRoundComm, RoundCtx
@@ -57,12 +58,15 @@ HEAD_KEYS = ("cls.weight", "cls.bias")
 class FedRepConfig:
     """FedRep hyper-parameters."""
 
-    hidden: int = 256  # projection width (FedPCL Table 7)
-    normalize: bool = True  # L2-normalise the representation output
-    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)  # Adam lr 1e-3, wd 1e-4 (FedPCL Sec. 5.1)
-    batch_size: int = 32  # local mini-batch size
-    head_epochs: int = 10  # tau_h: local epochs on the personal head, representation fixed (FedRep Sec. 5)
-    rep_epochs: int = 1  # tau_phi: local epochs on the representation, head fixed (FedRep Sec. 5)
+    hidden: int = setting(256, "projection width (FedPCL Table 7)", source="FedPCL Table 7")
+    normalize: bool = setting(True, "L2-normalise the representation output")
+    optimizer: OptimizerConfig = setting(doc="Adam lr 1e-3, wd 1e-4 (FedPCL Sec. 5.1)", default_factory=OptimizerConfig,
+                                         source="FedPCL Sec. 5.1")
+    batch_size: int = setting(32, "local mini-batch size")
+    head_epochs: int = setting(10, "tau_h: local epochs on the personal head, representation fixed (FedRep Sec. 5)",
+                               source="FedRep Sec. 5")
+    rep_epochs: int = setting(1, "tau_phi: local epochs on the representation, head fixed (FedRep Sec. 5)",
+                              source="FedRep Sec. 5")
 
     def __post_init__(self) -> None:
         if min(self.hidden, self.batch_size, self.head_epochs, self.rep_epochs) < 1:
@@ -152,4 +156,5 @@ def _factory(**kw: object) -> FedRep:
 
 from fedheads.algorithms import register_algorithm  # noqa: E402
 
-register_algorithm("fedrep", _factory, description="FedRep (Collins et al. 2021): shared projection, personal classifier heads")
+register_algorithm("fedrep", _factory, description="FedRep (Collins et al. 2021): shared projection, personal classifier heads",
+                   config=FedRepConfig)

@@ -57,7 +57,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -74,6 +74,7 @@ from fedheads.algorithms.fedncm import (
 from fedheads.algorithms.pfl_common import DeltaMessage, config_from_kwargs, delta_message, expand, mean_delta
 from fedheads.algorithms.server_opt import SERVER_OPTS, make_server_optimizer
 from fedheads.core import ops
+from fedheads.core.config import setting
 from fedheads.core.heads import Params, count_params
 from fedheads.core.optim import OptimizerConfig, OptState, opt_init
 from fedheads.core.protocol import AlgorithmBase, HeadArch, Init, PaperRoundComm, RoundCtx
@@ -101,23 +102,25 @@ class LPConfig:
     """Head-tuning hyper-parameters (FedNCM paper Sec. 4 and App. B); the defaults and the
     measurements behind them are in the module docstring."""
 
-    hidden: tuple[int, ...] = ()  # widths of hidden ReLU layers before the linear classifier; () = LP
-    init: str = "random"  # "random" (nn.Linear init), "fedncm" (round 0 = FedNCM, last layer from class means)
-    # or a one-pass linear head, "fed3r" | "fedcof" (round 0 = that head, the last layer its classifier)
-    ncm_bias: str = "zero"  # bias of the FedNCM-initialised layer: "zero" (paper) or "random" (authors' code)
-    server_opt: str = "fedavg"  # "fedavg" | "fedprox" | "fedadam" | "fedavgm" (server momentum 0.9)
-    server_lr: float | None = None  # server step size; None = 1.0 (fedavg/fedprox) or 1e-3 (fedadam)
-    prox_mu: float = 0.01  # FedProx mu (used only with server_opt="fedprox")
-    adam_flavour: str = "flsim"  # FedAdam: "flsim" (torch Adam, FedNCM's library) or "reddi" (Alg. 2)
-    adam_beta1: float = 0.9  # FedAdam beta1
-    adam_beta2: float | None = None  # FedAdam beta2; None = 0.999 (flsim) / 0.99 (reddi)
-    adam_tau: float | None = None  # FedAdam eps (flsim, 1e-8) / tau (reddi, 1e-3); None = the flavour's
-    adam_weight_decay: float | None = None  # FedAdam L2 on the server step; None = 1e-5 (flsim) / 0 (reddi)
-    optimizer: OptimizerConfig = field(default_factory=lambda: OptimizerConfig("sgd", lr=0.1, weight_decay=0.0))  # client SGD,
-    # App. B grid top
-    batch_size: int = 32  # local mini-batch size
-    local_epochs: int = 1  # E
-    reset_optimizer: bool = True  # fresh client optimiser every round (FLSim builds one per round)
+    hidden: tuple[int, ...] = setting((), "widths of hidden ReLU layers before the linear classifier; () = LP")
+    init: str = setting("random", '"random" (nn.Linear init), "fedncm" (round 0 = FedNCM, last layer from class means) '
+                        'or a one-pass linear head, "fed3r" | "fedcof" (round 0 = that head, the last layer its classifier)')
+    ncm_bias: str = setting("zero", "bias of the FedNCM-initialised layer: \"zero\" (paper) or \"random\" (authors' code)")
+    server_opt: str = setting("fedavg", '"fedavg" | "fedprox" | "fedadam" | "fedavgm" (server momentum 0.9)')
+    server_lr: float | None = setting(None, "server step size; None = 1.0 (fedavg/fedprox) or 1e-3 (fedadam)")
+    prox_mu: float = setting(0.01, 'FedProx mu (used only with server_opt="fedprox")')
+    adam_flavour: str = setting("flsim", "FedAdam: \"flsim\" (torch Adam, FedNCM's library) or \"reddi\" (Alg. 2)",
+                                source="Reddi et al. 2021, Alg. 2")
+    adam_beta1: float = setting(0.9, "FedAdam beta1")
+    adam_beta2: float | None = setting(None, "FedAdam beta2; None = 0.999 (flsim) / 0.99 (reddi)")
+    adam_tau: float | None = setting(None, "FedAdam eps (flsim, 1e-8) / tau (reddi, 1e-3); None = the flavour's")
+    adam_weight_decay: float | None = setting(None, "FedAdam L2 on the server step; None = 1e-5 (flsim) / 0 (reddi)")
+    optimizer: OptimizerConfig = setting(doc="client SGD, App. B grid top",
+                                         default_factory=lambda: OptimizerConfig("sgd", lr=0.1, weight_decay=0.0),
+                                         source="FedNCM App. B")
+    batch_size: int = setting(32, "local mini-batch size")
+    local_epochs: int = setting(1, "E")
+    reset_optimizer: bool = setting(True, "fresh client optimiser every round (FLSim builds one per round)")
 
     def __post_init__(self) -> None:
         if self.init not in INITS:
@@ -283,13 +286,11 @@ class HeadTuning(AlgorithmBase):
 
 
 def _factory(**kw: object) -> HeadTuning:
-    if "hidden" in kw:
-        # TypeError, like any config field an algorithm does not have: `compare` skips it for lp
-        raise TypeError("hidden: does not apply to lp, the linear probe has no hidden layer (use mlp)")
     return HeadTuning(config_from_kwargs(LPConfig, kw), name="lp")  # type: ignore[arg-type]
 
 
 from fedheads.algorithms import register_algorithm  # noqa: E402
 
 register_algorithm("lp", _factory,
-                   description="Linear probe (FedNCM paper) with FedAvg / FedProx / FedAdam, optional FedNCM init")
+                   description="Linear probe (FedNCM paper) with FedAvg / FedProx / FedAdam, optional FedNCM init",
+                   config=LPConfig, fixed={"hidden": "the linear probe has no hidden layer (use mlp)"})

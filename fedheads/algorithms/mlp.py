@@ -15,11 +15,12 @@ clients (12.7-13.3 % vs 60.6 %); ``--set mlp.server_opt=fedavg`` gives the forme
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from embedcache.errors import UserError
 from fedheads.algorithms.lp import HeadTuning, LPConfig
 from fedheads.algorithms.pfl_common import config_from_kwargs
+from fedheads.core.config import setting
 from fedheads.core.optim import OptimizerConfig
 
 
@@ -27,9 +28,12 @@ from fedheads.core.optim import OptimizerConfig
 class MLPConfig(LPConfig):
     """LP's hyper-parameters with two hidden layers (FedNCM App. C.1)."""
 
-    hidden: tuple[int, ...] = (256, 256)  # widths of the two hidden ReLU layers (not stated in the paper)
-    server_opt: str = "fedadam"  # FLSim's torch Adam, server lr 1e-3 (App. B grid; measured, see lp.py)
-    optimizer: OptimizerConfig = field(default_factory=lambda: OptimizerConfig("sgd", lr=0.01, weight_decay=0.0))  # client SGD
+    hidden: tuple[int, ...] = setting((256, 256), "widths of the two hidden ReLU layers (not stated in the paper)")
+    server_opt: str = setting("fedadam", "FLSim's torch Adam, server lr 1e-3 (App. B grid; measured, see lp.py)",
+                              source="FedNCM App. B")
+    optimizer: OptimizerConfig = setting(doc="client SGD",
+                                         default_factory=lambda: OptimizerConfig("sgd", lr=0.01, weight_decay=0.0),
+                                         source="FedNCM App. B")
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -54,4 +58,5 @@ def _factory(**kw: object) -> HeadTuning:
 from fedheads.algorithms import register_algorithm  # noqa: E402
 
 register_algorithm("mlp", _factory,
-                   description="Three-layer MLP head (FedNCM App. C.1) with FedAvg / FedProx / FedAdam, optional FedNCM init")
+                   description="Three-layer MLP head (FedNCM App. C.1) with FedAvg / FedProx / FedAdam, optional FedNCM init",
+                   config=MLPConfig)

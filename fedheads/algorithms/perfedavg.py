@@ -30,7 +30,7 @@ Decisions, stated explicitly:
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -55,6 +55,7 @@ from fedheads.algorithms.pfl_common import (
     step_buffers,
 )
 from fedheads.core import heads, ops
+from fedheads.core.config import setting
 from fedheads.core.heads import HeadSpec, Params
 from fedheads.core.optim import InPlaceOptimizer, OptimizerConfig
 from fedheads.core.protocol import AlgorithmBase, HeadArch, Init, PaperRoundComm, RoundCtx
@@ -66,12 +67,13 @@ from fedheads.data import DataSpec, FedData
 class PerFedAvgConfig:
     """Per-FedAvg (FO) hyper-parameters."""
 
-    hidden: int = 256  # projection width (FedPCL Table 7)
-    normalize: bool = True  # L2-normalise the projection output
-    alpha: float = 0.005  # inner (adaptation) step size, also used for the personalised evaluation
-    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)  # outer step: Adam lr 1e-3 (= beta), wd 1e-4
-    batch_size: int = 32  # size of each of the batches D and D'
-    local_epochs: int = 1  # E: passes over the data (of D's and of D''s shuffles)
+    hidden: int = setting(256, "projection width (FedPCL Table 7)", source="FedPCL Table 7")
+    normalize: bool = setting(True, "L2-normalise the projection output")
+    alpha: float = setting(0.005, "inner (adaptation) step size, also used for the personalised evaluation")
+    optimizer: OptimizerConfig = setting(doc="outer step: Adam lr 1e-3 (= beta), wd 1e-4", default_factory=OptimizerConfig,
+                                         source="FedPCL Sec. 5.1")
+    batch_size: int = setting(32, "size of each of the batches D and D'")
+    local_epochs: int = setting(1, "E: passes over the data (of D's and of D''s shuffles)")
 
     def __post_init__(self) -> None:
         if min(self.hidden, self.batch_size, self.local_epochs) < 1 or self.alpha <= 0:
@@ -179,4 +181,5 @@ def _factory(**kw: object) -> PerFedAvg:
 from fedheads.algorithms import register_algorithm  # noqa: E402
 
 register_algorithm("perfedavg", _factory,
-                   description="Per-FedAvg (Fallah et al. 2020), first-order MAML, one-step personalised eval")
+                   description="Per-FedAvg (Fallah et al. 2020), first-order MAML, one-step personalised eval",
+                   config=PerFedAvgConfig)

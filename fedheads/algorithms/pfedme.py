@@ -52,6 +52,7 @@ from fedheads.algorithms.pfl_common import (
     step_buffers,
 )
 from fedheads.core import heads, ops
+from fedheads.core.config import setting
 from fedheads.core.heads import HeadSpec, Params
 from fedheads.core.optim import id_runs
 from fedheads.core.protocol import AlgorithmBase, HeadArch, Init, PaperRoundComm, RoundCtx
@@ -62,15 +63,16 @@ from fedheads.data import DataSpec, FedData
 class PFedMeConfig:
     """pFedMe hyper-parameters (paper defaults; batching as FedPCL Sec. 5.1)."""
 
-    hidden: int = 256  # projection width (FedPCL Table 7)
-    normalize: bool = False  # L2-normalise the projection output (off: Table 7 as printed, see docstring)
-    lam: float = 15.0  # lambda, strength of the Moreau-envelope proximal term
-    K: int = 5  # inner steps per mini-batch for the personalised model theta
-    personal_lr: float = 0.1  # step size of the inner steps on theta
-    lr: float = 0.005  # eta, step size of the local model update w_i
-    beta: float = 1.0  # server mixing: w <- (1 - beta) w + beta * mean(w_i)
-    batch_size: int = 32  # local mini-batch size (FedPCL Sec. 5.1)
-    local_epochs: int = 1  # E; local rounds R = E * ceil(n_i / batch_size)
+    hidden: int = setting(256, "projection width (FedPCL Table 7)", source="FedPCL Table 7")
+    normalize: bool = setting(False, "L2-normalise the projection output (off: Table 7 as printed, see docstring)",
+                              source="FedPCL Table 7")
+    lam: float = setting(15.0, "lambda, strength of the Moreau-envelope proximal term")
+    K: int = setting(5, "inner steps per mini-batch for the personalised model theta")
+    personal_lr: float = setting(0.1, "step size of the inner steps on theta")
+    lr: float = setting(0.005, "eta, step size of the local model update w_i")
+    beta: float = setting(1.0, "server mixing: w <- (1 - beta) w + beta * mean(w_i)")
+    batch_size: int = setting(32, "local mini-batch size (FedPCL Sec. 5.1)", source="FedPCL Sec. 5.1")
+    local_epochs: int = setting(1, "E; local rounds R = E * ceil(n_i / batch_size)")
 
     def __post_init__(self) -> None:
         if min(self.hidden, self.K, self.batch_size, self.local_epochs) < 1:
@@ -163,4 +165,5 @@ def _factory(**kw: object) -> PFedMe:
 
 from fedheads.algorithms import register_algorithm  # noqa: E402
 
-register_algorithm("pfedme", _factory, description="pFedMe (Dinh et al. 2020): Moreau-envelope personalised heads")
+register_algorithm("pfedme", _factory, description="pFedMe (Dinh et al. 2020): Moreau-envelope personalised heads",
+                   config=PFedMeConfig)

@@ -10,13 +10,14 @@ so the engine logs 0 values up and down. Inference ("main"): each client's own m
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from embedcache.errors import UserError
 from fedheads.algorithms.pfl_common import Empty, config_from_kwargs
 from fedheads.core import heads, ops
+from fedheads.core.config import setting
 from fedheads.core.heads import HeadSpec, Params
 from fedheads.core.optim import OptimizerConfig, OptState, opt_init
 from fedheads.core.protocol import AlgorithmBase, HeadArch, Init, PaperRoundComm, RoundCtx
@@ -28,12 +29,12 @@ from fedheads.data import DataSpec, FedData
 class SoloConfig:
     """Solo hyper-parameters (FedPCL Sec. 5.1 setting)."""
 
-    hidden: int = 256  # projection width (FedPCL Table 7)
-    normalize: bool = True  # L2-normalise the projection output (as the core's FedAvg head)
-    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)  # Adam lr 1e-3, wd 1e-4
-    batch_size: int = 32  # local mini-batch size
-    local_epochs: int = 1  # E, local epochs per round
-    reset_optimizer: bool = False  # keep Adam state across rounds (nothing else interrupts training)
+    hidden: int = setting(256, "projection width (FedPCL Table 7)", source="FedPCL Table 7")
+    normalize: bool = setting(True, "L2-normalise the projection output (as the core's FedAvg head)")
+    optimizer: OptimizerConfig = setting(doc="Adam lr 1e-3, wd 1e-4", default_factory=OptimizerConfig, source="FedPCL Sec. 5.1")
+    batch_size: int = setting(32, "local mini-batch size")
+    local_epochs: int = setting(1, "E, local epochs per round")
+    reset_optimizer: bool = setting(False, "keep Adam state across rounds (nothing else interrupts training)")
 
     def __post_init__(self) -> None:
         if self.hidden < 1 or self.batch_size < 1 or self.local_epochs < 1:
@@ -97,4 +98,5 @@ def _factory(**kw: object) -> Solo:
 
 from fedheads.algorithms import register_algorithm  # noqa: E402
 
-register_algorithm("solo", _factory, description="Solo: local training only, no communication (FedPCL baseline)")
+register_algorithm("solo", _factory, description="Solo: local training only, no communication (FedPCL baseline)",
+                   config=SoloConfig)

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from embedcache.errors import UserError
+from fedheads.core.config import setting
 from fedheads.core.heads import Params
 
 
@@ -21,12 +22,12 @@ from fedheads.core.heads import Params
 class OptimizerConfig:
     """A client optimiser."""
 
-    name: str = "adam"  # "adam" or "sgd"
-    lr: float = 1e-3  # learning rate (FedPCL Sec. 5.1: Adam lr 1e-3)
-    weight_decay: float = 1e-4  # L2 added to the gradient as torch does (FedPCL: 1e-4)
-    momentum: float = 0.0  # SGD momentum (dampening 0, no Nesterov)
-    betas: tuple[float, float] = (0.9, 0.999)  # Adam moment decay rates
-    eps: float = 1e-8  # Adam denominator epsilon
+    name: str = setting("adam", '"adam" or "sgd"')
+    lr: float = setting(1e-3, "learning rate", source="FedPCL Sec. 5.1: Adam lr 1e-3")
+    weight_decay: float = setting(1e-4, "L2 added to the gradient as torch does", source="FedPCL Sec. 5.1: 1e-4")
+    momentum: float = setting(0.0, "SGD momentum (dampening 0, no Nesterov)")
+    betas: tuple[float, float] = setting((0.9, 0.999), "Adam moment decay rates")
+    eps: float = setting(1e-8, "Adam denominator epsilon")
 
     def __post_init__(self) -> None:
         if self.name not in ("adam", "sgd"):
@@ -208,8 +209,8 @@ _OPT_KEYS = {"lr": "lr", "weight_decay": "weight_decay", "momentum": "momentum",
 def config_from_kwargs(cfg_cls: type, kw: dict, opt_field: str = "optimizer") -> object:
     """Build a config dataclass from flat registry kwargs: lr / weight_decay / momentum /
     optimizer_name override fields of its OptimizerConfig (keeping the algorithm's defaults).
-    An unknown option raises TypeError, as a dataclass does: fedheads.runner turns it into
-    "does not apply to algorithm X" (train) or drops and records it (compare)."""
+    An unknown option raises TypeError, as a dataclass does; the command line and the API check
+    keys against the config's fields before building (fedheads.settings, fedheads.runner)."""
     fields = {f.name: f for f in dataclasses.fields(cfg_cls)}
     # a config's own field wins (pFedMe's `lr` is its eta, not an optimiser's)
     opt_keys = {k: n for k, n in _OPT_KEYS.items() if k not in fields} if opt_field in fields else {}

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from embedcache.errors import UserError
+from fedheads.core.config import setting
 
 DIVERGENCES = ("kl", "chi2")
 RADIUS_CONVENTIONS = ("rho/N", "rho")
@@ -41,23 +42,25 @@ _BISECT = 200  # halvings of [0, 1]: far below float64 resolution
 class DROConfig:
     """The uncertainty set and the mirror step (sources in the module docstring)."""
 
-    rho: float = 0.1  # radius (FedDRA App. A.1: 0.1 on MIMIC-CXR; 0.5 ophthalmology); 0 = uniform weights (FedAvg)
-    divergence: str = "kl"  # f of Eq. 2 (not named by the paper; notes [R]: KL, chi2 as option)
-    radius_convention: str = "rho/N"  # D_f(lambda||u) <= rho/N (Namkoong-Duchi, = Eq. 2 literally) | "rho"
-    chi2_f: str = "(t-1)^2"  # chi2 generator: (t-1)^2 -> R = sqrt(rho)/N, or (t-1)^2/2 -> sqrt(2 rho)/N
-    gamma: float = 1.0  # mirror step size of Alg. 1 line 18 (not given; notes [R]: 1)
+    rho: float = setting(0.1, "radius (FedDRA App. A.1: 0.1 on MIMIC-CXR; 0.5 ophthalmology); 0 = uniform weights (FedAvg)",
+                         source="FedDRA App. A.1")
+    divergence: str = setting("kl", "f of Eq. 2 (not named by the paper; notes [R]: KL, chi2 as option)", source="FedDRA Eq. 2")
+    radius_convention: str = setting("rho/N", 'D_f(lambda||u) <= rho/N (Namkoong-Duchi, = Eq. 2 literally) | "rho"',
+                                     source="FedDRA Eq. 2")
+    chi2_f: str = setting("(t-1)^2", "chi2 generator: (t-1)^2 -> R = sqrt(rho)/N, or (t-1)^2/2 -> sqrt(2 rho)/N")
+    gamma: float = setting(1.0, "mirror step size of Alg. 1 line 18 (not given; notes [R]: 1)", source="FedDRA Alg. 1")
 
     def __post_init__(self) -> None:
         if not (self.rho >= 0 and math.isfinite(self.rho)):
-            raise UserError(f"--rho {self.rho}: must be a finite number >= 0")
+            raise UserError(f"rho {self.rho}: must be a finite number >= 0")
         if self.divergence not in DIVERGENCES:
-            raise UserError(f"--divergence {self.divergence!r}: use one of {', '.join(DIVERGENCES)}")
+            raise UserError(f"divergence {self.divergence!r}: use one of {', '.join(DIVERGENCES)}")
         if self.radius_convention not in RADIUS_CONVENTIONS:
-            raise UserError(f"radius convention {self.radius_convention!r}: use one of {', '.join(RADIUS_CONVENTIONS)}")
+            raise UserError(f"radius_convention {self.radius_convention!r}: use one of {', '.join(RADIUS_CONVENTIONS)}")
         if self.chi2_f not in CHI2_F:
-            raise UserError(f"chi2 f {self.chi2_f!r}: use one of {', '.join(CHI2_F)}")
+            raise UserError(f"chi2_f {self.chi2_f!r}: use one of {', '.join(CHI2_F)}")
         if not (self.gamma >= 0 and math.isfinite(self.gamma)):
-            raise UserError(f"--gamma {self.gamma}: must be a finite number >= 0")
+            raise UserError(f"gamma {self.gamma}: must be a finite number >= 0")
 
 
 def uniform(n: int) -> np.ndarray:

@@ -45,6 +45,7 @@ import torch.nn.functional as F
 from embedcache.errors import UserError
 from fedheads.algorithms.pfl_common import GlobalModel
 from fedheads.checks import check_finite
+from fedheads.core.config import setting
 from fedheads.live import dro
 from fedheads.live.feddra_model import DualEncoder, Params, is_module_key
 from fedheads.live.finetune import AMP, _amp, optimizer_step
@@ -62,53 +63,62 @@ class FedDRAConfig:
     see docs/contracts.md section 10)."""
 
     # objective (Sec. 4.1, Eq. 1; App. D Eq. 4)
-    mu: float = 5.0  # weight of L_C (paper: 5; ophthalmology 1)
-    tau: float = 0.1  # InfoNCE temperature ([R]: not given; 0.1 as ConVIRT/MGCA)
-    infonce: str = "both"  # L_MI: "both" directions averaged [R] | "image-to-text" (Eq. 4 as printed)
-    constraint: str = "squared"  # L_C: both terms squared [R] (Prop. 1) | "as-printed" (text term unsquared)
-    constraint_on: str = "normalized"  # L_C on L2-normalised z [R] (Lemma 1) | "raw" module outputs
+    mu: float = setting(5.0, "weight of L_C (paper: 5; ophthalmology 1)")
+    tau: float = setting(0.1, "InfoNCE temperature ([R]: not given; 0.1 as ConVIRT/MGCA)")
+    infonce: str = setting("both", 'L_MI: "both" directions averaged [R] | "image-to-text" (Eq. 4 as printed)',
+                           source="FedDRA Eq. 4")
+    constraint: str = setting("squared", 'L_C: both terms squared [R] (Prop. 1) | "as-printed" (text term unsquared)')
+    constraint_on: str = setting("normalized", 'L_C on L2-normalised z [R] (Lemma 1) | "raw" module outputs')
     # schedule (Sec. 4.2, Alg. 1-3)
-    rounds: int = 25  # communication rounds R (paper: 25)
-    schedule: str = "interleaved"  # Alg. 1 as printed [R] | "sequential": R1 rounds of stage 1, then stage 2
-    stage1_rounds: int | None = None  # sequential: R1 (None: half of `rounds`, rounded up)
-    two_stage: bool = True  # False: stage 2 alone every round (Table 3 ablation "w/o two-stage")
-    aggregate_modules_after_stage2: bool = True  # [R] Theta^{r+1} = mean of stage-2 Theta_i (Alg. 1 l. 12: theta only)
-    steps: int = 50  # E, local steps per stage ([R] per stage; paper: 50 batches per round)
-    batch_size: int = 64  # B (paper: 288-388 on 4 A40; CPU: 64 for stage 1)
+    rounds: int = setting(25, "communication rounds R (paper: 25)")
+    schedule: str = setting("interleaved", 'Alg. 1 as printed [R] | "sequential": R1 rounds of stage 1, then stage 2',
+                            source="FedDRA Alg. 1")
+    stage1_rounds: int | None = setting(None, "sequential: R1 (None: half of `rounds`, rounded up)")
+    two_stage: bool = setting(True, 'False: stage 2 alone every round (Table 3 ablation "w/o two-stage")',
+                              source="FedDRA Table 3")
+    aggregate_modules_after_stage2: bool = setting(True, "[R] Theta^{r+1} = mean of stage-2 Theta_i (Alg. 1 l. 12: theta only)",
+                                                   source="FedDRA Alg. 1")
+    steps: int = setting(50, "E, local steps per stage ([R] per stage; paper: 50 batches per round)")
+    batch_size: int = setting(64, "B (paper: 288-388 on 4 A40; CPU: 64 for stage 1)")
     # optimisation (not given by the paper)
-    optimizer: str = "adamw"  # fresh per client and stage, every round (no optimiser state travels)
-    lr: float = 1e-3  # alignment modules (CPU; trained from scratch, the paper's 2e-5 is for pre-trained blocks)
-    encoder_lr: float = 2e-5  # encoders in stage 2 (paper: 2e-5)
-    weight_decay: float = 0.01  # AdamW's decoupled weight decay (torch default)
-    step_scaling: str = "n_lambda"  # s_i = N lambda_i [R] | "lambda" (literal Sec. 4.3); never scales the decay
-    aggregation: str = "uniform"  # client weights of the server mean: 1/N (Alg. 1 lines 7, 12) | "samples" n_i
-    prox_mu: float = 0.0  # FedProx proximal term mu/2 ||w - w^r||^2 (Li et al. 2020 Eq. 2), baseline only
+    optimizer: str = setting("adamw", "fresh per client and stage, every round (no optimiser state travels)")
+    lr: float = setting(1e-3, "alignment modules (CPU; trained from scratch, the paper's 2e-5 is for pre-trained blocks)")
+    encoder_lr: float = setting(2e-5, "encoders in stage 2 (paper: 2e-5)")
+    weight_decay: float = setting(0.01, "AdamW's decoupled weight decay (torch default)")
+    step_scaling: str = setting("n_lambda", 's_i = N lambda_i [R] | "lambda" (literal Sec. 4.3); never scales the decay',
+                                source="FedDRA Sec. 4.3")
+    aggregation: str = setting("uniform", 'client weights of the server mean: 1/N (Alg. 1 lines 7, 12) | "samples" n_i',
+                               source="FedDRA Alg. 1")
+    prox_mu: float = setting(0.0, "FedProx proximal term mu/2 ||w - w^r||^2 (Li et al. 2020 Eq. 2), baseline only",
+                             source="Li et al. 2020, Eq. 2")
     # DRO (Sec. 4.3, Eq. 2)
     dro: dro.DROConfig = field(default_factory=dro.DROConfig)
-    dro_loss: str = "infonce"  # v_i: InfoNCE [R] (Sec. 5.1.3) | "local": L_local of Eq. 2
-    dro_model: str = "local"  # v_i of the client's local model after the round [R] (Alg. 1 l. 15) | "global"
-    dro_batches: int = 4  # fixed batches per client for v_i ([R] same number and size for every client)
-    amp: str = "auto"  # CUDA autocast: auto | off | bf16 | fp16 (CPU trains in float32; off: see FTConfig.amp)
+    dro_loss: str = setting("infonce", 'v_i: InfoNCE [R] (Sec. 5.1.3) | "local": L_local of Eq. 2',
+                            source="FedDRA Sec. 5.1.3; FedDRA Eq. 2")
+    dro_model: str = setting("local", "v_i of the client's local model after the round [R] (Alg. 1 l. 15) | \"global\"",
+                             source="FedDRA Alg. 1")
+    dro_batches: int = setting(4, "fixed batches per client for v_i ([R] same number and size for every client)")
+    amp: str = setting("auto", "CUDA autocast: auto | off | bf16 | fp16 (CPU trains in float32; off: see FTConfig.amp)")
 
     def __post_init__(self) -> None:
         check_finite(self)
-        checks = [(self.schedule in SCHEDULES, f"--schedule {self.schedule!r}: use {' or '.join(SCHEDULES)}"),
+        checks = [(self.schedule in SCHEDULES, f"schedule {self.schedule!r}: use {' or '.join(SCHEDULES)}"),
                   (self.infonce in ("both", "image-to-text"), f"infonce {self.infonce!r}: use both or image-to-text"),
                   (self.constraint in ("squared", "as-printed"), f"constraint {self.constraint!r}: use squared or as-printed"),
                   (self.constraint_on in ("normalized", "raw"), f"constraint_on {self.constraint_on!r}: use normalized or raw"),
-                  (self.optimizer in OPTIMIZERS, f"--optimizer {self.optimizer!r}: use {' or '.join(OPTIMIZERS)}"),
-                  (self.step_scaling in ("n_lambda", "lambda"), f"--step-scaling {self.step_scaling!r}: use n_lambda or lambda"),
-                  (self.aggregation in AGGREGATIONS, f"--aggregation {self.aggregation!r}: use {' or '.join(AGGREGATIONS)}"),
-                  (self.dro_loss in ("infonce", "local"), f"--dro-loss {self.dro_loss!r}: use infonce or local"),
-                  (self.dro_model in ("local", "global"), f"--dro-model {self.dro_model!r}: use local or global"),
+                  (self.optimizer in OPTIMIZERS, f"optimizer {self.optimizer!r}: use {' or '.join(OPTIMIZERS)}"),
+                  (self.step_scaling in ("n_lambda", "lambda"), f"step_scaling {self.step_scaling!r}: use n_lambda or lambda"),
+                  (self.aggregation in AGGREGATIONS, f"aggregation {self.aggregation!r}: use {' or '.join(AGGREGATIONS)}"),
+                  (self.dro_loss in ("infonce", "local"), f"dro_loss {self.dro_loss!r}: use infonce or local"),
+                  (self.dro_model in ("local", "global"), f"dro_model {self.dro_model!r}: use local or global"),
                   (self.amp in AMP, f"amp {self.amp!r}: use one of {', '.join(AMP)}"),
                   (self.rounds >= 1 and self.steps >= 1 and self.batch_size >= 2 and self.dro_batches >= 1,
-                   "--rounds, --steps-per-stage, --dro-batches must be >= 1 and --batch-size >= 2"),
-                  (self.mu >= 0 and self.prox_mu >= 0 and self.tau > 0, "--mu, --prox-mu must be >= 0, tau > 0"),
+                   "--rounds, steps, dro_batches must be >= 1 and batch_size >= 2"),
+                  (self.mu >= 0 and self.prox_mu >= 0 and self.tau > 0, "mu, prox_mu must be >= 0, tau > 0"),
                   (self.lr > 0 and self.encoder_lr >= 0 and self.weight_decay >= 0,
-                   "--lr > 0, --encoder-lr >= 0, weight decay >= 0"),
+                   "lr > 0, encoder_lr >= 0, weight_decay >= 0"),
                   (self.stage1_rounds is None or 0 <= self.stage1_rounds <= self.rounds,
-                   f"--stage1-rounds {self.stage1_rounds}: must be between 0 and --rounds {self.rounds}")]
+                   f"stage1_rounds {self.stage1_rounds}: must be between 0 and --rounds {self.rounds}")]
         for ok, msg in checks:
             if not ok:
                 raise UserError(msg)

@@ -78,7 +78,7 @@ class _Inputs:
 
     def __init__(self, net: DualEncoder, mode: str) -> None:
         if mode not in STAGE1_INPUTS:
-            raise UserError(f"--stage1-inputs {mode!r}: use one of {', '.join(STAGE1_INPUTS)}")
+            raise UserError(f"stage1_inputs {mode!r}: use one of {', '.join(STAGE1_INPUTS)}")
         self.net, self.mode, self.version, self.run = net, mode, 0, next(_RUNS)
 
     def set_round(self, r: int) -> None:
@@ -153,8 +153,8 @@ def run_feddra(alg: FedDRA, net: DualEncoder, glob: DualEncoder, clients: Sequen
     if eval_every < 0:
         raise UserError(f"--eval-every {eval_every}: must be >= 0 (0 = only round 0 and the last)")
     if any(2 in p for p in plan) and not net.trains_encoders:
-        raise UserError("stage 2 trains the encoders, but both are frozen (--image-trainable/--text-trainable); "
-                        "use --schedule sequential --stage1-rounds R for a stage-1-only run")
+        raise UserError("stage 2 trains the encoders, but both are frozen (image_trainable/text_trainable); "
+                        "use --set schedule=sequential --set stage1_rounds=R for a stage-1-only run")
     N = len(clients)
     inputs = _Inputs(net, stage1_inputs)
     ss = alg.init(net, N)

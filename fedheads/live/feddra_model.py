@@ -96,7 +96,7 @@ def _trained_stages(names: tuple[str, ...], spec: str, last: str | None, who: st
     kind, _, cut = spec.partition(":")
     if kind == "after" and cut in usable:
         return usable[usable.index(cut) + 1:]
-    raise UserError(f"--{who}-trainable {spec!r}: use all, frozen or after:STAGE with STAGE one of "
+    raise UserError(f"{who}_trainable {spec!r}: use all, frozen or after:STAGE with STAGE one of "
                     f"{', '.join(usable)}")
 
 
@@ -111,7 +111,7 @@ class DualEncoder(nn.Module):
             raise UserError(f"--image-cut {image_cut}: {image.name} has no cut {image_cut!r} "
                             f"(cut points: {', '.join(image.cut_points()) or 'none'})")
         if bn not in ("train", "frozen"):
-            raise UserError(f"--bn {bn!r}: use train or frozen")
+            raise UserError(f"bn {bn!r}: use train or frozen")
         self.image, self.text, self.image_cut, self.bn = image, text, image_cut, bn
         names = vl.stage_names(text)
         if text_cut is None and names:

@@ -15,7 +15,7 @@ feddra (all parts); fedavg, the paper's FedAvg baseline (Sec. 5.1.3, McMahan et 
 one-stage averaging, i.e. rho = 0, mu = 0 and no two-stage schedule (the schedule is one of FedDRA's
 own components, Sec. 4.2, ablated in Table 3); fedavg-two-stage (rho = 0, mu = 0 with FedDRA's
 two-stage schedule kept: what `fedavg` meant before); fedprox (fedavg + proximal term; the
-two-stage variant is `fedavg-two-stage --prox-mu 0.01`); no-two-stage, no-constraint (mu = 0),
+two-stage variant is `fedavg-two-stage --set prox_mu=0.01`); no-two-stage, no-constraint (mu = 0),
 no-dro (rho = 0); each keeps every other option.
 
 Budget of the one-stage baselines: the same R rounds of E local steps per client as every method,
@@ -24,7 +24,7 @@ stage 2 alone, as the Table 3 "w/o two-stage" row). FedDRA under the per-stage r
 more steps per round on the alignment modules only (stage 1, encoders frozen): one-stage FedAvg
 gets the same rounds and the same E full-model steps per client and round (the paper's budget for
 every method), not FedDRA's extra module-only steps; a step-matched FedAvg (2E full-model steps) is
-`--baseline fedavg --steps-per-stage 2E`, run on its own. Every preset averages with Alg. 1's 1/N unless `aggregation = "samples"`
+`--baseline fedavg --set steps=2E`, run on its own. Every preset averages with Alg. 1's 1/N unless `aggregation = "samples"`
 (n_i / sum_j n_j weights, FedDRAConfig.aggregation).
 """
 
@@ -36,7 +36,7 @@ import dataclasses
 import io
 import json
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -47,8 +47,9 @@ import torch
 from embedcache.errors import UserError
 from fedheads import report, rundir
 from fedheads.checks import check_finite, check_seeds, check_trained_state
+from fedheads.core.config import setting
 from fedheads.data import resolve_device
-from fedheads.live import feddra_report, vl
+from fedheads.live import dro, feddra_report, vl
 from fedheads.live.feddra import FedDRA, FedDRAConfig
 from fedheads.live.feddra_driver import FDRun, feddra_checkpoint, run_feddra
 from fedheads.live.feddra_model import DualEncoder, ModuleShape
@@ -57,6 +58,7 @@ from fedheads.live.heads import check_store
 from fedheads.live.pairs import PairClient, cache_from_store, check_paired, pair_clients
 from fedheads.live.runner import _jsonable, _write
 from fedheads.machine import machine
+from fedheads.settings import Part, settings_values, split_settings
 
 BASELINES: dict[str, dict[str, Any]] = {
     "feddra": {},
@@ -109,17 +111,17 @@ class FedDRAOptions:
 
     fd: FedDRAConfig = field(default_factory=FedDRAConfig)
     baselines: tuple[str, ...] = ("feddra",)
-    image_cut: str | None = None  # token cut of the image encoder (None: DEFAULT_CUTS, else its last map)
-    image_trainable: str = "all"  # stage 2: all (paper) | after:STAGE (CPU deviation) | frozen
-    text_trainable: str = "all"  # stage 2: all (paper) | after:STAGE | frozen
-    text_cut: str | None = None  # text token states after this stage (None: its last layer, layer.5 for MiniLM)
-    bn: str = "frozen"  # image BatchNorm in stage 2: frozen statistics (the paper's ViT/BERT have none) | train
+    image_cut: str | None = setting(None, "token cut of the image encoder (None: DEFAULT_CUTS, else its last map)")
+    image_trainable: str = setting("all", "stage 2: all (paper) | after:STAGE (CPU deviation) | frozen")
+    text_trainable: str = setting("all", "stage 2: all (paper) | after:STAGE | frozen")
+    text_cut: str | None = setting(None, "text token states after this stage (None: its last layer, layer.5 for MiniLM)")
+    bn: str = setting("frozen", "image BatchNorm in stage 2: frozen statistics (the paper's ViT/BERT have none) | train")
     shape: ModuleShape = field(default_factory=ModuleShape)
     seeds: tuple[int, ...] = (0,)
     eval_every: int = 1
-    augment: bool = True  # stage 2: the image encoder's training augmentation
-    stage1_inputs: str = "auto"  # stale caches: auto | reencode | live (feddra_driver)
-    probe: ProbeOptions | None = None  # the few-shot probe on an out-of-distribution manifest
+    augment: bool = setting(True, "stage 2: the image encoder's training augmentation")
+    stage1_inputs: str = setting("auto", "stale caches: auto | reencode | live (feddra_driver)")
+    probe: ProbeOptions | None = setting(None, "the few-shot probe on an out-of-distribution manifest")
     device: str = "auto"
     num_workers: int = 2
     weights_dir: str | None = None
@@ -130,6 +132,24 @@ class FedDRAOptions:
     def __post_init__(self) -> None:
         check_seeds(self.seeds)
         check_finite(self)
+
+
+# `fedheads feddra --set KEY=VALUE`: FedDRA's objective, schedule and optimisation (FedDRAConfig,
+# `rounds` being --rounds), its DRO step (DROConfig) and the encoders' stage-2 choices, flat keys
+SETTINGS = (Part(FedDRAConfig, exclude=("rounds",)), Part(dro.DROConfig),
+            Part(FedDRAOptions, ("image_trainable", "text_trainable", "bn", "augment", "stage1_inputs")))
+
+
+def feddra_options(settings: Iterable[tuple[str, Any]] = (), *, rounds: int = 25, **run: Any) -> FedDRAOptions:
+    """FedDRAOptions from `--set` items (keys: fedheads.settings.command_settings(SETTINGS); later
+    items win), the rounds and the run options (baselines, cuts, probe, seeds, device, ...)."""
+    fd, dr, top = split_settings("feddra", SETTINGS, settings)
+    return FedDRAOptions(fd=FedDRAConfig(rounds=rounds, dro=dro.DROConfig(**dr), **fd), **top, **run)
+
+
+def feddra_settings(opts: FedDRAOptions) -> dict[str, Any]:
+    """{key: value} of every `--set` key of the run `opts` describes (the dump's `set:`)."""
+    return settings_values(SETTINGS, (opts.fd, opts.fd.dro, opts))
 
 
 def _image_cut(staged: Any, name: str, cut: str | None) -> str:
@@ -182,8 +202,8 @@ def _setup(manifest: Any, store: str | None, image_encoder: str, text_encoder: s
     if needs_text:
         vl.text_trainable(text_bb)  # UserError naming the encoder when it cannot train
     if stage2 and opts.image_trainable == "frozen" and opts.text_trainable == "frozen":
-        raise UserError("stage 2 with both encoders frozen trains nothing new; use --schedule sequential "
-                        "--stage1-rounds R (stage 1 only) or let an encoder train")
+        raise UserError("stage 2 with both encoders frozen trains nothing new; use --set schedule=sequential "
+                        "--set stage1_rounds=R (stage 1 only) or let an encoder train")
     DualEncoder(staged, cut, vl.FrozenText(text_bb, tcut), text_bb.token_dim, image_trainable=opts.image_trainable,
                 text_trainable="frozen", bn=opts.bn, text_cut=tcut)  # cut and trainable specs checked here
     clients = pair_clients(m, open_source(m.source), bb.transform, text_bb, opts.num_workers, device)

@@ -52,6 +52,7 @@ from embedcache.errors import UserError
 from fedheads.algorithms.pfl_common import DeltaMessage, GlobalModel
 from fedheads.algorithms.server_opt import MOMENTUM_SERVERS, SERVER_OPTS, make_server_optimizer
 from fedheads.checks import check_finite
+from fedheads.core.config import setting
 from fedheads.core.protocol import RoundCtx
 from fedheads.live.model import LiveNet, Params
 
@@ -74,21 +75,24 @@ def optimizer_step(opt: torch.optim.Optimizer, scaler: Any, loss: torch.Tensor) 
 class FTConfig:
     """Fine-tuning hyper-parameters (FedNCM paper Sec. 4 and App. B; sources in the module doc)."""
 
-    server: str = "fedavg"  # server optimiser: "fedavg" | "fedprox" | "fedadam" | "fedavgm"
-    server_lr: float | None = None  # None: 1.0 for fedavg/fedprox/fedavgm, 1e-3 for fedadam (App. B grid)
-    server_momentum: float = 0.9  # FedAvgM's server momentum beta (server="fedavgm" only)
-    server_buffers: str = "average"  # BN buffers: mean change always | "flsim": kept under fedadam/fedavgm
-    prox_mu: float = 0.01  # FedProx mu (server="fedprox" only)
-    adam_flavour: str = "flsim"  # FedAdam: "flsim" (torch Adam, the paper's runs) | "reddi" (Reddi et al. Alg. 2)
-    lr: float = 0.1  # client SGD learning rate (top of the App. B FedAvg grid; measured, module doc)
-    momentum: float = 0.0  # client SGD momentum (FLSim default)
-    weight_decay: float = 0.0  # client SGD L2 weight decay (FLSim default)
-    batch_size: int = 32  # local mini-batch
-    local_epochs: int = 1  # E (Sec. 4)
-    amp: str = "auto"  # CUDA autocast: auto (bf16 where supported, else fp16 + GradScaler) | off | bf16 | fp16
-    # (off: float32 weights and activations; convolutions and matmuls still follow torch.backends'
-    # allow_tf32 flags, PyTorch's default being TF32 convolutions on Ampere and later)
-    warmup_rounds: int = 0  # K: client lr rises linearly over the first K FT rounds (0 = off, the paper's runs)
+    server: str = setting("fedavg", 'server optimiser: "fedavg" | "fedprox" | "fedadam" | "fedavgm"')
+    server_lr: float | None = setting(None, "None: 1.0 for fedavg/fedprox/fedavgm, 1e-3 for fedadam (App. B grid)",
+                                      source="FedNCM App. B")
+    server_momentum: float = setting(0.9, "FedAvgM's server momentum beta (server=\"fedavgm\" only)")
+    server_buffers: str = setting("average", 'BN buffers: mean change always | "flsim": kept under fedadam/fedavgm')
+    prox_mu: float = setting(0.01, 'FedProx mu (server="fedprox" only)')
+    adam_flavour: str = setting("flsim", "FedAdam: \"flsim\" (torch Adam, the paper's runs) | \"reddi\" (Reddi et al. Alg. 2)",
+                                source="Reddi et al. 2021, Alg. 2")
+    lr: float = setting(0.1, "client SGD learning rate (top of the App. B FedAvg grid; measured, module doc)",
+                        source="FedNCM App. B")
+    momentum: float = setting(0.0, "client SGD momentum (FLSim default)")
+    weight_decay: float = setting(0.0, "client SGD L2 weight decay (FLSim default)")
+    batch_size: int = setting(32, "local mini-batch")
+    local_epochs: int = setting(1, "E (Sec. 4)", source="FedNCM Sec. 4")
+    amp: str = setting("auto", "CUDA autocast: auto (bf16 where supported, else fp16 + GradScaler) | off | bf16 | fp16 "
+                       "(off: float32 weights and activations; convolutions and matmuls still follow torch.backends' "
+                       "allow_tf32 flags, PyTorch's default being TF32 convolutions on Ampere and later)")
+    warmup_rounds: int = setting(0, "K: client lr rises linearly over the first K FT rounds (0 = off, the paper's runs)")
 
     def client_lr(self, round_: int) -> float:
         """Client lr of FT round `round_` (0-based): lr (r+1)/(K+1) for r < K, then lr. The warm-up
@@ -100,13 +104,13 @@ class FTConfig:
     def __post_init__(self) -> None:
         check_finite(self)
         if self.server not in SERVER_OPTS:
-            raise UserError(f"--server {self.server!r}: use one of {', '.join(SERVER_OPTS)}")
+            raise UserError(f"server {self.server!r}: use one of {', '.join(SERVER_OPTS)}")
         if self.server_buffers not in ("average", "flsim"):
-            raise UserError(f"--server-buffers {self.server_buffers!r}: use average or flsim")
+            raise UserError(f"server_buffers {self.server_buffers!r}: use average or flsim")
         if self.lr <= 0 or self.batch_size < 1 or self.local_epochs < 1:
-            raise UserError(f"--lr {self.lr} / --batch-size {self.batch_size} / --local-epochs "
+            raise UserError(f"lr {self.lr} / batch_size {self.batch_size} / local_epochs "
                             f"{self.local_epochs}: must be positive")
-        negative = [f"--{k.replace('_', '-')} {v}" for k, v in (("momentum", self.momentum),
+        negative = [f"{k} {v}" for k, v in (("momentum", self.momentum),
                     ("weight_decay", self.weight_decay), ("prox_mu", self.prox_mu),
                     ("warmup_rounds", self.warmup_rounds)) if v < 0]
         if negative:

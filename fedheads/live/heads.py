@@ -114,7 +114,7 @@ def head_from_store(method: str, store: str, backbone_name: str, clients: Sequen
         rounds = 1
     else:
         if head_rounds < 1:
-            raise UserError(f"--head-rounds {head_rounds}: LP needs at least one round")
+            raise UserError(f"head_rounds {head_rounds}: LP needs at least one round")
         alg = create_algorithm("lp", **(lp_settings or {}))
         res = run(alg, data, head_rounds, seed=seed, progress=False)
         head = {k: v for k, v in res.server_state.params.items() if k.startswith("cls.")}

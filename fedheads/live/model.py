@@ -2,7 +2,7 @@
 
 FedNCM paper (Legate et al., "Guiding The Last Layer in Federated Learning with Pre-Trained
 Models", NeurIPS 2023), Sec. 3.1: the model is g(f(x; w); v) with f the pre-trained base and g a
-linear task head. `--trainable` says which part of f trains (the rest stays frozen):
+linear task head. The `trainable` setting says which part of f trains (the rest stays frozen):
 
     all          every stage of f and the head (the paper's FT);
     after:CUT    the stages after CUT and the head; the frozen prefix (stages up to CUT) is
@@ -34,7 +34,7 @@ BN_MODES = ("train", "frozen")
 
 @dataclass(frozen=True)
 class Trainable:
-    """Which part of the network trains (`--trainable all|after:CUT|head`)."""
+    """Which part of the network trains (`--set trainable=all|after:CUT|head`)."""
 
     mode: str  # "all" | "after" | "head"
     cut: str | None = None  # the last frozen stage for mode "after"
@@ -46,12 +46,12 @@ class Trainable:
             return Trainable("after", cut)
         if kind in ("all", "head") and not cut:
             return Trainable(kind)
-        raise UserError(f"--trainable {spec!r}: use all, head or after:BLOCK (e.g. after:layer2)")
+        raise UserError(f"trainable {spec!r}: use all, head or after:BLOCK (e.g. after:layer2)")
 
     def check(self, staged: nn.Module) -> Trainable:
         """UserError naming the cut points when the backbone has no such cut."""
         if self.mode == "after" and self.cut not in staged.cut_points():
-            raise UserError(f"--trainable after:{self.cut}: {staged.name} has no cut {self.cut!r} "
+            raise UserError(f"trainable after:{self.cut}: {staged.name} has no cut {self.cut!r} "
                             f"(cut points: {', '.join(staged.cut_points()) or 'none'})")
         return self
 
@@ -75,7 +75,7 @@ class LiveNet(nn.Module):
                  bn: str = "train", live_prefix: bool = False) -> None:
         super().__init__()
         if bn not in BN_MODES:
-            raise UserError(f"--bn {bn!r}: use train or frozen")
+            raise UserError(f"bn {bn!r}: use train or frozen")
         trainable.check(staged)
         self.trainable, self.bn, self.live_prefix = trainable, bn, live_prefix
         self.staged = staged

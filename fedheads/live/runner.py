@@ -23,8 +23,8 @@ import io
 import json
 import math
 import time
-from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +35,7 @@ from fedheads import comm, plotting, report, rundir
 from fedheads.algorithms import create_algorithm
 from fedheads.atomic import atomic_path
 from fedheads.checks import check_finetune_heads, check_finite, check_seeds, check_trained_state
+from fedheads.core.config import setting
 from fedheads.core.protocol import HeadArch
 from fedheads.data import resolve_device
 from fedheads.live import plots
@@ -44,6 +45,7 @@ from fedheads.live.finetune import FineTune, FTConfig, split_state
 from fedheads.live.heads import HeadResult, check_store, head_from_store
 from fedheads.live.model import LiveNet, Trainable, count_values, reinitialise
 from fedheads.machine import machine
+from fedheads.settings import Part, settings_values, split_settings
 
 METHOD_NAMES = {"fedncm": "fedncm+ft", "lp": "lp+ft", "random": "ft"}
 
@@ -57,30 +59,49 @@ def method_name(head: str) -> str:
 class FinetuneOptions:
     """Everything `fedheads finetune` takes besides the manifest, store, backbone and output."""
 
-    heads: tuple[str, ...] = ("fedncm",)  # stage-1 methods: fedncm | lp | random (= the FT baseline)
-    head_rounds: int = 5  # LP rounds of stage 1 (FedNCM App. C.2, Table 6: 5 and 10)
-    rounds: int = 10  # fine-tuning rounds R
-    ft: FTConfig = field(default_factory=FTConfig)  # client/server optimisation
-    trainable: str = "all"  # all | after:BLOCK | head
-    bn: str = "train"  # train (paper's code: FLSim .train()) | frozen (pre-trained statistics)
-    live_prefix: bool = False  # after:BLOCK / head: run the frozen prefix live instead of reading the cache
-    pretrained: bool = True  # False: the paper's Random baseline (all weights re-initialised)
-    augment: bool = True  # live images: the backbone's training augmentation
-    ncm_bias: str = "zero"  # FedNCM head bias: zero (paper) | random (authors' code)
-    lp_settings: tuple[tuple[str, Any], ...] = ()  # fedheads `lp` config fields for stage 1
-    seeds: tuple[int, ...] = (0,)  # one seed by default: fine-tuning is the expensive stage
-    fraction: float = 1.0  # client participation per round
-    eval_every: int = 1  # evaluate every k rounds (0: round 0 and the last only)
+    heads: tuple[str, ...] = setting(("fedncm",), "stage-1 methods: fedncm | lp | random (= the FT baseline)")
+    head_rounds: int = setting(5, "LP rounds of stage 1 (FedNCM App. C.2, Table 6: 5 and 10)",
+                               source="FedNCM App. C.2; FedNCM Table 6")
+    rounds: int = setting(10, "fine-tuning rounds R")
+    ft: FTConfig = setting(doc="client/server optimisation", default_factory=FTConfig)
+    trainable: str = setting("all", "all | after:BLOCK | head")
+    bn: str = setting("train", "train (paper's code: FLSim .train()) | frozen (pre-trained statistics)")
+    live_prefix: bool = setting(False, "after:BLOCK / head: run the frozen prefix live instead of reading the cache")
+    pretrained: bool = setting(True, "False: the paper's Random baseline (all weights re-initialised)")
+    augment: bool = setting(True, "live images: the backbone's training augmentation")
+    ncm_bias: str = setting("zero", "FedNCM head bias: zero (paper) | random (authors' code)")
+    lp_settings: tuple[tuple[str, Any], ...] = setting((), "fedheads `lp` config fields for stage 1")
+    seeds: tuple[int, ...] = setting((0,), "one seed by default: fine-tuning is the expensive stage")
+    fraction: float = setting(1.0, "client participation per round")
+    eval_every: int = setting(1, "evaluate every k rounds (0: round 0 and the last only)")
     device: str = "auto"
-    num_workers: int = 2  # DataLoader workers for live images
+    num_workers: int = setting(2, "DataLoader workers for live images")
     weights_dir: str | None = None
-    resume: bool = False  # continue from RUN_DIR/state/seed<S>.ckpt.pt
-    overwrite: bool = False  # replace a finished run directory
+    resume: bool = setting(False, "continue from RUN_DIR/state/seed<S>.ckpt.pt")
+    overwrite: bool = setting(False, "replace a finished run directory")
     progress: bool = True
 
     def __post_init__(self) -> None:
         check_seeds(self.seeds)
         check_finite(self)
+
+
+# `fedheads finetune --set KEY=VALUE`: the client/server optimisation (FTConfig) and the method's
+# stage-1 and backbone choices, flat keys (fedheads.settings.Part)
+SETTINGS = (Part(FTConfig), Part(FinetuneOptions, ("head_rounds", "trainable", "bn", "live_prefix", "pretrained",
+                                                   "augment", "ncm_bias")))
+
+
+def finetune_options(settings: Iterable[tuple[str, Any]] = (), **run: Any) -> FinetuneOptions:
+    """FinetuneOptions from `--set` items (keys: fedheads.settings.command_settings(SETTINGS);
+    later items win) and the run options (heads, rounds, seeds, fraction, device, ...)."""
+    ft, top = split_settings("finetune", SETTINGS, settings)
+    return FinetuneOptions(ft=FTConfig(**ft), **top, **run)
+
+
+def finetune_settings(opts: FinetuneOptions) -> dict[str, Any]:
+    """{key: value} of every `--set` key of the run `opts` describes (the dump's `set:`)."""
+    return settings_values(SETTINGS, (opts.ft, opts))
 
 
 def _jsonable(obj: Any) -> Any:
@@ -122,8 +143,8 @@ def finetune_run(manifest: str | Path | Any, store: str, backbone: str, out: str
     check_finetune_heads(opts.heads)
     trainable = Trainable.parse(opts.trainable)
     if not opts.pretrained and (trainable.mode != "all" or set(opts.heads) != {"random"}):
-        raise UserError("--no-pretrained (the Random baseline) trains everything from scratch: use "
-                        "--trainable all --head random")
+        raise UserError("pretrained=false (the Random baseline) trains everything from scratch: use "
+                        "--set trainable=all --head random")
     m = load_manifest(manifest) if isinstance(manifest, (str, Path)) else manifest
     device = resolve_device(opts.device)
     bb = create_backbone(backbone, weights_dir=opts.weights_dir, device="cpu")
