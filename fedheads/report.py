@@ -39,12 +39,15 @@ from fedheads import comm, metrics, plotting
 from fedheads.atomic import atomic_path
 
 
-def one_pass(algorithm: str) -> bool:
+def one_pass(algorithm: Any) -> bool:
     """Whether the registered algorithm `algorithm` communicates once whatever `rounds` says
     (AlgorithmBase.one_pass: FedNCM Alg. 1, Fed3R, FedCOF); `train`/`compare` run it for one
     round when every client takes part (fedheads.runner.rounds_needed). False for a name the
-    registry does not hold (a fine-tuning run's "fedncm+ft")."""
+    registry does not hold (a fine-tuning run's "fedncm+ft"). A built algorithm is read as it is."""
     from fedheads.algorithms import create_algorithm
+
+    if not isinstance(algorithm, str):
+        return bool(algorithm.one_pass)
 
     try:
         return bool(create_algorithm(comm.method_key(algorithm)).one_pass)
@@ -177,7 +180,7 @@ def summarise_runs(per_seed: Sequence[Mapping[str, Any]], *, algorithm: str,
     comm_out: dict[str, Any] = {k: (float(np.mean([m[k] for m in measured])) if measured else None)
                                 for k in keys}
     paper_params = paper_trainable = paper_bytes = None
-    comm_rounds = 1 if one_pass(algorithm) else rounds
+    comm_rounds = 1 if one_pass(algorithm if built is None else built) else rounds
     if feature_dims is not None and num_classes is not None:
         arch = comm.HeadArch(tuple(int(d) for d in feature_dims), proj_dim, num_classes)
         who = algorithm if built is None else built  # the run's algorithm object: not built again
@@ -328,7 +331,7 @@ def comparison_markdown(results: Sequence[Mapping[str, Any]], title: str = "",
     why = {True: "one pass: every client sends its statistics once",
            False: "its first round only collects statistics"}
     short = [f"{r['algorithm']} trains {r['training_rounds']} of them "
-             f"({why[one_pass(r['algorithm'])]})" for r in results
+             f"({why[bool(r['one_pass']) if 'one_pass' in r else one_pass(r['algorithm'])]})" for r in results
              if r.get("training_rounds") is not None and r["training_rounds"] < r["rounds"]]
     if short:
         out += ["", f"Rounds: {results[0]['rounds']} communication rounds; " + "; ".join(short) + "."]

@@ -334,11 +334,11 @@ def dataset_name(info: StoreInfo) -> str:
     return info.source or Path(info.path).name
 
 
-def rounds_needed(algorithm: str, opts: TrainOptions) -> int:
+def rounds_needed(algorithm: Any, opts: TrainOptions) -> int:
     """The rounds `algorithm` trains: `opts.rounds`, except a one-pass algorithm
     (AlgorithmBase.one_pass: FedNCM Alg. 1, Fed3R, FedCOF) with every client in every round, whose later
     rounds would only send zeros and re-evaluate the same model: one round (results.json keeps
-    `rounds` as asked, `training_rounds` says what ran)."""
+    `rounds` as asked, `training_rounds` says what ran). `algorithm`: a name, or the run's built one."""
     if opts.fraction >= 1.0 and report.one_pass(algorithm):
         return min(opts.rounds, 1)
     return opts.rounds
@@ -371,7 +371,7 @@ def train_data(data: Federation, backbones: Sequence[str], algorithm: str, opts:
     data_id = None
     if state_dir is not None:
         data_id = resume_mod.data_settings(data)
-    rounds = rounds_needed(algorithm, opts)
+    rounds = rounds_needed(alg, opts)
     releases: list[int] = []  # per seed, under DP: the most rounds one client's statistics were released in
     for seed in opts.seeds:
         ck, log = None, None
@@ -411,6 +411,7 @@ def train_data(data: Federation, backbones: Sequence[str], algorithm: str, opts:
                                  server_state=to_device(res.server_state, "cpu"))
     extra = {"dataset": None if record is None else record.dataset,
              "training_rounds": rounds - int(getattr(alg, "collect_rounds", 0)),
+             "one_pass": bool(alg.one_pass),
              "clients": names, "domains": list(data.domains),
              "num_classes": data.num_classes, "feature_dim": data.dim, "engine": opts.engine,
              "layout": layout_info(data),

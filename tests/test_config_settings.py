@@ -36,6 +36,9 @@ def _train(store: Path, out: Path, *extra: str, algorithm: str = "fedncm") -> li
 @pytest.fixture
 def builds(monkeypatch):
     """{algorithm: how many times its factory ran}, for the registered algorithms."""
+    from fedheads.algorithms import list_algorithms
+
+    list_algorithms()  # the registry loads lazily: every built-in registered before the factories are wrapped
     calls: dict[str, int] = {}
     for name, info in list(_REGISTRY.items()):
         def counted(_name=name, _f=info.factory, **kw):
