@@ -195,14 +195,13 @@ def run_live(manifest: Any, source: Any, backbones: Sequence[Any], cfg: LiveConf
     alg = FedPCL(fc)
     init = alg.init(DataSpec(dim, C, M, n_train, torch.device("cpu")), cfg.seed)
     cstate, sstate, bc = init.client_state, init.server_state, init.broadcast
-    spec = alg.spec
-    assert spec is not None
+    spec = alg._spec(cstate.params)  # the head's shape, read from its state
     res = LiveResult(clients=tuple(c.name for c in clients))
     t_run = time.perf_counter()
     for r in tqdm(range(cfg.rounds), desc="fedpcl[live]", disable=not cfg.progress, leave=False):
         t0 = time.perf_counter()
         ctx = RoundCtx(round=r, seed=cfg.seed, participants=torch.arange(M), num_clients=M)
-        loss_fn = alg._loss_fn(bc)  # the engine's exact loss closure (Eq. 8-10 / code variant)
+        loss_fn = alg._loss_fn(bc, spec)  # the engine's exact loss closure (Eq. 8-10 / code variant)
         msgs, t_train, t_proto, decoded = [], 0.0, 0.0, 0
         for i in range(M):  # clients one after another, as the authors' code
             one = torch.tensor([i])

@@ -351,6 +351,6 @@ def test_settings_show_the_docs_and_sources_declared_with_setting():
 
     rows = {r.key: r for r in settings_of("ccvr")[0]}
     assert rows["virtual_per_class"].doc.startswith("virtual features M_c") and "FL-bench" in rows["virtual_per_class"].source
-    assert "FedAvg rounds" in rows["lr"].doc and rows["lr"].source == "App. B"  # the nested optimiser's
+    assert "FedAvg rounds" in rows["lr"].doc and rows["lr"].source == "FedNCM App. B (lp)"  # the nested optimiser's
     pft = {r.key: r for r in settings_of("fedpft")[0]}
     assert pft["covariance"].doc.startswith("mixture covariance type") and pft["covariance"].source == "baseline cov-type"
