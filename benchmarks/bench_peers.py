@@ -20,8 +20,8 @@ per round (fedheads' seeded sampler), learning rate, batch size and epochs
 (peers_frameworks.py says how each framework is driven). Each (case, framework) runs
 --repeats times in a fresh interpreter, frameworks interleaved and their order alternated
 between repeats; a run's wall and CPU seconds are timed inside it from the features in memory
-to the last global model (setup included, imports and file reading not), its peak RSS and whole-
-process CPU come from os.wait4. The global model after each tenth of the rounds is kept and
+to the last global model (setup included, imports and file reading not), its peak RSS is the
+interpreter's VmHWM, its whole-process CPU comes from os.wait4. The global model after each tenth of the rounds is kept and
 tested here on the central test set, the same code for every framework. Reported per case and
 framework: median, min, max of those; rounds per second; the accuracy curve; the time ratio to
 fedheads (vectorised); agreement (final accuracy within 1 point of fedheads').
@@ -174,7 +174,7 @@ def peer_status(env: dict) -> dict:
 
 
 def run_child(case_dir: Path, fw: str, out: Path, env: dict) -> dict:
-    """One run in a fresh interpreter: its own timing plus peak RSS and CPU from os.wait4."""
+    """One run in a fresh interpreter: its own timing and peak RSS, plus its whole CPU time from os.wait4."""
     log = out.with_suffix(".log")
     t0 = time.perf_counter()
     with open(log, "w") as f:
@@ -186,8 +186,7 @@ def run_child(case_dir: Path, fw: str, out: Path, env: dict) -> dict:
     if p.returncode != 0:
         raise RuntimeError(f"{fw} failed (exit {p.returncode}):\n{text[-3000:]}")
     r = json.loads(next(ln for ln in text.splitlines() if ln.startswith("RESULT "))[len("RESULT "):])
-    r.update(process_wall_seconds=time.perf_counter() - t0, process_cpu_seconds=ru.ru_utime + ru.ru_stime,
-             peak_rss_bytes=ru.ru_maxrss * 1024)
+    r.update(process_wall_seconds=time.perf_counter() - t0, process_cpu_seconds=ru.ru_utime + ru.ru_stime)
     return r
 
 
@@ -235,8 +234,10 @@ def bound(facts: dict, threads: int) -> dict:
             "memory_seconds": feat / bw, "bound_seconds_per_round": sec}
 
 
-def profile_fedheads(case_dir: Path, threads: int, top: int = 12) -> list[dict]:
-    """cProfile of one fedheads (vectorised) run of the case in this process: the top functions by own time."""
+def profile_fedheads(case_dir: Path, threads: int, top: int = 12) -> dict:
+    """cProfile of one fedheads (vectorised) run of the case in this process: the top functions
+    by own time (which torch kernels), and fedheads' own functions by cumulative time (which
+    stage: stacking the data, local training, aggregation, the final evaluation)."""
     import peers_frameworks as pf
 
     torch.set_num_threads(threads)
@@ -245,10 +246,16 @@ def profile_fedheads(case_dir: Path, threads: int, top: int = 12) -> list[dict]:
     prof.runcall(pf.run_fedheads, case, "vectorized")
     st = pstats.Stats(prof)
     total = st.total_tt  # type: ignore[attr-defined]
-    rows = sorted(st.stats.items(), key=lambda kv: -kv[1][2])[:top]  # type: ignore[attr-defined]
-    return [{"function": f"{Path(f).name}:{line}({name})", "calls": nc, "own_seconds": round(tt, 4),
-             "cumulative_seconds": round(ct, 4), "own_share": round(tt / total, 3)}
-            for (f, line, name), (_, nc, tt, ct, _) in rows]
+    items = st.stats.items()  # type: ignore[attr-defined]
+
+    def rows(chosen: list) -> list[dict]:
+        return [{"function": f"{Path(f).name}:{line}({name})", "calls": nc, "own_seconds": round(tt, 4),
+                 "cumulative_seconds": round(ct, 4), "cumulative_share": round(ct / total, 3)}
+                for (f, line, name), (_, nc, tt, ct, _) in chosen]
+
+    own = sorted(items, key=lambda kv: -kv[1][2])[:top]
+    ours = sorted((kv for kv in items if "/fedheads/" in kv[0][0]), key=lambda kv: -kv[1][3])[:top]
+    return {"total_seconds": round(total, 4), "by_own_time": rows(own), "fedheads_by_cumulative_time": rows(ours)}
 
 
 def spread(xs: list[float]) -> dict:

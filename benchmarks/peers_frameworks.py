@@ -16,7 +16,8 @@ to float rounding; fedheads shuffles with its own counter-based keys.
 
 Timed: from the features in memory (numpy) to the last round's global model, the framework's
 own setup included (fedheads' stacking, pfl's datasets, Flower's nodes). Not timed: imports,
-reading case.npz, writing the kept models. Prints one line `RESULT {json}`."""
+reading case.npz, writing the kept models. Prints one line `RESULT {json}` (with the process's
+peak resident memory, VmHWM)."""
 
 from __future__ import annotations
 
@@ -214,8 +215,9 @@ def run_flower(case: Case) -> None:
         strategy = ScheduledFedAvg(fraction_train=case.schedule.shape[1] / case.num_clients, fraction_evaluate=0.0,
                                    min_available_nodes=case.num_clients)
 
-        def keep(server_round: int, arrays: ArrayRecord) -> None:
-            case.keep_torch(server_round, arrays.to_torch_state_dict())
+        def keep(server_round: int, arrays: ArrayRecord) -> None:  # evaluate_fn: called after every round
+            if server_round in case.keep:
+                case.keep_torch(server_round, arrays.to_torch_state_dict())
 
         strategy.start(grid=grid, initial_arrays=ArrayRecord(case.model().state_dict()), num_rounds=case.rounds,
                        train_config=ConfigRecord({"lr": case.lr}), evaluate_fn=keep)
@@ -283,8 +285,10 @@ def main(case_dir: str, framework: str, out: str) -> None:
     else:
         {"pfl": run_pfl, "flower": run_flower, "fedlab": run_fedlab}[framework](case)
     wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+    with open("/proc/self/status") as f:  # this interpreter's peak (ru_maxrss would include the parent's before exec)
+        peak = next((int(ln.split()[1]) * 1024 for ln in f if ln.startswith("VmHWM")), 0)
     np.savez(out, **{f"{r}/{k}": v for r, p in case.kept.items() for k, v in p.items()})
-    print("RESULT " + json.dumps({"wall_seconds": wall, "cpu_seconds": cpu, "rounds": case.rounds,
+    print("RESULT " + json.dumps({"wall_seconds": wall, "cpu_seconds": cpu, "rounds": case.rounds, "peak_rss_bytes": peak,
                                   "kept_rounds": sorted(case.kept)}), flush=True)
 
 
