@@ -99,7 +99,7 @@ class Case:
             self.kept[round_] = from_torch(state, self.hidden)
 
 
-def run_fedheads(case: Case, engine: str) -> None:
+def run_fedheads(case: Case, engine: str) -> list[float]:
     """fedheads' FedAvg on a linear or MLP head (no BatchNorm, no L2 normalisation), either engine."""
     from fedheads.algorithms.fedavg import FedAvg, FedAvgConfig
     from fedheads.core.engine import run
@@ -121,8 +121,9 @@ def run_fedheads(case: Case, engine: str) -> None:
                 case.kept[state.round] = {k: v.detach().numpy().copy() for k, v in state.server_state.params.items()}
 
     k = case.schedule.shape[1]
-    run(FedAvg(cfg), data, case.rounds, case.seed, fraction=k / case.num_clients, engine=engine, eval_every=0,
+    res = run(FedAvg(cfg), data, case.rounds, case.seed, fraction=k / case.num_clients, engine=engine, eval_every=0,
         progress=False, checkpoint=Keep())
+    return [r.seconds for r in res.history]  # each round's training (updates + aggregation), evaluation apart
 
 
 def run_pfl(case: Case) -> None:
@@ -280,8 +281,9 @@ def main(case_dir: str, framework: str, out: str) -> None:
 
     random.seed(case.seed)
     t0, c0 = time.perf_counter(), time.process_time()
+    extra = {}
     if framework in ("fedheads", "fedheads-loop"):
-        run_fedheads(case, "vectorized" if framework == "fedheads" else "loop")
+        extra["round_seconds"] = run_fedheads(case, "vectorized" if framework == "fedheads" else "loop")
     else:
         {"pfl": run_pfl, "flower": run_flower, "fedlab": run_fedlab}[framework](case)
     wall, cpu = time.perf_counter() - t0, time.process_time() - c0
@@ -289,7 +291,7 @@ def main(case_dir: str, framework: str, out: str) -> None:
         peak = next((int(ln.split()[1]) * 1024 for ln in f if ln.startswith("VmHWM")), 0)
     np.savez(out, **{f"{r}/{k}": v for r, p in case.kept.items() for k, v in p.items()})
     print("RESULT " + json.dumps({"wall_seconds": wall, "cpu_seconds": cpu, "rounds": case.rounds, "peak_rss_bytes": peak,
-                                  "kept_rounds": sorted(case.kept)}), flush=True)
+                                  "kept_rounds": sorted(case.kept), **extra}), flush=True)
 
 
 if __name__ == "__main__":

@@ -40,6 +40,24 @@ def test_fashion_mnist_reads_raw_and_gzipped_idx(tmp_path: Path) -> None:
     assert np.allclose(xtr[1] * 255, imgs[1].reshape(-1)) and ytr.tolist() == [1, 2, 9] and yte.tolist() == [0, 5]
 
 
+def test_store_features_pool_every_clients_rows(tmp_path: Path) -> None:
+    from embedcache.store_io import import_features
+
+    rng = np.random.default_rng(0)
+    want: dict[str, list] = {"train": [], "test": []}
+    for c in ("a", "b"):
+        for split, n in (("train", 5), ("test", 2)):
+            x, y = rng.normal(size=(n, 4)).astype(np.float32), rng.integers(0, 3, n)
+            np.savez(tmp_path / "f.npz", features=x, labels=y)
+            import_features(tmp_path / "s.zarr", tmp_path / "f.npz", backbone="bb", client=c, split=split,
+                            classes=["x", "y", "z"])
+            want[split].append((x, y))
+    xtr, ytr, xte, yte = bench.store_features(str(tmp_path / "s.zarr"), "bb")
+    assert xtr.shape == (10, 4) and xte.shape == (4, 4) and ytr.dtype == np.int64
+    got = sorted(map(tuple, np.column_stack([xtr, ytr]).tolist()))
+    assert got == sorted(map(tuple, np.vstack([np.column_stack([x, y]) for x, y in want["train"]]).tolist()))
+
+
 @pytest.mark.parametrize("hidden", [0, 7])
 def test_peer_head_is_fedheads_head(hidden: int) -> None:
     """The torch module every peer trains, loaded with fedheads' initial head, computes fedheads'
