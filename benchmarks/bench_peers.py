@@ -153,6 +153,7 @@ def write_case(folder: Path, data: tuple[np.ndarray, ...], proto: dict, hidden: 
     xtr, ytr = data[0], data[1]
     classes = int(max(ytr.max(), data[3].max())) + 1
     sizes = client_sizes(proto["sizes"], proto["clients"], seed)
+    batch = min(batch, int(sizes.max()))  # a larger batch is the same schedule, and fedheads pads batches to it
     rng = np.random.default_rng(seed)
     rows = rng.permutation(len(ytr))
     if sizes.sum() > len(rows):  # more rows than the pool: draw with replacement
