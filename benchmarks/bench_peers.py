@@ -22,21 +22,23 @@ per round (fedheads' seeded sampler), learning rate, batch size and epochs
 --repeats times in a fresh interpreter, frameworks interleaved and their order alternated
 between repeats; a run's wall and CPU seconds are timed inside it from the features in memory
 to the last global model (setup included, imports and file reading not), its peak RSS is the
-interpreter's VmHWM, its whole-process CPU comes from os.wait4. The global model after each tenth of the rounds is kept and
-tested here on the central test set, the same code for every framework. Reported per case and
-framework: median, min, max of those; rounds per second; the accuracy curve; the time ratio to
-fedheads (vectorised); agreement (final accuracy within 1 point of fedheads').
+interpreter's VmHWM, its whole-process CPU comes from os.wait4. The global model after each
+tenth of the rounds is kept and tested here on the central test set, the same code for every
+framework. Reported per case and framework: median, min, max of those; rounds per second; the
+accuracy curve; the time ratio to fedheads (vectorised); agreement (final accuracy within 1
+point of fedheads'); the largest difference of a final parameter from fedheads'. Client SGD's
+learning rate is --lr (0.05, chosen here, not taken from FLUTE's configuration).
 The bound per round, per case: max(FLOPs / GEMM rate, feature bytes / memory bandwidth), the
 FLOPs of forward and backward over the round's samples (linear 4DC per sample; MLP 4DH + 6HC),
-the GEMM rate of torch.matmul at one local step's stacked shapes ([k, 10, D] x [k, D, out] and the
-weight-gradient product) and the bandwidth of a 256 MiB tensor copy (read + write), all on
---threads threads; fedheads' median training round (updates + aggregation) as a multiple of it, and its whole run
-per round (setup and the final evaluation included) as another; and a cProfile of one
-fedheads run (the top functions by own time).
+the GEMM rate of torch.matmul at one local step's stacked shapes ([k, B, D] x [k, D, out] and
+the weight-gradient product) and the bandwidth of a 256 MiB tensor copy (read + write), all on
+--threads threads; fedheads' median training round (updates + aggregation) as a multiple of
+it, and its whole run per round (setup and the final evaluation included) as another; and a
+cProfile of one fedheads run (the top functions by own time; fedheads' by cumulative time).
 
 Usage: python benchmarks/bench_peers.py [--protocols lr_mnist,crossdevice,skewed] [--repeats 3]
-           [--frameworks fedheads,fedheads-loop,pfl,flower,fedlab] [--fashion-mnist DIR] [--features NPZ]
-           [--site DIR] [--quick] [--out PATH]
+           [--frameworks fedheads,fedheads-loop,pfl,flower,fedlab] [--fashion-mnist DIR]
+           [--store STORE --backbone NAME | --features NPZ] [--site DIR] [--quick] [--out PATH]
 Peers are installed apart from the project (benchmarks/requirements-peers.txt, into --site);
 one that does not import is listed with the reason. Writes benchmarks/results/peers.json and,
 beside it, peers.md (the table) and peers.png (the plot)."""
@@ -374,7 +376,7 @@ def main(argv: list[str] | None = None) -> dict:
     for fw, s in peers.items():
         if "missing" in s:
             print(f"{fw}: not run ({s['missing']})", flush=True)
-    result: dict = {"method": __doc__.split("\n\n")[3], "machine": machine("cpu"), "threads": a.threads,
+    result: dict = {"method": "\n\n".join(__doc__.split("\n\n")[1:3]), "machine": machine("cpu"), "threads": a.threads,
                     "repeats": repeats, "quick": a.quick, "lr": a.lr, "batch": a.batch, "epochs": EPOCHS, "peers": peers,
                     "load_average_at_start": list(os.getloadavg()), "data": {}, "cases": {}}
     out = Path(a.out)

@@ -132,7 +132,7 @@ def run_fedheads(case: Case, engine: str) -> list[float]:
 
     k = case.schedule.shape[1]
     res = run(FedAvg(cfg), data, case.rounds, case.seed, fraction=k / case.num_clients, engine=engine, eval_every=0,
-        progress=False, checkpoint=Keep())
+              progress=False, checkpoint=Keep())
     return [r.seconds for r in res.history]  # each round's training (updates + aggregation), evaluation apart
 
 
