@@ -341,6 +341,8 @@ def plot(result: dict, path: Path) -> None:
     ax.set_yscale("log")
     ax.set_xticks(np.arange(len(names)) + 0.4 - width / 2, names, fontsize=8)
     ax.set_ylabel("wall seconds per run (median)")
+    ax.set_title(f"{'--quick, not a figure: ' if result['quick'] else ''}{result['threads']} threads, "
+                 f"{result['repeats']} repeats", fontsize=9)
     ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -361,7 +363,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--fashion-mnist", default=str(FMNIST))
     ap.add_argument("--features", default="", help=".npz of 1280-d features (x_train, y_train, x_test, y_test)")
     ap.add_argument("--store", default="", help="an embedcache store whose --backbone features protocols 2-3 use")
-    ap.add_argument("--backbone", default="efficientnet_lite0")
+    ap.add_argument("--backbone", default="efficientnet-lite0")
     ap.add_argument("--site", action="append", default=[], help="folder of the installed peers (added to PYTHONPATH)")
     ap.add_argument("--no-profile", action="store_true")
     ap.add_argument("--seed", type=int, default=0)
