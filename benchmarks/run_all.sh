@@ -4,6 +4,7 @@
 # Needs ../shared (Office-Caltech-10 images, CIFAR ResNet weights).
 #   bash benchmarks/run_all.sh            # the figures (hours: the paper-scale pipelines alone ~35 min)
 #   bash benchmarks/run_all.sh --quick    # smoke pass: each benchmark's smallest mode, results to a temp dir
+# Peer frameworks for bench_peers: benchmarks/requirements-peers.txt, installed into ../peers_site.
 # GPU figures: benchmarks/gpu_check.sh on a CUDA machine (and bench_engine_ab.py for an A/B of two commits).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -43,6 +44,7 @@ bench_heap_policy          |                                                   |
 bench_predict_images       |                                                   | --quick --out @OUT/predict_images.json
 bench_cached_vs_live       | --rounds 100 --live-rounds 5                      | -
 bench_flower               |                                                   | --quick --out @OUT/flower.json
+bench_peers                | --site ../peers_site                              | --quick --site ../peers_site --out @OUT/peers.json
 bench_feddra               |                                                   | --quick --out @OUT/feddra.json
 bench_scale                | --clients 1000 --layouts bucketed --repeats 3     | --quick --out @OUT/scale.json
 bench_scale_breakdown      |                                                   | -
