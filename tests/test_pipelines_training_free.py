@@ -30,6 +30,10 @@ def test_claims_and_rows_name_methods_the_experiment_declares():
     # the full fine-tuning rows run at paper scale; ci/smoke run the cached-feature form, labelled so
     ft = [m for m in exp.methods if m.kind == "finetune"]
     assert ft and all(m.scales == ("paper",) and "+FT (10 rounds)" in m.label for m in ft)
+    from fedheads.checks import check_finetune_heads
+
+    check_finetune_heads([m.algorithm for m in ft if not m.requires])  # `fedheads finetune --head` takes them
+    assert {m.algorithm for m in ft if not m.requires} == {"fedncm", "fed3r", "fedcof"}
     lp = [m for m in exp.methods if "+LP (10 rounds, cached)" in m.label]
     assert {dict(m.settings).get("init") for m in lp} == {"fedncm", "fed3r", "fedcof", "fedpft"}
     assert all(m.paper_rounds == 11 for m in lp)  # round 0 is the head, then 10 rounds of tuning
