@@ -102,3 +102,13 @@ def test_both_experiments_run_at_smoke_scale_on_the_doubles(tmp_path):
     eps = {json.loads(p.read_text())["result"]["privacy"]["target_epsilon"] for p in cells_dir.glob("*.json")
            if json.loads(p.read_text())["config"]["options"].get("dp")}
     assert eps == {0.5, 1.0, 2.0, 4.0, 8.0}
+
+
+def test_pooled_accuracy_weights_clients_by_their_test_size():
+    from pipelines import measures
+
+    seed_result = {"per_client": {"a": 100.0, "b": 50.0, "c": 0.0}, "n_test": {"a": 3, "b": 1, "c": 0}}
+    assert measures._pooled(seed_result) == pytest.approx((300.0 + 50.0) / 4)  # c has no test sample
+    recs = [{"status": "done", "result": {"seed_result": seed_result}}]
+    agg = {"accuracy": {"mean": 75.0, "std": 0.0}}
+    assert measures.values(agg, recs, ("acc", "acc_pooled"), {})["acc_pooled"][0] == pytest.approx(87.5)
