@@ -76,17 +76,23 @@ def fairness_bars(groups: dict[str, dict[str, dict[str, tuple[float, float]]]], 
     """One panel per group (e.g. 40 / 80 clients): bars per fairness metric, one colour per method."""
     plt = _pyplot()
     fig, axes = plt.subplots(1, max(1, len(groups)), figsize=(6 * max(1, len(groups)), 3.8), squeeze=False)
+    # a method keeps its colour in every panel, and the legend names every method of any panel
+    names = list(dict.fromkeys(m for by_method in groups.values() for m in by_method))
+    handles: dict[str, Any] = {}
     for ax, (gname, by_method) in zip(axes[0], groups.items()):
         x = np.arange(len(metrics))
         w = 0.8 / max(1, len(by_method))
         for j, (mname, vals) in enumerate(by_method.items()):
             m = [vals.get(k, (np.nan, 0.0))[0] for k in metrics]
             s = [vals.get(k, (np.nan, 0.0))[1] for k in metrics]
-            ax.bar(x + (j - (len(by_method) - 1) / 2) * w, m, w, yerr=s, capsize=2, label=mname, color=color(j))
+            handles[mname] = ax.bar(x + (j - (len(by_method) - 1) / 2) * w, m, w, yerr=s, capsize=2, label=mname,
+                                    color=color(names.index(mname)))
         ax.set_xticks(x, headers, rotation=20)
         ax.set_title(gname, fontsize=10)
         ax.grid(alpha=0.3, axis="y")
-    legend_outside(axes[0][-1], source=axes[0][0])
+    if handles:
+        axes[0][-1].legend([handles[n] for n in names if n in handles], [n for n in names if n in handles],
+                           loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0, fontsize=8)
     fig.suptitle(title, fontsize=10)
     return _save(fig, path)
 

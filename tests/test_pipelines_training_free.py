@@ -112,3 +112,18 @@ def test_pooled_accuracy_weights_clients_by_their_test_size():
     recs = [{"status": "done", "result": {"seed_result": seed_result}}]
     agg = {"accuracy": {"mean": 75.0, "std": 0.0}}
     assert measures.values(agg, recs, ("acc", "acc_pooled"), {})["acc_pooled"][0] == pytest.approx(87.5)
+
+
+def test_bar_panels_keep_each_methods_colour_and_the_legend_names_every_method(monkeypatch, tmp_path):
+    from pipelines import figures
+
+    kept = {}
+    monkeypatch.setattr(figures, "_save", lambda fig, path: kept.setdefault("fig", fig) and path)
+    groups = {"label skew": {"A": {"acc": (90.0, 1.0)}, "C": {"acc": (80.0, 1.0)}},
+              "feature shift": {"A": {"acc": (91.0, 1.0)}, "B": {"acc": (85.0, 1.0)}, "C": {"acc": (81.0, 1.0)}}}
+    figures.fairness_bars(groups, ("acc",), ("Acc",), tmp_path / "f.png", "t")
+    ax1, ax2 = kept["fig"].axes[:2]
+    colour = [{p.get_label(): p.patches[0].get_facecolor() for p in ax.containers if hasattr(p, "patches")}
+              for ax in (ax1, ax2)]
+    assert colour[0]["C"] == colour[1]["C"] != colour[1]["B"]  # C is not painted B's colour in the 2nd panel
+    assert [t.get_text() for t in ax2.get_legend().get_texts()] == ["A", "C", "B"]
