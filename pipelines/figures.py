@@ -33,6 +33,7 @@ def lines(series: dict[str, list[tuple[Any, float, float]]], xlabel: str, path: 
             ax.plot([float(px)], [py], marker="o", mfc="none", color=color(i), ms=9)
     if numeric_log:
         ax.set_xscale("log")
+        ax.minorticks_off()  # the grid values are the ticks; log minor labels would print over them
     ax.set_xticks([float(x) for x in xs_all], [str(x) for x in xs_all])
     ax.set_xlabel(xlabel)
     ax.set_ylabel("test accuracy (%)")
