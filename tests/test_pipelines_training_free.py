@@ -127,3 +127,18 @@ def test_bar_panels_keep_each_methods_colour_and_the_legend_names_every_method(m
               for ax in (ax1, ax2)]
     assert colour[0]["C"] == colour[1]["C"] != colour[1]["B"]  # C is not painted B's colour in the 2nd panel
     assert [t.get_text() for t in ax2.get_legend().get_texts()] == ["A", "C", "B"]
+
+
+def test_a_curve_over_epsilon_is_one_line_per_method_and_partition(monkeypatch, tmp_path):
+    from pipelines import figures, report
+
+    drawn = {}
+    monkeypatch.setattr(figures, "lines", lambda series, axis, *a, **k: drawn.update(series=series, axis=axis))
+    exp = registry.get("training-free-dp")
+    views = [{"method": "FedNCM", "coords": [["partition", part], ["epsilon", e]], "values": {"acc": (acc, 0.5)},
+              "backbones": ["efficientnet-lite0"]}
+             for part, base in (("label skew", 90.0), ("feature shift", 80.0)) for e, acc in ((1.0, base), (2.0, base + 1))]
+    report._figures(exp, views, [], tmp_path)
+    assert drawn["axis"] == "epsilon"
+    assert drawn["series"] == {"FedNCM (label skew)": [(1.0, 90.0, 0.5), (2.0, 91.0, 0.5)],
+                               "FedNCM (feature shift)": [(1.0, 80.0, 0.5), (2.0, 81.0, 0.5)]}
