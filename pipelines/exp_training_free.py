@@ -2,7 +2,7 @@
 also as the start of 10 rounds of further training, and FedNCM / Fed3R under differential privacy.
 
 The claims come from FedCOF (Goswami et al., "Covariances for Free: Exploiting Mean Distributions
-for Training-free Federated Learning", NeurIPS 2025; abstract and Sec. 5): FedCOF improves on
+for Training-free Federated Learning", NeurIPS 2025, abstract): FedCOF improves on
 class-mean methods (FedNCM) by 4-26 % at the same communication, is competitive with or better
 than methods sending second-order statistics (Fed3R), and initialising from it before federated
 fine-tuning or linear probing helps. Fed3R (Fanì et al., "Accelerating Heterogeneous Federated
@@ -107,7 +107,7 @@ _POINTS = tuple(Point((("partition", k),), r, LITE0,
                 for k, r in PARTITIONS.items())
 
 TABLE = Experiment(
-    name="training-free", title="Training-free heads on real features", paper="FedCOF", source="Tables 2-3 (claims)",
+    name="training-free", title="Training-free heads on real features", paper="FedCOF", source="abstract (claims)",
     summary="FedNCM, Fed3R, FedCOF, CCVR (on FedAvg-LP) and FedPFT on Office-Caltech-10 EfficientNet-Lite0 "
             "features under label skew and feature shift, each also followed by 10 rounds of training.",
     methods=HEADS + LP_FROM_HEAD + FT_FROM_HEAD, points=_POINTS,
