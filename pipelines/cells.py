@@ -73,12 +73,14 @@ def run_head(cfg: dict[str, Any], paths: dict[str, Any], heap: Any = None) -> di
     process's heap policy, fedheads.heap; None: none)."""
     from fedheads import report
     from fedheads.core.engine import run
+    from fedheads.privacy import mechanism
     from fedheads.runner import TrainOptions, _config_dict, build_algorithm
 
     o = cfg["options"]
+    dp = mechanism(dict(o["dp"])) if o.get("dp") else None  # (field, value) pairs of a privacy.Mechanism
     opts = TrainOptions(rounds=o["rounds"], seeds=(cfg["seed"],), fraction=o["fraction"],
                         engine=o.get("engine", "vectorized"), device=o["device"], eval_every=o["eval_every"],
-                        binarize=bool(o.get("binarize", False)), settings=_settings(cfg), progress=False)
+                        binarize=bool(o.get("binarize", False)), settings=_settings(cfg), progress=False, dp=dp)
     alg, used, ignored = build_algorithm(cfg["algorithm"], opts, strict=False)
     data = _fed_data(paths["store"], tuple(cfg["backbones"]), o["device"], bool(o.get("binarize", False)), heap)
     # as fedheads train: the engine may stack the clients in its fastest order (results in the store's)
@@ -91,7 +93,8 @@ def run_head(cfg: dict[str, Any], paths: dict[str, Any], heap: Any = None) -> di
     for rule, acc in res.history[-1].accuracy.items():  # type: ignore[union-attr]
         if rule != "main":
             other[rule] = 100.0 * float(acc[~acc.isnan()].mean())
-    return {"seed_result": seed_res, "clients": names, "domains": domains,
+    privacy = alg.report([alg.releases(res.client_state)]) if dp is not None else None
+    return {"seed_result": seed_res, "clients": names, "domains": domains, "privacy": privacy,
             "num_classes": data.num_classes, "feature_dims": [cfg["features"]["backbones"][b]["dim"]
                                                               for b in cfg["backbones"]],
             "training_rounds": opts.rounds - int(getattr(alg, "collect_rounds", 0)), "other_rules": other,

@@ -33,6 +33,7 @@ def lines(series: dict[str, list[tuple[Any, float, float]]], xlabel: str, path: 
             ax.plot([float(px)], [py], marker="o", mfc="none", color=color(i), ms=9)
     if numeric_log:
         ax.set_xscale("log")
+        ax.minorticks_off()  # the grid values are the ticks; log minor labels would print over them
     ax.set_xticks([float(x) for x in xs_all], [str(x) for x in xs_all])
     ax.set_xlabel(xlabel)
     ax.set_ylabel("test accuracy (%)")
@@ -76,17 +77,23 @@ def fairness_bars(groups: dict[str, dict[str, dict[str, tuple[float, float]]]], 
     """One panel per group (e.g. 40 / 80 clients): bars per fairness metric, one colour per method."""
     plt = _pyplot()
     fig, axes = plt.subplots(1, max(1, len(groups)), figsize=(6 * max(1, len(groups)), 3.8), squeeze=False)
+    # a method keeps its colour in every panel, and the legend names every method of any panel
+    names = list(dict.fromkeys(m for by_method in groups.values() for m in by_method))
+    handles: dict[str, Any] = {}
     for ax, (gname, by_method) in zip(axes[0], groups.items()):
         x = np.arange(len(metrics))
         w = 0.8 / max(1, len(by_method))
         for j, (mname, vals) in enumerate(by_method.items()):
             m = [vals.get(k, (np.nan, 0.0))[0] for k in metrics]
             s = [vals.get(k, (np.nan, 0.0))[1] for k in metrics]
-            ax.bar(x + (j - (len(by_method) - 1) / 2) * w, m, w, yerr=s, capsize=2, label=mname, color=color(j))
+            handles[mname] = ax.bar(x + (j - (len(by_method) - 1) / 2) * w, m, w, yerr=s, capsize=2, label=mname,
+                                    color=color(names.index(mname)))
         ax.set_xticks(x, headers, rotation=20)
         ax.set_title(gname, fontsize=10)
         ax.grid(alpha=0.3, axis="y")
-    legend_outside(axes[0][-1], source=axes[0][0])
+    if handles:
+        axes[0][-1].legend([handles[n] for n in names if n in handles], [n for n in names if n in handles],
+                           loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0, fontsize=8)
     fig.suptitle(title, fontsize=10)
     return _save(fig, path)
 

@@ -22,7 +22,7 @@ HEADERS = {
     "comm_GB": "Total Comm. (GB)", "rsna_cls_1": "RSNA cls 1%", "rsna_cls_10": "RSNA cls 10%",
     "covid_cls_1": "Covid cls 1%", "covid_cls_10": "Covid cls 10%", "rsna_seg_1": "RSNA seg 1%",
     "rsna_seg_10": "RSNA seg 10%", "r1": "Rec.@1", "r5": "Rec.@5", "wst_r1": "Wst.@1", "wst_r5": "Wst.@5",
-    "disparity": "Disparity",
+    "disparity": "Disparity", "acc_pooled": "Acc (pooled test)",
 }
 COUNTS = ("comm_params", "train_params", "fixed_params")  # printed as integers, no spread
 SCIENTIFIC = ("compute_F", "comm_GB")
@@ -60,6 +60,13 @@ def _units(result: dict[str, Any]) -> tuple[float | None, float | None]:
     return pu.get("compute_F"), pu.get("comm_bytes")
 
 
+def _pooled(seed_result: dict[str, Any]) -> float | None:
+    """Accuracy over the union of the clients' test sets: per-client accuracies weighted by test size."""
+    pc, nt = seed_result.get("per_client", {}), seed_result.get("n_test") or {}
+    w = [(a, nt.get(c, 0)) for c, a in pc.items() if nt.get(c, 0) > 0]
+    return sum(a * n for a, n in w) / sum(n for _, n in w) if w else None
+
+
 def values(agg: dict[str, Any] | None, records: Sequence[dict[str, Any]], metrics: Sequence[str],
            domain_map: dict[str, str]) -> dict[str, tuple[float, float]]:
     """{metric: (mean, std)} for the metrics this arm can report."""
@@ -93,6 +100,8 @@ def values(agg: dict[str, Any] | None, records: Sequence[dict[str, Any]], metric
             key = "mean" if m == "r5" else "worst"
             v = _over_seeds([((r.get("retrieval") or {}).get("t2i_r5", {}).get(key) or {}).get("mean")
                              for r in done])
+        elif m == "acc_pooled":  # every client's test samples as one test set (a global test set for a global head)
+            v = _over_seeds([_pooled(r["seed_result"]) for r in done])
         elif m in ("wst_r1", "disparity"):
             per = [list(r["seed_result"]["per_client"].values()) for r in done]
             f = (lambda a: min(a)) if m == "wst_r1" else (lambda a: max(a) - min(a))

@@ -28,7 +28,8 @@ CELL_FORMAT = "pipelines-cell/1"
 # FedPCL, FedProto and Solo seed each client's head by its global id (core/heads.client_seeds),
 # no longer by its place in the largest-first stack of a full-participation cell
 RESEEDED = ("fedpcl", "fedproto", "solo")
-OPTION_KEYS = ("fraction", "engine", "binarize")  # TrainOptions / FinetuneOptions fields set by settings
+OPTION_KEYS = ("fraction", "engine", "binarize", "dp")  # TrainOptions / FinetuneOptions fields set by settings
+# (dp: the fields of a fedheads.privacy.Mechanism as (name, value) pairs)
 # FinetuneOptions fields a setting may name (ft.* goes to FTConfig)
 FINETUNE_KEYS = ("head_rounds", "trainable", "bn", "live_prefix", "pretrained", "augment", "ncm_bias", "fraction")
 

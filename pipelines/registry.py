@@ -15,6 +15,8 @@ PAPERS = {
               "NeurIPS 2022",
     "FedNCM": "Legate et al., \"Guiding The Last Layer in Federated Learning with Pre-Trained Models\", "
               "NeurIPS 2023",
+    "FedCOF": "Goswami et al., \"Covariances for Free: Exploiting Mean Distributions for Training-free Federated "
+              "Learning\", NeurIPS 2025",
     "FedDRA": "FedDRA: federated distributionally robust vision-language alignment (under review at TMLR)",
 }
 
@@ -34,10 +36,11 @@ def _load() -> None:
         return
     _LOADED = True
     plugins = dict(_REGISTRY)  # registered before the built-in ones were loaded: keep them, last
-    from pipelines import exp_feddra, exp_fedncm, exp_fedpcl, exp_fedpcl_more
+    from pipelines import exp_feddra, exp_fedncm, exp_fedpcl, exp_fedpcl_more, exp_training_free
 
     for exp in (exp_fedpcl.TABLE2, exp_fedpcl.TABLE3, exp_fedpcl.TABLE11, exp_fedpcl.TABLE4,
-                *exp_fedpcl_more.EXPERIMENTS, *exp_fedncm.EXPERIMENTS, *exp_feddra.EXPERIMENTS):
+                *exp_fedpcl_more.EXPERIMENTS, *exp_fedncm.EXPERIMENTS, *exp_feddra.EXPERIMENTS,
+                *exp_training_free.EXPERIMENTS):
         register(exp)
     for exp in plugins.values():
         _REGISTRY.pop(exp.name)

@@ -135,8 +135,9 @@ def _figures(exp: Experiment, views: Sequence[dict[str, Any]], comps: Sequence[d
         series: dict[str, list] = {}
         for v in ok:
             x = dict((k, x) for k, x in v["coords"]).get(axis)
+            rest = ", ".join(str(c) for k, c in v["coords"] if k != axis)  # one line per method and other point
             if "acc" in v["values"] and x is not None:
-                series.setdefault(v["method"], []).append((x, *v["values"]["acc"]))
+                series.setdefault(f"{v['method']} ({rest})" if rest else v["method"], []).append((x, *v["values"]["acc"]))
         if series:
             figures.lines(series, axis, edir / "figure.png", title)
             made.append("figure.png")

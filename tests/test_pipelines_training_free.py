@@ -1,0 +1,144 @@
+"""The `training-free` experiments: declared consistently (claims name its methods, the +FT rows say
+which form ran), DP cells run under the Gaussian mechanism and record the epsilon spent, and both
+experiments run end to end at smoke scale on the test doubles (a fake Office-10 copy, a tiny backbone)."""
+
+from __future__ import annotations
+
+import collections
+import json
+
+import pipelines_doubles as pd
+import pytest
+import torch
+from click.testing import CliRunner
+from fed_tiny import tiny_fed
+
+from pipelines import plan, registry
+from pipelines.cli import main
+
+
+def test_claims_and_rows_name_methods_the_experiment_declares():
+    for name in ("training-free", "training-free-dp"):
+        exp = registry.get(name)
+        for cl in exp.claims:
+            for label in (cl.best, *cl.over):
+                exp.method(label)  # UserError if a claim names no method
+    exp = registry.get("training-free")
+    labels = {m.label: m for m in exp.methods}
+    for head in ("FedNCM", "Fed3R", "FedCOF", "CCVR (FedAvg-LP)", "FedPFT"):
+        assert head in labels
+    # the full fine-tuning rows run at paper scale; ci/smoke run the cached-feature form, labelled so
+    ft = [m for m in exp.methods if m.kind == "finetune"]
+    assert ft and all(m.scales == ("paper",) and "+FT (10 rounds)" in m.label for m in ft)
+    from fedheads.checks import check_finetune_heads
+
+    check_finetune_heads([m.algorithm for m in ft if not m.requires])  # `fedheads finetune --head` takes them
+    assert {m.algorithm for m in ft if not m.requires} == {"fedncm", "fed3r", "fedcof"}
+    lp = [m for m in exp.methods if "+LP (10 rounds, cached)" in m.label]
+    assert {dict(m.settings).get("init") for m in lp} == {"fedncm", "fed3r", "fedcof", "fedpft"}
+    assert all(m.paper_rounds == 11 for m in lp)  # round 0 is the head, then 10 rounds of tuning
+
+
+def test_dp_setting_is_a_cell_option_and_changes_the_hash():
+    exp = registry.get("training-free-dp")
+    ctx = plan.RunContext(scale="ci")
+    arms = [a for a in plan.arms(exp, ctx) if a.method.label == "FedNCM"
+            and a.point.coord("partition").startswith("feature") and a.point.coord("epsilon") in (1.0, 2.0)]
+    for a in arms:  # the configuration needs no data
+        a.prepared = _Prepared()
+    c1, c2 = (plan.cells(a, ctx)[0]["config"] for a in arms)
+    assert [dict(c["options"]["dp"])["epsilon"] for c in (c1, c2)] == [1.0, 2.0]
+    assert "dp" not in c1["settings"]["common"] and plan.cell_hash(c1) != plan.cell_hash(c2)
+
+
+class _Prepared:
+    manifest_hash = "m"
+    features = {"backbones": {}}
+    manifest_path = "unused"
+    store = "unused"
+
+
+@pytest.mark.parametrize("algorithm", ["fedncm", "fed3r"])
+def test_a_dp_cell_trains_under_the_mechanism_and_reports_its_epsilon(monkeypatch, algorithm):
+    import fedheads.data as fd
+    import pipelines.cells as cells
+    from fedheads import privacy
+
+    data = tiny_fed(M=5, seed=2)
+    monkeypatch.setattr(fd, "load_fed_data", lambda *a, **k: data)
+    monkeypatch.setattr(cells, "_DATA", collections.OrderedDict())
+    cfg = {"algorithm": algorithm, "seed": 0, "backbones": ["b"], "features": {"backbones": {"b": {"dim": data.dim}}},
+           "settings": {"common": {}, "method": {}},
+           "options": {"rounds": 1, "fraction": 1.0, "device": "cpu", "eval_every": 0}}
+    plain = cells.run_head(cfg, {"store": "unused"})
+    assert plain["privacy"] is None
+    dp = [["epsilon", 1.0], ["delta", 1e-5], ["clip", 1.0], ["transform", "normalize"], ["noise_seed", 0]]
+    out = cells.run_head({**cfg, "options": {**cfg["options"], "dp": dp}}, {"store": "unused"})
+    p = out["privacy"]
+    assert p["mechanism"] == "gaussian" and p["releases_per_example"] == 1 and p["transform"] == "normalize"
+    # the epsilon spent is dp-accounting's for the calibrated noise, at most the target
+    assert p["epsilon"] == pytest.approx(privacy.epsilon(p["noise_multiplier"], 1e-5, 1, "rdp"))
+    assert p["epsilon"] <= 1.0 + 1e-6
+    a = torch.tensor(list(plain["seed_result"]["per_client"].values()))
+    b = torch.tensor(list(out["seed_result"]["per_client"].values()))
+    assert not torch.equal(a, b)  # the noise reached the head
+
+
+def test_both_experiments_run_at_smoke_scale_on_the_doubles(tmp_path):
+    copy = pd.make_folder(tmp_path / "office", ("amazon", "caltech10", "dslr", "webcam"), tuple("abcde"), per_class=6)
+    args = ["run", "training-free", "training-free-dp", "--scale", "smoke", "--plugin", "pipelines_doubles",
+            "--source", f"office10=imagefolder:{copy}", "--backbone", "efficientnet-lite0=pl-tiny-a",
+            "--scheduler", "serial", "--out", str(tmp_path / "out"), "--cache", str(tmp_path / "cache"), "--quiet"]
+    res = CliRunner().invoke(main, args)
+    assert res.exit_code == 0, res.output
+    for name in ("training-free", "training-free-dp"):
+        edir = tmp_path / "out" / name
+        results = json.loads((edir / "results.json").read_text())
+        assert results["cells"] and {c["status"] for c in results["cells"]} == {"done"}
+        assert (edir / "figure.png").stat().st_size > 0
+    report = (tmp_path / "out" / "training-free" / "report.md").read_text()
+    assert "FedCOF above FedNCM" in report and "lp init=fedpft" in report  # claims, and why a row cannot run
+    cells_dir = tmp_path / "out" / "cells"
+    eps = {json.loads(p.read_text())["result"]["privacy"]["target_epsilon"] for p in cells_dir.glob("*.json")
+           if json.loads(p.read_text())["config"]["options"].get("dp")}
+    assert eps == {0.5, 1.0, 2.0, 4.0, 8.0}
+
+
+def test_pooled_accuracy_weights_clients_by_their_test_size():
+    from pipelines import measures
+
+    seed_result = {"per_client": {"a": 100.0, "b": 50.0, "c": 0.0}, "n_test": {"a": 3, "b": 1, "c": 0}}
+    assert measures._pooled(seed_result) == pytest.approx((300.0 + 50.0) / 4)  # c has no test sample
+    recs = [{"status": "done", "result": {"seed_result": seed_result}}]
+    agg = {"accuracy": {"mean": 75.0, "std": 0.0}}
+    assert measures.values(agg, recs, ("acc", "acc_pooled"), {})["acc_pooled"][0] == pytest.approx(87.5)
+
+
+def test_bar_panels_keep_each_methods_colour_and_the_legend_names_every_method(monkeypatch, tmp_path):
+    from pipelines import figures
+
+    kept = {}
+    monkeypatch.setattr(figures, "_save", lambda fig, path: kept.setdefault("fig", fig) and path)
+    groups = {"label skew": {"A": {"acc": (90.0, 1.0)}, "C": {"acc": (80.0, 1.0)}},
+              "feature shift": {"A": {"acc": (91.0, 1.0)}, "B": {"acc": (85.0, 1.0)}, "C": {"acc": (81.0, 1.0)}}}
+    figures.fairness_bars(groups, ("acc",), ("Acc",), tmp_path / "f.png", "t")
+    ax1, ax2 = kept["fig"].axes[:2]
+    colour = [{p.get_label(): p.patches[0].get_facecolor() for p in ax.containers if hasattr(p, "patches")}
+              for ax in (ax1, ax2)]
+    assert colour[0]["C"] == colour[1]["C"] != colour[1]["B"]  # C is not painted B's colour in the 2nd panel
+    assert [t.get_text() for t in ax2.get_legend().get_texts()] == ["A", "C", "B"]
+
+
+def test_a_curve_over_epsilon_is_one_line_per_method_and_partition(monkeypatch, tmp_path):
+    from pipelines import figures, report
+
+    drawn = {}
+    monkeypatch.setattr(figures, "lines", lambda series, axis, *a, **k: drawn.update(series=series, axis=axis))
+    exp = registry.get("training-free-dp")
+    views = [{"method": "FedNCM", "coords": [["partition", part], ["epsilon", e]], "values": {"acc": (acc, 0.5)},
+              "backbones": ["efficientnet-lite0"]}
+             for part, base in (("label skew", 90.0), ("feature shift", 80.0)) for e, acc in ((1.0, base), (2.0, base + 1))]
+    report._figures(exp, views, [], tmp_path)
+    assert drawn["axis"] == "epsilon"
+    assert drawn["series"] == {"FedNCM (label skew)": [(1.0, 90.0, 0.5), (2.0, 91.0, 0.5)],
+                               "FedNCM (feature shift)": [(1.0, 80.0, 0.5), (2.0, 81.0, 0.5)]}
