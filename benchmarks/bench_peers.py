@@ -116,7 +116,7 @@ def synthetic(dim: int, n_train: int, n_test: int, seed: int) -> tuple[np.ndarra
 def store_features(store: str, backbone: str) -> tuple[np.ndarray, ...]:
     """(x_train, y_train, x_test, y_test) of an embedcache store: every client's rows of `backbone`
     pooled (the benchmark deals them to its own clients)."""
-    from embedcache.reader import iter_split_chunks, open_store
+    from embedcache.store.reader import iter_split_chunks, open_store
 
     info = open_store(store, quiet=True)
     out: list[np.ndarray] = []

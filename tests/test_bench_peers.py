@@ -41,7 +41,7 @@ def test_fashion_mnist_reads_raw_and_gzipped_idx(tmp_path: Path) -> None:
 
 
 def test_store_features_pool_every_clients_rows(tmp_path: Path) -> None:
-    from embedcache.store_io import import_features
+    from embedcache.store.importer import import_features
 
     rng = np.random.default_rng(0)
     want: dict[str, list] = {"train": [], "test": []}
