@@ -42,7 +42,7 @@ from fedheads.algorithms.fedavg import FedAvg, FedAvgConfig
 from fedheads.algorithms.fedpcl import FedPCL, FedPCLConfig
 from fedheads.core import run
 from fedheads.core.engine import clock
-from fedheads.data import FedData, resolve_device
+from fedheads.run.load import FedData, resolve_device
 
 OUT = Path(__file__).resolve().parent / "results" / "engine.json"
 ENGINES = ("vectorized", "loop")

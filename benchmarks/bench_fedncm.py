@@ -39,7 +39,7 @@ from fedheads.algorithms.fedncm import FedNCM, client_stats, finalize_means
 from fedheads.core import engine
 from fedheads.core.protocol import RoundCtx
 from fedheads.core.tree import tree_cat
-from fedheads.data import FedData, load_fed_data
+from fedheads.run.load import FedData, load_fed_data
 
 HERE = Path(__file__).resolve().parent
 

@@ -43,7 +43,7 @@ from fedheads.core.ops import class_sums
 from fedheads.core.optim import opt_init, opt_step
 from fedheads.core.protocol import RoundCtx
 from fedheads.core.tree import tree_cat, tree_index, tree_scatter
-from fedheads.data import DataSpec
+from fedheads.run.load import DataSpec
 
 
 @dataclass(frozen=True)

@@ -68,7 +68,7 @@ import torch
 from embedcache.errors import UserError
 from fedheads.core.protocol import AlgorithmBase, HeadArch, Init, PaperRoundComm, RoundCtx, SecureForm
 from fedheads.core.tree import tree_cat, tree_rows
-from fedheads.data import DataSpec, FedData
+from fedheads.run.load import DataSpec, FedData
 
 MODES = ("central", "distributed")
 TRANSFORMS = ("clip", "normalize")

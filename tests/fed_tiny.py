@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from fedheads.data import FedData
+from fedheads.run.load import FedData
 
 
 def tiny_fed(M: int = 4, D: int = 6, C: int = 3, seed: int = 0) -> FedData:

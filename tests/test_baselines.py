@@ -26,7 +26,7 @@ from fedheads.algorithms.server_opt import FedAdam, make_server_optimizer
 from fedheads.algorithms.solo import Solo, SoloConfig
 from fedheads.core import OptimizerConfig, RoundCtx, ServerSGD, payload_size, run
 from fedheads.core.tree import tree_index
-from fedheads.data import FedData
+from fedheads.run.load import FedData
 
 SGD = lambda lr: OptimizerConfig("sgd", lr=lr, weight_decay=0.0)  # noqa: E731
 

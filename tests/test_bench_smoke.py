@@ -15,7 +15,7 @@ import torch
 
 from fedheads.algorithms.fedpcl import FedPCL, FedPCLConfig
 from fedheads.core.engine import run
-from fedheads.data import FedData
+from fedheads.run.load import FedData
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))

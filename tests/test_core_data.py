@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from embedcache.errors import UserError
-from fedheads.data import FedData, load_fed_data, resolve_device
+from fedheads.run.load import FedData, load_fed_data, resolve_device
 
 
 def _client(n: int, d: int = 3, seed: int = 0):

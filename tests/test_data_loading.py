@@ -16,7 +16,7 @@ from embedcache.store.reader import load_split
 from fedheads.algorithms.fedncm import FedNCM
 from fedheads.algorithms.fedpcl import FedPCL, FedPCLConfig
 from fedheads.core import engine
-from fedheads.data import FedData, load_fed_data
+from fedheads.run.load import FedData, load_fed_data
 
 
 def _store(root: Path, sizes: dict[str, tuple[int, int]], dims=(("a", 5), ("b", 3))) -> Path:

@@ -7,11 +7,11 @@ import pytest
 import torch
 
 from embedcache.errors import UserError
-from fedheads import inference
+from fedheads.prediction import prototypes as inference
 from fedheads.algorithms import create_algorithm
 from fedheads.algorithms import fedncm as F
 from fedheads.core import engine
-from fedheads.data import FedData
+from fedheads.run.load import FedData
 
 
 def close(a, b, atol=1e-12):

@@ -13,7 +13,7 @@ from fed_tiny import tiny_fed
 from embedcache.errors import UserError
 from fedheads.algorithms.fedpcl import FedPCL, FedPCLConfig, FedPCLMessage, code_supcon, contrast_terms
 from fedheads.core import RoundCtx, heads, payload_size, run
-from fedheads.data import FedData
+from fedheads.run.load import FedData
 
 E = math.e
 

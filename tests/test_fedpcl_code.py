@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from fedheads.algorithms.fedpcl import FedPCL, FedPCLBroadcast, FedPCLConfig
 from fedheads.core import RoundCtx, heads, run
-from fedheads.data import FedData
+from fedheads.run.load import FedData
 
 D, H, C = 5, 4, 3
 

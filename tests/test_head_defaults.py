@@ -10,7 +10,7 @@ import pytest
 from fedheads.algorithms import create_algorithm
 from fedheads.algorithms.server_opt import FedAdam
 from fedheads.core import ServerSGD, run
-from fedheads.data import FedData
+from fedheads.run.load import FedData
 
 
 def _many_small_clients(M: int = 30, n: int = 6, C: int = 5, D: int = 16, seed: int = 0) -> FedData:

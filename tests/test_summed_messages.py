@@ -13,7 +13,7 @@ from fedheads.algorithms import create_algorithm
 from fedheads.core import engine
 from fedheads.core.protocol import AlgorithmBase
 from fedheads.core.tree import tree_leaves
-from fedheads.layout import LayoutConfig, to_layout
+from fedheads.run.layout import LayoutConfig, to_layout
 
 
 def _plain(name: str) -> AlgorithmBase:

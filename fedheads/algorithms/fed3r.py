@@ -36,7 +36,7 @@ from embedcache.errors import UserError
 from fedheads.algorithms.fedncm import client_stats
 from fedheads.core.config import setting
 from fedheads.core.protocol import AlgorithmBase, HeadArch, Init, PaperRoundComm, RoundCtx, SecureForm
-from fedheads.data import DataSpec, FedData
+from fedheads.run.load import DataSpec, FedData
 
 log = logging.getLogger(__name__)
 

@@ -26,7 +26,7 @@ from fedheads.core.optim import OptimizerConfig, OptState, config_from_kwargs, o
 from fedheads.core.protocol import AlgorithmBase, HeadArch, Init, PaperRoundComm, RoundCtx
 from fedheads.core.server_opt import ServerOptimizer, ServerSGD
 from fedheads.core.train import local_train
-from fedheads.data import DataSpec, FedData
+from fedheads.run.load import DataSpec, FedData
 
 
 @dataclass(frozen=True)

@@ -41,7 +41,7 @@ from fedheads.algorithms.fed3r import DTYPES, linear_head, linear_scores, normal
 from fedheads.algorithms.fedncm import client_stats
 from fedheads.core.config import setting
 from fedheads.core.protocol import AlgorithmBase, HeadArch, Init, PaperRoundComm, RoundCtx, SecureForm
-from fedheads.data import DataSpec, FedData
+from fedheads.run.load import DataSpec, FedData
 
 
 @dataclass(frozen=True)

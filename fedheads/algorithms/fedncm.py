@@ -45,7 +45,7 @@ from embedcache.errors import UserError
 from fedheads.core.config import setting
 from fedheads.core.heads import Params
 from fedheads.core.protocol import AlgorithmBase, HeadArch, Init, PaperRoundComm, RoundCtx, SecureForm
-from fedheads.data import DataSpec, FedData
+from fedheads.run.load import DataSpec, FedData
 
 RULES = ("cosine", "sqeuclidean")
 BIASES = ("paper", "authors-code")

@@ -63,7 +63,7 @@ from fedheads.core.optim import OptimizerConfig, OptState, config_from_kwargs, o
 from fedheads.core.protocol import AlgorithmBase, HeadArch, Init, PaperRoundComm, RoundCtx, SecureForm
 from fedheads.core.train import local_train
 from fedheads.core.tree import tree_cat_chunks, tree_map
-from fedheads.data import DataSpec, FedData
+from fedheads.run.load import DataSpec, FedData
 
 _NEG = -1e9  # finite "minus infinity" keeps logsumexp gradients NaN-free for masked entries
 # One client_update call trains at most as many clients as keep its [clients, B, sets, C] logits

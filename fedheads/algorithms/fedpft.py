@@ -43,7 +43,7 @@ from fedheads.core import rng
 from fedheads.core.config import setting
 from fedheads.core.heads import Params
 from fedheads.core.protocol import AlgorithmBase, Init, RoundCtx, SecureForm
-from fedheads.data import DataSpec, FedData
+from fedheads.run.load import DataSpec, FedData
 
 COVARIANCES = ("spherical", "diag", "full", "tied")
 _DTYPES = {"float32": torch.float32, "float16": torch.float16}

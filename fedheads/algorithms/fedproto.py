@@ -35,7 +35,7 @@ from fedheads.core.heads import HeadSpec, Params
 from fedheads.core.optim import OptimizerConfig, OptState, config_from_kwargs, opt_initial
 from fedheads.core.protocol import AlgorithmBase, HeadArch, Init, PaperRoundComm, RoundCtx, SecureForm
 from fedheads.core.train import local_train
-from fedheads.data import DataSpec, FedData
+from fedheads.run.load import DataSpec, FedData
 
 
 @dataclass(frozen=True)

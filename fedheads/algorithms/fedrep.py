@@ -49,7 +49,7 @@ from fedheads.core.heads import HeadSpec, Params
 from fedheads.core.optim import OptimizerConfig
 from fedheads.core.protocol import AlgorithmBase, HeadArch, Init, PaperRoundComm, RoundCtx
 from fedheads.core.train import local_train
-from fedheads.data import DataSpec, FedData
+from fedheads.run.load import DataSpec, FedData
 
 HEAD_KEYS = ("cls.weight", "cls.bias")
 

@@ -79,7 +79,7 @@ from fedheads.core.heads import Params, count_params
 from fedheads.core.optim import OptimizerConfig, OptState, opt_init
 from fedheads.core.protocol import AlgorithmBase, HeadArch, Init, PaperRoundComm, RoundCtx
 from fedheads.core.train import local_train
-from fedheads.data import DataSpec, FedData
+from fedheads.run.load import DataSpec, FedData
 
 INITS = ("random", "fedncm")  # besides the registered one-pass linear heads (fed3r, fedcof)
 

@@ -56,7 +56,7 @@ from fedheads.core.config import setting
 from fedheads.core.heads import HeadSpec, Params
 from fedheads.core.optim import id_runs
 from fedheads.core.protocol import AlgorithmBase, HeadArch, Init, PaperRoundComm, RoundCtx
-from fedheads.data import DataSpec, FedData
+from fedheads.run.load import DataSpec, FedData
 
 
 @dataclass(frozen=True)

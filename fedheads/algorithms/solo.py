@@ -22,7 +22,7 @@ from fedheads.core.heads import HeadSpec, Params
 from fedheads.core.optim import OptimizerConfig, OptState, opt_init
 from fedheads.core.protocol import AlgorithmBase, HeadArch, Init, PaperRoundComm, RoundCtx
 from fedheads.core.train import local_train
-from fedheads.data import DataSpec, FedData
+from fedheads.run.load import DataSpec, FedData
 
 
 @dataclass(frozen=True)

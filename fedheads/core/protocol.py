@@ -35,7 +35,7 @@ import torch
 
 from embedcache.errors import UserError
 from fedheads.core.tree import tree_map
-from fedheads.data import DataSpec, FedData
+from fedheads.run.load import DataSpec, FedData
 
 CS = TypeVar("CS")  # client state (stacked)
 SS = TypeVar("SS")  # server state

@@ -252,7 +252,7 @@ def serve(run_config: dict[str, Any], out: Path, host: str = "127.0.0.1", port: 
 
     The console gets one line per round; the Flower processes' own output (SuperLink and
     `flwr run`) goes to OUT/flower.log."""
-    from fedheads import rundir
+    from fedheads.run import rundir
 
     out = Path(out)
     rundir.refuse_existing(out, overwrite=bool(run_config.get("overwrite")))  # before any process starts

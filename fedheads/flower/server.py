@@ -94,7 +94,7 @@ def _same_backbones(desc: list[tuple[int, dict[str, Any]]]) -> None:
 
 def run_federation(grid: Grid, context: Context, cfg: FlowerRunConfig) -> dict[str, Any]:
     """The whole run; returns {"result": RunResult, "server_state", "log": FlowerLog, ...}."""
-    from fedheads import rundir
+    from fedheads.run import rundir
     from fedheads.flower.loop import federate
 
     if cfg.out:
