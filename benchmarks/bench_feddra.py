@@ -130,8 +130,8 @@ def _step_seconds(su, opts, stage: int, cached: bool, steps: int, shared: bool =
     """One client_update of `steps` steps on client 0, seconds (or FLOPs) per step (_per_step).
     `shared`: live stage 1 encodes a batch once for the model and the anchor (the product's path)."""
     from fedheads.feddra.algorithm import FedDRA
-    from fedheads.feddra.runner import _build
     from fedheads.feddra.pairs import step_rows
+    from fedheads.feddra.runner import _build
 
     alg = FedDRA(opts.fd)
     alg.share_frozen_pass = shared

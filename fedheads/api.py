@@ -25,8 +25,8 @@ from typing import TYPE_CHECKING, Any, Union
 if TYPE_CHECKING:
     import numpy as np
 
-    from fedheads.run.load import FedData
     from fedheads.prediction.predict import PredictionSummary
+    from fedheads.run.load import FedData
 
 ClientArrays = Sequence[Any]  # (x_train [N, D], y_train [N], x_test [T, D], y_test [T])
 Data = Union[str, Path, "FedData", Mapping[str, ClientArrays], Sequence[ClientArrays]]

@@ -16,7 +16,7 @@ import click
 from embedcache.cli_base import UserErrorGroup
 from embedcache.errors import UserError
 from fedheads import __version__
-from fedheads.run.config_file import config_options
+from fedheads.run.options import config_options
 
 
 @click.group(cls=UserErrorGroup)
@@ -128,8 +128,7 @@ def _options(algorithms, backbones, store, rounds, seeds, local_epochs, batch_si
     """(TrainOptions, the store opened to check the backbone names or None), after every check
     that needs no torch (the names, the plain values)."""
     from fedheads.run.checks import check_algorithms
-    from fedheads.run.config_file import merged_settings
-    from fedheads.run.options import parse_settings
+    from fedheads.run.options import merged_settings, parse_settings
 
     ctx = click.get_current_context()
     if rounds < 1:
@@ -197,7 +196,7 @@ def train(store, backbones, algorithm, out, overwrite, resume, dump_config, **kw
     info, opts = _options([algorithm], bbs, store, **kw)
     opts = _with_dp(opts, dp)
     from fedheads.run.allocator import GlibcHeap
-    from fedheads.run.config_file import dump, effective_config
+    from fedheads.run.options import dump, effective_config
     from fedheads.run.train import train_run
 
     if dump_config:
@@ -221,7 +220,7 @@ def compare(store, backbones, algorithms, out, overwrite, resume, dump_config, *
     opts = _with_dp(opts, dp)
     from fedheads.report import results as report
     from fedheads.run.allocator import GlibcHeap
-    from fedheads.run.config_file import dump, effective_config
+    from fedheads.run.options import dump, effective_config
     from fedheads.run.train import check_compare_settings, compare_runs
 
     if dump_config:
@@ -328,8 +327,7 @@ def _method_settings(ctx: click.Context, spec: dict[str, tuple[str, Any]], kw: d
                      settings: tuple[str, ...], preset: dict[str, Any] | None = None) -> tuple[tuple[str, Any], ...]:
     """The method's --set items, in merge order: a preset's values < the --config file's `set:`
     < the alias options < --set on the command line (later items win)."""
-    from fedheads.run.config_file import merged_settings
-    from fedheads.run.options import parse_settings
+    from fedheads.run.options import merged_settings, parse_settings
 
     cli = tuple(_alias_settings(ctx, spec, kw)) + parse_settings(settings)
     return tuple((preset or {}).items()) + merged_settings(ctx, cli)
@@ -398,7 +396,7 @@ def finetune(ctx, dump_config, manifest_path, store, backbone, heads, rounds, fr
                             eval_every=eval_every, device=device, num_workers=num_workers, weights_dir=weights_dir,
                             resume=resume, overwrite=overwrite, progress=not quiet)
     if dump_config:
-        from fedheads.run.config_file import dump, params_config
+        from fedheads.run.options import dump, params_config
 
         click.echo(dump("finetune", {**params_config(ctx), "set": finetune_settings(opts)}), nl=False)
         return
@@ -469,8 +467,8 @@ def _flower_summary(res: dict, out: str) -> None:
 @_flower_options
 def simulate(store, clients, **kw) -> None:
     """Run an algorithm over Flower's simulation runtime in this process (same results as `train`)."""
-    from fedheads.run import rundir
     from fedheads.flower.sim import flower_logs, simulate_store
+    from fedheads.run import rundir
 
     cfg = _flower_config(clients=clients, **kw)
     with rundir.locked(Path(cfg.out)):  # one run writes --out at a time, as for `train`
@@ -613,7 +611,7 @@ def feddra(ctx, dump_config, manifest_path, store, image_encoder, image_cut, tex
                           num_workers=num_workers, weights_dir=weights_dir, resume=resume, overwrite=overwrite,
                           progress=not quiet)
     if dump_config:  # the preset's values resolved, so the file means the same under any preset
-        from fedheads.run.config_file import dump, params_config
+        from fedheads.run.options import dump, params_config
 
         click.echo(dump("feddra", {**params_config(ctx, {**ctx.params, "rounds": rounds}),
                                    "set": feddra_settings(opts)}), nl=False)

@@ -71,8 +71,8 @@ def _paper_units(alg: str, data: Any, rounds: int, fraction: float, cfg: Any) ->
 def run_head(cfg: dict[str, Any], paths: dict[str, Any], heap: Any = None) -> dict[str, Any]:
     """A head cell on the store's features, as `fedheads train` trains one seed (`heap`: the
     process's heap policy, fedheads.run.allocator; None: none)."""
-    from fedheads.report import results as report
     from fedheads.core.engine import run
+    from fedheads.report import results as report
     from fedheads.run.train import TrainOptions, _config_dict, build_algorithm
 
     o = cfg["options"]

@@ -285,9 +285,9 @@ def test_flower_secagg_gives_the_engines_head(tmp_path):
     pytest.importorskip("flwr")
     from flower_helpers import write_store
 
-    from fedheads.run.load import load_fed_data
     from fedheads.flower.server import FlowerRunConfig
     from fedheads.flower.sim import simulate_store
+    from fedheads.run.load import load_fed_data
     from fedheads.run.train import TrainOptions, build_algorithm
 
     store = write_store(tmp_path)

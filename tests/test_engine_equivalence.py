@@ -22,8 +22,8 @@ from fedheads.algorithms.pfedme import PFedMe, PFedMeConfig
 from fedheads.algorithms.solo import Solo, SoloConfig
 from fedheads.core import OptimizerConfig, run, select_participants
 from fedheads.core.tree import row_range, tree_leaves
-from fedheads.run.load import BucketedFedData, to_layout
 from fedheads.run.layout import LayoutConfig
+from fedheads.run.load import BucketedFedData, to_layout
 
 SGD = lambda lr: OptimizerConfig("sgd", lr=lr, weight_decay=0.0)  # noqa: E731
 

@@ -11,7 +11,6 @@ import pytest
 import torch
 
 from embedcache.errors import UserError
-from fedheads.prediction import prototypes as inference
 from fedheads.algorithms import create_algorithm
 from fedheads.algorithms import fed3r as F
 from fedheads.algorithms.fedncm import FedNCM
@@ -19,6 +18,7 @@ from fedheads.core import engine
 from fedheads.core.config import setting_doc
 from fedheads.core.protocol import RoundCtx
 from fedheads.core.tree import tree_cat, tree_index
+from fedheads.prediction import prototypes as inference
 from fedheads.run.load import FedData
 
 

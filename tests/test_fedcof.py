@@ -11,13 +11,13 @@ import pytest
 import torch
 
 from embedcache.errors import UserError
-from fedheads.prediction import prototypes as inference
 from fedheads.algorithms import create_algorithm
 from fedheads.algorithms import fedcof as F
 from fedheads.algorithms.fed3r import Fed3R, Fed3RConfig
 from fedheads.core import engine
 from fedheads.core.protocol import RoundCtx
 from fedheads.core.tree import tree_index
+from fedheads.prediction import prototypes as inference
 from fedheads.run.load import FedData
 
 
@@ -354,9 +354,9 @@ def test_flower_simulation_equals_the_engine(tmp_path):
     from flower_helpers import write_store
 
     from fedheads.core.tree import tree_leaves
-    from fedheads.run.load import load_fed_data
     from fedheads.flower.server import FlowerRunConfig
     from fedheads.flower.sim import simulate_store
+    from fedheads.run.load import load_fed_data
 
     store = write_store(tmp_path)
     out = simulate_store(FlowerRunConfig(algorithm="fedcof", backbones="synth", rounds=2, fraction=0.67,

@@ -17,14 +17,14 @@ import torch
 import vl_doubles
 
 from embedcache.errors import UserError
-from fedheads.finetuning.data import seeded
-from fedheads.feddra.dro import DROConfig
 from fedheads.feddra.algorithm import FDMessage, FedDRA, FedDRAConfig, info_nce, l_c, l_mi
 from fedheads.feddra.driver import _seed, run_feddra
+from fedheads.feddra.dro import DROConfig
 from fedheads.feddra.evaluation import retrieval
 from fedheads.feddra.model import DualEncoder, ModuleShape, is_module_key
-from fedheads.feddra.runner import BASELINES, apply_baseline
 from fedheads.feddra.pairs import cache_from_store, eval_batches, pair_clients, step_rows
+from fedheads.feddra.runner import BASELINES, apply_baseline
+from fedheads.finetuning.data import seeded
 
 CPU = torch.device("cpu")
 SHAPE = ModuleShape(width=16, heads=2, mlp_ratio=2, out_dim=8)

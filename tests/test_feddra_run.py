@@ -15,8 +15,8 @@ import vl_doubles
 
 from embedcache.errors import UserError
 from embedcache.manifest import save_manifest
-from fedheads.feddra.dro import DROConfig
 from fedheads.feddra.algorithm import FedDRAConfig
+from fedheads.feddra.dro import DROConfig
 from fedheads.feddra.probe import ProbeOptions
 from fedheads.feddra.runner import FedDRAOptions, feddra_run
 

@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from embedcache.errors import UserError
-from fedheads.prediction import prototypes as inference
 from fedheads.algorithms import create_algorithm
 from fedheads.algorithms import fedncm as F
 from fedheads.core import engine
+from fedheads.prediction import prototypes as inference
 from fedheads.run.load import FedData
 
 

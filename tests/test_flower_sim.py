@@ -23,10 +23,10 @@ from flower_helpers import write_store  # noqa: E402
 from embedcache.errors import UserError  # noqa: E402
 from fedheads.core.engine import run  # noqa: E402
 from fedheads.core.tree import tree_leaves  # noqa: E402
-from fedheads.run.load import load_fed_data  # noqa: E402
 from fedheads.flower.run_config import FlowerRunConfig  # noqa: E402
 from fedheads.flower.secure import error_bound, exponent  # noqa: E402
 from fedheads.flower.sim import simulate_store  # noqa: E402
+from fedheads.run.load import load_fed_data  # noqa: E402
 from fedheads.run.train import TrainOptions, build_algorithm  # noqa: E402
 
 

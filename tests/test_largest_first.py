@@ -22,8 +22,8 @@ from embedcache.store.importer import import_features
 from fedheads.core import engine
 from fedheads.core.order import put_back, stacking_order
 from fedheads.core.tree import tree_leaves
-from fedheads.run.load import FedData, load_fed_data
 from fedheads.run.layout import to_layout
+from fedheads.run.load import FedData, load_fed_data
 from fedheads.run.train import TrainOptions, build_algorithm, compare_runs, load_state, train_run
 
 SIZES = {"c0": (5, 6), "c1": (23, 5), "c2": (9, 0), "c3": (23, 4), "c4": (14, 6)}  # c2: no test rows

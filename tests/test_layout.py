@@ -18,8 +18,8 @@ from fedheads.algorithms.lp import HeadTuning, LPConfig
 from fedheads.core import ops
 from fedheads.core.engine import count_parameters, owned, run
 from fedheads.core.tree import row_range, tree_cat, tree_cat_chunks, tree_put_rows_, tree_rows, tree_scatter_
-from fedheads.run.load import BucketedFedData, FedData, layout_info, load_fed_data, to_layout
 from fedheads.run.layout import LayoutConfig, bucketing_pays, plan_buckets
+from fedheads.run.load import BucketedFedData, FedData, layout_info, load_fed_data, to_layout
 
 SKEWED = [3, 40, 5, 6, 41, 90, 4, 7, 300, 8]  # train rows per client: a few large, many small
 

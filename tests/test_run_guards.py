@@ -77,8 +77,8 @@ def test_api_refuses_non_finite_settings(tmp_path):
 
 
 def test_live_options_refuse_non_finite_settings():
-    from fedheads.feddra.dro import DROConfig
     from fedheads.feddra.algorithm import FedDRAConfig
+    from fedheads.feddra.dro import DROConfig
     from fedheads.feddra.runner import FedDRAOptions
     from fedheads.finetuning.algorithm import FTConfig
     from fedheads.finetuning.runner import FinetuneOptions

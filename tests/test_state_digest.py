@@ -18,8 +18,8 @@ from click.testing import CliRunner
 from test_fedheads_cli import _write_store
 
 from embedcache.errors import UserError
-from fedheads.run import checkpoint
 from fedheads.cli import main
+from fedheads.run import checkpoint
 
 
 def flip_tensor_bit(path: Path) -> None:

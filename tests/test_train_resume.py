@@ -17,10 +17,10 @@ from fed_tiny import tiny_fed
 from test_fedheads_cli import _write_store
 
 from embedcache.errors import UserError
-from fedheads.run import resume
 from fedheads.algorithms import list_algorithms
 from fedheads.cli import main
 from fedheads.core.tree import tree_leaves
+from fedheads.run import resume
 from fedheads.run.train import TrainOptions, rounds_needed, train_data
 
 

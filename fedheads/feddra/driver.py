@@ -36,12 +36,12 @@ from embedcache.errors import UserError
 from fedheads.core import rng
 from fedheads.core.engine import clock
 from fedheads.core.tree import payload_size
-from fedheads.finetuning.data import seeded
-from fedheads.finetuning.driver import Checkpoint, LiveRound, LiveRun
 from fedheads.feddra.algorithm import FedDRA
 from fedheads.feddra.evaluation import retrieval
 from fedheads.feddra.model import DualEncoder, is_module_key
 from fedheads.feddra.pairs import EVAL_BATCH, PairClient, TokenCache, dro_rows, encode_cache, eval_batches, step_rows
+from fedheads.finetuning.data import seeded
+from fedheads.finetuning.driver import Checkpoint, LiveRound, LiveRun
 
 CKPT_FORMAT = "fedheads-feddra-ckpt/1"
 STAGE1_INPUTS = ("auto", "reencode", "live")

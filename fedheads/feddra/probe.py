@@ -24,8 +24,8 @@ import torch
 import torch.nn.functional as F
 
 from embedcache.errors import UserError
-from fedheads.finetuning.data import ImageLoader, _Images
 from fedheads.feddra.evaluation import few_shot_probe
+from fedheads.finetuning.data import ImageLoader, _Images
 
 FEATURES = ("z", "pooled", "backbone")
 

@@ -11,10 +11,10 @@ from typing import Any
 
 import numpy as np
 
+from fedheads.feddra.evaluation import METRICS, across_clients
+from fedheads.finetuning.driver import seed_timing
 from fedheads.report import plotting
 from fedheads.report import results as report
-from fedheads.finetuning.driver import seed_timing
-from fedheads.feddra.evaluation import METRICS, across_clients
 
 HEADLINE = ("t2i_r1", "t2i_r5", "i2t_r1", "i2t_r5", "cap_t2i_r1", "cap_t2i_r5")
 

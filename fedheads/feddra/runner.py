@@ -45,22 +45,21 @@ import numpy as np
 import torch
 
 from embedcache.errors import UserError
-from fedheads.report import results as report
-from fedheads.run import rundir
-from fedheads.run.checks import check_finite, check_seeds, check_trained_state
 from fedheads.core.config import setting
-from fedheads.run.load import resolve_device
-from fedheads.feddra import dro
+from fedheads.feddra import dro, vl
 from fedheads.feddra import report as feddra_report
-from fedheads.feddra import vl
 from fedheads.feddra.algorithm import FedDRA, FedDRAConfig
 from fedheads.feddra.driver import FDRun, feddra_checkpoint, run_feddra
 from fedheads.feddra.model import DualEncoder, ModuleShape
+from fedheads.feddra.pairs import PairClient, cache_from_store, check_paired, pair_clients
 from fedheads.feddra.probe import ProbeOptions, run_probe
 from fedheads.finetuning.heads import check_store
-from fedheads.feddra.pairs import PairClient, cache_from_store, check_paired, pair_clients
 from fedheads.finetuning.runner import _jsonable, _write
+from fedheads.report import results as report
+from fedheads.run import rundir
+from fedheads.run.checks import check_finite, check_seeds, check_trained_state
 from fedheads.run.environment import machine
+from fedheads.run.load import resolve_device
 from fedheads.run.options import Part, settings_values, split_settings
 
 BASELINES: dict[str, dict[str, Any]] = {

@@ -51,10 +51,10 @@ import torch.nn.functional as F
 from embedcache.errors import UserError
 from fedheads.algorithms.pfl_common import DeltaMessage, GlobalModel
 from fedheads.algorithms.server_opt import MOMENTUM_SERVERS, SERVER_OPTS, make_server_optimizer
-from fedheads.run.checks import check_finite
 from fedheads.core.config import setting
 from fedheads.core.protocol import RoundCtx
 from fedheads.finetuning.model import LiveNet, Params
+from fedheads.run.checks import check_finite
 
 AMP = ("auto", "off", "bf16", "fp16")
 

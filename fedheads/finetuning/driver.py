@@ -28,13 +28,13 @@ from tqdm.auto import tqdm
 
 from embedcache.errors import UserError
 from fedheads.algorithms.pfl_common import GlobalModel
-from fedheads.run.checkpoint import load_checkpoint, save_checkpoint
 from fedheads.core.engine import select_participants
 from fedheads.core.protocol import RoundCtx
 from fedheads.core.tree import payload_size, tree_leaves, tree_map
-from fedheads.finetuning.data import LiveClient, seeded
 from fedheads.finetuning.algorithm import FineTune
+from fedheads.finetuning.data import LiveClient, seeded
 from fedheads.finetuning.model import LiveNet
+from fedheads.run.checkpoint import load_checkpoint, save_checkpoint
 
 CKPT_FORMAT = "fedheads-finetune-ckpt/1"
 

@@ -23,11 +23,11 @@ from typing import Any
 import torch
 
 from embedcache.errors import UserError
-from fedheads.report import communication as comm
 from fedheads.algorithms import create_algorithm
 from fedheads.algorithms.fedncm import head_bias
-from fedheads.run.checks import FINETUNE_HEADS
 from fedheads.core.engine import run
+from fedheads.report import communication as comm
+from fedheads.run.checks import FINETUNE_HEADS
 from fedheads.run.load import load_fed_data
 
 HEADS = FINETUNE_HEADS  # the names are listed in fedheads.run.checks, read before torch loads

@@ -31,23 +31,23 @@ from typing import Any
 import torch
 
 from embedcache.errors import UserError
+from fedheads.algorithms import create_algorithm
+from fedheads.core.config import setting
+from fedheads.core.protocol import HeadArch
+from fedheads.finetuning import plots
+from fedheads.finetuning.algorithm import FineTune, FTConfig, split_state
+from fedheads.finetuning.data import cached_clients, image_clients
+from fedheads.finetuning.driver import Checkpoint, FTRun, run_finetune, seed_timing
+from fedheads.finetuning.heads import HeadResult, check_store, head_from_store
+from fedheads.finetuning.model import LiveNet, Trainable, count_values, reinitialise
 from fedheads.report import communication as comm
 from fedheads.report import plotting
 from fedheads.report import results as report
 from fedheads.run import rundir
-from fedheads.algorithms import create_algorithm
 from fedheads.run.atomic import atomic_path
 from fedheads.run.checks import check_finetune_heads, check_finite, check_seeds, check_trained_state
-from fedheads.core.config import setting
-from fedheads.core.protocol import HeadArch
-from fedheads.run.load import resolve_device
-from fedheads.finetuning import plots
-from fedheads.finetuning.data import cached_clients, image_clients
-from fedheads.finetuning.driver import Checkpoint, FTRun, run_finetune, seed_timing
-from fedheads.finetuning.algorithm import FineTune, FTConfig, split_state
-from fedheads.finetuning.heads import HeadResult, check_store, head_from_store
-from fedheads.finetuning.model import LiveNet, Trainable, count_values, reinitialise
 from fedheads.run.environment import machine
+from fedheads.run.load import resolve_device
 from fedheads.run.options import Part, settings_values, split_settings
 
 METHOD_NAMES = {"fedncm": "fedncm+ft", "lp": "lp+ft", "random": "ft"}

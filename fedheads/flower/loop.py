@@ -13,11 +13,11 @@ from embedcache.errors import UserError
 from fedheads.core.engine import CommRecord, RoundRecord, RunResult, clock, select_participants
 from fedheads.core.protocol import RoundCtx
 from fedheads.core.tree import payload_size, tree_cat
-from fedheads.run.load import DataSpec
 from fedheads.flower import codec
 from fedheads.flower.deploy import round_line
 from fedheads.flower.messaging import failed_nodes, run_record, send
 from fedheads.flower.run_config import FlowerLog, FlowerRunConfig
+from fedheads.run.load import DataSpec
 
 log = logging.getLogger("fedheads.flower")
 

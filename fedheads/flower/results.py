@@ -11,8 +11,8 @@ from typing import Any
 
 import torch
 
-from fedheads.report import results as report
 from fedheads.core.tree import tree_leaves
+from fedheads.report import results as report
 
 SERVER_STATE_FORMAT = "fedheads-flower-server-state/1"
 

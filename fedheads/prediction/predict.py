@@ -28,9 +28,9 @@ import numpy as np
 import torch
 
 from embedcache.errors import UserError
-from fedheads.prediction import prototypes as inference
 from fedheads.algorithms import create_algorithm
 from fedheads.core.tree import tree_index
+from fedheads.prediction import prototypes as inference
 from fedheads.run.load import DataSpec, resolve_device
 
 GLOBAL = "(global)"  # the client column of rows classified by the global model (not a valid client name)

@@ -36,8 +36,7 @@ import numpy as np
 
 from embedcache.errors import UserError
 from fedheads.report import communication as comm
-from fedheads.report import metrics
-from fedheads.report import plotting
+from fedheads.report import metrics, plotting
 from fedheads.run.atomic import atomic_path
 
 

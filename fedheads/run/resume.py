@@ -18,9 +18,9 @@ from typing import Any
 import torch
 
 from embedcache.errors import UserError
-from fedheads.run.checkpoint import load_checkpoint, save_checkpoint
 from fedheads.core.engine import CommRecord, RoundRecord, RunState
 from fedheads.core.protocol import Init
+from fedheads.run.checkpoint import load_checkpoint, save_checkpoint
 
 CKPT_FORMAT = "fedheads-train-ckpt/1"
 

@@ -30,20 +30,26 @@ import torch
 
 from embedcache.errors import UserError
 from fedheads import __version__
+from fedheads.core.engine import RunResult, clock, run, to_device
+from fedheads.core.tree import tree_leaves
 from fedheads.report import plotting
 from fedheads.report import results as report
-from fedheads.run import rundir
 from fedheads.run import resume as resume_mod
-from fedheads.algorithms import create_algorithm
+from fedheads.run import rundir
+from fedheads.run.allocator import GlibcHeap
 from fedheads.run.atomic import atomic_path
 from fedheads.run.checkpoint import load_sealed, save_sealed
 from fedheads.run.checks import check_finite, check_seeds, check_trained_state
-from fedheads.core.engine import RunResult, clock, run, to_device
-from fedheads.core.tree import tree_leaves
-from fedheads.run.load import DataSpec, FedData, Federation, layout_info, load_fed_data, resolve_device
-from fedheads.run.allocator import GlibcHeap
 from fedheads.run.environment import machine
-from fedheads.run.options import parse_settings  # noqa: F401 (fedheads.run.train.parse_settings, as before)
+from fedheads.run.load import DataSpec, FedData, Federation, layout_info, load_fed_data, resolve_device
+from fedheads.run.options import (  # noqa: F401 (parse_settings, build_algorithm: also importable from here)
+    build_algorithm,
+    dump,
+    effective_config,
+    parse_settings,
+    resolve_settings,
+    unknown_key_error,
+)
 
 if TYPE_CHECKING:
     from embedcache.store.reader import StoreInfo
@@ -80,67 +86,6 @@ class TrainOptions:
     def generic(self) -> dict[str, Any]:
         g = {"local_epochs": self.local_epochs, "batch_size": self.batch_size, "lr": self.lr}
         return {k: v for k, v in g.items() if v is not None}
-
-
-def settings_for(name: str, settings: Sequence[tuple[str, Any]]) -> tuple[dict[str, Any], dict[str, Any]]:
-    """(scoped, unscoped) --set fields for algorithm `name`: `name.key=v` applies to `name` only
-    and must be one of its fields; a plain `key=v` applies to every algorithm it fits."""
-    scoped: dict[str, Any] = {}
-    plain: dict[str, Any] = {}
-    for key, value in settings:
-        scope, dot, field_ = key.rpartition(".")
-        if not dot:
-            plain[key] = value
-        elif scope == name:
-            scoped[field_] = value
-    return scoped, plain
-
-
-def resolve_settings(name: str, opts: TrainOptions, strict: bool = True) -> tuple[dict[str, Any], list[str]]:
-    """(the config fields a run of `name` is built with, the options that do not apply to it),
-    decided from the fields of its config dataclass (fedheads.run.options), nothing built.
-
-    A field scoped to this algorithm (`--set lp.lr=0.1`) must be one of its settings. A plain
-    --set key or a generic option (--lr, --batch-size, --local-epochs) that is not: with
-    `strict` an error naming it (`train`); else dropped and returned (`compare`)."""
-    from fedheads.run.options import unknown_key_error, valid_keys
-
-    keys = set(valid_keys(name))
-    scoped, plain = settings_for(name, opts.settings)
-    bad = next((k for k in scoped if k not in keys), None)
-    if bad is not None:
-        raise unknown_key_error(bad, [name], f"--set {name}.{bad}")
-    used, ignored = dict(scoped), []
-    generic = opts.generic()
-    for k, v in {**plain, **generic}.items():
-        if k in used:
-            continue  # the scoped value wins
-        if k in keys:
-            used[k] = v
-        elif not strict:
-            ignored.append(k)
-        elif k in generic:
-            raise UserError(f"--{k.replace('_', '-')}: does not apply to algorithm {name}")
-        else:
-            raise unknown_key_error(k, [name])
-    return used, ignored
-
-
-def build_algorithm(name: str, opts: TrainOptions, strict: bool = True) -> tuple[Any, dict[str, Any], list[str]]:
-    """The algorithm, built once with every --set field and generic option that applies to it
-    (resolve_settings). Returns (algorithm, the kwargs used, options that do not apply). A value
-    its config refuses is one line naming the algorithm and the settings given."""
-    used, ignored = resolve_settings(name, opts, strict)
-    try:
-        alg = create_algorithm(name, **used)
-    except (TypeError, ValueError) as e:  # a value of the wrong type reaching the config's checks
-        given = ", ".join(f"{k}={v!r}" for k, v in used.items())
-        raise UserError(f"--set for {name}: not valid values ({given}): {e}") from None
-    if opts.dp is not None:  # refuses an algorithm without a DP form in one line
-        from fedheads.privacy import Private
-
-        alg = Private(alg, opts.dp)
-    return alg, used, ignored
 
 
 def _config_dict(obj: Any) -> Any:
@@ -487,7 +432,6 @@ def write_config_yaml(out: Path, command: str, store: str | None, backbones: Seq
     """RUN_DIR/config.yaml: the effective configuration, as `--dump-config` prints it (`fedheads
     <command> --config RUN_DIR/config.yaml` runs it again). `configs`: {algorithm: the config it
     trained with} (then nothing is built again)."""
-    from fedheads.run.config_file import dump, effective_config
 
     cfg = effective_config(command, store, list(backbones), list(algorithms), opts, out, strict=False, dropped=dropped,
                            configs=configs)
@@ -517,8 +461,6 @@ def check_compare_settings(algorithms: Sequence[str], opts: TrainOptions) -> Non
     ignored_by = [set(resolve_settings(name, opts, strict=False)[1]) for name in algorithms]
     for key, _ in opts.settings:
         if "." not in key and all(key in ig for ig in ignored_by):
-            from fedheads.run.options import unknown_key_error
-
             raise unknown_key_error(key, list(algorithms))
 
 
