@@ -11,9 +11,8 @@ named `prediction` and `finetuning` so that the API functions are never shadowed
 
 from __future__ import annotations
 
-__version__ = "0.1.0"
-
 from fedheads.api import Result, compare, finetune, list_algorithms, predict, register_algorithm, train  # noqa: E402
+from fedheads.version import __version__  # noqa: E402
 
 __all__ = ["Result", "compare", "finetune", "list_algorithms", "predict", "register_algorithm", "train",
            "__version__"]

@@ -15,8 +15,8 @@ import click
 
 from embedcache.cli_base import UserErrorGroup
 from embedcache.errors import UserError
-from fedheads import __version__
 from fedheads.run.options import config_options
+from fedheads.version import __version__
 
 
 @click.group(cls=UserErrorGroup)

@@ -19,7 +19,7 @@ from typing import Any
 
 from embedcache.errors import UserError
 from embedcache.manifest import Client, Manifest, Sample, load_manifest
-from fedheads.prediction.predict import Part, Trained, mismatch
+from fedheads.prediction.trained import Part, Trained, mismatch
 
 
 @dataclass(frozen=True)
@@ -130,7 +130,7 @@ def extract_images(tr: Trained, spec: str, by: tuple[str | None, ...], opts: Ext
     """`imagefolder:PATH` as cache shards (test split), one per top-level folder and labelled or
     not (image_labels); an input where some or all images have no label says so in one note."""
     from embedcache.sources.imagefolder import IMAGE_SUFFIXES, ImageFolder
-    from fedheads.prediction.predict import note
+    from fedheads.prediction.trained import note
 
     kind, sep, path = spec.partition(":")
     if kind != "imagefolder" or not sep or not path:

@@ -17,8 +17,6 @@ Features of new images (`--images`, `--manifest`) are extracted by fedheads.pred
 
 from __future__ import annotations
 
-import json
-import sys
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,10 +29,10 @@ from embedcache.errors import UserError
 from fedheads.algorithms import create_algorithm
 from fedheads.core.tree import tree_index
 from fedheads.prediction import prototypes as inference
+from fedheads.prediction.trained import Part, Trained, mismatch, note
 from fedheads.run.load import DataSpec, resolve_device
 
 GLOBAL = "(global)"  # the client column of rows classified by the global model (not a valid client name)
-IDENTITY = ("dim", "weights_sha256", "preprocess")  # what a backbone's features must share with training's
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -43,31 +41,6 @@ def _read_json(path: Path) -> dict[str, Any]:
     from embedcache.parsing import read_json
 
     return read_json(path)
-
-
-def note(msg: str) -> None:
-    print(f"note: {msg}", file=sys.stderr, flush=True)
-
-
-@dataclass
-class Trained:
-    """What classifying needs from a trained run: the algorithm and one seed's final states."""
-
-    alg: Any
-    client_state: Any  # client axis over `clients`
-    server_state: Any
-    clients: list[str]
-    classes: list[str]  # class names (str(i) when the run recorded none: numpy arrays)
-    backbones: list[str]
-    fingerprint: dict[str, Any] | None  # config.json's store_fingerprint
-    binarize: bool
-    device: torch.device
-    dim: int  # D of the concatenated features
-
-    def client_index(self, client: str) -> int:
-        if client not in self.clients:
-            raise UserError(f"--client {client}: not a client of this run (clients: {', '.join(self.clients)})")
-        return self.clients.index(client)
 
 
 def trained_from(config: Mapping[str, Any], results: Mapping[str, Any], states: Any, seed: int | None,
@@ -113,24 +86,6 @@ def open_run(run_dir: str | Path, seed: int | None = None, device: str = "cpu") 
     return trained_from(_read_json(run_dir / "config.json"), results, run_dir / "state", seed, device)
 
 
-def mismatch(backbone: str, recorded: Mapping[str, Any], now: Mapping[str, Any]) -> str | None:
-    """None when `now` has the identity (dim, weights sha256, preprocessing) training's features
-    had; else what differs, for a one-line error naming the backbone."""
-    norm = lambda v: json.loads(json.dumps(v))  # noqa: E731 - tuples vs the JSON lists stores give back
-    for key in IDENTITY:
-        a, b = norm(recorded.get(key)), norm(now.get(key))
-        if a == b:
-            continue
-        if key == "preprocess" and isinstance(a, dict) and isinstance(b, dict):
-            diff = [k for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
-            return (f"backbone {backbone}: preprocessing differs from the training run's "
-                    f"({', '.join(f'{k} {a.get(k)!r} -> {b.get(k)!r}' for k in diff[:3])})")
-        what = {"dim": "feature dimension", "weights_sha256": "weights (sha256)"}.get(key, key)
-        shown = (lambda v: str(v)[:12]) if key == "weights_sha256" else str
-        return f"backbone {backbone}: {what} differs from the training run's ({shown(a)} -> {shown(b)})"
-    return None
-
-
 def check_store(tr: Trained, store: str, info: Any) -> None:
     """The store's classes and backbones are the ones the run was trained on (one line if not)."""
     from fedheads.run.train import store_fingerprint
@@ -144,17 +99,6 @@ def check_store(tr: Trained, store: str, info: Any) -> None:
         msg = mismatch(b, fp, now["backbones"][b])
         if msg:
             raise UserError(f"{store}: {msg}; re-extract with the training run's backbone")
-
-
-@dataclass(frozen=True)
-class Part:
-    """One shard of samples to classify: `store_client`'s `split`, by each of `by` (run clients;
-    None = the global model). `labelled`: the stored labels are true labels (else -1 is written)."""
-
-    store_client: str
-    split: str
-    by: tuple[str | None, ...]
-    labelled: bool = True
 
 
 def classifier(tr: Trained, client: str | None) -> tuple[Any, str]:

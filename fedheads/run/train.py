@@ -29,7 +29,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from embedcache.errors import UserError
-from fedheads import __version__
 from fedheads.core.engine import RunResult, clock, run, to_device
 from fedheads.core.tree import tree_leaves
 from fedheads.report import plotting
@@ -50,6 +49,7 @@ from fedheads.run.options import (  # noqa: F401 (parse_settings, build_algorith
     resolve_settings,
     unknown_key_error,
 )
+from fedheads.version import __version__
 
 if TYPE_CHECKING:
     from embedcache.store.reader import StoreInfo
