@@ -11,7 +11,7 @@ records its RSS as the baseline and resets the kernel's peak-RSS counter (/proc/
 runs the command in-process and reads VmHWM: peak above baseline / feature bytes is reported.
 `padded_multiple` is what dense [M, Nmax, D] train + test tensors take by themselves (the padded
 layout, what `load` reads); `fedncm` and `lp` run `fedheads train`'s default layout (`auto`, which
-holds this skewed federation in size buckets, fedheads/run/layout.py; bench_scale.py compares the two
+holds this skewed federation in size buckets, fedheads/core/federation.py; bench_scale.py compares the two
 layouts). Everything above the layout's own tensors is copies. `--baseline-rev REV` measures the code of a
 git revision the same way (extracted with `git archive`), for a before/after comparison.
 

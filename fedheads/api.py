@@ -25,8 +25,8 @@ from typing import TYPE_CHECKING, Any, Union
 if TYPE_CHECKING:
     import numpy as np
 
+    from fedheads.core.federation import FedData
     from fedheads.prediction.predict import PredictionSummary
-    from fedheads.run.load import FedData
 
 ClientArrays = Sequence[Any]  # (x_train [N, D], y_train [N], x_test [T, D], y_test [T])
 Data = Union[str, Path, "FedData", Mapping[str, ClientArrays], Sequence[ClientArrays]]
@@ -112,7 +112,8 @@ def _federation(data: Any, num_classes: int | None, device: str, binarize: bool)
     import numpy as np
 
     from embedcache.errors import UserError
-    from fedheads.run.load import FedData
+    from fedheads.core.federation import FedData
+    from fedheads.run.load import from_arrays
 
     if isinstance(data, FedData):
         return data
@@ -127,7 +128,7 @@ def _federation(data: Any, num_classes: int | None, device: str, binarize: bool)
     if num_classes is None:  # labels are 0..C-1
         tops = [int(np.max(y)) for c in clients for y in (c[1], c[3]) if len(y)]
         num_classes = max(tops) + 1 if tops else 0
-    return FedData.from_arrays([tuple(c) for c in clients], num_classes, names, device=device, binarize=binarize)
+    return from_arrays([tuple(c) for c in clients], num_classes, names, device=device, binarize=binarize)
 
 
 def _options(rounds: int, seeds: Sequence[int] | int, local_epochs: int | None, batch_size: int | None,

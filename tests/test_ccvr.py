@@ -25,9 +25,10 @@ from fedheads.algorithms.ccvr import (
 )
 from fedheads.algorithms.fedncm import client_stats
 from fedheads.core import run
+from fedheads.core.federation import FedData, to_layout
 from fedheads.core.protocol import RoundCtx
 from fedheads.core.tree import tree_cat, tree_leaves
-from fedheads.run.load import FedData, to_layout
+from fedheads.run.load import from_arrays
 
 
 def fl_bench_mean_cov(features_means, features_covs, features_count, train_clients, num_classes):
@@ -91,7 +92,7 @@ def skewed_fed(M: int = 8, D: int = 5, C: int = 4, seed: int = 0) -> FedData:
         yt = np.repeat(np.arange(C), 10)
         xt = (centers[yt] + rs.normal(size=(len(yt), D))).astype("f4")
         clients.append((x, y, xt, yt))
-    return FedData.from_arrays(clients, C)
+    return from_arrays(clients, C)
 
 
 @pytest.mark.parametrize("covariance,correction", [("paper", 1), ("fl-bench", 0)])

@@ -175,8 +175,7 @@ def test_the_engine_calls_its_hook_between_buckets_and_never_glibc(libc):
 
     from fedheads.algorithms.fedavg import FedAvg
     from fedheads.core.engine import run
-    from fedheads.run.layout import LayoutConfig
-    from fedheads.run.load import to_layout
+    from fedheads.core.federation import LayoutConfig, to_layout
 
     data = to_layout(tiny_fed(M=6), LayoutConfig("bucketed", waste=1.0, bucket_clients=2))
     assert len(data.groups()) == 3
@@ -196,8 +195,7 @@ def test_training_reuses_freed_blocks_for_padded_data_only(monkeypatch):
     from fed_tiny import tiny_fed
 
     import fedheads.run.train as runner
-    from fedheads.run.layout import LayoutConfig
-    from fedheads.run.load import FedData, to_layout
+    from fedheads.core.federation import FedData, LayoutConfig, to_layout
 
     entered = []
 

@@ -98,7 +98,7 @@ def test_seed_result_from_engine_run():
 
     from fedheads.algorithms.fedncm import FedNCM
     from fedheads.core import engine
-    from fedheads.run.load import FedData
+    from fedheads.run.load import from_arrays
 
     rng = np.random.default_rng(0)
     clients = []
@@ -106,7 +106,7 @@ def test_seed_result_from_engine_run():
         y = np.array([0, 1, 2, 0, 1, 2])
         x = (np.eye(3)[y] * 4 + rng.normal(size=(6, 3)) * 0.1).astype(np.float32)
         clients.append((x, y, x[:4], y[:4]))
-    data = FedData.from_arrays(clients, 3, client_names=["a", "b", "c"])
+    data = from_arrays(clients, 3, client_names=["a", "b", "c"])
     run = engine.run(FedNCM(), data, rounds=1, progress=False)
     s = R.seed_result_from_run(run, 7, data.client_names)
     assert s["per_client"] == {"a": 100.0, "b": 100.0, "c": 100.0}

@@ -56,10 +56,10 @@ from fedheads.algorithms.lp import HeadBroadcast, HeadClientState, HeadServerSta
 from fedheads.algorithms.pfl_common import DeltaMessage, Empty, config_from_kwargs, expand
 from fedheads.core import rng
 from fedheads.core.config import setting
+from fedheads.core.federation import DataSpec, FedData
 from fedheads.core.heads import Params, count_params
 from fedheads.core.optim import OptimizerConfig
 from fedheads.core.protocol import AlgorithmBase, Init, RoundCtx, SecureForm
-from fedheads.run.load import DataSpec, FedData
 
 COVARIANCES = ("paper", "fl-bench")
 

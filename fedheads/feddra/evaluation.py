@@ -97,7 +97,7 @@ def few_shot_probe(x_train: np.ndarray, y_train: np.ndarray, x_test: np.ndarray,
     """Accuracy (%) of a linear probe per k-shot setting: {"k": {"mean", "std", "values"}}."""
     from fedheads.algorithms import create_algorithm
     from fedheads.core.engine import run
-    from fedheads.run.load import FedData
+    from fedheads.run.load import from_arrays
 
     if len(y_test) == 0 or len(y_train) == 0:
         raise UserError("few-shot probe: the probe manifest needs training and test samples")
@@ -112,7 +112,7 @@ def few_shot_probe(x_train: np.ndarray, y_train: np.ndarray, x_test: np.ndarray,
         accs = []
         for d in range(draws):
             rows = shot_rows(np.asarray(y_train), int(k), seed, d)
-            data = FedData.from_arrays([(xtr[rows], np.asarray(y_train)[rows], xte, np.asarray(y_test))],
+            data = from_arrays([(xtr[rows], np.asarray(y_train)[rows], xte, np.asarray(y_test))],
                                        num_classes, client_names=["probe"], device="cpu")
             alg = create_algorithm("lp", **dict(lp_settings or {}))
             res = run(alg, data, rounds, seed=seed + d, progress=False, eval_every=0)

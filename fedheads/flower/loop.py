@@ -11,13 +11,13 @@ from flwr.app import Message, RecordDict  # noqa: E402  (after fedheads.flower: 
 
 from embedcache.errors import UserError
 from fedheads.core.engine import CommRecord, RoundRecord, RunResult, clock, select_participants
+from fedheads.core.federation import DataSpec
 from fedheads.core.protocol import RoundCtx
 from fedheads.core.tree import payload_size, tree_cat
 from fedheads.flower import codec
 from fedheads.flower.deploy import round_line
 from fedheads.flower.messaging import failed_nodes, run_record, send
 from fedheads.flower.run_config import FlowerLog, FlowerRunConfig
-from fedheads.run.load import DataSpec
 
 log = logging.getLogger("fedheads.flower")
 

@@ -120,7 +120,7 @@ def _algorithm(run: dict[str, Any], dim: int, num_classes: int, device: Any) -> 
     import torch
 
     from fedheads.algorithms import create_algorithm
-    from fedheads.run.load import DataSpec
+    from fedheads.core.federation import DataSpec
 
     key = ("alg", run["algorithm"], json.dumps(run["kwargs"], sort_keys=True), run["seed"], run["num_clients"], dim,
            num_classes, str(device))

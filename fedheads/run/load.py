@@ -1,21 +1,15 @@
-"""Client data for the engines: every client's cached features stacked and padded into dense
-tensors [M, Nmax, D] on one device, so an algorithm step touches all clients in one kernel call.
-
-Two layouts (fedheads/run/layout.py): `FedData` pads every client to the largest ("padded");
-`BucketedFedData` holds size buckets, each an ordinary FedData padded to its own largest client
-("bucketed"), so skewed client sizes cost at most `waste` in padding. `Federation` is either;
-the engines run both (core/engine.py) and an algorithm only ever sees a FedData.
+"""Loading a federation (fedheads.core.federation) from a feature store or from arrays: the only
+fedheads module that reads the store's zarr arrays.
 
 `load_fed_data` reads the feature store (contract 4 in docs/contracts.md; features of several
 backbones are concatenated, FedPCL Eq. 1-2) chunk by chunk straight into the padded tensors (or
 into each client's bucket): the padding is the only memory beyond the features themselves
-(benchmarks/bench_memory.py, benchmarks/bench_scale.py)."""
+(benchmarks/bench_memory.py, benchmarks/bench_scale.py). `from_arrays` builds one from in-memory
+arrays, through the same writer."""
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -23,7 +17,7 @@ import numpy as np
 import torch
 
 from embedcache.errors import UserError
-from fedheads.run.layout import BucketedFedData, LayoutConfig, as_layout, layout_info, plan_buckets, to_layout  # noqa: F401 (re-exported)
+from fedheads.core.federation import BucketedFedData, FedData, Federation, LayoutConfig, as_layout, plan_buckets
 
 if TYPE_CHECKING:
     from embedcache.store.reader import StoreInfo
@@ -37,159 +31,57 @@ def resolve_device(device: str | torch.device = "auto") -> torch.device:
     return parse_device(device)
 
 
-@dataclass(frozen=True)
-class DataSpec:
-    """What an algorithm needs to know to initialise (no samples)."""
+def from_arrays(clients: Sequence[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]],
+                num_classes: int, client_names: Sequence[str] | None = None,
+                domains: Sequence[str] | None = None, device: str | torch.device = "cpu",
+                binarize: bool = False, train_views: Sequence[np.ndarray] | None = None,
+                layout: str | LayoutConfig = "padded") -> Federation:
+    """Stack per-client (x_train, y_train, x_test, y_test) numpy arrays (and optionally each
+    client's augmented train views [V, N, D], same V for all clients). The default layout
+    gives a FedData; `layout` "bucketed" / "auto" may give a BucketedFedData (fedheads.core.federation).
 
-    dim: int  # feature dimension D
-    num_classes: int  # C
-    num_clients: int  # M of the whole federation
-    n_train: tuple[int, ...]  # training samples per client
-    device: torch.device  # where states live
-    # global ids of the clients in their stacking order (FedData.client_index): per-client
-    # initialisations are seeded by them, so a client starts alike in any order; None: 0..M-1
-    client_ids: tuple[int, ...] | None = None
-
-    def ids(self) -> tuple[int, ...]:
-        return tuple(range(self.num_clients)) if self.client_ids is None else self.client_ids
-
-
-@dataclass(frozen=True)
-class FedData:
-    """A (sub-)federation, stacked over clients and padded to the largest client."""
-
-    x_train: torch.Tensor  # [M, Nmax, D] float32 (zeros in padding rows)
-    y_train: torch.Tensor  # [M, Nmax] int64 (0 in padding rows)
-    m_train: torch.Tensor  # [M, Nmax] bool, True for real rows
-    x_test: torch.Tensor  # [M, Tmax, D] float32
-    y_test: torch.Tensor  # [M, Tmax] int64
-    m_test: torch.Tensor  # [M, Tmax] bool
-    n_train: tuple[int, ...]  # real training rows per client (host ints: no device sync)
-    n_test: tuple[int, ...]  # real test rows per client
-    num_classes: int  # C (labels are 0..C-1)
-    client_names: tuple[str, ...]  # names of these clients
-    domains: tuple[str, ...]  # domain of each client
-    client_index: torch.Tensor  # [M] int64 global client ids (seeds batches/noise per client)
-    v_train: torch.Tensor | None = None  # [M, V, Nmax, D] stored augmented views of the train rows, if loaded
-
-    @property
-    def num_clients(self) -> int:
-        return len(self.client_names)
-
-    @property
-    def dim(self) -> int:
-        return int(self.x_train.shape[-1])
-
-    @property
-    def device(self) -> torch.device:
-        return self.x_train.device
-
-    def spec(self) -> DataSpec:
-        return DataSpec(self.dim, self.num_classes, self.num_clients, self.n_train, self.device,
-                        tuple(self.client_index.tolist()))
-
-    layout = "padded"
-
-    def groups(self) -> tuple[tuple[tuple[int, ...], FedData], ...]:
-        """(client positions, FedData) per vectorised call: here all clients in one."""
-        return ((tuple(range(self.num_clients)), self),)
-
-    def class_counts(self) -> torch.Tensor:
-        """[M, C] training samples per class (a client lacking a class is normal)."""
-        oh = torch.nn.functional.one_hot(self.y_train, self.num_classes) * self.m_train.unsqueeze(-1)
-        return oh.sum(1)
-
-    def select(self, idx: Sequence[int] | torch.Tensor) -> FedData:
-        """Sub-federation of clients `idx` (positions in this FedData), padding trimmed."""
-        ids = [int(i) for i in (idx.tolist() if isinstance(idx, torch.Tensor) else idx)]
-        t = torch.tensor(ids, dtype=torch.int64, device=self.device)
-        ntr = tuple(self.n_train[i] for i in ids)
-        nte = tuple(self.n_test[i] for i in ids)
-        a, b = max(ntr), max(max(nte), 1)
-        pick = lambda x, n: x[:, :n].index_select(0, t)  # noqa: E731  (one contiguous copy)
-        return FedData(
-            x_train=pick(self.x_train, a), y_train=pick(self.y_train, a), m_train=pick(self.m_train, a),
-            x_test=pick(self.x_test, b), y_test=pick(self.y_test, b), m_test=pick(self.m_test, b),
-            n_train=ntr, n_test=nte, num_classes=self.num_classes,
-            client_names=tuple(self.client_names[i] for i in ids),
-            domains=tuple(self.domains[i] for i in ids),
-            client_index=self.client_index.index_select(0, t),
-            v_train=None if self.v_train is None else self.v_train.index_select(0, t)[:, :, :a],
-        )
-
-    def by_size(self) -> tuple[FedData, tuple[int, ...]]:
-        """(these clients in order of training size, largest first (stable), that order as
-        positions in this FedData): the order the vectorised engine stacks them in where it may
-        (core/order.py). Itself when already in that order."""
-        order = tuple(sorted(range(self.num_clients), key=lambda i: -self.n_train[i]))
-        return (self, order) if order == tuple(range(self.num_clients)) else (self.select(order), order)
-
-    def client_range(self, a: int, b: int) -> FedData:
-        """Clients a..b-1 as views (no copy): the test padding trimmed to their largest test split,
-        the train arrays as they are (evaluation reads only the test split)."""
-        t = max(max(self.n_test[a:b]), 1)
-        return dataclasses.replace(
-            self, x_train=self.x_train[a:b], y_train=self.y_train[a:b], m_train=self.m_train[a:b],
-            x_test=self.x_test[a:b, :t], y_test=self.y_test[a:b, :t], m_test=self.m_test[a:b, :t],
-            n_train=self.n_train[a:b], n_test=self.n_test[a:b], client_names=self.client_names[a:b],
-            domains=self.domains[a:b], client_index=self.client_index[a:b],
-            v_train=None if self.v_train is None else self.v_train[a:b])
-
-    @staticmethod
-    def from_arrays(clients: Sequence[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]],
-                    num_classes: int, client_names: Sequence[str] | None = None,
-                    domains: Sequence[str] | None = None, device: str | torch.device = "cpu",
-                    binarize: bool = False, train_views: Sequence[np.ndarray] | None = None,
-                    layout: str | LayoutConfig = "padded") -> Federation:
-        """Stack per-client (x_train, y_train, x_test, y_test) numpy arrays (and optionally each
-        client's augmented train views [V, N, D], same V for all clients). The default layout
-        gives a FedData; `layout` "bucketed" / "auto" may give a BucketedFedData (layout.py).
-
-        `binarize` reproduces the FedPCL code's L2-normalisation over a size-1 axis, which maps
-        every feature to 0/1 (= x > 0 for non-negative pooled features; sign(x) in general)."""
-        dev = resolve_device(device)
-        M = len(clients)
-        if M == 0:
-            raise UserError("clients: empty federation")
-        names = tuple(client_names) if client_names is not None else tuple(f"c{i:03d}" for i in range(M))
-        doms = tuple(domains) if domains is not None else tuple("" for _ in range(M))
-        if len(names) != M or len(doms) != M:
-            raise UserError(f"client_names/domains: expected {M} entries")
-        dims = {np.asarray(c[0]).shape[-1] for c in clients} | {np.asarray(c[2]).shape[-1] for c in clients if len(c[2])}
-        if len(dims) != 1:
-            raise UserError(f"features: dimension differs across clients {sorted(dims)}")
-        D = dims.pop()
-        ntr, nte = [], []
-        for name, (xtr, ytr, xte, yte) in zip(names, clients):
-            for split, x, y in (("train", xtr, ytr), ("test", xte, yte)):
-                x, y = np.asarray(x), np.asarray(y)
-                if x.ndim != 2 or y.shape != (x.shape[0],):
-                    raise UserError(f"{name}/{split}: features must be [N, D] with N labels, got {x.shape} / {y.shape}")
-                if x.size and not np.isfinite(x).all():
-                    raise UserError(f"{name}/{split}: features contain NaN or inf")
-                _check_labels(y, num_classes, f"{name}/{split}")
-            if len(ytr) == 0:
-                raise UserError(f"{name}: no training samples")
-            ntr.append(len(ytr))
-            nte.append(len(yte))
-        vs = None
-        if train_views is not None:
-            vs = [np.asarray(v) for v in train_views]
-            if len(vs) != M or len({v.shape[0] for v in vs}) != 1:
-                raise UserError("train_views: need one [V, N, D] array per client with the same V")
-            for name, v, n in zip(names, vs, ntr):
-                if v.shape[1:] != (n, D) or not np.isfinite(v).all():
-                    raise UserError(f"{name}/train views: expected finite [V, {n}, {D}], got {v.shape}")
-        build = _Builder(ntr, nte, D, dev, as_layout(layout), views=None if vs is None else vs[0].shape[0])
-        for i, (xtr, ytr, xte, yte) in enumerate(clients):
-            build.put("train", i, 0, np.asarray(xtr), np.asarray(ytr))
-            build.put("test", i, 0, np.asarray(xte), np.asarray(yte))
-            if vs is not None:
-                build.put_views(i, vs[i])
-        return build.finish(ntr, nte, num_classes, names, doms, binarize)  # type: ignore[return-value]
-
-
-Federation = FedData | BucketedFedData  # the two layouts (fedheads/run/layout.py)
+    `binarize` reproduces the FedPCL code's L2-normalisation over a size-1 axis, which maps
+    every feature to 0/1 (= x > 0 for non-negative pooled features; sign(x) in general)."""
+    dev = resolve_device(device)
+    M = len(clients)
+    if M == 0:
+        raise UserError("clients: empty federation")
+    names = tuple(client_names) if client_names is not None else tuple(f"c{i:03d}" for i in range(M))
+    doms = tuple(domains) if domains is not None else tuple("" for _ in range(M))
+    if len(names) != M or len(doms) != M:
+        raise UserError(f"client_names/domains: expected {M} entries")
+    dims = {np.asarray(c[0]).shape[-1] for c in clients} | {np.asarray(c[2]).shape[-1] for c in clients if len(c[2])}
+    if len(dims) != 1:
+        raise UserError(f"features: dimension differs across clients {sorted(dims)}")
+    D = dims.pop()
+    ntr, nte = [], []
+    for name, (xtr, ytr, xte, yte) in zip(names, clients):
+        for split, x, y in (("train", xtr, ytr), ("test", xte, yte)):
+            x, y = np.asarray(x), np.asarray(y)
+            if x.ndim != 2 or y.shape != (x.shape[0],):
+                raise UserError(f"{name}/{split}: features must be [N, D] with N labels, got {x.shape} / {y.shape}")
+            if x.size and not np.isfinite(x).all():
+                raise UserError(f"{name}/{split}: features contain NaN or inf")
+            _check_labels(y, num_classes, f"{name}/{split}")
+        if len(ytr) == 0:
+            raise UserError(f"{name}: no training samples")
+        ntr.append(len(ytr))
+        nte.append(len(yte))
+    vs = None
+    if train_views is not None:
+        vs = [np.asarray(v) for v in train_views]
+        if len(vs) != M or len({v.shape[0] for v in vs}) != 1:
+            raise UserError("train_views: need one [V, N, D] array per client with the same V")
+        for name, v, n in zip(names, vs, ntr):
+            if v.shape[1:] != (n, D) or not np.isfinite(v).all():
+                raise UserError(f"{name}/train views: expected finite [V, {n}, {D}], got {v.shape}")
+    build = _Builder(ntr, nte, D, dev, as_layout(layout), views=None if vs is None else vs[0].shape[0])
+    for i, (xtr, ytr, xte, yte) in enumerate(clients):
+        build.put("train", i, 0, np.asarray(xtr), np.asarray(ytr))
+        build.put("test", i, 0, np.asarray(xte), np.asarray(yte))
+        if vs is not None:
+            build.put_views(i, vs[i])
+    return build.finish(ntr, nte, num_classes, names, doms, binarize)  # type: ignore[return-value]
 
 
 def _check_labels(y: np.ndarray, num_classes: int, where: str) -> None:
@@ -296,7 +188,7 @@ def load_fed_data(store: str | Path | StoreInfo, backbones: Sequence[str], devic
                   binarize: bool = False, views: bool = False,
                   clients: Sequence[str] | None = None, chunk_rows: int = 4096,
                   layout: str | LayoutConfig = "padded") -> Federation:
-    """FedData (or, with `layout` "bucketed" / "auto", possibly a BucketedFedData: layout.py)
+    """FedData (or, with `layout` "bucketed" / "auto", possibly a BucketedFedData: fedheads.core.federation)
     from a feature store (embedcache contract 4), backbones concatenated in order, its clients in
     the store's order. `store`: its path, or the store a run opened (embedcache.store.reader.open_store),
     read as it is (not opened again).
@@ -370,5 +262,5 @@ def _load_with_views(store: StoreInfo, bbs: list[str], device: str | torch.devic
         if te is None:
             raise UserError(f"{n}: client has a train split but no test split")
         arrs.append((tr.features, tr.labels, te.features, te.labels))
-    return FedData.from_arrays(arrs, num_classes, list(train), [train[n].domain for n in train], device, binarize,
+    return from_arrays(arrs, num_classes, list(train), [train[n].domain for n in train], device, binarize,
                                train_views=[train[n].views for n in train], layout=layout)

@@ -30,6 +30,7 @@ import torch
 
 from embedcache.errors import UserError
 from fedheads.core.engine import RunResult, clock, run, to_device
+from fedheads.core.federation import DataSpec, FedData, Federation, layout_info
 from fedheads.core.tree import tree_leaves
 from fedheads.report import plotting
 from fedheads.report import results as report
@@ -40,7 +41,7 @@ from fedheads.run.atomic import atomic_path
 from fedheads.run.checkpoint import load_sealed, save_sealed
 from fedheads.run.checks import check_finite, check_seeds, check_trained_state
 from fedheads.run.environment import machine
-from fedheads.run.load import DataSpec, FedData, Federation, layout_info, load_fed_data, resolve_device
+from fedheads.run.load import load_fed_data, resolve_device
 from fedheads.run.options import (  # noqa: F401 (parse_settings, build_algorithm: also importable from here)
     build_algorithm,
     dump,
@@ -65,7 +66,7 @@ class TrainOptions:
     seeds: tuple[int, ...] = (0, 1, 2)  # the papers report mean (std) over 3 seeds
     fraction: float = 1.0  # client participation per round
     engine: str = "vectorized"  # "vectorized" (all clients stacked) or "loop" (reference)
-    layout: str = "auto"  # feature layout: "padded" | "bucketed" | "auto" (bucketed when padding would cost; fedheads/run/layout.py)
+    layout: str = "auto"  # "padded" | "bucketed" | "auto" (bucketed when padding would cost; fedheads/core/federation.py)
     device: str = "auto"  # auto | cpu | cuda
     eval_every: int = 1  # evaluate every k rounds (0 = only after the last)
     binarize: bool = False  # FedPCL authors' binarised backbone features

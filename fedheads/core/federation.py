@@ -1,6 +1,11 @@
-"""How the clients' features are laid out on the device: one dense tensor padded to the largest
-client ("padded"), or size buckets ("bucketed"), each an ordinary FedData padded to its own
-largest client.
+"""The federation as the engines hold it: every client's features stacked and padded into dense
+tensors [M, Nmax, D] on one device, so an algorithm step touches all clients in one kernel call.
+Torch only: reading a store or arrays into these is fedheads.run.load's work.
+
+Two layouts: `FedData` pads every client to the largest ("padded"); `BucketedFedData` holds size
+buckets, each an ordinary FedData padded to its own largest client ("bucketed"), so skewed client
+sizes cost at most `waste` in padding. `Federation` is either; the engines run both
+(core/engine.py) and an algorithm only ever sees a FedData.
 
 Padding to the largest client costs M * Nmax rows where the clients hold sum_i N_i: with skewed
 (power-law) client sizes that is 10-20x the features at 1,000 clients, and the vectorised step
@@ -21,18 +26,112 @@ import dataclasses
 import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Union
+from typing import Any
 
 import torch
 
 from embedcache.errors import UserError
 
-# A bucket is a padded FedData (fedheads/run/load.py), and a spec a DataSpec; data.py imports this
-# module, so this one never imports data.py: it names them for the reader and makes new ones from
-# given ones (dataclasses.replace).
-FedData = Any
-DataSpec = Any
-Federation = Union[FedData, "BucketedFedData"]  # data.Federation: the two layouts
+
+@dataclass(frozen=True)
+class DataSpec:
+    """What an algorithm needs to know to initialise (no samples)."""
+
+    dim: int  # feature dimension D
+    num_classes: int  # C
+    num_clients: int  # M of the whole federation
+    n_train: tuple[int, ...]  # training samples per client
+    device: torch.device  # where states live
+    # global ids of the clients in their stacking order (FedData.client_index): per-client
+    # initialisations are seeded by them, so a client starts alike in any order; None: 0..M-1
+    client_ids: tuple[int, ...] | None = None
+
+    def ids(self) -> tuple[int, ...]:
+        return tuple(range(self.num_clients)) if self.client_ids is None else self.client_ids
+
+
+@dataclass(frozen=True)
+class FedData:
+    """A (sub-)federation, stacked over clients and padded to the largest client."""
+
+    x_train: torch.Tensor  # [M, Nmax, D] float32 (zeros in padding rows)
+    y_train: torch.Tensor  # [M, Nmax] int64 (0 in padding rows)
+    m_train: torch.Tensor  # [M, Nmax] bool, True for real rows
+    x_test: torch.Tensor  # [M, Tmax, D] float32
+    y_test: torch.Tensor  # [M, Tmax] int64
+    m_test: torch.Tensor  # [M, Tmax] bool
+    n_train: tuple[int, ...]  # real training rows per client (host ints: no device sync)
+    n_test: tuple[int, ...]  # real test rows per client
+    num_classes: int  # C (labels are 0..C-1)
+    client_names: tuple[str, ...]  # names of these clients
+    domains: tuple[str, ...]  # domain of each client
+    client_index: torch.Tensor  # [M] int64 global client ids (seeds batches/noise per client)
+    v_train: torch.Tensor | None = None  # [M, V, Nmax, D] stored augmented views of the train rows, if loaded
+
+    @property
+    def num_clients(self) -> int:
+        return len(self.client_names)
+
+    @property
+    def dim(self) -> int:
+        return int(self.x_train.shape[-1])
+
+    @property
+    def device(self) -> torch.device:
+        return self.x_train.device
+
+    def spec(self) -> DataSpec:
+        return DataSpec(self.dim, self.num_classes, self.num_clients, self.n_train, self.device,
+                        tuple(self.client_index.tolist()))
+
+    layout = "padded"
+
+    def groups(self) -> tuple[tuple[tuple[int, ...], FedData], ...]:
+        """(client positions, FedData) per vectorised call: here all clients in one."""
+        return ((tuple(range(self.num_clients)), self),)
+
+    def class_counts(self) -> torch.Tensor:
+        """[M, C] training samples per class (a client lacking a class is normal)."""
+        oh = torch.nn.functional.one_hot(self.y_train, self.num_classes) * self.m_train.unsqueeze(-1)
+        return oh.sum(1)
+
+    def select(self, idx: Sequence[int] | torch.Tensor) -> FedData:
+        """Sub-federation of clients `idx` (positions in this FedData), padding trimmed."""
+        ids = [int(i) for i in (idx.tolist() if isinstance(idx, torch.Tensor) else idx)]
+        t = torch.tensor(ids, dtype=torch.int64, device=self.device)
+        ntr = tuple(self.n_train[i] for i in ids)
+        nte = tuple(self.n_test[i] for i in ids)
+        a, b = max(ntr), max(max(nte), 1)
+        pick = lambda x, n: x[:, :n].index_select(0, t)  # noqa: E731  (one contiguous copy)
+        return FedData(
+            x_train=pick(self.x_train, a), y_train=pick(self.y_train, a), m_train=pick(self.m_train, a),
+            x_test=pick(self.x_test, b), y_test=pick(self.y_test, b), m_test=pick(self.m_test, b),
+            n_train=ntr, n_test=nte, num_classes=self.num_classes,
+            client_names=tuple(self.client_names[i] for i in ids),
+            domains=tuple(self.domains[i] for i in ids),
+            client_index=self.client_index.index_select(0, t),
+            v_train=None if self.v_train is None else self.v_train.index_select(0, t)[:, :, :a],
+        )
+
+    def by_size(self) -> tuple[FedData, tuple[int, ...]]:
+        """(these clients in order of training size, largest first (stable), that order as
+        positions in this FedData): the order the vectorised engine stacks them in where it may
+        (core/order.py). Itself when already in that order."""
+        order = tuple(sorted(range(self.num_clients), key=lambda i: -self.n_train[i]))
+        return (self, order) if order == tuple(range(self.num_clients)) else (self.select(order), order)
+
+    def client_range(self, a: int, b: int) -> FedData:
+        """Clients a..b-1 as views (no copy): the test padding trimmed to their largest test split,
+        the train arrays as they are (evaluation reads only the test split)."""
+        t = max(max(self.n_test[a:b]), 1)
+        return dataclasses.replace(
+            self, x_train=self.x_train[a:b], y_train=self.y_train[a:b], m_train=self.m_train[a:b],
+            x_test=self.x_test[a:b, :t], y_test=self.y_test[a:b, :t], m_test=self.m_test[a:b, :t],
+            n_train=self.n_train[a:b], n_test=self.n_test[a:b], client_names=self.client_names[a:b],
+            domains=self.domains[a:b], client_index=self.client_index[a:b],
+            v_train=None if self.v_train is None else self.v_train[a:b])
+
+
 LAYOUTS = ("auto", "padded", "bucketed")
 
 
@@ -108,7 +207,7 @@ def plan_buckets(n_train: Sequence[int], n_test: Sequence[int], row_bytes: int,
 
 @dataclass(frozen=True)
 class BucketedFedData:
-    """A federation held as size buckets (layout.py): each bucket an ordinary FedData padded to
+    """A federation held as size buckets (see above): each bucket an ordinary FedData padded to
     its own largest client, whose `client_index` holds its clients' global ids, so batches and
     noise are those of the padded layout and of the loop. Per-client fields are in federation
     order; the engines iterate `groups()`."""
@@ -210,3 +309,6 @@ def layout_info(data: Federation) -> dict[str, Any]:
     held = sum(b.x_train.numel() + b.x_test.numel() for _, b in data.groups()) * 4
     return {"name": data.layout, "buckets": len(data.groups()), "feature_bytes": int(real),
             "held_feature_bytes": int(held), "padding_multiple": round(held / max(real, 1), 4)}
+
+
+Federation = FedData | BucketedFedData  # the two layouts
