@@ -204,7 +204,7 @@ def run_cell(cell: dict[str, Any], cells_dir: str, heap: Any = None) -> dict[str
     import torch
 
     from fedheads.run import allocator as heap_mod
-    from fedheads.run.atomic import atomic_path
+    from fedheads.run.rundir import atomic_path
 
     heap = heap if heap is not None else heap_mod.from_environment()
 

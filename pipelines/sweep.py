@@ -21,7 +21,7 @@ from tqdm import tqdm
 
 from embedcache.errors import UserError
 from fedheads.run.allocator import GlibcHeap, reusing_freed_blocks, worker_env
-from fedheads.run.atomic import atomic_path
+from fedheads.run.rundir import atomic_path
 from pipelines.cells import RESULT_FORMAT, result_path, run_cell
 
 # Local workers keep freed large blocks for reuse inside a cell (run_cell gives them back at its

@@ -117,7 +117,7 @@ def _train(store: Path, out: Path, *extra: str) -> list[str]:
 
 
 def test_resume_refuses_a_corrupt_checkpoint(store, tmp_path, monkeypatch):
-    from fedheads.run import resume
+    from fedheads.run import checkpoint as resume
 
     class Stop(Exception):
         pass

@@ -20,7 +20,7 @@ from embedcache.errors import UserError
 from fedheads.algorithms import list_algorithms
 from fedheads.cli import main
 from fedheads.core.tree import tree_leaves
-from fedheads.run import resume
+from fedheads.run import checkpoint as resume
 from fedheads.run.train import TrainOptions, rounds_needed, train_data
 
 
@@ -96,7 +96,7 @@ def test_kill_minus_9_mid_run_then_resume_gives_the_same_results(tmp_path):
 
     def script(out: Path, extra: list[str], delay: float) -> str:
         # killed in the sleep after seed 1's round-2 checkpoint: seed 0 is done, seed 1 half way
-        return kill_helpers.stop_after("fedheads.run.resume:HeadCheckpoint", "a[0].round", 2, delay, occurrence=2) + \
+        return kill_helpers.stop_after("fedheads.run.checkpoint:HeadCheckpoint", "a[0].round", 2, delay, occurrence=2) + \
             _TRAIN.format(store=str(store), out=str(out), extra=extra)
 
     ref = kill_helpers.run_script(script(tmp_path / "ref", [], 0.0))

@@ -44,11 +44,11 @@ from fedheads.report import communication as comm
 from fedheads.report import plotting
 from fedheads.report import results as report
 from fedheads.run import rundir
-from fedheads.run.atomic import atomic_path
 from fedheads.run.checks import check_finetune_heads, check_finite, check_seeds, check_trained_state
 from fedheads.run.environment import machine
 from fedheads.run.load import resolve_device
 from fedheads.run.options import Part, settings_values, split_settings
+from fedheads.run.rundir import atomic_path
 
 METHOD_NAMES = {"fedncm": "fedncm+ft", "lp": "lp+ft", "random": "ft"}
 

@@ -31,7 +31,7 @@ import faiss
 import numpy as np
 
 from embedcache.errors import UserError
-from fedheads.run.atomic import atomic_path
+from fedheads.run.rundir import atomic_path
 
 RULES = ("cosine", "ip", "sqeuclidean")
 SIMILARITY_RULES = ("cosine", "ip")  # higher score is nearer

@@ -37,7 +37,7 @@ import numpy as np
 from embedcache.errors import UserError
 from fedheads.report import communication as comm
 from fedheads.report import metrics, plotting
-from fedheads.run.atomic import atomic_path
+from fedheads.run.rundir import atomic_path
 
 
 def one_pass(algorithm: str) -> bool:

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from embedcache.errors import UserError
-from fedheads.run.atomic import atomic_path
+from fedheads.run.rundir import atomic_path
 
 COLUMNS = ("run", "algorithm", "backbones", "rounds", "seeds", "clients", "clients_without_test",
            "accuracy", "accuracy_mean", "accuracy_std", "worst_10", "upload_bytes_total", "wall_seconds")

@@ -34,10 +34,9 @@ from fedheads.core.federation import DataSpec, FedData, Federation, layout_info
 from fedheads.core.tree import tree_leaves
 from fedheads.report import plotting
 from fedheads.report import results as report
-from fedheads.run import resume as resume_mod
+from fedheads.run import checkpoint as resume_mod
 from fedheads.run import rundir
 from fedheads.run.allocator import GlibcHeap
-from fedheads.run.atomic import atomic_path
 from fedheads.run.checkpoint import load_sealed, save_sealed
 from fedheads.run.checks import check_finite, check_seeds, check_trained_state
 from fedheads.run.environment import machine
@@ -50,6 +49,7 @@ from fedheads.run.options import (  # noqa: F401 (parse_settings, build_algorith
     resolve_settings,
     unknown_key_error,
 )
+from fedheads.run.rundir import atomic_path
 from fedheads.version import __version__
 
 if TYPE_CHECKING:
@@ -119,7 +119,7 @@ def load_state(path: Path, algorithm: Any, spec: DataSpec, seed: int) -> tuple[A
         raise UserError(f"{path}: no saved state (was the run trained with this seed?)")
     saved = load_sealed(path, STATE_FORMAT, "train the run again to rewrite it")
     init = algorithm.init(spec, seed)
-    from fedheads.run.resume import restore_tree
+    from fedheads.run.checkpoint import restore_tree
 
     ss = _sized_like(init.server_state, saved["server"], getattr(algorithm, "server_sized_fields", ()))
     return (restore_tree(init.client_state, saved["client"], path, "client", algorithm.name),
@@ -304,7 +304,7 @@ def train_data(data: Federation, backbones: Sequence[str], algorithm: str, opts:
     for it, else it is built here; one algorithm object runs every seed). `store`: where the features came from
     (its record, or its path, opened here once; recorded with its fingerprint and feature
     dimensions in the config; None: one block of data.dim). With `state_dir`, each seed writes a
-    checkpoint there after every round (fedheads.run.resume) and, with `resume`, continues from it;
+    checkpoint there after every round (fedheads.run.checkpoint) and, with `resume`, continues from it;
     without, nothing is written. `heap`: the process's heap policy (fedheads.run.allocator; None: none)."""
     if t_start is None:
         t_start = clock(torch.device("cpu"))
@@ -393,7 +393,7 @@ def train_run(store: str | Path | StoreInfo | None, backbones: Sequence[str], al
     most once per run. Features are loaded in `opts.layout`; a `data` given runs in the layout it
     has (results.json "layout" says which). `store` may be None when `data` is given (features
     from numpy arrays: no store fingerprint in config.json). Every round is checkpointed in
-    RUN_DIR/state/; `resume` continues from there (fedheads.run.resume). `heap`: the process's heap
+    RUN_DIR/state/; `resume` continues from there (fedheads.run.checkpoint). `heap`: the process's heap
     policy (fedheads.run.allocator.GlibcHeap, which the `fedheads` command chooses; None: none)."""
     out = Path(out)
     rundir.check_resume(out, (), overwrite, resume)
