@@ -1,4 +1,4 @@
-"""Live fine-tuning (fedheads.live): FedNCM+FT's round 0 equals FedNCM on the store, cache-first
+"""Live fine-tuning (fedheads.finetuning): FedNCM+FT's round 0 equals FedNCM on the store, cache-first
 partial fine-tuning equals the live frozen-prefix run, sums + finalize equal the stacked server
 step, resume after a kill ends identical, and bad input gives one line."""
 
