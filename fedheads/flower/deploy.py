@@ -22,8 +22,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import fedheads.children as children
 from embedcache.errors import UserError
-from fedheads import children
 from fedheads.flower import QUIET_ENV, require_flower
 
 APP_NAME = "fedheads-flower"

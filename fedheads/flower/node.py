@@ -80,7 +80,7 @@ def ensure_features(cfg: dict[str, str], backbones: list[str]) -> None:
            "--backbones", ",".join(backbones), "--device", cfg.get("device", "cpu"), "--quiet"]
     if cfg.get("weights-dir"):
         cmd += ["--weights-dir", cfg["weights-dir"]]
-    from fedheads import children
+    import fedheads.children as children
 
     res = children.run(cmd, capture_output=True, text=True, env=os.environ.copy())
     if res.returncode != 0:
