@@ -107,8 +107,8 @@ def cached_phase(manifest: Path, backbones: Sequence[str], work: Path, rounds: i
 
     # Per-round time of the same run, in process (no start-up, imports or run-dir writing).
     from fedheads.core.engine import run as engine_run
-    from fedheads.data import load_fed_data
-    from fedheads.runner import TrainOptions, build_algorithm, parse_settings
+    from fedheads.run.load import load_fed_data
+    from fedheads.run.train import TrainOptions, build_algorithm, parse_settings
 
     data = load_fed_data(str(store), list(backbones), "cpu")
     alg, _, _ = build_algorithm("fedpcl", TrainOptions(settings=parse_settings(settings)))

@@ -42,7 +42,8 @@ from fedheads.algorithms.fedavg import FedAvg, FedAvgConfig
 from fedheads.algorithms.fedpcl import FedPCL, FedPCLConfig
 from fedheads.core import run
 from fedheads.core.engine import clock
-from fedheads.data import FedData, resolve_device
+from fedheads.core.federation import FedData
+from fedheads.run.load import from_arrays, resolve_device
 
 OUT = Path(__file__).resolve().parent / "results" / "engine.json"
 ENGINES = ("vectorized", "loop")
@@ -60,7 +61,7 @@ def synthetic(M: int, D: int, C: int, per_client: int, alpha: float | None, seed
         yt = rs.choice(C, size=max(2, n // 4), p=pc)
         mk = lambda yy: (centers[yy] + rs.normal(size=(len(yy), D)).astype("f4"))  # noqa: E731
         clients.append((mk(y), y, mk(yt), yt))
-    return FedData.from_arrays(clients, C, device=device)
+    return from_arrays(clients, C, device=device)
 
 
 def spread(xs: list[float]) -> dict:

@@ -39,7 +39,7 @@ from fedheads.algorithms.fedncm import FedNCM, client_stats, finalize_means
 from fedheads.core import engine
 from fedheads.core.protocol import RoundCtx
 from fedheads.core.tree import tree_cat
-from fedheads.data import FedData, load_fed_data
+from fedheads.run.load import from_arrays, load_fed_data
 
 HERE = Path(__file__).resolve().parent
 
@@ -99,7 +99,7 @@ def time_fedncm(store: str, clients: list[str], num_classes: int,
             y = torch.from_numpy(sp.labels).unsqueeze(0)
             msgs.append(client_stats(x, y, torch.ones_like(y, dtype=torch.bool), num_classes))
             continue
-        d = FedData.from_arrays([(sp.features, sp.labels, sp.features[:0], sp.labels[:0])],
+        d = from_arrays([(sp.features, sp.labels, sp.features[:0], sp.labels[:0])],
                                 num_classes, [c])
         if first is None:
             first = alg.init(d.spec(), 0)

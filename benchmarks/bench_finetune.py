@@ -36,7 +36,7 @@ import torch
 from assets import data_dir, display, weights_dir  # sibling module (benchmarks/ is on sys.path)
 from machine_info import write_json  # sibling module
 
-from fedheads.machine import machine
+from fedheads.run.environment import machine
 
 OUT = Path(__file__).resolve().parent / "results" / "finetune.json"
 
@@ -84,8 +84,8 @@ def _stats(v: list[float]) -> dict:
 
 
 def _run(man: Path, store: Path, backbone: str, out: Path, **kw) -> dict:
-    from fedheads.live.finetune import FTConfig
-    from fedheads.live.runner import FinetuneOptions, finetune_run
+    from fedheads.finetuning.algorithm import FTConfig
+    from fedheads.finetuning.runner import FinetuneOptions, finetune_run
 
     opts = FinetuneOptions(overwrite=True, progress=False, device="cpu", weights_dir=str(weights_dir()),
                            ft=FTConfig(), **kw)

@@ -73,8 +73,8 @@ def per_round(rounds: list[dict]) -> tuple[float, float]:
 
 def engine_case(union: Path, alg: str, rounds: int) -> tuple[float, float]:
     from fedheads.core.engine import run
-    from fedheads.data import load_fed_data
-    from fedheads.runner import TrainOptions, build_algorithm
+    from fedheads.run.load import load_fed_data
+    from fedheads.run.train import TrainOptions, build_algorithm
 
     a, _, _ = build_algorithm(alg, TrainOptions(), strict=True)
     res = run(a, load_fed_data(str(union), ["synth"], "cpu"), rounds, engine="loop", eval_every=0, progress=False)

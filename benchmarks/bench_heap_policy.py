@@ -1,5 +1,5 @@
-"""`fedheads train` on padded data with and without its heap policy (fedheads.heap.GlibcHeap.training:
-freed blocks kept for reuse while the rounds run, fedheads/heap.py).
+"""`fedheads train` on padded data with and without its heap policy (fedheads.run.allocator.GlibcHeap.training:
+freed blocks kept for reuse while the rounds run, fedheads/run/allocator.py).
 
 Federation: 80 clients x 120 rows of 1536-d float32 features (the size of FedPCL's 3-backbone
 experiments), 10 classes, written with embedcache's store writer; FedAvg (a [80, 1536, hidden]
@@ -30,7 +30,7 @@ from machine_info import machine, write_json
 HERE = Path(__file__).resolve().parent
 CHILD = r'''
 import contextlib, json, resource, sys
-import fedheads.cli, fedheads.heap as H
+import fedheads.cli, fedheads.run.allocator as H
 mode, store, out, rounds = sys.argv[1:5]
 if mode == "off":
     H.GlibcHeap.training = lambda self, padded: contextlib.nullcontext()

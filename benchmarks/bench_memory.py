@@ -3,7 +3,7 @@
 Builds a federation of 200 clients with log-normal sizes (the quantiles of sigma 0.6: mean about
 1,000 rows, the largest 4,492; 80 % train / 20 % test), 512-d float32 features, as a real Zarr feature store
 (embedcache.store's writer) in a temporary directory. Then, each in a fresh subprocess:
-  * `load`   : fedheads.data.load_fed_data alone (the padded tensors are the floor);
+  * `load`   : fedheads.run.load.load_fed_data alone (the padded tensors are the floor);
   * `fedncm` : `fedheads train --algorithm fedncm --rounds 1`;
   * `lp`     : `fedheads train --algorithm lp --rounds 2`.
 The subprocess first imports everything the command imports (torch, zarr, fedheads, matplotlib),
@@ -11,7 +11,7 @@ records its RSS as the baseline and resets the kernel's peak-RSS counter (/proc/
 runs the command in-process and reads VmHWM: peak above baseline / feature bytes is reported.
 `padded_multiple` is what dense [M, Nmax, D] train + test tensors take by themselves (the padded
 layout, what `load` reads); `fedncm` and `lp` run `fedheads train`'s default layout (`auto`, which
-holds this skewed federation in size buckets, fedheads/layout.py; bench_scale.py compares the two
+holds this skewed federation in size buckets, fedheads/core/federation.py; bench_scale.py compares the two
 layouts). Everything above the layout's own tensors is copies. `--baseline-rev REV` measures the code of a
 git revision the same way (extracted with `git archive`), for a before/after comparison.
 
@@ -45,7 +45,7 @@ CHILD_PRELUDE = r"""
 import json, sys
 a = json.loads(sys.argv[1])
 import numpy, torch, zarr
-import embedcache.store.reader, fedheads.cli, fedheads.runner, fedheads.report, fedheads.data
+import embedcache.store.reader, fedheads.cli, fedheads.run.train, fedheads.report.results, fedheads.run.load
 import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot
@@ -66,7 +66,7 @@ except OSError:
 # runs inside the measured subprocess: argv[1] = JSON {"mode", "store", "out", "threads"}
 CHILD = CHILD_PRELUDE + r"""
 if a["mode"] == "load":
-    d = fedheads.data.load_fed_data(a["store"], ["synthetic"], device="cpu")
+    d = fedheads.run.load.load_fed_data(a["store"], ["synthetic"], device="cpu")
     del d
 else:
     rounds = "1" if a["mode"] == "fedncm" else "2"

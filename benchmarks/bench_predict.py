@@ -1,6 +1,6 @@
 """faiss prototype prediction throughput vs numpy brute force on the same queries.
 
-Both sides do the full job of `fedheads.inference.predict_features`: normalise (cosine),
+Both sides do the full job of `fedheads.prediction.prototypes.predict_features`: normalise (cosine),
 score every present prototype, take the top-k, nearest first. numpy: one float32 GEMM per
 chunk + argpartition/argsort; faiss: IndexFlatIP / IndexFlatL2 through the typed wrapper
 (which adds casting checks and deterministic tie-breaking). Agreement of the top-1 labels is
@@ -28,7 +28,7 @@ from pathlib import Path
 import faiss
 import numpy as np
 
-from fedheads.inference import RULES, gpu_available, predict_features
+from fedheads.prediction.prototypes import RULES, gpu_available, predict_features
 
 HERE = Path(__file__).resolve().parent
 

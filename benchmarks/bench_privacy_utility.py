@@ -62,7 +62,7 @@ def run_point(store: Path, backbone: str, seeds: list[int], dp: dict | None) -> 
 
 
 def plot(result: dict, path: Path) -> Path:
-    from fedheads import plotting
+    from fedheads.report import plotting
 
     fig, ax = plotting.pyplot().subplots(figsize=(5.5, 3.8))
     for i, (mode, pts) in enumerate(result["curves"].items()):

@@ -1,5 +1,5 @@
 """Peak memory and seconds per round of `fedheads train` on a skewed federation: the padded layout
-(every client padded to the largest: "before") against size buckets ("after", fedheads/layout.py).
+(every client padded to the largest: "before") against size buckets ("after", fedheads/core/federation.py).
 
 Federation: M in {100, 300, 1000} clients whose sizes follow a Pareto law with
 shape alpha = 2 (a power law: P(N > n) ~ n^-2), taken at the quantiles (i + 0.5) / M so the
@@ -106,7 +106,7 @@ def summarise(reps: list[dict], feature_bytes: int) -> dict:
 
 
 def federation(n_rows: np.ndarray, dim: int, classes: int) -> dict:
-    from fedheads.layout import LayoutConfig, plan_buckets
+    from fedheads.core.federation import LayoutConfig, plan_buckets
 
     n_tr = [int(round(0.8 * n)) for n in n_rows]
     n_te = [int(n) - t for n, t in zip(n_rows, n_tr)]

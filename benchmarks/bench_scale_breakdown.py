@@ -31,7 +31,7 @@ REPO = HERE.parent
 
 CHILD = CHILD_PRELUDE + r'''
 import threading, time
-import fedheads.core.engine as E, fedheads.runner as R, fedheads.resume as RS
+import fedheads.core.engine as E, fedheads.run.train as R, fedheads.run.checkpoint as RS
 from fedheads.algorithms import create_algorithm
 stage, peaks, order, n = ["start"], {}, [], [0]
 

@@ -144,7 +144,7 @@ def section_env(device: str, work: Path) -> dict[str, Any]:
             pkgs[mod] = f"not importable: {type(exc).__name__}: {exc}"[:200]
     env["packages"] = pkgs
     try:
-        from fedheads.inference import gpu_available
+        from fedheads.prediction.prototypes import gpu_available
 
         env["faiss_gpu"] = gpu_available()
     except Exception as exc:

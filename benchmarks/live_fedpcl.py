@@ -39,11 +39,11 @@ from embedcache.errors import UserError
 from fedheads.algorithms.fedpcl import FedPCL, FedPCLConfig, FedPCLMessage
 from fedheads.core import heads, rng
 from fedheads.core.batching import make_schedule
+from fedheads.core.federation import DataSpec
 from fedheads.core.ops import class_sums
 from fedheads.core.optim import opt_init, opt_step
 from fedheads.core.protocol import RoundCtx
 from fedheads.core.tree import tree_cat, tree_index, tree_scatter
-from fedheads.data import DataSpec
 
 
 @dataclass(frozen=True)

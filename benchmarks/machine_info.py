@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from fedheads.machine import cpu_model, machine
+from fedheads.run.environment import cpu_model, machine
 
 __all__ = ["cpu_model", "machine", "machine_facts", "provenance", "write_json"]
 

@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 FRAMEWORKS = ("fedheads", "fedheads-loop", "pfl", "flower", "fedlab")
-_OURS = ("fedheads.algorithms.fedavg", "fedheads.core.engine", "fedheads.core.optim", "fedheads.data")
+_OURS = ("fedheads.algorithms.fedavg", "fedheads.core.engine", "fedheads.core.optim", "fedheads.run.load")
 IMPORTS = {  # imported before the clock starts (the run functions import them again, from the cache)
     "fedheads": _OURS, "fedheads-loop": _OURS,
     "pfl": ("pfl.aggregate.simulate", "pfl.aggregate.weighting", "pfl.algorithm", "pfl.callback.base", "pfl.data.dataset",
@@ -114,10 +114,10 @@ def run_fedheads(case: Case, engine: str) -> list[float]:
     from fedheads.algorithms.fedavg import FedAvg, FedAvgConfig
     from fedheads.core.engine import run
     from fedheads.core.optim import OptimizerConfig
-    from fedheads.data import FedData
+    from fedheads.run.load import from_arrays
 
     empty = (case.x[:0], case.y[:0])  # nothing to test per client: the harness tests the kept models
-    data = FedData.from_arrays([(case.x[case.rows(i)], case.y[case.rows(i)], *empty) for i in range(case.num_clients)],
+    data = from_arrays([(case.x[case.rows(i)], case.y[case.rows(i)], *empty) for i in range(case.num_clients)],
                                case.classes, layout="auto")
     cfg = FedAvgConfig(hidden=case.hidden, batch_norm=False, normalize=False, batch_size=case.batch,
                        local_epochs=case.epochs, optimizer=OptimizerConfig("sgd", lr=case.lr, weight_decay=0.0))

@@ -1,6 +1,6 @@
 """One identity for a set of named tensors, shared by whoever needs it without loading the backbone
 registry: the backbones' weights identity (weights that did not come from a single file) and the
-digests fedheads seals its state files with (fedheads/checkpoint.py)."""
+digests fedheads seals its state files with (fedheads/run/checkpoint.py)."""
 
 from __future__ import annotations
 

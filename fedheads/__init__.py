@@ -2,24 +2,17 @@
 directly on cached frozen-backbone features, with a vectorised engine.
 
 Python API (one function per command, see fedheads.api): `train`, `compare`, `predict`,
-`finetune`, `list_algorithms`, `register_algorithm`, `Result`."""
+`finetune`, `list_algorithms`, `register_algorithm`, `Result`.
+
+Packages: `core` (engine, protocol; torch only), `algorithms` (one file per paper), `run` (options,
+loading a store into a federation, train/compare, run directories, checkpoints), `report`,
+`prediction`, `finetuning`, `feddra`, `flower`. The packages holding `predict` and `finetune` are
+named `prediction` and `finetuning` so that the API functions are never shadowed by a module."""
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
-
-__version__ = "0.1.0"
-
-from fedheads.api import Result, compare, finetune, list_algorithms, register_algorithm, train  # noqa: E402
+from fedheads.api import Result, compare, finetune, list_algorithms, predict, register_algorithm, train  # noqa: E402
+from fedheads.version import __version__  # noqa: E402
 
 __all__ = ["Result", "compare", "finetune", "list_algorithms", "predict", "register_algorithm", "train",
            "__version__"]
-
-
-def __getattr__(name: str) -> Any:
-    # `fedheads.predict` is the module fedheads/predict.py, callable as fedheads.api.predict
-    # (embedcache.callable_module): imported on first use, so `import fedheads` stays light
-    if name == "predict":
-        return importlib.import_module("fedheads.predict")
-    raise AttributeError(f"module 'fedheads' has no attribute {name!r}")

@@ -25,8 +25,8 @@ from typing import TYPE_CHECKING, Any, Union
 if TYPE_CHECKING:
     import numpy as np
 
-    from fedheads.data import FedData
-    from fedheads.predict import PredictionSummary
+    from fedheads.core.federation import FedData
+    from fedheads.prediction.predict import PredictionSummary
 
 ClientArrays = Sequence[Any]  # (x_train [N, D], y_train [N], x_test [T, D], y_test [T])
 Data = Union[str, Path, "FedData", Mapping[str, ClientArrays], Sequence[ClientArrays]]
@@ -79,7 +79,7 @@ class Result(Mapping[str, Any]):
         state, every client's ("all"), or the global model (None). Or, for a run written to a run
         directory, any of fedheads.predict's inputs: store=, images=, manifest= (same options)."""
         from embedcache.errors import UserError
-        from fedheads.predict import open_run, predict_array, trained_from
+        from fedheads.prediction.predict import open_run, predict_array, trained_from
 
         if "algorithms" in self._fields:
             raise UserError("Result.predict: a comparison; predict with one of res.algorithms[NAME]")
@@ -112,7 +112,8 @@ def _federation(data: Any, num_classes: int | None, device: str, binarize: bool)
     import numpy as np
 
     from embedcache.errors import UserError
-    from fedheads.data import FedData
+    from fedheads.core.federation import FedData
+    from fedheads.run.load import from_arrays
 
     if isinstance(data, FedData):
         return data
@@ -127,7 +128,7 @@ def _federation(data: Any, num_classes: int | None, device: str, binarize: bool)
     if num_classes is None:  # labels are 0..C-1
         tops = [int(np.max(y)) for c in clients for y in (c[1], c[3]) if len(y)]
         num_classes = max(tops) + 1 if tops else 0
-    return FedData.from_arrays([tuple(c) for c in clients], num_classes, names, device=device, binarize=binarize)
+    return from_arrays([tuple(c) for c in clients], num_classes, names, device=device, binarize=binarize)
 
 
 def _options(rounds: int, seeds: Sequence[int] | int, local_epochs: int | None, batch_size: int | None,
@@ -135,7 +136,7 @@ def _options(rounds: int, seeds: Sequence[int] | int, local_epochs: int | None, 
              settings: Mapping[str, Any] | None, progress: bool, tensorboard: bool = False, dp: Any = None) -> Any:
     from embedcache.errors import UserError
     from fedheads.privacy import mechanism
-    from fedheads.runner import TrainOptions
+    from fedheads.run.train import TrainOptions
 
     if rounds < 1:
         raise UserError(f"rounds {rounds}: must be >= 1")
@@ -163,7 +164,7 @@ def _prepare(data: Data, backbones: Sequence[str] | str | None, num_classes: int
     features are read here when `load` (in memory, from one open of the store), else by the
     runner that writes the run directory. The clients are in the store's or the arrays' order."""
     from embedcache.errors import UserError
-    from fedheads import runner
+    from fedheads.run import train as runner
 
     if isinstance(backbones, str):
         backbones = [b.strip() for b in backbones.split(",") if b.strip()]
@@ -199,7 +200,7 @@ def train(data: Data, algorithm: str, *, backbones: Sequence[str] | str | None =
     dp: train under differential privacy (algorithms with a DP form: FedNCM and the training-free
         heads): a fedheads.privacy.Mechanism or its fields, e.g. {"epsilon": 1.0, "delta": 1e-5,
         "clip": 1.0}; results.json's `privacy` then records the mechanism and the epsilon spent."""
-    from fedheads import runner
+    from fedheads.run import train as runner
 
     opts = _options(rounds, seeds, local_epochs, batch_size, lr, fraction, engine, layout, device, eval_every,
                     binarize, settings, progress, _tensorboard(tensorboard, out), dp)
@@ -223,7 +224,7 @@ def compare(data: Data, algorithms: Sequence[str] | str, *, backbones: Sequence[
     in its `ignored_options`; `{"lp.lr": 0.1}` scopes one to one algorithm). The Result has
     `algorithms` (name -> Result), `backbones`, `options`, `timing`; `out` also writes the
     table and plots."""
-    from fedheads import runner
+    from fedheads.run import train as runner
 
     names = [a.strip() for a in algorithms.split(",") if a.strip()] if isinstance(algorithms, str) else list(algorithms)
     opts = _options(rounds, seeds, local_epochs, batch_size, lr, fraction, engine, layout, device, eval_every,
@@ -254,7 +255,7 @@ def predict(run: str | Path, store: str | Path | None = None, *, images: str | N
     prediction_name, score; top{j}_label / _name / _score when top_k > 1); with `out` (.csv /
     .parquet) the rows are streamed there instead and a PredictionSummary (rows, accuracy per
     client) is returned."""
-    from fedheads.predict import run_predict
+    from fedheads.prediction.predict import run_predict
 
     return run_predict(run, store, images=images, manifest=manifest, split=split, client=client, seed=seed,
                        top_k=top_k, cache=cache, device=device, batch_size=batch_size, num_workers=num_workers,
@@ -277,7 +278,7 @@ def finetune(manifest: Any, store: str | Path, backbone: str, out: str | Path, *
     round, so `resume=True` can continue)."""
     import warnings
 
-    from fedheads.live.runner import SETTINGS, finetune_options, finetune_run
+    from fedheads.finetuning.runner import SETTINGS, finetune_options, finetune_run
 
     keys = {f.name for part in SETTINGS for f in part.fields()}
     unknown = sorted(set(former) - keys)

@@ -15,8 +15,8 @@ import click
 
 from embedcache.cli_base import UserErrorGroup
 from embedcache.errors import UserError
-from fedheads import __version__
-from fedheads.runconfig import config_options
+from fedheads.run.options import config_options
+from fedheads.version import __version__
 
 
 @click.group(cls=UserErrorGroup)
@@ -29,9 +29,9 @@ def main(plugins: tuple[str, ...]) -> None:
     import os
 
     from embedcache.plugins import FEDHEADS_ENV, import_plugins, plugin_names
-    from fedheads.heap import one_arena
+    from fedheads.run.allocator import one_arena
 
-    one_arena()  # before a store is read: what helper threads free is reused (fedheads/heap.py)
+    one_arena()  # before a store is read: what helper threads free is reused (fedheads/run/allocator.py)
     import_plugins(plugin_names(plugins, os.environ.get(FEDHEADS_ENV)))
 
 
@@ -43,7 +43,7 @@ def _csv(value: str, what: str) -> list[str]:
 
 
 def _seeds(value: str) -> tuple[int, ...]:
-    from fedheads.checks import check_seeds
+    from fedheads.run.checks import check_seeds
 
     try:
         seeds = tuple(int(s) for s in _csv(value, "--seeds"))
@@ -62,7 +62,7 @@ def _check_plain(ctx: click.Context, backbones: Sequence[str] = (),
     import math
 
     from embedcache.backbone_names import check_backbone_name
-    from fedheads.checks import check_finite
+    from fedheads.run.checks import check_finite
 
     for p in ctx.command.params:
         v = ctx.params.get(str(p.name))
@@ -127,9 +127,8 @@ def _options(algorithms, backbones, store, rounds, seeds, local_epochs, batch_si
              device, eval_every, binarize, settings, quiet, tensorboard):
     """(TrainOptions, the store opened to check the backbone names or None), after every check
     that needs no torch (the names, the plain values)."""
-    from fedheads.checks import check_algorithms
-    from fedheads.runconfig import merged_settings
-    from fedheads.settings import parse_settings
+    from fedheads.run.checks import check_algorithms
+    from fedheads.run.options import merged_settings, parse_settings
 
     ctx = click.get_current_context()
     if rounds < 1:
@@ -137,7 +136,7 @@ def _options(algorithms, backbones, store, rounds, seeds, local_epochs, batch_si
     check_algorithms(algorithms)
     fields = merged_settings(ctx, parse_settings(settings))
     info = _check_plain(ctx, store_backbones=(store, backbones), settings=fields)
-    from fedheads.runner import TrainOptions
+    from fedheads.run.train import TrainOptions
 
     return info, TrainOptions(rounds=rounds, seeds=_seeds(seeds), fraction=fraction, engine=engine,
                         layout=layout, device=device, eval_every=eval_every, binarize=binarize,
@@ -196,14 +195,14 @@ def train(store, backbones, algorithm, out, overwrite, resume, dump_config, **kw
     dp = {k: kw.pop(k) for k in [k for k in kw if k.startswith("dp_")]}
     info, opts = _options([algorithm], bbs, store, **kw)
     opts = _with_dp(opts, dp)
-    from fedheads.heap import GlibcHeap
-    from fedheads.runconfig import dump, effective_config
-    from fedheads.runner import train_run
+    from fedheads.run.allocator import GlibcHeap
+    from fedheads.run.options import dump, effective_config
+    from fedheads.run.train import train_run
 
     if dump_config:
         click.echo(dump("train", effective_config("train", store, bbs, [algorithm], opts, out)), nl=False)
         return
-    # the store opened once for the whole run; this process's heap run the command's way (fedheads/heap.py)
+    # the store opened once for the whole run; this process's heap run the command's way (fedheads/run/allocator.py)
     res = train_run(store if info is None else info, bbs, algorithm, opts, out, overwrite=overwrite, resume=resume,
                     heap=GlibcHeap())
     click.echo(f"{algorithm}: accuracy {res['accuracy_cell']} over seeds {res['seeds']} -> {out}/results.json")
@@ -219,10 +218,10 @@ def compare(store, backbones, algorithms, out, overwrite, resume, dump_config, *
     dp = {k: kw.pop(k) for k in [k for k in kw if k.startswith("dp_")]}
     info, opts = _options(names, bbs, store, **kw)
     opts = _with_dp(opts, dp)
-    from fedheads import report
-    from fedheads.heap import GlibcHeap
-    from fedheads.runconfig import dump, effective_config
-    from fedheads.runner import check_compare_settings, compare_runs
+    from fedheads.report import results as report
+    from fedheads.run.allocator import GlibcHeap
+    from fedheads.run.options import dump, effective_config
+    from fedheads.run.train import check_compare_settings, compare_runs
 
     if dump_config:
         check_compare_settings(names, opts)
@@ -306,7 +305,7 @@ def _aliases(spec: dict[str, tuple[str, Any]]):
 def _alias_settings(ctx: click.Context, spec: dict[str, tuple[str, Any]], kw: dict[str, Any]) -> list[tuple[str, Any]]:
     """The (key, value) settings the alias options given stand for, each with its `note:` line;
     removes the aliases from `kw`."""
-    from fedheads.settings import parse_settings
+    from fedheads.run.options import parse_settings
 
     out = []
     for name, (key, flag_value) in spec.items():
@@ -328,8 +327,7 @@ def _method_settings(ctx: click.Context, spec: dict[str, tuple[str, Any]], kw: d
                      settings: tuple[str, ...], preset: dict[str, Any] | None = None) -> tuple[tuple[str, Any], ...]:
     """The method's --set items, in merge order: a preset's values < the --config file's `set:`
     < the alias options < --set on the command line (later items win)."""
-    from fedheads.runconfig import merged_settings
-    from fedheads.settings import parse_settings
+    from fedheads.run.options import merged_settings, parse_settings
 
     cli = tuple(_alias_settings(ctx, spec, kw)) + parse_settings(settings)
     return tuple((preset or {}).items()) + merged_settings(ctx, cli)
@@ -347,7 +345,7 @@ def _list_settings(module: str):
             return
         import importlib
 
-        from fedheads.settings import command_settings, rows_table
+        from fedheads.run.options import command_settings, rows_table
 
         click.echo("\n".join(rows_table(command_settings(importlib.import_module(module).SETTINGS))))
         ctx.exit()
@@ -373,7 +371,7 @@ _FT_ALIASES: dict[str, tuple[str, Any]] = {
 @click.option("--fraction", default=1.0, show_default=True, help="Client participation per round.")
 @click.option("--set", "settings", multiple=True, metavar="KEY=VALUE",
               help="e.g. --set server=fedadam --set lr=0.01 --set trainable=after:layer2. " + _SET_HELP)
-@_list_settings("fedheads.live.runner")
+@_list_settings("fedheads.finetuning.runner")
 @_aliases(_FT_ALIASES)
 @_live_run_options
 @config_options
@@ -385,20 +383,20 @@ def finetune(ctx, dump_config, manifest_path, store, backbone, heads, rounds, fr
     Method settings (the server and client optimisers, stage-1 LP rounds, which blocks train, BatchNorm,
     augmentation) are --set KEY=VALUE. Options also come from --config FILE (YAML or JSON; defaults < file <
     command-line flags); --dump-config prints the effective configuration, every setting included."""
-    from fedheads.checks import check_finetune_heads
+    from fedheads.run.checks import check_finetune_heads
 
     names = _csv(heads, "--head")
     if not dump_config:  # a dump is written as given, checked when it is run
         check_finetune_heads(names)
         _check_plain(ctx, backbones=[backbone])
     fields = _method_settings(ctx, _FT_ALIASES, aliases, settings)
-    from fedheads.live.runner import finetune_options, finetune_run, finetune_settings
+    from fedheads.finetuning.runner import finetune_options, finetune_run, finetune_settings
 
     opts = finetune_options(fields, heads=tuple(names), rounds=rounds, fraction=fraction, seeds=_seeds(seeds),
                             eval_every=eval_every, device=device, num_workers=num_workers, weights_dir=weights_dir,
                             resume=resume, overwrite=overwrite, progress=not quiet)
     if dump_config:
-        from fedheads.runconfig import dump, params_config
+        from fedheads.run.options import dump, params_config
 
         click.echo(dump("finetune", {**params_config(ctx), "set": finetune_settings(opts)}), nl=False)
         return
@@ -439,8 +437,8 @@ def _flower_options(f):
 
 
 def _flower_config(settings, out, **kw):
-    from fedheads.checks import check_algorithms
-    from fedheads.settings import parse_settings
+    from fedheads.run.checks import check_algorithms
+    from fedheads.run.options import parse_settings
 
     check_algorithms([kw["algorithm"]])
     fields = parse_settings(settings)
@@ -469,8 +467,8 @@ def _flower_summary(res: dict, out: str) -> None:
 @_flower_options
 def simulate(store, clients, **kw) -> None:
     """Run an algorithm over Flower's simulation runtime in this process (same results as `train`)."""
-    from fedheads import rundir
     from fedheads.flower.sim import flower_logs, simulate_store
+    from fedheads.run import rundir
 
     cfg = _flower_config(clients=clients, **kw)
     with rundir.locked(Path(cfg.out)):  # one run writes --out at a time, as for `train`
@@ -500,7 +498,7 @@ def serve(nodes, host, port, wait, ssl_certfile, ssl_keyfile, ssl_ca_certfile, *
         if not all((ssl_certfile, ssl_keyfile, ssl_ca_certfile)):
             raise UserError("--ssl-certfile/--ssl-keyfile/--ssl-ca-certfile: give all three (or none: insecure)")
         tls = {"certfile": ssl_certfile, "keyfile": ssl_keyfile, "ca": ssl_ca_certfile}
-    from fedheads import rundir
+    from fedheads.run import rundir
 
     with rundir.locked(Path(cfg.out)):  # one run writes --out at a time, as for `train`
         res = run_serve(cfg.to_run_config(), Path(cfg.out), host=host, port=port, tls=tls,
@@ -574,7 +572,7 @@ _FD_ALIASES: dict[str, tuple[str, Any]] = {
 @click.option("--probe-manifest", default=None, type=click.Path(), help="Out-of-distribution manifest for the few-shot probe.")
 @click.option("--probe-shots", default="1,5", show_default=True, help="Labelled images per class, comma-separated.")
 @click.option("--probe-draws", default=5, show_default=True)
-@_list_settings("fedheads.live.feddra_runner")
+@_list_settings("fedheads.feddra.runner")
 @_aliases(_FD_ALIASES)
 @_live_run_options
 @config_options
@@ -588,13 +586,13 @@ def feddra(ctx, dump_config, manifest_path, store, image_encoder, image_cut, tex
     schedule, which encoder blocks train) are --set KEY=VALUE. Options also come from --config FILE (YAML or
     JSON; defaults < preset < file < command-line flags); --dump-config prints the effective configuration,
     every setting included (the preset's values resolved)."""
-    from fedheads.checks import FEDDRA_BASELINES, check_choices
+    from fedheads.run.checks import FEDDRA_BASELINES, check_choices
 
     if not dump_config:  # a dump is written as given, checked when it is run
         check_choices(_csv(baselines, "--baseline"), FEDDRA_BASELINES, "baseline", "--baseline")
         _check_plain(ctx, backbones=[image_encoder, text_encoder])
-    from fedheads.live.feddra_probe import ProbeOptions
-    from fedheads.live.feddra_runner import PRESETS, feddra_options, feddra_run, feddra_settings, summary_line
+    from fedheads.feddra.probe import ProbeOptions
+    from fedheads.feddra.runner import PRESETS, feddra_options, feddra_run, feddra_settings, summary_line
 
     chosen = dict(PRESETS[preset])
     if ctx.get_parameter_source("rounds") is click.core.ParameterSource.DEFAULT:
@@ -613,7 +611,7 @@ def feddra(ctx, dump_config, manifest_path, store, image_encoder, image_cut, tex
                           num_workers=num_workers, weights_dir=weights_dir, resume=resume, overwrite=overwrite,
                           progress=not quiet)
     if dump_config:  # the preset's values resolved, so the file means the same under any preset
-        from fedheads.runconfig import dump, params_config
+        from fedheads.run.options import dump, params_config
 
         click.echo(dump("feddra", {**params_config(ctx, {**ctx.params, "rounds": rounds}),
                                    "set": feddra_settings(opts)}), nl=False)
@@ -631,12 +629,12 @@ def feddra(ctx, dump_config, manifest_path, store, image_encoder, image_cut, tex
 def algorithms_cmd(name: str | None, show: bool, as_json: bool) -> None:
     """List the registered algorithms; with NAME (or --show), every setting --set takes:
     type, default, one-line doc and the paper passage the default comes from."""
-    from fedheads.checks import check_algorithms
+    from fedheads.run.checks import check_algorithms
 
     if name is not None:
         check_algorithms([name])  # a typo: one line at once, with the nearest name
     from fedheads.algorithms import create_algorithm, list_algorithms
-    from fedheads.settings import settings_json, settings_table
+    from fedheads.run.options import settings_json, settings_table
 
     infos = list_algorithms()
     if name is not None or show:
@@ -662,8 +660,8 @@ def algorithms_cmd(name: str | None, show: bool, as_json: bool) -> None:
 @click.option("--out", type=click.Path(dir_okay=False), default=None, help="table.md or table.csv (default: Markdown on stdout).")
 def summarize(runs: tuple[str, ...], out: str | None) -> None:
     """One table across RUN_DIRs (train, compare, finetune): accuracy, fairness, upload, time."""
-    from fedheads.summarize import summarize as gather
-    from fedheads.summarize import to_markdown, write_table
+    from fedheads.report.summarize import summarize as gather
+    from fedheads.report.summarize import to_markdown, write_table
 
     if out is not None and not out.lower().endswith((".md", ".csv")):
         raise UserError(f"--out {out}: must end in .md or .csv")

@@ -66,9 +66,9 @@ from typing import Any
 import torch
 
 from embedcache.errors import UserError
+from fedheads.core.federation import DataSpec, FedData
 from fedheads.core.protocol import AlgorithmBase, HeadArch, Init, PaperRoundComm, RoundCtx, SecureForm
 from fedheads.core.tree import tree_cat, tree_rows
-from fedheads.data import DataSpec, FedData
 
 MODES = ("central", "distributed")
 TRANSFORMS = ("clip", "normalize")

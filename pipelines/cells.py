@@ -7,7 +7,7 @@ bad cell cannot sink a sweep. A finished cell is written atomically to
 survive a driver that is killed while workers finish.
 
 Head cells train on the feature store through fedheads' own engine (the path `fedheads train`
-takes, one seed); fine-tuning cells call `fedheads.live.runner.finetune_run`; FedDRA cells run the
+takes, one seed); fine-tuning cells call `fedheads.finetuning.runner.finetune_run`; FedDRA cells run the
 public `fedheads feddra` command (when this build has it) with the options a user would type.
 """
 
@@ -29,8 +29,8 @@ _DATA_SLOTS = 2
 
 def _fed_data(store: str, backbones: tuple[str, ...], device: str, binarize: bool, heap: Any = None) -> Any:
     """The store's FedData, its clients in the store's order (kept for the next cells; `heap`:
-    the process's heap policy, fedheads.heap)."""
-    from fedheads.data import load_fed_data
+    the process's heap policy, fedheads.run.allocator)."""
+    from fedheads.run.load import load_fed_data
 
     key = (store, backbones, device, binarize)
     if key not in _DATA:
@@ -53,7 +53,7 @@ def _settings(cfg: dict[str, Any]) -> tuple[tuple[str, Any], ...]:
 
 def _paper_units(alg: str, data: Any, rounds: int, fraction: float, cfg: Any) -> dict[str, Any] | None:
     """FedNCM App. A: Eq. 3 / 6 (LP) and FedNCM's single round, for a linear head on D features."""
-    from fedheads import comm
+    from fedheads.report import communication as comm
 
     D, C, K, N = data.dim, data.num_classes, data.num_clients, int(sum(data.n_train))
     if alg == "fedncm":
@@ -70,11 +70,11 @@ def _paper_units(alg: str, data: Any, rounds: int, fraction: float, cfg: Any) ->
 
 def run_head(cfg: dict[str, Any], paths: dict[str, Any], heap: Any = None) -> dict[str, Any]:
     """A head cell on the store's features, as `fedheads train` trains one seed (`heap`: the
-    process's heap policy, fedheads.heap; None: none)."""
-    from fedheads import report
+    process's heap policy, fedheads.run.allocator; None: none)."""
     from fedheads.core.engine import run
     from fedheads.privacy import mechanism
-    from fedheads.runner import TrainOptions, _config_dict, build_algorithm
+    from fedheads.report import results as report
+    from fedheads.run.train import TrainOptions, _config_dict, build_algorithm
 
     o = cfg["options"]
     dp = mechanism(dict(o["dp"])) if o.get("dp") else None  # (field, value) pairs of a privacy.Mechanism
@@ -106,7 +106,7 @@ def run_head(cfg: dict[str, Any], paths: dict[str, Any], heap: Any = None) -> di
 def _finetune_options(cfg: dict[str, Any], paths: dict[str, Any]) -> Any:
     """FinetuneOptions of a cell: its settings are `fedheads finetune --set` keys (`ft.KEY` names
     the same key); method settings must apply, common ones apply where they are a key."""
-    from fedheads.live.runner import SETTINGS, finetune_options
+    from fedheads.finetuning.runner import SETTINGS, finetune_options
 
     keys = {f.name for part in SETTINGS for f in part.fields()}
     o = cfg["options"]
@@ -120,7 +120,7 @@ def _finetune_options(cfg: dict[str, Any], paths: dict[str, Any]) -> Any:
             elif key in run:
                 run[key] = v
             elif scope == "method":
-                raise ValueError(f"setting {k!r}: not a setting of fedheads finetune (fedheads.live.runner.SETTINGS)")
+                raise ValueError(f"setting {k!r}: not a setting of fedheads finetune (fedheads.finetuning.runner.SETTINGS)")
     return finetune_options(items, heads=(cfg["algorithm"],), rounds=o["rounds"], seeds=(cfg["seed"],),
                             eval_every=o["eval_every"], device=o["device"], num_workers=0,
                             weights_dir=paths.get("weights_dir"), resume=True, progress=False, **run)
@@ -128,7 +128,7 @@ def _finetune_options(cfg: dict[str, Any], paths: dict[str, Any]) -> Any:
 
 def run_finetune(cfg: dict[str, Any], paths: dict[str, Any], out: Path) -> dict[str, Any]:
     """`fedheads finetune` for one stage-1 head and seed; resumes a killed cell from its checkpoint."""
-    from fedheads.live.runner import finetune_run
+    from fedheads.finetuning.runner import finetune_run
 
     opts = _finetune_options(cfg, paths)
     res = finetune_run(paths["manifest"], paths["store"], cfg["backbones"][0], out, opts)
@@ -138,7 +138,7 @@ def run_finetune(cfg: dict[str, Any], paths: dict[str, Any], out: Path) -> dict[
 
 
 def _seed_result_from_results(res: dict[str, Any], seed: int) -> dict[str, Any]:
-    """A one-seed results.json (contract 6) as a per-seed entry of fedheads.report.summarise_runs."""
+    """A one-seed results.json (contract 6) as a per-seed entry of fedheads.report.results.summarise_runs."""
     per_client = {c: v["mean"] for c, v in res["per_client"].items() if v.get("mean") is not None}
     comm = {k: res.get("communication", {}).get(k) for k in
             ("upload_params_per_client_per_round", "upload_bytes_total", "download_bytes_total")}
@@ -202,12 +202,12 @@ def result_path(cells_dir: str | Path, h: str) -> Path:
 
 def run_cell(cell: dict[str, Any], cells_dir: str, heap: Any = None) -> dict[str, Any]:
     """Run `cell` and write its result file; returns the record (status "done" or "failed").
-    `heap`: the process's heap policy (fedheads.heap.GlibcHeap); None: the one its environment
-    chose at spawn (a sweep worker's: fedheads.heap.from_environment), if any."""
+    `heap`: the process's heap policy (fedheads.run.allocator.GlibcHeap); None: the one its environment
+    chose at spawn (a sweep worker's: fedheads.run.allocator.from_environment), if any."""
     import torch
 
-    from fedheads import heap as heap_mod
-    from fedheads.atomic import atomic_path
+    from fedheads.run import allocator as heap_mod
+    from fedheads.run.rundir import atomic_path
 
     heap = heap if heap is not None else heap_mod.from_environment()
 

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from embedcache.errors import UserError
-from fedheads.atomic import atomic_path
+from fedheads.run.rundir import atomic_path
 from pipelines import plan, prepare, report, sweep
 from pipelines.spec import Experiment
 

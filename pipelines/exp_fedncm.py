@@ -29,7 +29,7 @@ NOTES = (
     "scale trains the whole network on live images, as the paper.",
     "FedNCM+FT starts from the paper's head (b = 0); the authors' code keeps nn.Linear's random bias there "
     "too (the fine-tuning setting ncm_bias=random), which fine-tuning then trains.",
-    "The 'compute' and 'communication' of our rows are the paper's App. A formulas (fedheads.comm) applied to "
+    "The 'compute' and 'communication' of our rows are the paper's App. A formulas (fedheads.report.communication) applied to "
     "our model: F is one forward pass of the stand-in, P its trained parameters; they are not comparable with "
     "SqueezeNet's in absolute terms.",
 )
@@ -148,7 +148,7 @@ EuroSAT-Sub | FedNCM | 81.8±0.6 ? 4.10e-3
                    "EuroSAT-Sub's FedNCM communication is printed '410 x 10^-3', read as 4.10 x 10^-3 (its "
                    "10 classes give the same figure as CIFAR-10's).",
                    "CIFAR-10 uses 30 % participation as the text says; the comm figures of Table 2 "
-                   "reproduce with full participation (fedheads.comm notes)."),
+                   "reproduce with full participation (fedheads.report.communication notes)."),
 )
 
 FIGURE1 = Experiment(

@@ -128,7 +128,7 @@ TABLE12_13 = Experiment(
         Claim(f"FedPCL's client accuracies vary less than FedAvg's with {m} clients (Variance: 'the smaller, the "
               "fairer')", "Ours", where=(("clients", m),), metric="variance", direction="lower"))),
     notes=PAPER_NOTES + ("The setting of Tables 12-13 is not stated beyond Digit-5: label shift as Figure 2 (b), "
-                         "alpha 1.", "'Variance' is read as the std of client accuracies in pp (fedheads.metrics "
+                         "alpha 1.", "'Variance' is read as the std of client accuracies in pp (fedheads.report.metrics "
                          "explains why the printed values cannot be a variance)."),
 )
 

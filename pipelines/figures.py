@@ -10,9 +10,9 @@ from typing import Any
 
 import numpy as np
 
-from fedheads.plotting import color, legend_outside, style
-from fedheads.plotting import pyplot as _pyplot
-from fedheads.plotting import save as _save
+from fedheads.report.plotting import color, legend_outside, style
+from fedheads.report.plotting import pyplot as _pyplot
+from fedheads.report.plotting import save as _save
 
 
 def lines(series: dict[str, list[tuple[Any, float, float]]], xlabel: str, path: Path, title: str,

@@ -1,6 +1,6 @@
 """From the cells of one arm (point x method) to the numbers a paper's table prints.
 
-`aggregate` summarises the seeds with fedheads' own results contract (fedheads.report.summarise_runs:
+`aggregate` summarises the seeds with fedheads' own results contract (fedheads.report.results.summarise_runs:
 client average within a seed, then mean and sample std over seeds); `values` reads each metric of
 the experiment's layout from it. A metric we cannot measure in our setting is absent (shown "-").
 """
@@ -12,8 +12,8 @@ from typing import Any
 
 import numpy as np
 
-from fedheads import metrics as fm
-from fedheads import report
+from fedheads.report import metrics as fm
+from fedheads.report import results as report
 
 HEADERS = {
     "acc": "Acc", "comm_params": "# of Comm Params", "train_params": "# of Training Params",

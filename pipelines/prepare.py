@@ -59,7 +59,7 @@ class Prepared:
     manifest_path: Path
     manifest_hash: str
     store: Path | None  # None: no features wanted (the cells encode live)
-    features: dict[str, Any]  # fedheads.runner.store_fingerprint: classes + per backbone dim/weights/preprocess
+    features: dict[str, Any]  # fedheads.run.train.store_fingerprint: classes + per backbone dim/weights/preprocess
     clients: list[str]
     notes: list[str] = field(default_factory=list)
 
@@ -219,7 +219,7 @@ def prepare(req: DataRequest, backbones: list[str], cache: Path, *, weights_dir:
             scheduler: str | None = None, progress: bool = True) -> Prepared:
     """Partition (cached) and features (cached) for one data request and backbone list."""
     from embedcache.store.reader import open_store
-    from fedheads.runner import store_fingerprint
+    from fedheads.run.train import store_fingerprint
 
     notes: list[str] = []
     m = manifest_for(req, cache, notes)

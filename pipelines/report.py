@@ -22,9 +22,9 @@ from pathlib import Path
 from typing import Any
 
 from embedcache.errors import UserError
-from fedheads import metrics as fm
-from fedheads import plotting
-from fedheads.report import write_markdown, write_results_json
+from fedheads.report import metrics as fm
+from fedheads.report import plotting
+from fedheads.report.results import write_markdown, write_results_json
 from pipelines import compare, figures, measures, registry, sweep
 from pipelines.spec import Experiment
 

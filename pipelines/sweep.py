@@ -20,8 +20,8 @@ from typing import Any
 from tqdm import tqdm
 
 from embedcache.errors import UserError
-from fedheads.atomic import atomic_path
-from fedheads.heap import GlibcHeap, reusing_freed_blocks, worker_env
+from fedheads.run.allocator import GlibcHeap, reusing_freed_blocks, worker_env
+from fedheads.run.rundir import atomic_path
 from pipelines.cells import RESULT_FORMAT, result_path, run_cell
 
 # Local workers keep freed large blocks for reuse inside a cell (run_cell gives them back at its
@@ -121,7 +121,7 @@ def run_cells(cells: Iterable[dict[str, Any]], cells_dir: str | Path, scheduler:
         if not todo:
             return records
         if scheduler == "serial":
-            with reusing_freed_blocks():  # what the workers get from WORKER_ENV (fedheads/heap.py)
+            with reusing_freed_blocks():  # what the workers get from WORKER_ENV (fedheads/run/allocator.py)
                 for c in todo:
                     bar.set_running(1)
                     rec = run_cell(c, str(cells_dir), GlibcHeap())

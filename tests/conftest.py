@@ -66,7 +66,7 @@ def float32_math():
 @pytest.fixture
 def drawn(monkeypatch):
     """Figures handed to save(), drawn, instead of written (plotting and pipelines.figures)."""
-    from fedheads import plotting
+    from fedheads.report import plotting
     from pipelines import figures
 
     figs = []

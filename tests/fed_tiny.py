@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from fedheads.data import FedData
+from fedheads.core.federation import FedData
+from fedheads.run.load import from_arrays
 
 
 def tiny_fed(M: int = 4, D: int = 6, C: int = 3, seed: int = 0) -> FedData:
@@ -19,4 +20,4 @@ def tiny_fed(M: int = 4, D: int = 6, C: int = 3, seed: int = 0) -> FedData:
         yt = rs.choice(classes, size=8)
         xt = (centers[yt] + rs.normal(size=(8, D))).astype("f4")
         clients.append((x, y, xt, yt))
-    return FedData.from_arrays(clients, C)
+    return from_arrays(clients, C)

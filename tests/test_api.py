@@ -58,7 +58,7 @@ def test_top_level_names_are_the_api():
     # the modules that do the work have other names, so importing them replaces no API function
     importlib.import_module("embedcache.extraction")
     importlib.import_module("embedcache.partitioning")
-    from fedheads.predict import run_predict  # noqa: F401
+    from fedheads.prediction.predict import run_predict  # noqa: F401
 
     assert embedcache.extract is embedcache.api.extract and embedcache.partition is embedcache.api.partition
     assert inspect.signature(fedheads.predict) == inspect.signature(fedheads.api.predict)

@@ -113,7 +113,7 @@ def test_a_changed_packaged_file_is_refused_and_a_weights_dir_copy_wins(monkeypa
     assert D.ensure_weights() == D.ASSETS / name and D.ensure_weights(weights_dir=cache) == cache / name
 
 
-MADE_ON = "Intel(R) Xeon(R) Processor"  # the CPU that made the shipped file (fedheads.machine.cpu_model)
+MADE_ON = "Intel(R) Xeon(R) Processor"  # the CPU that made the shipped file (fedheads.run.environment.cpu_model)
 
 
 @pytest.mark.slow  # trains the real recipe: about a minute on 2 idle cores, 9.5 min at a load of 15
@@ -122,7 +122,7 @@ def test_the_recipe_reproduces_the_shipped_weights():
     algorithms; torch 2.14 on x86-64): the same tensors and the same validation accuracy. Another
     CPU's kernels round differently, and 30 epochs carry that apart: there the recipe must still
     make a backbone as good as the shipped one (validation accuracy within 3 points)."""
-    from fedheads.machine import cpu_model
+    from fedheads.run.environment import cpu_model
 
     state, rep = D.train_digitnet(D.SHIPPED_RECIPE)
     ckpt = torch.load(Path(D.__file__).with_name("assets") / D.weights_file(D.SHIPPED_RECIPE),

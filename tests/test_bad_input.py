@@ -86,7 +86,7 @@ def test_a_run_config_with_a_key_twice_is_one_line(tmp_path):
 
 
 def test_a_set_value_with_a_key_twice_is_refused():
-    from fedheads.runner import parse_settings
+    from fedheads.run.train import parse_settings
 
     assert parse_settings(['w={"a": 1}', "x=word"]) == (("w", {"a": 1}), ("x", "word"))
     with pytest.raises(UserError, match="--set w: key 'a' appears twice"):
@@ -237,7 +237,7 @@ def test_extracting_under_a_name_that_holds_imported_features_is_refused(images,
 
 
 def test_training_on_two_models_under_one_name_is_one_line(extracted, tmp_path, monkeypatch):
-    from fedheads.data import load_fed_data
+    from fedheads.run.load import load_fed_data
 
     # a store written before imports were refused: one client's tiny features come from another model
     f = _other_model(tmp_path, 6)

@@ -25,8 +25,9 @@ from fedheads.algorithms.pfedme import PFedMe, PFedMeConfig
 from fedheads.algorithms.server_opt import FedAdam, make_server_optimizer
 from fedheads.algorithms.solo import Solo, SoloConfig
 from fedheads.core import OptimizerConfig, RoundCtx, ServerSGD, payload_size, run
+from fedheads.core.federation import FedData
 from fedheads.core.tree import tree_index
-from fedheads.data import FedData
+from fedheads.run.load import from_arrays
 
 SGD = lambda lr: OptimizerConfig("sgd", lr=lr, weight_decay=0.0)  # noqa: E731
 
@@ -259,7 +260,7 @@ def test_measured_communication_with_fedpcl_table2_shapes() -> None:
     rs = np.random.default_rng(0)
     clients = [(rs.normal(size=(12, 512)).astype("f4"), np.arange(12) % 10,
                 rs.normal(size=(4, 512)).astype("f4"), np.arange(4) % 10) for _ in range(2)]
-    data = FedData.from_arrays(clients, 10)
+    data = from_arrays(clients, 10)
     ctx = RoundCtx(0, 0, torch.arange(2), 2)
     proj, bn, cls = 512 * 256 + 256, 2 * 256, 256 * 10 + 10
     expect = {"fedrep": proj + bn + bn + 1, "pfedme": proj + bn + cls + bn + 1,

@@ -15,7 +15,8 @@ import torch
 
 from fedheads.algorithms.fedpcl import FedPCL, FedPCLConfig
 from fedheads.core.engine import run
-from fedheads.data import FedData
+from fedheads.core.federation import FedData
+from fedheads.run.load import from_arrays
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
@@ -58,7 +59,7 @@ def _engine_data(manifest, source, backbones) -> FedData:
         return torch.cat([bb.embed(xs) for bb in backbones], 1).numpy(), torch.tensor([s.label for s in samples]).numpy()
 
     arrs = [(*feats(c.train), *feats(c.test)) for c in manifest.clients]
-    return FedData.from_arrays(arrs, len(manifest.classes), [c.name for c in manifest.clients],
+    return from_arrays(arrs, len(manifest.classes), [c.name for c in manifest.clients],
                                [c.domain for c in manifest.clients])
 
 

@@ -25,9 +25,10 @@ from fedheads.algorithms.ccvr import (
 )
 from fedheads.algorithms.fedncm import client_stats
 from fedheads.core import run
+from fedheads.core.federation import FedData, to_layout
 from fedheads.core.protocol import RoundCtx
 from fedheads.core.tree import tree_cat, tree_leaves
-from fedheads.data import FedData, to_layout
+from fedheads.run.load import from_arrays
 
 
 def fl_bench_mean_cov(features_means, features_covs, features_count, train_clients, num_classes):
@@ -91,7 +92,7 @@ def skewed_fed(M: int = 8, D: int = 5, C: int = 4, seed: int = 0) -> FedData:
         yt = np.repeat(np.arange(C), 10)
         xt = (centers[yt] + rs.normal(size=(len(yt), D))).astype("f4")
         clients.append((x, y, xt, yt))
-    return FedData.from_arrays(clients, C)
+    return from_arrays(clients, C)
 
 
 @pytest.mark.parametrize("covariance,correction", [("paper", 1), ("fl-bench", 0)])
@@ -285,10 +286,10 @@ def test_flower_secagg_gives_the_engines_head(tmp_path):
     pytest.importorskip("flwr")
     from flower_helpers import write_store
 
-    from fedheads.data import load_fed_data
     from fedheads.flower.server import FlowerRunConfig
     from fedheads.flower.sim import simulate_store
-    from fedheads.runner import TrainOptions, build_algorithm
+    from fedheads.run.load import load_fed_data
+    from fedheads.run.train import TrainOptions, build_algorithm
 
     store = write_store(tmp_path)
     out = simulate_store(FlowerRunConfig(algorithm="ccvr", backbones="synth", rounds=2, timeout=120, secagg=True,
@@ -323,7 +324,7 @@ def test_head_of_a_saved_run_is_calibrated(tmp_path):
     for c in CLIENTS:
         assert float(last[(c, "fedavg")]) == pytest.approx(lp["per_client"][c]["mean"], abs=1e-3)  # csv: 4 decimals
     assert cal["trainable_params_per_client"] == 0
-    from fedheads.predict import open_run
+    from fedheads.prediction.predict import open_run
 
     saved = open_run(tmp_path / "lp").server_state.params
     ss = open_run(tmp_path / "cal").server_state
@@ -347,7 +348,7 @@ def _rows(run_dir):
 def test_settings_show_the_docs_and_sources_declared_with_setting():
     """`fedheads algorithms ccvr|fedpft` list each key with the doc and source its
     fedheads.core.config.setting declares (the fields carry no comments)."""
-    from fedheads.settings import settings_of
+    from fedheads.run.options import settings_of
 
     rows = {r.key: r for r in settings_of("ccvr")[0]}
     assert rows["virtual_per_class"].doc.startswith("virtual features M_c") and "FL-bench" in rows["virtual_per_class"].source

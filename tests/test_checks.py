@@ -10,7 +10,7 @@ import sys
 import kill_helpers
 
 from embedcache import backbone_names
-from fedheads import checks
+from fedheads.run import checks
 
 
 def _fresh(code: str) -> str:
@@ -28,8 +28,8 @@ def test_static_names_equal_the_registries():
         "print(json.dumps([[i.name for i in list_algorithms()], registered_names(), registered_families()]))\n"))
     assert set(checks.ALGORITHMS) <= set(got[0])  # the fast path names only registered algorithms
     assert got[1:] == [backbone_names.builtin_names(), list(backbone_names.family_prefixes())]
-    from fedheads.live.feddra_runner import BASELINES
-    from fedheads.live.heads import HEADS
+    from fedheads.feddra.runner import BASELINES
+    from fedheads.finetuning.heads import HEADS
 
     assert tuple(BASELINES) == checks.FEDDRA_BASELINES and tuple(HEADS) == checks.FINETUNE_HEADS
 

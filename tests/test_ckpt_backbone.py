@@ -25,8 +25,8 @@ from embedcache.errors import UserError
 from embedcache.extraction import ExtractConfig, extract
 from embedcache.manifest import save_manifest
 from embedcache.store.reader import load_split
-from fedheads.live.model import LiveNet, Trainable
-from fedheads.live.runner import FinetuneOptions, finetune_run
+from fedheads.finetuning.model import LiveNet, Trainable
+from fedheads.finetuning.runner import FinetuneOptions, finetune_run
 
 
 def _resnet8(weights_dir=None, device: str = "cpu") -> TorchBackbone:

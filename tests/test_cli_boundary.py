@@ -15,7 +15,7 @@ from fedheads.cli import main as fh
 
 @pytest.mark.parametrize("cli,cmd,target", [
     (ec, ["inspect", "S"], "embedcache.store.maintenance.inspect_store"),
-    (fh, ["train", "--store", "S", "--backbones", "bb", "--algorithm", "fedncm", "--out", "O"], "fedheads.runner.train_run"),
+    (fh, ["train", "--store", "S", "--backbones", "bb", "--algorithm", "fedncm", "--out", "O"], "fedheads.run.train.train_run"),
 ])
 def test_an_unexpected_exception_is_one_line_unless_debugging(tmp_path, monkeypatch, cli, cmd, target):
     module, name = target.rsplit(".", 1)

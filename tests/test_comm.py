@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from embedcache.errors import UserError
-from fedheads import comm as C
+from fedheads.report import communication as C
 
 
 @pytest.mark.parametrize("k,fedavg,fedrep", [(1, 133_632, 131_072), (3, 395_776, 393_216)])

@@ -16,7 +16,7 @@ from test_fedheads_cli import _write_store
 
 from fedheads.algorithms import _REGISTRY, create_algorithm
 from fedheads.cli import main
-from fedheads.settings import settings_of, settings_table
+from fedheads.run.options import settings_of, settings_table
 
 
 @pytest.fixture(scope="module")
@@ -135,8 +135,8 @@ FD = ["feddra", "--manifest", "m.json", "--image-encoder", "resnet20-cifar10", "
 @pytest.fixture
 def ran(monkeypatch):
     """The options each finetune / feddra command would run with (nothing trains)."""
-    import fedheads.live.feddra_runner as fd_runner
-    import fedheads.live.runner as ft_runner
+    import fedheads.feddra.runner as fd_runner
+    import fedheads.finetuning.runner as ft_runner
 
     seen: list = []
     monkeypatch.setattr(ft_runner, "finetune_run", lambda *a: seen.append(a[-1]) or {"algorithms": {}})
@@ -200,9 +200,9 @@ def test_a_bad_setting_is_one_line_naming_it(ran, args, needle):
 @pytest.mark.parametrize("args", [FT + ["--set", "server=fedprox", "--lr", "0.05"],
                                   FD + ["--preset", "quick", "--set", "rho=0.2"]])
 def test_the_dump_has_every_setting_and_reads_back_as_yaml_or_json(tmp_path, args):
-    from fedheads.live.feddra_runner import SETTINGS as FD_SETTINGS
-    from fedheads.live.runner import SETTINGS as FT_SETTINGS
-    from fedheads.settings import command_settings
+    from fedheads.feddra.runner import SETTINGS as FD_SETTINGS
+    from fedheads.finetuning.runner import SETTINGS as FT_SETTINGS
+    from fedheads.run.options import command_settings
 
     first = _cli(*args, "--dump-config")
     assert first.exit_code == 0, first.output

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from embedcache.errors import UserError
-from fedheads.data import FedData, load_fed_data, resolve_device
+from fedheads.run.load import from_arrays, load_fed_data, resolve_device
 
 
 def _client(n: int, d: int = 3, seed: int = 0):
@@ -16,7 +16,7 @@ def _client(n: int, d: int = 3, seed: int = 0):
 
 
 def test_stack_pad_mask_and_select() -> None:
-    d = FedData.from_arrays([_client(3), _client(5, seed=1)], 2, client_names=["a", "b"], domains=["x", "y"])
+    d = from_arrays([_client(3), _client(5, seed=1)], 2, client_names=["a", "b"], domains=["x", "y"])
     assert d.x_train.shape == (2, 5, 3) and d.n_train == (3, 5)
     assert d.m_train.sum(1).tolist() == [3, 5]
     assert float(d.x_train[0, 3:].abs().sum()) == 0.0
@@ -34,7 +34,7 @@ def test_stack_pad_mask_and_select() -> None:
 ])
 def test_bad_input_raises_user_error(bad, match) -> None:
     with pytest.raises(UserError, match=match):
-        FedData.from_arrays(bad, 2)
+        from_arrays(bad, 2)
 
 
 def test_device_resolution() -> None:

@@ -16,7 +16,7 @@ from embedcache.store.reader import load_split
 from fedheads.algorithms.fedncm import FedNCM
 from fedheads.algorithms.fedpcl import FedPCL, FedPCLConfig
 from fedheads.core import engine
-from fedheads.data import FedData, load_fed_data
+from fedheads.run.load import from_arrays, load_fed_data
 
 
 def _store(root: Path, sizes: dict[str, tuple[int, int]], dims=(("a", 5), ("b", 3))) -> Path:
@@ -38,7 +38,7 @@ def test_chunked_load_equals_whole_arrays(tmp_path: Path) -> None:
     store = _store(tmp_path, {"c0": (11, 4), "c1": (3, 0), "c2": (7, 5)})
     got = load_fed_data(str(store), ["a", "b"], device="cpu", chunk_rows=2)  # several chunks per client
     tr, te = load_split(store, ["a", "b"], "train"), load_split(store, ["a", "b"], "test")
-    want = FedData.from_arrays([(tr[c].features, tr[c].labels, te[c].features, te[c].labels) for c in tr], 3,
+    want = from_arrays([(tr[c].features, tr[c].labels, te[c].features, te[c].labels) for c in tr], 3,
                                list(tr), [tr[c].domain for c in tr])
     for f in ("x_train", "y_train", "m_train", "x_test", "y_test", "m_test", "client_index"):
         assert torch.equal(getattr(got, f), getattr(want, f)), f
@@ -67,7 +67,7 @@ def test_grouped_evaluation_equals_one_call(monkeypatch, make) -> None:
         yt = rng.integers(0, 3, n_te)
         clients.append(((np.eye(3, 6)[y] * 2 + rng.normal(size=(12, 6))).astype("f4"), y,
                         (np.eye(3, 6)[yt] * 2 + rng.normal(size=(n_te, 6))).astype("f4"), yt))
-    data = FedData.from_arrays(clients, 3)
+    data = from_arrays(clients, 3)
     alg = make()
     res = engine.run(alg, data, rounds=2, progress=False)  # final states, evaluated both ways below
     whole = engine.evaluate(alg, res.client_state, res.server_state, data)

@@ -11,7 +11,7 @@ from test_fedheads_cli import _write_store
 from embedcache.backbones.base import check_device
 from embedcache.devices import resolve_device
 from embedcache.errors import UserError
-from fedheads import data as fdata
+from fedheads.run import load as fdata
 
 NO_CUDA = not torch.cuda.is_available()
 

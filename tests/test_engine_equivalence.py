@@ -1,6 +1,6 @@
 """The vectorised engine and the per-client loop run the same definition: same accuracies and
 states on a tiny federation, for every algorithm (full and partial participation), with the
-features padded to the largest client or held in size buckets (fedheads/layout.py)."""
+features padded to the largest client or held in size buckets (fedheads/core/federation.py)."""
 
 from __future__ import annotations
 
@@ -21,9 +21,8 @@ from fedheads.algorithms.perfedavg import PerFedAvg, PerFedAvgConfig
 from fedheads.algorithms.pfedme import PFedMe, PFedMeConfig
 from fedheads.algorithms.solo import Solo, SoloConfig
 from fedheads.core import OptimizerConfig, run, select_participants
+from fedheads.core.federation import BucketedFedData, LayoutConfig, to_layout
 from fedheads.core.tree import row_range, tree_leaves
-from fedheads.data import BucketedFedData, to_layout
-from fedheads.layout import LayoutConfig
 
 SGD = lambda lr: OptimizerConfig("sgd", lr=lr, weight_decay=0.0)  # noqa: E731
 

@@ -11,7 +11,6 @@ import pytest
 import torch
 
 from embedcache.errors import UserError
-from fedheads import inference
 from fedheads.algorithms import create_algorithm
 from fedheads.algorithms import fed3r as F
 from fedheads.algorithms.fedncm import FedNCM
@@ -19,7 +18,8 @@ from fedheads.core import engine
 from fedheads.core.config import setting_doc
 from fedheads.core.protocol import RoundCtx
 from fedheads.core.tree import tree_cat, tree_index
-from fedheads.data import FedData
+from fedheads.prediction import prototypes as inference
+from fedheads.run.load import from_arrays
 
 
 # ---------------------------------------------------------------- the authors' code (oracle)
@@ -187,7 +187,7 @@ def ctx(parts, M):
 def test_equals_the_authors_fed3r(eng):
     """Dyadic features: the authors' float32 Grams are exact, so the heads agree to float64 solves."""
     clients, C = federation(dyadic=True)
-    data = FedData.from_arrays(clients, C)
+    data = from_arrays(clients, C)
     res = engine.run(F.Fed3R(F.Fed3RConfig(lam=0.01)), data, rounds=1, engine=eng, progress=False)
     ss = res.server_state
     W, bias = authors_fed3r(clients, C, 0.01)
@@ -203,7 +203,7 @@ def test_equals_the_authors_fed3r(eng):
 
 def test_equals_the_authors_fed3r_on_gaussian_features():
     clients, C = federation(seed=4)
-    res = engine.run(F.Fed3R(), FedData.from_arrays(clients, C), rounds=1, progress=False)
+    res = engine.run(F.Fed3R(), from_arrays(clients, C), rounds=1, progress=False)
     W, bias = authors_fed3r(clients, C, F.Fed3RConfig().lam)
     np.testing.assert_allclose(res.server_state.weight.T.numpy(), W.numpy(), rtol=0, atol=1e-5)
     np.testing.assert_allclose(res.server_state.bias.numpy(), bias.numpy(), rtol=0, atol=1e-5)
@@ -211,7 +211,7 @@ def test_equals_the_authors_fed3r_on_gaussian_features():
 
 def test_no_bias_variant_equals_fedcofs_fed3r():
     clients, C = federation(seed=1, dyadic=True)
-    data = FedData.from_arrays(clients, C)
+    data = from_arrays(clients, C)
     res = engine.run(F.Fed3R(F.Fed3RConfig(bias=False, lam=0.01)), data, rounds=1, progress=False)
     stats = {}
     for k, (x, y, _, _) in enumerate(clients):
@@ -234,15 +234,15 @@ def test_any_order_and_grouping_of_clients_gives_the_same_head(name, eng):
     clients, C = federation(seed=2, M=6)
     make = (lambda: F.Fed3R()) if name == "fed3r" else FedNCM
     key = (lambda s: (s.weight, s.bias)) if name == "fed3r" else (lambda s: (s.means,))
-    base = engine.run(make(), FedData.from_arrays(clients, C), rounds=1, engine=eng, progress=False)
+    base = engine.run(make(), from_arrays(clients, C), rounds=1, engine=eng, progress=False)
     perm = [4, 0, 5, 2, 1, 3]
-    other = engine.run(make(), FedData.from_arrays([clients[i] for i in perm], C), rounds=1, engine=eng,
+    other = engine.run(make(), from_arrays([clients[i] for i in perm], C), rounds=1, engine=eng,
                        progress=False)
     for a, b in zip(key(base.server_state), key(other.server_state)):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
     # the server fed the same messages in groups {3}, {5, 0}, {1, 4, 2}
     alg = make()
-    data = FedData.from_arrays(clients, C)
+    data = from_arrays(clients, C)
     init = alg.init(data.spec(), 0)
     _, msg = alg.client_update(init.client_state, init.broadcast, data, ctx(range(6), 6))
     ss = init.server_state
@@ -254,7 +254,7 @@ def test_any_order_and_grouping_of_clients_gives_the_same_head(name, eng):
 
 def test_partial_participation_reaches_the_full_head_and_reports_accuracy_as_clients_accumulate():
     clients, C = federation(seed=3, M=6)
-    data = FedData.from_arrays(clients, C)
+    data = from_arrays(clients, C)
     full = engine.run(F.Fed3R(), data, rounds=1, progress=False)
     part = engine.run(F.Fed3R(), data, rounds=12, fraction=0.5, progress=False)
     seen, first_full = set(), None
@@ -275,7 +275,7 @@ def test_partial_participation_reaches_the_full_head_and_reports_accuracy_as_cli
 def test_secure_form_sums_give_the_plain_head():
     """What SecAgg+ adds (secure_form.sums of each client) gives the plain run's head."""
     clients, C = federation(seed=5)
-    data = FedData.from_arrays(clients, C)
+    data = from_arrays(clients, C)
     alg = F.Fed3R()
     init = alg.init(data.spec(), 0)
     _, msg = alg.client_update(init.client_state, init.broadcast, data, ctx(range(5), 5))
@@ -318,7 +318,7 @@ def test_pseudo_inverse_fallback_is_said_and_flagged(caplog):
     rng = np.random.default_rng(0)
     clients = [(rng.normal(size=(3, 8)).astype(np.float32), np.array([0, 1, 0]),
                 rng.normal(size=(2, 8)).astype(np.float32), np.array([0, 1]))]
-    data = FedData.from_arrays(clients, 2)
+    data = from_arrays(clients, 2)
     with caplog.at_level(logging.WARNING, logger="fedheads.algorithms.fed3r"):
         res = engine.run(F.Fed3R(F.Fed3RConfig(lam=0.0)), data, rounds=1, progress=False)
     assert bool(res.server_state.pinv) and "pseudo-inverse" in caplog.text
@@ -332,7 +332,7 @@ def test_pseudo_inverse_fallback_is_said_and_flagged(caplog):
 
 def test_linear_head_prototype_view_and_registry():
     clients, C = federation(seed=6)
-    data = FedData.from_arrays(clients, C)
+    data = from_arrays(clients, C)
     alg = create_algorithm("fed3r", lam=0.1)
     assert isinstance(alg, F.Fed3R) and alg.cfg.lam == 0.1
     res = engine.run(alg, data, rounds=1, progress=False)
@@ -363,7 +363,7 @@ def test_linear_head_prototype_view_and_registry():
 
 def test_fedncm_linear_head_is_the_fedncm_ft_head():
     clients, C = federation(seed=7)
-    data = FedData.from_arrays(clients, C)
+    data = from_arrays(clients, C)
     from fedheads.algorithms.fedncm import linear_head_init
 
     for bias in ("paper", "authors-code"):
@@ -378,7 +378,7 @@ def test_fedncm_linear_head_is_the_fedncm_ft_head():
 
 def test_loop_messages_concatenate_to_the_vectorised_message():
     clients, C = federation(seed=8)
-    data = FedData.from_arrays(clients, C)
+    data = from_arrays(clients, C)
     alg = F.Fed3R()
     init = alg.init(data.spec(), 0)
     _, whole = alg.client_update(init.client_state, init.broadcast, data, ctx(range(5), 5))
@@ -437,7 +437,7 @@ def test_lp_from_the_head_starts_at_the_head(name, eng):
     """Fed3R+LP / FedCOF+LP (lp init=NAME): round 0 runs the head on the features and the linear
     layer starts as its classifier, so the accuracy after round 0 is the head's."""
     clients, C = federation(seed=9)
-    data = FedData.from_arrays(clients, C)
+    data = from_arrays(clients, C)
     head = engine.run(create_algorithm(name), data, rounds=1, engine=eng, progress=False)
     lp = create_algorithm("lp", init=name, lr=0.05, batch_size=4)
     assert lp.collect_rounds == 1

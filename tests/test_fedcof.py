@@ -11,14 +11,14 @@ import pytest
 import torch
 
 from embedcache.errors import UserError
-from fedheads import inference
 from fedheads.algorithms import create_algorithm
 from fedheads.algorithms import fedcof as F
 from fedheads.algorithms.fed3r import Fed3R, Fed3RConfig
 from fedheads.core import engine
 from fedheads.core.protocol import RoundCtx
 from fedheads.core.tree import tree_index
-from fedheads.data import FedData
+from fedheads.prediction import prototypes as inference
+from fedheads.run.load import from_arrays
 
 
 # ---------------------------------------------------------------- the authors' code (oracle)
@@ -208,7 +208,7 @@ def ctx(parts, M):
 @pytest.mark.parametrize("eng", engine.ENGINES)
 def test_equals_the_authors_fedcof(eng, gamma):
     clients, C = federation()
-    data = FedData.from_arrays(clients, C)
+    data = from_arrays(clients, C)
     res = engine.run(F.FedCOF(F.FedCOFConfig(gamma=gamma)), data, rounds=1, engine=eng, progress=False)
     ref = authors_fedcof(clients, C, gamma)  # [C, D] float32, pinv in float32
     ss = res.server_state
@@ -232,7 +232,7 @@ def test_one_sample_per_client_class_and_between_class_scatter_give_the_exact_gr
         y = np.array([k % C])
         x = (rng.normal(size=(1, D)) + 2 * np.eye(C, D)[y]).astype(np.float32)
         clients.append((x, y, x, y))
-    data = FedData.from_arrays(clients, C)
+    data = from_arrays(clients, C)
     cof = engine.run(F.FedCOF(F.FedCOFConfig(gamma=0.0, between_class=True)), data, rounds=1, progress=False)
     ridge = engine.run(Fed3R(Fed3RConfig(bias=False, lam=0.0)), data, rounds=1, progress=False)
     X = np.concatenate([c[0] for c in clients]).astype(np.float64)
@@ -249,13 +249,13 @@ def test_one_sample_per_client_class_and_between_class_scatter_give_the_exact_gr
 @pytest.mark.parametrize("eng", engine.ENGINES)
 def test_any_order_and_grouping_of_clients_gives_the_same_head(eng):
     clients, C = federation(seed=1, M=7)
-    base = engine.run(F.FedCOF(), FedData.from_arrays(clients, C), rounds=1, engine=eng, progress=False)
+    base = engine.run(F.FedCOF(), from_arrays(clients, C), rounds=1, engine=eng, progress=False)
     perm = [6, 2, 0, 5, 3, 1, 4]
-    other = engine.run(F.FedCOF(), FedData.from_arrays([clients[i] for i in perm], C), rounds=1, engine=eng,
+    other = engine.run(F.FedCOF(), from_arrays([clients[i] for i in perm], C), rounds=1, engine=eng,
                        progress=False)
     torch.testing.assert_close(base.server_state.weight, other.server_state.weight, rtol=0, atol=1e-12)
     alg = F.FedCOF()
-    data = FedData.from_arrays(clients, C)
+    data = from_arrays(clients, C)
     init = alg.init(data.spec(), 0)
     _, msg = alg.client_update(init.client_state, init.broadcast, data, ctx(range(7), 7))
     ss = init.server_state
@@ -266,7 +266,7 @@ def test_any_order_and_grouping_of_clients_gives_the_same_head(eng):
 
 def test_partial_participation_reaches_the_full_head():
     clients, C = federation(seed=2, M=6)
-    data = FedData.from_arrays(clients, C)
+    data = from_arrays(clients, C)
     full = engine.run(F.FedCOF(), data, rounds=1, progress=False)
     part = engine.run(F.FedCOF(), data, rounds=12, fraction=0.5, progress=False)
     seen = set().union(*(r.participants for r in part.history))
@@ -279,7 +279,7 @@ def test_partial_participation_reaches_the_full_head():
 
 def test_secagg_is_refused_in_one_line_naming_why_and_the_cost(tmp_path):
     clients, C = federation()
-    data = FedData.from_arrays(clients, C)
+    data = from_arrays(clients, C)
     alg = F.FedCOF()
     init = alg.init(data.spec(), 0)
     _, msg = alg.client_update(init.client_state, init.broadcast, data, ctx(range(8), 8))
@@ -306,19 +306,19 @@ def test_pseudo_inverse_fallback_is_said_and_flagged(caplog):
                 np.array([[1.0, 0.0, 0.5]], dtype=np.float32), np.array([0])),
                (np.array([[0.0, 1.0, 0.5]], dtype=np.float32), np.array([1]),
                 np.array([[0.0, 1.0, 0.5]], dtype=np.float32), np.array([1]))]
-    data = FedData.from_arrays(clients, 2)
+    data = from_arrays(clients, 2)
     with caplog.at_level(logging.WARNING, logger="fedheads.algorithms.fed3r"):
         res = engine.run(F.FedCOF(F.FedCOFConfig(gamma=0.0)), data, rounds=1, progress=False)
     assert bool(res.server_state.pinv) and "fedcof" in caplog.text and "pseudo-inverse" in caplog.text
     # gamma > 0 alone does not help here: the shrinkage is weighted by N_c - 1 = 0
     assert bool(engine.run(F.FedCOF(), data, rounds=1, progress=False).server_state.pinv)
     clients, C = federation(seed=5)
-    assert not bool(engine.run(F.FedCOF(), FedData.from_arrays(clients, C), rounds=1, progress=False).server_state.pinv)
+    assert not bool(engine.run(F.FedCOF(), from_arrays(clients, C), rounds=1, progress=False).server_state.pinv)
 
 
 def test_linear_head_prototype_view_registry_and_errors():
     clients, C = federation(seed=4)
-    data = FedData.from_arrays(clients, C)
+    data = from_arrays(clients, C)
     alg = create_algorithm("fedcof", gamma=0.5)
     assert isinstance(alg, F.FedCOF) and alg.cfg.gamma == 0.5
     res = engine.run(alg, data, rounds=1, progress=False)
@@ -354,9 +354,9 @@ def test_flower_simulation_equals_the_engine(tmp_path):
     from flower_helpers import write_store
 
     from fedheads.core.tree import tree_leaves
-    from fedheads.data import load_fed_data
     from fedheads.flower.server import FlowerRunConfig
     from fedheads.flower.sim import simulate_store
+    from fedheads.run.load import load_fed_data
 
     store = write_store(tmp_path)
     out = simulate_store(FlowerRunConfig(algorithm="fedcof", backbones="synth", rounds=2, fraction=0.67,
@@ -376,7 +376,7 @@ def test_the_engine_keeps_the_data_order_for_fedcof_whose_bank_follows_positions
     rng = np.random.default_rng(5)
     clients = [(rng.normal(size=(n, 6)).astype("f4"), rng.integers(0, 3, n), rng.normal(size=(2, 6)).astype("f4"),
                 rng.integers(0, 3, 2)) for n in (3, 9, 5, 12)]
-    data = FedData.from_arrays(clients, 3)
+    data = from_arrays(clients, 3)
     alg = create_algorithm("fedcof")
     assert stacking_order(alg, data, 1.0, "vectorized") is None
     assert stacking_order(create_algorithm("fedncm"), data, 1.0, "vectorized") is not None  # uneven sizes: reordered

@@ -1,4 +1,4 @@
-"""FedDRA (fedheads.live.feddra*): rho = 0, mu = 0 is FedAvg, stage 1 from cached token states
+"""FedDRA (fedheads.feddra.algorithm*): rho = 0, mu = 0 is FedAvg, stage 1 from cached token states
 equals stage 1 with live frozen encoders, sums + finalize equal the stacked server step, the
 retrieval metrics by hand, and the run's schedule and presets (the test doubles of vl_doubles).
 
@@ -17,14 +17,14 @@ import torch
 import vl_doubles
 
 from embedcache.errors import UserError
-from fedheads.live.data import seeded
-from fedheads.live.dro import DROConfig
-from fedheads.live.feddra import FDMessage, FedDRA, FedDRAConfig, info_nce, l_c, l_mi
-from fedheads.live.feddra_driver import _seed, run_feddra
-from fedheads.live.feddra_eval import retrieval
-from fedheads.live.feddra_model import DualEncoder, ModuleShape, is_module_key
-from fedheads.live.feddra_runner import BASELINES, apply_baseline
-from fedheads.live.pairs import cache_from_store, eval_batches, pair_clients, step_rows
+from fedheads.feddra.algorithm import FDMessage, FedDRA, FedDRAConfig, info_nce, l_c, l_mi
+from fedheads.feddra.driver import _seed, run_feddra
+from fedheads.feddra.dro import DROConfig
+from fedheads.feddra.evaluation import retrieval
+from fedheads.feddra.model import DualEncoder, ModuleShape, is_module_key
+from fedheads.feddra.pairs import cache_from_store, eval_batches, pair_clients, step_rows
+from fedheads.feddra.runner import BASELINES, apply_baseline
+from fedheads.finetuning.data import seeded
 
 CPU = torch.device("cpu")
 SHAPE = ModuleShape(width=16, heads=2, mlp_ratio=2, out_dim=8)
@@ -148,7 +148,7 @@ def test_sample_weighted_aggregation_by_hand(paired):
     """Alg. 1 averages with 1/N; aggregation "samples" weights client i by its n_i training pairs."""
     alg, alg_n = FedDRA(FedDRAConfig()), FedDRA(FedDRAConfig(aggregation="samples"))
     from fedheads.algorithms.pfl_common import GlobalModel
-    from fedheads.live.feddra import FDServerState
+    from fedheads.feddra.algorithm import FDServerState
 
     ss = FDServerState(GlobalModel({"psi/w": torch.zeros(2)}, {}), torch.full((2,), 0.5, dtype=torch.float64))
     deltas, n = (torch.tensor([4.0, 0.0]), torch.tensor([8.0, 2.0])), (1.0, 3.0)
@@ -181,7 +181,7 @@ def test_sample_weighted_aggregation_by_hand(paired):
 def test_weight_decay_is_not_scaled_by_the_dro_step_scale(paired, monkeypatch, optimizer):
     """s_i = N lambda_i scales the gradient step only (Sec. 4.3's update has no decay): with a zero
     gradient, E steps shrink every trained weight by (1 - lr wd)^E at any s_i."""
-    import fedheads.live.feddra as fd
+    import fedheads.feddra.algorithm as fd
 
     monkeypatch.setattr(fd, "l_mi", lambda zx, zy, cfg: 0.0 * (zx.sum() + zy.sum()))  # gradient exactly 0
     m, _ = paired
@@ -352,7 +352,7 @@ def test_info_nce_and_constraint_by_hand():
 def test_stage1_from_cache_never_runs_an_encoder_or_reads_an_image(paired, monkeypatch):
     """The stage-1 path from the store: no encoder forward, no image read, and the anchor z* of
     L_C once per training row and round (not once per step); the same weights as the live run."""
-    from fedheads.live.data import ImageLoader
+    from fedheads.finetuning.data import ImageLoader
 
     m, store = paired
     # E * B = 20 > n_i = 18: every row of a client is in several steps, the anchor is computed once

@@ -15,10 +15,10 @@ import vl_doubles
 
 from embedcache.errors import UserError
 from embedcache.manifest import save_manifest
-from fedheads.live.dro import DROConfig
-from fedheads.live.feddra import FedDRAConfig
-from fedheads.live.feddra_probe import ProbeOptions
-from fedheads.live.feddra_runner import FedDRAOptions, feddra_run
+from fedheads.feddra.algorithm import FedDRAConfig
+from fedheads.feddra.dro import DROConfig
+from fedheads.feddra.probe import ProbeOptions
+from fedheads.feddra.runner import FedDRAOptions, feddra_run
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -73,9 +73,9 @@ def test_run_directory_and_results_contract(paired, tmp_path):
 
 _KILL_SCRIPT = """
 import vl_doubles
-from fedheads.live.dro import DROConfig
-from fedheads.live.feddra import FedDRAConfig
-from fedheads.live.feddra_runner import FedDRAOptions, feddra_run
+from fedheads.feddra.dro import DROConfig
+from fedheads.feddra.algorithm import FedDRAConfig
+from fedheads.feddra.runner import FedDRAOptions, feddra_run
 opts = FedDRAOptions(fd=FedDRAConfig(rounds=4, steps=2, batch_size=4, dro=DROConfig(rho=1.0)), image_cut="stem",
                      num_workers=0, progress=False, device="cpu", resume={resume})
 feddra_run({manifest!r}, {store!r}, "tiny-staged", "tinytext", {out!r}, opts)
@@ -88,7 +88,7 @@ def test_kill_minus_9_then_resume_is_identical(paired, tmp_path):
 
     def script(out: Path, resume: bool, delay: float) -> str:
         # killed in the sleep after round 2's checkpoint, before round 3
-        return kill_helpers.stop_after("fedheads.live.driver:Checkpoint", "a[1][-1].round", 2, delay) + \
+        return kill_helpers.stop_after("fedheads.finetuning.driver:Checkpoint", "a[1][-1].round", 2, delay) + \
             _KILL_SCRIPT.format(manifest=str(root / "m.json"), store=store, out=str(out), resume=resume)
 
     assert "DONE" in kill_helpers.run_script(script(tmp_path / "ref", False, 0.0)).stdout
@@ -167,7 +167,7 @@ def test_cli_feddra(paired, tmp_path):
 def test_cli_preset_fills_only_what_the_user_did_not_give(paired, tmp_path, monkeypatch):
     from click.testing import CliRunner
 
-    import fedheads.live.feddra_runner as runner
+    import fedheads.feddra.runner as runner
     from fedheads.cli import main
 
     root, _, store = paired

@@ -206,12 +206,12 @@ def test_dimension_mismatch_is_refused_at_the_store(tmp_path):
 
 def test_dimension_mismatch_across_clients_in_memory():
     from embedcache.errors import UserError
-    from fedheads.data import FedData
+    from fedheads.run.load import from_arrays
 
     a = (np.zeros((3, 4)), np.zeros(3, int), np.zeros((2, 4)), np.zeros(2, int))
     b = (np.zeros((3, 5)), np.zeros(3, int), np.zeros((2, 5)), np.zeros(2, int))
     with pytest.raises(UserError, match="dimension"):
-        FedData.from_arrays([a, b], num_classes=2)
+        from_arrays([a, b], num_classes=2)
 
 
 @pytest.mark.parametrize("kind,needle", [("nan", "NaN"), ("empty", "no training samples")])

@@ -7,11 +7,11 @@ import pytest
 import torch
 
 from embedcache.errors import UserError
-from fedheads import inference
 from fedheads.algorithms import create_algorithm
 from fedheads.algorithms import fedncm as F
 from fedheads.core import engine
-from fedheads.data import FedData
+from fedheads.prediction import prototypes as inference
+from fedheads.run.load import from_arrays
 
 
 def close(a, b, atol=1e-12):
@@ -65,7 +65,7 @@ def test_client_stats_blocks_and_padding_agree():
 @pytest.mark.parametrize("eng", engine.ENGINES)
 def test_equals_centralised_ncm_on_pooled_data(eng):
     clients, C = _federation()
-    data = FedData.from_arrays(clients, C)
+    data = from_arrays(clients, C)
     res = engine.run(F.FedNCM(), data, rounds=1, engine=eng, progress=False)
     ss = res.server_state
     X = np.concatenate([c[0] for c in clients]).astype(np.float64)
@@ -81,7 +81,7 @@ def test_equals_centralised_ncm_on_pooled_data(eng):
 
 def test_engine_equals_loop_and_partial_participation():
     clients, C = _federation(seed=1, M=6)
-    data = FedData.from_arrays(clients, C)
+    data = from_arrays(clients, C)
     a = engine.run(F.FedNCM(), data, rounds=1, engine="vectorized", progress=False)
     b = engine.run(F.FedNCM(), data, rounds=1, engine="loop", progress=False)
     close(a.server_state.means, b.server_state.means)
@@ -96,7 +96,7 @@ def test_engine_equals_loop_and_partial_participation():
 
 def test_message_traffic_is_sums_and_counts():
     clients, C = _federation()
-    data = FedData.from_arrays(clients, C)
+    data = from_arrays(clients, C)
     res = engine.run(F.FedNCM(), data, rounds=1, progress=False)
     D, M = 5, 4
     assert res.upload_values_per_client == C * D + C
@@ -111,7 +111,7 @@ def test_message_traffic_is_sums_and_counts():
 @pytest.mark.parametrize("rule", F.RULES)
 def test_predict_matches_faiss_inference(rule):
     clients, C = _federation(seed=2)
-    data = FedData.from_arrays(clients, C)
+    data = from_arrays(clients, C)
     alg = F.FedNCM(F.FedNCMConfig(rule=rule))
     res = engine.run(alg, data, rounds=1, progress=False)
     ss = res.server_state
@@ -157,7 +157,7 @@ def test_config_errors_and_registry():
 def test_rounds_after_the_first_change_nothing_with_every_client():
     """Why `train`/`compare` run FedNCM for one round at fraction 1: later rounds add zeros."""
     clients, C = _federation(seed=2, M=4)
-    data = FedData.from_arrays(clients, C)
+    data = from_arrays(clients, C)
     one = engine.run(F.FedNCM(), data, rounds=1, progress=False)
     four = engine.run(F.FedNCM(), data, rounds=4, progress=False)
     assert torch.equal(one.server_state.means, four.server_state.means)
@@ -181,7 +181,7 @@ def test_authors_code_bias_is_torch_linear_init_for_the_same_seed():
 
 def test_authors_code_head_is_their_linear_layer_and_the_paper_head_is_unchanged():
     clients, C = _federation(seed=3)
-    data = FedData.from_arrays(clients, C)
+    data = from_arrays(clients, C)
     paper = engine.run(F.FedNCM(), data, rounds=1, seed=5, progress=False)
     ss = paper.server_state
     # the paper's head: no bias leaf (state files keep their layout), main = the cosine NCM exactly

@@ -13,7 +13,7 @@ from fed_tiny import tiny_fed
 from embedcache.errors import UserError
 from fedheads.algorithms.fedpcl import FedPCL, FedPCLConfig, FedPCLMessage, code_supcon, contrast_terms
 from fedheads.core import RoundCtx, heads, payload_size, run
-from fedheads.data import FedData
+from fedheads.run.load import from_arrays
 
 E = math.e
 
@@ -29,7 +29,7 @@ def _two_client_messages() -> FedPCLMessage:
 def _aggregate(agg: str):
     alg = FedPCL(FedPCLConfig(hidden=2, aggregation=agg))
     empty = (np.zeros((1, 2), "f4"), np.zeros(1, int), np.zeros((0, 2), "f4"), np.zeros(0, int))
-    init = alg.init(FedData.from_arrays([empty] * 2, 3).spec(), 0)
+    init = alg.init(from_arrays([empty] * 2, 3).spec(), 0)
     return alg.server_aggregate(init.server_state, _two_client_messages(), RoundCtx(0, 0, torch.tensor([0, 1]), 2))
 
 
@@ -75,7 +75,7 @@ def test_paper_loss_is_mean_of_lg_plus_average_lp() -> None:
     _, bc = _aggregate("weighted")
     cfg = FedPCLConfig(hidden=2, tau=0.07)
     alg = FedPCL(cfg)
-    data = FedData.from_arrays([(np.random.default_rng(0).normal(size=(5, 4)).astype("f4"), np.array([0, 1, 2, 0, 1]),
+    data = from_arrays([(np.random.default_rng(0).normal(size=(5, 4)).astype("f4"), np.array([0, 1, 2, 0, 1]),
                                  np.zeros((0, 4), "f4"), np.zeros(0, int))], 3)
     init = alg.init(data.spec(), 0)
     p, b = init.client_state.params, init.client_state.buffers
@@ -110,7 +110,7 @@ def test_code_variant_supcon_by_hand() -> None:
 def test_code_variant_sums_over_sets_and_has_no_lg() -> None:
     _, bc = _aggregate("mean")
     alg = FedPCL(FedPCLConfig(hidden=2, variant="code", tau=0.5))
-    data = FedData.from_arrays([(np.random.default_rng(1).normal(size=(4, 3)).astype("f4"), np.array([0, 1, 0, 2]),
+    data = from_arrays([(np.random.default_rng(1).normal(size=(4, 3)).astype("f4"), np.array([0, 1, 0, 2]),
                                  np.zeros((0, 3), "f4"), np.zeros(0, int))], 3)
     init = alg.init(data.spec(), 0)
     p, b = init.client_state.params, init.client_state.buffers
@@ -167,7 +167,7 @@ def test_prototype_noise_is_seeded_and_only_on_uploads() -> None:
 
 def test_binarize_features() -> None:
     x = np.array([[0.0, 2.0, -1.5]], "f4")
-    d = FedData.from_arrays([(x, np.array([0]), x, np.array([0]))], 2, binarize=True)
+    d = from_arrays([(x, np.array([0]), x, np.array([0]))], 2, binarize=True)
     assert d.x_train.tolist() == [[[0.0, 1.0, -1.0]]]
 
 
@@ -198,7 +198,7 @@ def test_code_variant_trains_on_stored_views() -> None:
         x = base.x_train[i, :n].numpy()
         clients.append((x, base.y_train[i, :n].numpy(), base.x_test[i, :t].numpy(), base.y_test[i, :t].numpy()))
         views.append(np.stack([x + 0.1 * rs.normal(size=x.shape), x - 0.1 * rs.normal(size=x.shape)]).astype("f4"))
-    with_views = FedData.from_arrays(clients, 3, train_views=views)
+    with_views = from_arrays(clients, 3, train_views=views)
     assert with_views.v_train.shape == (2, 2, base.x_train.shape[1], 4)
     assert with_views.select([1]).v_train.shape[2] == base.n_train[1]
     cfg = FedPCLConfig(hidden=8, batch_size=4, variant="code")

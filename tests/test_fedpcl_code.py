@@ -12,7 +12,8 @@ import torch.nn.functional as F
 
 from fedheads.algorithms.fedpcl import FedPCL, FedPCLBroadcast, FedPCLConfig
 from fedheads.core import RoundCtx, heads, run
-from fedheads.data import FedData
+from fedheads.core.federation import FedData
+from fedheads.run.load import from_arrays
 
 D, H, C = 5, 4, 3
 
@@ -21,7 +22,7 @@ def _data(n: int = 10, seed: int = 0) -> FedData:
     rs = np.random.default_rng(seed)
     x = rs.normal(size=(n, D)).astype("f4")
     y = np.arange(n) % C
-    return FedData.from_arrays([(x, y, x[:3], y[:3])], C)
+    return from_arrays([(x, y, x[:3], y[:3])], C)
 
 
 def _authors_head(p: dict[str, torch.Tensor]) -> torch.nn.Linear:

@@ -17,9 +17,9 @@ from embedcache.errors import UserError
 from fedheads.algorithms import create_algorithm
 from fedheads.algorithms.fedpft import FedPFT, FedPFTConfig, gmm_seed, sample_mixture
 from fedheads.core import run
+from fedheads.core.federation import to_layout
 from fedheads.core.protocol import RoundCtx
 from fedheads.core.tree import tree_leaves
-from fedheads.data import to_layout
 
 FAST = dict(server_lr=1e-2, server_epochs=10)  # the baseline's lr 1e-4 barely moves a head on a tiny federation
 

@@ -146,8 +146,8 @@ def test_secagg_fedncm_over_three_nodes_gives_the_class_means_of_train(tmp_path,
 def test_plain_fedpcl_nodes_extract_their_own_images_and_equal_the_engine(tmp_path):
     """Nodes hold manifests of their own images (builtin digits): they extract on first use."""
     from fedheads.core.engine import run
-    from fedheads.data import load_fed_data
-    from fedheads.runner import TrainOptions, build_algorithm
+    from fedheads.run.load import load_fed_data
+    from fedheads.run.train import TrainOptions, build_algorithm
 
     manifest = tmp_path / "m.json"
     subprocess.run([sys.executable, "-m", "embedcache.cli", "partition", "builtin:digits", "--scheme", "feature-shift",

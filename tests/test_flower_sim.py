@@ -23,11 +23,11 @@ from flower_helpers import write_store  # noqa: E402
 from embedcache.errors import UserError  # noqa: E402
 from fedheads.core.engine import run  # noqa: E402
 from fedheads.core.tree import tree_leaves  # noqa: E402
-from fedheads.data import load_fed_data  # noqa: E402
 from fedheads.flower.run_config import FlowerRunConfig  # noqa: E402
 from fedheads.flower.secure import error_bound, exponent  # noqa: E402
 from fedheads.flower.sim import simulate_store  # noqa: E402
-from fedheads.runner import TrainOptions, build_algorithm  # noqa: E402
+from fedheads.run.load import load_fed_data  # noqa: E402
+from fedheads.run.train import TrainOptions, build_algorithm  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -187,7 +187,7 @@ def test_simulate_prints_one_line_per_round_and_logs_flower_to_the_run_dir(store
 
 
 def test_run_directory_matches_fedheads_train(store, tmp_path):
-    from fedheads.runner import train_run
+    from fedheads.run.train import train_run
 
     sim(store, "fedpcl", 2, out=str(tmp_path / "fl"))
     ref = train_run(str(store), ["synth"], "fedpcl", TrainOptions(rounds=2, seeds=(0,), engine="loop", progress=False),

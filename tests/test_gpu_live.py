@@ -15,11 +15,11 @@ import vl_doubles
 from tolerances import assert_mostly_close
 
 from embedcache.manifest import save_manifest
-from fedheads.live.dro import DROConfig
-from fedheads.live.feddra import FedDRAConfig
-from fedheads.live.feddra_runner import FedDRAOptions, feddra_run
-from fedheads.live.finetune import FTConfig
-from fedheads.live.runner import FinetuneOptions, finetune_run
+from fedheads.feddra.algorithm import FedDRAConfig
+from fedheads.feddra.dro import DROConfig
+from fedheads.feddra.runner import FedDRAOptions, feddra_run
+from fedheads.finetuning.algorithm import FTConfig
+from fedheads.finetuning.runner import FinetuneOptions, finetune_run
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 GPU, CPU = "cuda", "cpu"

@@ -10,7 +10,8 @@ import pytest
 from fedheads.algorithms import create_algorithm
 from fedheads.algorithms.server_opt import FedAdam
 from fedheads.core import ServerSGD, run
-from fedheads.data import FedData
+from fedheads.core.federation import FedData
+from fedheads.run.load import from_arrays
 
 
 def _many_small_clients(M: int = 30, n: int = 6, C: int = 5, D: int = 16, seed: int = 0) -> FedData:
@@ -23,7 +24,7 @@ def _many_small_clients(M: int = 30, n: int = 6, C: int = 5, D: int = 16, seed: 
         yt = rs.choice(C, size=20)
         clients.append(((centers[y] + 0.7 * rs.normal(size=(n, D)) + 1).astype("f4"), y,
                         (centers[yt] + 0.7 * rs.normal(size=(20, D)) + 1).astype("f4"), yt))
-    return FedData.from_arrays(clients, C)
+    return from_arrays(clients, C)
 
 
 def test_defaults_are_the_documented_grid_values() -> None:

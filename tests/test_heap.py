@@ -1,4 +1,4 @@
-"""The heap policy (fedheads/heap.py): freed large blocks are reused inside a cell, local workers
+"""The heap policy (fedheads/run/allocator.py): freed large blocks are reused inside a cell, local workers
 start with it, and the driver's environment is put back; it is opt-in at the edge (the `fedheads`
 command, sweep workers through their environment), never taken by the Python API."""
 
@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from fedheads import heap
+from fedheads.run import allocator as heap
 
 glibc = pytest.mark.skipif(not heap.reuse_env(), reason="glibc only")
 
@@ -22,7 +22,7 @@ glibc = pytest.mark.skipif(not heap.reuse_env(), reason="glibc only")
 _PROBE = r"""
 import ctypes, json
 import torch
-from fedheads import heap
+from fedheads.run import allocator as heap
 
 class MallInfo2(ctypes.Structure):
     _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
@@ -175,8 +175,7 @@ def test_the_engine_calls_its_hook_between_buckets_and_never_glibc(libc):
 
     from fedheads.algorithms.fedavg import FedAvg
     from fedheads.core.engine import run
-    from fedheads.data import to_layout
-    from fedheads.layout import LayoutConfig
+    from fedheads.core.federation import LayoutConfig, to_layout
 
     data = to_layout(tiny_fed(M=6), LayoutConfig("bucketed", waste=1.0, bucket_clients=2))
     assert len(data.groups()) == 3
@@ -195,9 +194,8 @@ def test_training_reuses_freed_blocks_for_padded_data_only(monkeypatch):
 
     from fed_tiny import tiny_fed
 
-    import fedheads.runner as runner
-    from fedheads.data import FedData, to_layout
-    from fedheads.layout import LayoutConfig
+    import fedheads.run.train as runner
+    from fedheads.core.federation import FedData, LayoutConfig, to_layout
 
     entered = []
 

@@ -71,7 +71,7 @@ def test_test_sizes_keep_the_total_and_one_row_each():
 
 
 def test_same_seed_same_store_and_fedheads_reads_it(built, tmp_path):
-    from fedheads.data import load_fed_data
+    from fedheads.run.load import load_fed_data
 
     one, _ = I.build(SMALL, tmp_path / "a", workers=1)
     again, _ = I.build(SMALL, tmp_path / "b", workers=1)

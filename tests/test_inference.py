@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from embedcache.errors import UserError
-from fedheads import inference as I
+from fedheads.prediction import prototypes as I
 
 
 def brute_force(protos, present, rule, x, k):

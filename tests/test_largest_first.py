@@ -20,11 +20,11 @@ from fed_tiny import tiny_fed
 
 from embedcache.store.importer import import_features
 from fedheads.core import engine
+from fedheads.core.federation import FedData, to_layout
 from fedheads.core.order import put_back, stacking_order
 from fedheads.core.tree import tree_leaves
-from fedheads.data import FedData, load_fed_data
-from fedheads.layout import to_layout
-from fedheads.runner import TrainOptions, build_algorithm, compare_runs, load_state, train_run
+from fedheads.run.load import load_fed_data
+from fedheads.run.train import TrainOptions, build_algorithm, compare_runs, load_state, train_run
 
 SIZES = {"c0": (5, 6), "c1": (23, 5), "c2": (9, 0), "c3": (23, 4), "c4": (14, 6)}  # c2: no test rows
 LARGEST_FIRST = (23, 23, 14, 9, 5)
@@ -64,7 +64,7 @@ def test_the_engine_chooses_largest_first_only_where_it_is_safe() -> None:
     assert stacking_order(fedavg, data, 0.6, "vectorized") is None  # the seeded draw is by position
     assert stacking_order(fedavg, data, 1.0, "loop") is None  # one client at a time: nothing to skip
     assert stacking_order(fedavg, data.by_size()[0], 1.0, "vectorized") is None  # in that order already
-    from fedheads.layout import LayoutConfig
+    from fedheads.core.federation import LayoutConfig
 
     assert stacking_order(fedavg, to_layout(data, LayoutConfig("bucketed", waste=1.0, bucket_clients=2)),
                           1.0, "vectorized") is None  # buckets keep their own order

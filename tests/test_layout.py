@@ -1,4 +1,4 @@
-"""Feature layouts (fedheads/layout.py): the bucket plan's guarantees, bucketed data holding the
+"""Feature layouts (fedheads/core/federation.py): the bucket plan's guarantees, bucketed data holding the
 same rows as the padded layout (from arrays and from a store), the engine pieces the buckets
 rely on, and the layout a `fedheads train` run records. Engine equality over every algorithm is
 in tests/test_engine_equivalence.py."""
@@ -17,9 +17,9 @@ from fedheads.algorithms.fedpcl import FedPCL, FedPCLConfig
 from fedheads.algorithms.lp import HeadTuning, LPConfig
 from fedheads.core import ops
 from fedheads.core.engine import count_parameters, owned, run
+from fedheads.core.federation import BucketedFedData, FedData, LayoutConfig, bucketing_pays, layout_info, plan_buckets, to_layout
 from fedheads.core.tree import row_range, tree_cat, tree_cat_chunks, tree_put_rows_, tree_rows, tree_scatter_
-from fedheads.data import BucketedFedData, FedData, layout_info, load_fed_data, to_layout
-from fedheads.layout import LayoutConfig, bucketing_pays, plan_buckets
+from fedheads.run.load import from_arrays, load_fed_data
 
 SKEWED = [3, 40, 5, 6, 41, 90, 4, 7, 300, 8]  # train rows per client: a few large, many small
 
@@ -76,8 +76,8 @@ def _same_rows(a: FedData, b: FedData, i: int, j: int) -> None:
 
 def test_bucketed_from_arrays_holds_the_padded_rows():
     arrs, views = _clients(SKEWED, views=True)
-    dense = FedData.from_arrays(arrs, 3, train_views=views)
-    b = FedData.from_arrays(arrs, 3, train_views=views, layout=LayoutConfig("bucketed", waste=0.2))
+    dense = from_arrays(arrs, 3, train_views=views)
+    b = from_arrays(arrs, 3, train_views=views, layout=LayoutConfig("bucketed", waste=0.2))
     assert isinstance(b, BucketedFedData) and len(b.buckets) > 1
     assert b.n_train == dense.n_train and b.client_names == dense.client_names and b.num_clients == 10
     assert torch.equal(b.client_index, torch.arange(10)) and torch.equal(b.class_counts(), dense.class_counts())
@@ -92,7 +92,7 @@ def test_bucketed_from_arrays_holds_the_padded_rows():
 
 
 def test_select_across_buckets_equals_padded_select():
-    dense = FedData.from_arrays(_clients(SKEWED), 3)
+    dense = from_arrays(_clients(SKEWED), 3)
     b = to_layout(dense, LayoutConfig("bucketed", waste=0.0))
     for ids in ([8], [2, 8, 0], [9, 5]):
         got, want = b.select(ids), dense.select(ids)
@@ -149,7 +149,7 @@ def test_store_load_opens_the_store_once_whatever_the_clients(tmp_path, monkeypa
 
 
 def test_count_parameters_is_the_same_in_both_layouts():
-    dense = FedData.from_arrays(_clients(SKEWED), 3)
+    dense = from_arrays(_clients(SKEWED), 3)
     b = to_layout(dense, LayoutConfig("bucketed"))
     for make in (lambda: FedPCL(FedPCLConfig(hidden=4)), lambda: HeadTuning(LPConfig(init="fedncm"))):
         assert count_parameters(make(), b) == count_parameters(make(), dense)
@@ -213,7 +213,7 @@ def test_parts_streamed_into_one_tree_equal_their_concatenation():
 
 def test_the_engine_trains_consecutive_buckets_on_views_of_the_state(monkeypatch):
     """Largest-first buckets: client_update gets views of the federation's state (no bucket copy)."""
-    ordered = FedData.from_arrays(_clients(SKEWED), 3).by_size()[0]
+    ordered = from_arrays(_clients(SKEWED), 3).by_size()[0]
     data = to_layout(ordered, LayoutConfig("bucketed", waste=0.5, bucket_clients=3))
     assert isinstance(data, BucketedFedData) and len(data.buckets) > 1
     seen = []

@@ -1,4 +1,4 @@
-"""Live fine-tuning (fedheads.live): FedNCM+FT's round 0 equals FedNCM on the store, cache-first
+"""Live fine-tuning (fedheads.finetuning): FedNCM+FT's round 0 equals FedNCM on the store, cache-first
 partial fine-tuning equals the live frozen-prefix run, sums + finalize equal the stacked server
 step, resume after a kill ends identical, and bad input gives one line."""
 
@@ -18,8 +18,8 @@ from store_doubles import make_manifest
 from embedcache.errors import UserError
 from embedcache.extraction import ExtractConfig, extract
 from embedcache.manifest import save_manifest
-from fedheads.live.finetune import FineTune, FTConfig
-from fedheads.live.runner import FinetuneOptions, finetune_run
+from fedheads.finetuning.algorithm import FineTune, FTConfig
+from fedheads.finetuning.runner import FinetuneOptions, finetune_run
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -42,7 +42,7 @@ def _final_state(out: Path, seed: int = 0) -> dict[str, torch.Tensor]:
 
 
 def test_fedncm_ft_round0_equals_fedncm_on_the_store(setup, tmp_path):
-    from fedheads.runner import TrainOptions, train_run
+    from fedheads.run.train import TrainOptions, train_run
 
     root, m = setup
     res = finetune_run(root / "manifest.json", str(root / "s.zarr"), "tiny-staged", tmp_path / "ft", _opts())
@@ -55,7 +55,7 @@ def test_fedncm_ft_round0_equals_fedncm_on_the_store(setup, tmp_path):
     assert res["algorithm"] == "fedncm+ft"
     assert res["stages"][0]["method"] == "fedncm" and res["figure1"][0]["round"] == 0
     assert (tmp_path / "ft" / "figure1.png").is_file() and (tmp_path / "ft" / "results.json").is_file()
-    # FedNCM App. A for this run's own sizes, counted here from the network, not through fedheads.comm:
+    # FedNCM App. A for this run's own sizes, counted here from the network, not through fedheads.report.communication:
     # Eq. 4: 2 (LL_out LL_in + P) K R x 32 bit; Eq. 5: 3 R E N_s F; FedNCM's head: one Eq. 3 round.
     from embedcache.backbones import create_backbone
 
@@ -74,7 +74,7 @@ def test_fedncm_ft_round0_equals_fedncm_on_the_store(setup, tmp_path):
 def test_fed3r_and_fedcof_ft_round0_equals_the_head_on_the_store(setup, tmp_path, head):
     """Any head whose state defines a linear classifier (AlgorithmBase.linear_head) starts
     fine-tuning: round 0 is that head's accuracy as `fedheads train` reports it."""
-    from fedheads.runner import TrainOptions, train_run
+    from fedheads.run.train import TrainOptions, train_run
 
     root, m = setup
     res = finetune_run(root / "manifest.json", str(root / "s.zarr"), "tiny-staged", tmp_path / "ft",
@@ -92,8 +92,8 @@ def test_fed3r_and_fedcof_ft_round0_equals_the_head_on_the_store(setup, tmp_path
 def test_finetune_heads_are_the_registered_linear_heads():
     """--head lists every registered algorithm that defines a linear head, plus LP and random."""
     from fedheads.algorithms import create_algorithm, list_algorithms
-    from fedheads.checks import FINETUNE_HEADS
     from fedheads.core.protocol import AlgorithmBase
+    from fedheads.run.checks import FINETUNE_HEADS
 
     linear = {i.name for i in list_algorithms()
               if type(create_algorithm(i.name)).linear_head is not AlgorithmBase.linear_head}
@@ -206,8 +206,8 @@ def test_resume_continues_to_the_same_weights(setup, tmp_path):
 
 _KILL_SCRIPT = """
 import live_doubles
-from fedheads.live.finetune import FTConfig
-from fedheads.live.runner import FinetuneOptions, finetune_run
+from fedheads.finetuning.algorithm import FTConfig
+from fedheads.finetuning.runner import FinetuneOptions, finetune_run
 opts = FinetuneOptions(rounds=4, ft=FTConfig(lr=0.05, batch_size=4), num_workers=0, progress=False,
                        device="cpu", resume={resume})
 finetune_run({manifest!r}, {store!r}, "tiny-staged", {out!r}, opts)
@@ -220,7 +220,7 @@ def test_kill_minus_9_then_resume_is_identical(setup, tmp_path):
 
     def script(out: Path, resume: bool, delay: float) -> str:
         # killed in the sleep after round 2's checkpoint, before round 3
-        return kill_helpers.stop_after("fedheads.live.driver:Checkpoint", "a[1][-1].round", 2, delay) + \
+        return kill_helpers.stop_after("fedheads.finetuning.driver:Checkpoint", "a[1][-1].round", 2, delay) + \
             _KILL_SCRIPT.format(manifest=str(root / "manifest.json"), store=str(root / "s.zarr"), out=str(out),
                                 resume=resume)
 
@@ -272,7 +272,7 @@ def test_cli_finetune_prints_one_line_errors(setup, tmp_path):
 def test_real_cifar_resnet_round0_and_cache_first_equality(shared, cifar_weights, tmp_path):
     """resnet20-cifar10 on real Office-Caltech-10 images: FedNCM+FT's round 0 equals FedNCM on
     the store per client, and after:layer2 from the cached maps equals the live frozen prefix."""
-    from fedheads.runner import TrainOptions, train_run
+    from fedheads.run.train import TrainOptions, train_run
 
     m = make_manifest(shared / "data" / "office_caltech10", test_every=3, domains=("dslr", "webcam"),
                       classes=("backpack", "bike", "mug"), per_class=9)

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from embedcache.errors import UserError
-from fedheads import metrics as M
+from fedheads.report import metrics as M
 
 
 def test_accuracy_percent_and_errors():

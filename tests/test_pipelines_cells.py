@@ -15,9 +15,9 @@ from fed_tiny import tiny_fed
 @pytest.mark.parametrize("algorithm", ["fedavg", "pfedme"])
 def test_run_head_trains_largest_first_and_reports_in_store_order(monkeypatch, algorithm) -> None:
     import fedheads.core.engine as engine
-    import fedheads.data as fd
+    import fedheads.run.load as fd
     import pipelines.cells as cells
-    from fedheads.runner import TrainOptions, build_algorithm
+    from fedheads.run.train import TrainOptions, build_algorithm
 
     data = tiny_fed(M=5, seed=2)
     assert list(data.n_train) != sorted(data.n_train, reverse=True), "the double must be out of size order"

@@ -97,7 +97,7 @@ def test_each_cell_is_a_feddra_command_line(monkeypatch, tmp_path):
 def test_a_cell_hash_follows_what_its_preset_sets(monkeypatch):
     """A FedDRA cell's hash covers what its --baseline preset sets, so a preset that changes meaning
     (fedavg: two-stage, then the paper's one stage) never reuses the cells of the old one."""
-    from fedheads.live import feddra_runner
+    from fedheads.feddra import runner as feddra_runner
     from pipelines.prepare import Prepared
 
     exp = registry.get("feddra-table2")

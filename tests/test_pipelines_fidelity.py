@@ -160,7 +160,7 @@ def test_paper_vs_ours_has_a_legend_of_methods_and_a_title_that_fits(drawn):
 def test_index_counts_claims_not_testable(tmp_path):
     import json
 
-    from fedheads.report import write_results_json
+    from fedheads.report.results import write_results_json
 
     edir = tmp_path / "fedpcl-table2"
     claims = [{"claim": "a", "status": "not testable"}, {"claim": "b", "status": "holds"}]

@@ -30,7 +30,7 @@ def test_claims_and_rows_name_methods_the_experiment_declares():
     # the full fine-tuning rows run at paper scale; ci/smoke run the cached-feature form, labelled so
     ft = [m for m in exp.methods if m.kind == "finetune"]
     assert ft and all(m.scales == ("paper",) and "+FT (10 rounds)" in m.label for m in ft)
-    from fedheads.checks import check_finetune_heads
+    from fedheads.run.checks import check_finetune_heads
 
     check_finetune_heads([m.algorithm for m in ft if not m.requires])  # `fedheads finetune --head` takes them
     assert {m.algorithm for m in ft if not m.requires} == {"fedncm", "fed3r", "fedcof"}
@@ -60,7 +60,7 @@ class _Prepared:
 
 @pytest.mark.parametrize("algorithm", ["fedncm", "fed3r"])
 def test_a_dp_cell_trains_under_the_mechanism_and_reports_its_epsilon(monkeypatch, algorithm):
-    import fedheads.data as fd
+    import fedheads.run.load as fd
     import pipelines.cells as cells
     from fedheads import privacy
 

@@ -1,4 +1,4 @@
-"""Every PNG shares fedheads.plotting: 12 distinct method colours, legends outside the data,
+"""Every PNG shares fedheads.report.plotting: 12 distinct method colours, legends outside the data,
 titles with dataset and backbone, and a per-client chart readable from 4 to 100 clients
 (geometry of the drawn figure, never pixels)."""
 
@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from fedheads import plotting
+from fedheads.report import plotting
 from pipelines import figures
 
 

@@ -15,11 +15,11 @@ from flower_helpers import write_store  # noqa: E402
 
 import fedheads.algorithms as registry  # noqa: E402
 from fedheads.core.engine import run  # noqa: E402
-from fedheads.data import load_fed_data  # noqa: E402
 from fedheads.flower import loop, node  # noqa: E402
 from fedheads.flower.server import FlowerRunConfig  # noqa: E402
 from fedheads.flower.sim import simulate_store  # noqa: E402
 from fedheads.privacy import Mechanism, Private  # noqa: E402
+from fedheads.run.load import load_fed_data  # noqa: E402
 
 
 @pytest.fixture(scope="module")

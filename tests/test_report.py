@@ -7,7 +7,7 @@ import json
 import pytest
 
 from embedcache.errors import UserError
-from fedheads import report as R
+from fedheads.report import results as R
 
 
 def _seeds():
@@ -98,7 +98,7 @@ def test_seed_result_from_engine_run():
 
     from fedheads.algorithms.fedncm import FedNCM
     from fedheads.core import engine
-    from fedheads.data import FedData
+    from fedheads.run.load import from_arrays
 
     rng = np.random.default_rng(0)
     clients = []
@@ -106,7 +106,7 @@ def test_seed_result_from_engine_run():
         y = np.array([0, 1, 2, 0, 1, 2])
         x = (np.eye(3)[y] * 4 + rng.normal(size=(6, 3)) * 0.1).astype(np.float32)
         clients.append((x, y, x[:4], y[:4]))
-    data = FedData.from_arrays(clients, 3, client_names=["a", "b", "c"])
+    data = from_arrays(clients, 3, client_names=["a", "b", "c"])
     run = engine.run(FedNCM(), data, rounds=1, progress=False)
     s = R.seed_result_from_run(run, 7, data.client_names)
     assert s["per_client"] == {"a": 100.0, "b": 100.0, "c": 100.0}
@@ -143,7 +143,7 @@ def test_a_client_without_test_samples_is_kept_and_footnoted(tmp_path):
             "with test samples.")
     assert md.count(note) == 1 and R.run_markdown(r).count(note) == 1
     assert "| USPS | n/a (0 test) |" in R.run_markdown(r)
-    from fedheads import plotting
+    from fedheads.report import plotting
 
     png = plotting.plot_per_client([r], tmp_path / "pc.png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

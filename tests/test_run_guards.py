@@ -77,11 +77,11 @@ def test_api_refuses_non_finite_settings(tmp_path):
 
 
 def test_live_options_refuse_non_finite_settings():
-    from fedheads.live.dro import DROConfig
-    from fedheads.live.feddra import FedDRAConfig
-    from fedheads.live.feddra_runner import FedDRAOptions
-    from fedheads.live.finetune import FTConfig
-    from fedheads.live.runner import FinetuneOptions
+    from fedheads.feddra.algorithm import FedDRAConfig
+    from fedheads.feddra.dro import DROConfig
+    from fedheads.feddra.runner import FedDRAOptions
+    from fedheads.finetuning.algorithm import FTConfig
+    from fedheads.finetuning.runner import FinetuneOptions
 
     with pytest.raises(UserError, match="--lr inf: must be a finite number"):
         FTConfig(lr=float("inf"))
@@ -130,8 +130,8 @@ def test_a_diverged_run_is_reported_failed_and_not_complete(store, tmp_path):
 def test_a_diverged_finetune_is_reported_failed(tmp_path_factory, tmp_path):
     import live_doubles
 
-    from fedheads.live.finetune import FTConfig
-    from fedheads.live.runner import FinetuneOptions, finetune_run
+    from fedheads.finetuning.algorithm import FTConfig
+    from fedheads.finetuning.runner import FinetuneOptions, finetune_run
 
     root = tmp_path_factory.mktemp("live")
     live_doubles.make_staged_store(root)
@@ -143,8 +143,8 @@ def test_a_diverged_finetune_is_reported_failed(tmp_path_factory, tmp_path):
 
 def test_repeated_seeds_are_refused(store, tmp_path):
     import fedheads
-    from fedheads.live.feddra_runner import FedDRAOptions
-    from fedheads.live.runner import FinetuneOptions
+    from fedheads.feddra.runner import FedDRAOptions
+    from fedheads.finetuning.runner import FinetuneOptions
 
     assert_one_line(_train(store, tmp_path / "r", "--algorithm", "lp", "--seeds", "0,0"), 2,
                     "--seeds 0,0", "more than once")
@@ -233,7 +233,7 @@ def test_two_runs_into_one_out_cannot_both_write_it(store, tmp_path):
 
 
 def test_the_lock_vanishes_when_its_holder_is_killed(store, tmp_path):
-    from fedheads import rundir
+    from fedheads.run import rundir
 
     out = tmp_path / "run"
     first, _, _ = _start_waiting(store, out, tmp_path, "b")
@@ -250,7 +250,7 @@ def test_the_lock_vanishes_when_its_holder_is_killed(store, tmp_path):
 def test_a_lock_leaves_no_directory_it_created_behind(tmp_path):
     """A run that writes nothing (refused, or failed before writing) removes the directories the
     lock created for it, parents included, and nothing that was there before."""
-    from fedheads import rundir
+    from fedheads.run import rundir
 
     (tmp_path / "kept").mkdir()
     out = tmp_path / "kept" / "a" / "b" / "run"

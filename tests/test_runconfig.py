@@ -15,8 +15,7 @@ from test_fedheads_cli import _write_store
 
 from fedheads.algorithms import create_algorithm, list_algorithms
 from fedheads.cli import main
-from fedheads.runconfig import OPERATIONAL, key_of
-from fedheads.settings import resolved_settings
+from fedheads.run.options import OPERATIONAL, key_of, resolved_settings
 
 
 @pytest.fixture(scope="module")

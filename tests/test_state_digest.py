@@ -1,4 +1,4 @@
-"""Run states are sealed (fedheads.checkpoint): a bit flipped in a tensor's bytes of a final state,
+"""Run states are sealed (fedheads.run.checkpoint): a bit flipped in a tensor's bytes of a final state,
 a per-round checkpoint (train, finetune, FedDRA), a Flower server state or a `ckpt:` backbone
 file is one line naming the file, and nothing is used; an intact state loads bit-identically; a
 pickle or any non-torch file given as a state is one line too; a state written before the seal
@@ -18,8 +18,8 @@ from click.testing import CliRunner
 from test_fedheads_cli import _write_store
 
 from embedcache.errors import UserError
-from fedheads import checkpoint
 from fedheads.cli import main
+from fedheads.run import checkpoint
 
 
 def flip_tensor_bit(path: Path) -> None:
@@ -84,7 +84,7 @@ def test_predict_refuses_a_state_that_is_not_a_torch_file(run, store, tmp_path, 
 
 
 def test_intact_state_loads_bit_identically_and_predicts(run, store, tmp_path):
-    from fedheads.predict import open_run
+    from fedheads.prediction.predict import open_run
 
     saved = torch.load(run / "state" / "seed0.pt", map_location="cpu", weights_only=True)
     assert saved[checkpoint.DIGEST] == checkpoint.state_digest(saved)
@@ -117,7 +117,7 @@ def _train(store: Path, out: Path, *extra: str) -> list[str]:
 
 
 def test_resume_refuses_a_corrupt_checkpoint(store, tmp_path, monkeypatch):
-    from fedheads import resume
+    from fedheads.run import checkpoint as resume
 
     class Stop(Exception):
         pass
@@ -212,8 +212,8 @@ def test_ckpt_backbone_file_is_sealed(tmp_path):
 def test_finetune_resume_refuses_a_corrupt_checkpoint(tmp_path_factory, tmp_path):
     import live_doubles
 
-    from fedheads.live.finetune import FTConfig
-    from fedheads.live.runner import FinetuneOptions, finetune_run
+    from fedheads.finetuning.algorithm import FTConfig
+    from fedheads.finetuning.runner import FinetuneOptions, finetune_run
 
     root = tmp_path_factory.mktemp("live")
     live_doubles.make_staged_store(root)

@@ -73,7 +73,7 @@ def test_the_python_api_opens_the_store_once(store, tmp_path, opens, written) ->
 
 
 def test_a_store_opened_by_the_caller_is_not_opened_again(store, tmp_path, opens) -> None:
-    from fedheads.runner import TrainOptions, compare_runs
+    from fedheads.run.train import TrainOptions, compare_runs
 
     info = reader.open_store(store)
     opts = TrainOptions(rounds=1, seeds=(0,), device="cpu", progress=False)

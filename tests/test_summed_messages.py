@@ -11,9 +11,9 @@ from fed_tiny import tiny_fed
 
 from fedheads.algorithms import create_algorithm
 from fedheads.core import engine
+from fedheads.core.federation import LayoutConfig, to_layout
 from fedheads.core.protocol import AlgorithmBase
 from fedheads.core.tree import tree_leaves
-from fedheads.layout import LayoutConfig, to_layout
 
 
 def _plain(name: str) -> AlgorithmBase:

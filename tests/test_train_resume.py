@@ -17,11 +17,11 @@ from fed_tiny import tiny_fed
 from test_fedheads_cli import _write_store
 
 from embedcache.errors import UserError
-from fedheads import resume
 from fedheads.algorithms import list_algorithms
 from fedheads.cli import main
 from fedheads.core.tree import tree_leaves
-from fedheads.runner import TrainOptions, rounds_needed, train_data
+from fedheads.run import checkpoint as resume
+from fedheads.run.train import TrainOptions, rounds_needed, train_data
 
 
 class _Stop(Exception):
@@ -96,7 +96,7 @@ def test_kill_minus_9_mid_run_then_resume_gives_the_same_results(tmp_path):
 
     def script(out: Path, extra: list[str], delay: float) -> str:
         # killed in the sleep after seed 1's round-2 checkpoint: seed 0 is done, seed 1 half way
-        return kill_helpers.stop_after("fedheads.resume:HeadCheckpoint", "a[0].round", 2, delay, occurrence=2) + \
+        return kill_helpers.stop_after("fedheads.run.checkpoint:HeadCheckpoint", "a[0].round", 2, delay, occurrence=2) + \
             _TRAIN.format(store=str(store), out=str(out), extra=extra)
 
     ref = kill_helpers.run_script(script(tmp_path / "ref", [], 0.0))
@@ -122,7 +122,7 @@ def test_kill_minus_9_mid_run_then_resume_gives_the_same_results(tmp_path):
 
 
 def test_an_interrupted_comparison_resumes_to_the_same_table(tmp_path, monkeypatch):
-    from fedheads.runner import compare_runs
+    from fedheads.run.train import compare_runs
 
     data, names = tiny_fed(), ["fedpcl", "lp"]
     opts = TrainOptions(rounds=3, seeds=(0,), progress=False, device="cpu")

@@ -3,7 +3,7 @@
 Other modules register themselves with `register_algorithm(name, factory, description=...,
 config=ConfigClass)`, where `factory(**kwargs) -> Algorithm` builds the algorithm from the
 fields of its config dataclass. The declared `config` is what `--set`, `--config`,
-`--dump-config` and `fedheads algorithms NAME` read (fedheads.settings): the keys an algorithm
+`--dump-config` and `fedheads algorithms NAME` read (fedheads.run.options): the keys an algorithm
 takes are known without building it."""
 
 from __future__ import annotations

@@ -56,10 +56,10 @@ from fedheads.algorithms.lp import HeadBroadcast, HeadClientState, HeadServerSta
 from fedheads.algorithms.pfl_common import DeltaMessage, Empty, config_from_kwargs, expand
 from fedheads.core import rng
 from fedheads.core.config import setting
+from fedheads.core.federation import DataSpec, FedData
 from fedheads.core.heads import Params, count_params
 from fedheads.core.optim import OptimizerConfig
 from fedheads.core.protocol import AlgorithmBase, Init, RoundCtx, SecureForm
-from fedheads.data import DataSpec, FedData
 
 COVARIANCES = ("paper", "fl-bench")
 
@@ -384,7 +384,7 @@ class CCVR(AlgorithmBase):
 def saved_linear_head(run_dir: str, seed: int | None, dim: int, num_classes: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(W [D, C], b [C]) of a saved run's global rule, read off its `predict` at x = 0 and at the
     unit vectors; UserError (one line) when the run does not fit or its rule is not x W + b."""
-    from fedheads.predict import open_run
+    from fedheads.prediction.predict import open_run
 
     tr = open_run(run_dir, seed)
     rule = tr.alg.global_rule

@@ -35,8 +35,8 @@ import torch
 from embedcache.errors import UserError
 from fedheads.algorithms.fedncm import client_stats
 from fedheads.core.config import setting
+from fedheads.core.federation import DataSpec, FedData
 from fedheads.core.protocol import AlgorithmBase, HeadArch, Init, PaperRoundComm, RoundCtx, SecureForm
-from fedheads.data import DataSpec, FedData
 
 log = logging.getLogger(__name__)
 

@@ -21,12 +21,12 @@ from embedcache.errors import UserError
 from fedheads.algorithms.pfl_common import expand, expand_view, weighted_mean
 from fedheads.core import heads, ops
 from fedheads.core.config import setting
+from fedheads.core.federation import DataSpec, FedData
 from fedheads.core.heads import HeadSpec, Params
 from fedheads.core.optim import OptimizerConfig, OptState, config_from_kwargs, opt_initial
 from fedheads.core.protocol import AlgorithmBase, HeadArch, Init, PaperRoundComm, RoundCtx
 from fedheads.core.server_opt import ServerOptimizer, ServerSGD
 from fedheads.core.train import local_train
-from fedheads.data import DataSpec, FedData
 
 
 @dataclass(frozen=True)

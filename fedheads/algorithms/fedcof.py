@@ -40,8 +40,8 @@ from embedcache.errors import UserError
 from fedheads.algorithms.fed3r import DTYPES, linear_head, linear_scores, normalise_classes, solve_psd
 from fedheads.algorithms.fedncm import client_stats
 from fedheads.core.config import setting
+from fedheads.core.federation import DataSpec, FedData
 from fedheads.core.protocol import AlgorithmBase, HeadArch, Init, PaperRoundComm, RoundCtx, SecureForm
-from fedheads.data import DataSpec, FedData
 
 
 @dataclass(frozen=True)

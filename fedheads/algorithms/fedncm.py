@@ -43,9 +43,9 @@ import torch
 
 from embedcache.errors import UserError
 from fedheads.core.config import setting
+from fedheads.core.federation import DataSpec, FedData
 from fedheads.core.heads import Params
 from fedheads.core.protocol import AlgorithmBase, HeadArch, Init, PaperRoundComm, RoundCtx, SecureForm
-from fedheads.data import DataSpec, FedData
 
 RULES = ("cosine", "sqeuclidean")
 BIASES = ("paper", "authors-code")

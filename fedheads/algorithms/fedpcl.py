@@ -58,12 +58,12 @@ import torch
 from embedcache.errors import UserError
 from fedheads.core import heads, ops, rng
 from fedheads.core.config import setting
+from fedheads.core.federation import DataSpec, FedData
 from fedheads.core.heads import HeadSpec, Params
 from fedheads.core.optim import OptimizerConfig, OptState, config_from_kwargs, opt_initial
 from fedheads.core.protocol import AlgorithmBase, HeadArch, Init, PaperRoundComm, RoundCtx, SecureForm
 from fedheads.core.train import local_train
 from fedheads.core.tree import tree_cat_chunks, tree_map
-from fedheads.data import DataSpec, FedData
 
 _NEG = -1e9  # finite "minus infinity" keeps logsumexp gradients NaN-free for masked entries
 # One client_update call trains at most as many clients as keep its [clients, B, sets, C] logits

@@ -41,9 +41,9 @@ from fedheads.algorithms.lp import init_mlp
 from fedheads.algorithms.pfl_common import config_from_kwargs
 from fedheads.core import rng
 from fedheads.core.config import setting
+from fedheads.core.federation import DataSpec, FedData
 from fedheads.core.heads import Params
 from fedheads.core.protocol import AlgorithmBase, Init, RoundCtx, SecureForm
-from fedheads.data import DataSpec, FedData
 
 COVARIANCES = ("spherical", "diag", "full", "tied")
 _DTYPES = {"float32": torch.float32, "float16": torch.float16}

@@ -31,11 +31,11 @@ import torch
 from embedcache.errors import UserError
 from fedheads.core import heads, ops
 from fedheads.core.config import setting
+from fedheads.core.federation import DataSpec, FedData
 from fedheads.core.heads import HeadSpec, Params
 from fedheads.core.optim import OptimizerConfig, OptState, config_from_kwargs, opt_initial
 from fedheads.core.protocol import AlgorithmBase, HeadArch, Init, PaperRoundComm, RoundCtx, SecureForm
 from fedheads.core.train import local_train
-from fedheads.data import DataSpec, FedData
 
 
 @dataclass(frozen=True)

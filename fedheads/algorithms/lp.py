@@ -75,11 +75,11 @@ from fedheads.algorithms.pfl_common import DeltaMessage, config_from_kwargs, del
 from fedheads.algorithms.server_opt import SERVER_OPTS, make_server_optimizer
 from fedheads.core import ops
 from fedheads.core.config import setting
+from fedheads.core.federation import DataSpec, FedData
 from fedheads.core.heads import Params, count_params
 from fedheads.core.optim import OptimizerConfig, OptState, opt_init
 from fedheads.core.protocol import AlgorithmBase, HeadArch, Init, PaperRoundComm, RoundCtx
 from fedheads.core.train import local_train
-from fedheads.data import DataSpec, FedData
 
 INITS = ("random", "fedncm")  # besides the registered one-pass linear heads (fed3r, fedcof)
 

@@ -53,10 +53,10 @@ from fedheads.algorithms.pfl_common import (
 )
 from fedheads.core import heads, ops
 from fedheads.core.config import setting
+from fedheads.core.federation import DataSpec, FedData
 from fedheads.core.heads import HeadSpec, Params
 from fedheads.core.optim import id_runs
 from fedheads.core.protocol import AlgorithmBase, HeadArch, Init, PaperRoundComm, RoundCtx
-from fedheads.data import DataSpec, FedData
 
 
 @dataclass(frozen=True)

@@ -15,11 +15,11 @@ import torch
 
 from fedheads.core import heads
 from fedheads.core.batching import Schedule, make_schedule
+from fedheads.core.federation import FedData
 from fedheads.core.heads import Params
 from fedheads.core.optim import config_from_kwargs  # noqa: F401  (re-exported for the baselines)
 from fedheads.core.protocol import RoundCtx
 from fedheads.core.train import gather_rows, inverse, order_by_steps, prefix_len, restore_order_, step_batch, step_buffers  # noqa: F401 (re-exported)
-from fedheads.data import FedData
 
 # A forward+loss over stacked params: (params, buffers, x, y, valid) -> (loss [M], new buffers)
 LossFn = Callable[[Params, Params, torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, Params]]

@@ -18,11 +18,11 @@ from embedcache.errors import UserError
 from fedheads.algorithms.pfl_common import Empty, config_from_kwargs
 from fedheads.core import heads, ops
 from fedheads.core.config import setting
+from fedheads.core.federation import DataSpec, FedData
 from fedheads.core.heads import HeadSpec, Params
 from fedheads.core.optim import OptimizerConfig, OptState, opt_init
 from fedheads.core.protocol import AlgorithmBase, HeadArch, Init, PaperRoundComm, RoundCtx
 from fedheads.core.train import local_train
-from fedheads.data import DataSpec, FedData
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,8 @@ vectorised engine (all clients stacked) or a per-client loop (engine.py).
 Building blocks: functional head ops with a leading client axis (ops.py, heads.py), functional
 optimisers with a per-client active mask (optim.py), deterministic per-client batch schedules
 (batching.py), the shared local step loop (train.py), counter-based randomness (rng.py),
-stacked-tree helpers (tree.py) and pluggable server optimisers (server_opt.py)."""
+stacked-tree helpers (tree.py), pluggable server optimisers (server_opt.py) and the federation held
+on the device, padded or in size buckets (federation.py)."""
 
 from fedheads.core.engine import (
     CommRecord,

@@ -3,7 +3,7 @@ participating clients stacked in one call ("vectorized") or one client at a time
 ("loop", the debugging reference). Both see identical participants, batches and noise, so
 they give the same states and accuracies up to float rounding (tests/test_engine_equivalence.py).
 
-The vectorised engine runs one call per group of the data's layout (fedheads/layout.py): the
+The vectorised engine runs one call per group of the data's layout (fedheads/core/federation.py): the
 padded FedData is one group; a BucketedFedData runs each size bucket as one stacked call on its
 own FedData, writes the bucket's new client states into the federation's stacked state, and
 hands the server the messages of all buckets in participant order, as one stacked call would.
@@ -28,6 +28,7 @@ from tqdm.auto import tqdm
 
 from embedcache.errors import UserError
 from fedheads.core import ops, rng
+from fedheads.core.federation import FedData, Federation
 from fedheads.core.ops import masked_accuracy
 from fedheads.core.order import put_back, stacking_order
 from fedheads.core.protocol import Algorithm, AlgorithmBase, Init, RoundCtx
@@ -44,7 +45,6 @@ from fedheads.core.tree import (
     tree_scatter_,
     unshared,
 )
-from fedheads.data import FedData, Federation
 
 ENGINES = ("vectorized", "loop")
 
@@ -105,7 +105,7 @@ class RunResult:
 class RunState:
     """Where a run stands after `round` rounds: all it needs to go on. The randomness is
     counter-based (core/rng.py), so continuing from a RunState ends exactly where an
-    uninterrupted run ends (fedheads.runner writes one per round as a checkpoint)."""
+    uninterrupted run ends (fedheads.run.train writes one per round as a checkpoint)."""
 
     round: int  # rounds done
     client_state: Any

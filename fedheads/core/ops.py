@@ -36,7 +36,7 @@ def scratch(name: str, like: torch.Tensor) -> torch.Tensor:
     same name/trailing shape/dtype/device: the caller must be done with the previous one) inside
     `buffer_pool`, else a fresh one. The pool keeps one buffer per name and trailing shape, as
     many clients long as the largest call asked for, and hands out its first rows: the size
-    buckets of one run (fedheads/layout.py) share it instead of each keeping its own."""
+    buckets of one run (fedheads/core/federation.py) share it instead of each keeping its own."""
     pool = getattr(_ws, "pool", None)
     if pool is None or like.dim() == 0:
         return torch.empty(like.shape, dtype=like.dtype, device=like.device)

@@ -210,7 +210,7 @@ def config_from_kwargs(cfg_cls: type, kw: dict, opt_field: str = "optimizer") ->
     """Build a config dataclass from flat registry kwargs: lr / weight_decay / momentum /
     optimizer_name override fields of its OptimizerConfig (keeping the algorithm's defaults).
     An unknown option raises TypeError, as a dataclass does; the command line and the API check
-    keys against the config's fields before building (fedheads.settings, fedheads.runner)."""
+    keys against the config's fields before building (fedheads.run.options, fedheads.run.train)."""
     fields = {f.name: f for f in dataclasses.fields(cfg_cls)}
     # a config's own field wins (pFedMe's `lr` is its eta, not an optimiser's)
     opt_keys = {k: n for k, n in _OPT_KEYS.items() if k not in fields} if opt_field in fields else {}

@@ -34,8 +34,8 @@ from typing import Any, ClassVar, Generic, TypeVar
 import torch
 
 from embedcache.errors import UserError
+from fedheads.core.federation import DataSpec, FedData
 from fedheads.core.tree import tree_map
-from fedheads.data import DataSpec, FedData
 
 CS = TypeVar("CS")  # client state (stacked)
 SS = TypeVar("SS")  # server state

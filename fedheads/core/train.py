@@ -23,11 +23,11 @@ import torch
 
 from fedheads.core import ops
 from fedheads.core.batching import Schedule, make_schedule
+from fedheads.core.federation import FedData
 from fedheads.core.heads import Params
 from fedheads.core.optim import InPlaceOptimizer, OptimizerConfig, OptState, opt_init
 from fedheads.core.protocol import RoundCtx
 from fedheads.core.tree import tree_where
-from fedheads.data import FedData
 
 # loss_fn(params, buffers, x [M,B,D], y [M,B], valid [M,B][, consts]) -> (loss per client [M], new buffers)
 # Callable[..., ...]: the sixth argument is there only when local_train is given `consts`.

@@ -22,8 +22,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import fedheads.children as children
 from embedcache.errors import UserError
-from fedheads import children
 from fedheads.flower import QUIET_ENV, require_flower
 
 APP_NAME = "fedheads-flower"
@@ -252,7 +252,7 @@ def serve(run_config: dict[str, Any], out: Path, host: str = "127.0.0.1", port: 
 
     The console gets one line per round; the Flower processes' own output (SuperLink and
     `flwr run`) goes to OUT/flower.log."""
-    from fedheads import rundir
+    from fedheads.run import rundir
 
     out = Path(out)
     rundir.refuse_existing(out, overwrite=bool(run_config.get("overwrite")))  # before any process starts

@@ -11,9 +11,9 @@ from flwr.app import Message, RecordDict  # noqa: E402  (after fedheads.flower: 
 
 from embedcache.errors import UserError
 from fedheads.core.engine import CommRecord, RoundRecord, RunResult, clock, select_participants
+from fedheads.core.federation import DataSpec
 from fedheads.core.protocol import RoundCtx
 from fedheads.core.tree import payload_size, tree_cat
-from fedheads.data import DataSpec
 from fedheads.flower import codec
 from fedheads.flower.deploy import round_line
 from fedheads.flower.messaging import failed_nodes, run_record, send
@@ -24,7 +24,7 @@ log = logging.getLogger("fedheads.flower")
 
 def build(cfg: FlowerRunConfig) -> tuple[Any, dict[str, Any]]:
     """The algorithm and the kwargs it was built from (sent to every node)."""
-    from fedheads.runner import TrainOptions, build_algorithm
+    from fedheads.run.train import TrainOptions, build_algorithm
 
     opts = TrainOptions(settings=tuple((k, v) for k, v in json.loads(cfg.settings)),
                         local_epochs=cfg.local_epochs or None, batch_size=cfg.batch_size or None,

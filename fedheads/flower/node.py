@@ -80,7 +80,7 @@ def ensure_features(cfg: dict[str, str], backbones: list[str]) -> None:
            "--backbones", ",".join(backbones), "--device", cfg.get("device", "cpu"), "--quiet"]
     if cfg.get("weights-dir"):
         cmd += ["--weights-dir", cfg["weights-dir"]]
-    from fedheads import children
+    import fedheads.children as children
 
     res = children.run(cmd, capture_output=True, text=True, env=os.environ.copy())
     if res.returncode != 0:
@@ -95,7 +95,7 @@ def load_node_data(cfg: dict[str, str], backbones: list[str], binarize: bool, in
     import torch
 
     from embedcache.store.reader import open_store
-    from fedheads.data import load_fed_data
+    from fedheads.run.load import load_fed_data
 
     key = ("data", cfg["store"], tuple(backbones), cfg.get("client", ""), binarize)
     if key not in _CACHE:
@@ -120,7 +120,7 @@ def _algorithm(run: dict[str, Any], dim: int, num_classes: int, device: Any) -> 
     import torch
 
     from fedheads.algorithms import create_algorithm
-    from fedheads.data import DataSpec
+    from fedheads.core.federation import DataSpec
 
     key = ("alg", run["algorithm"], json.dumps(run["kwargs"], sort_keys=True), run["seed"], run["num_clients"], dim,
            num_classes, str(device))
@@ -154,7 +154,7 @@ def _setup(msg: Message, context: Context) -> tuple[dict[str, str], dict[str, An
 def describe(msg: Message, context: Context) -> Message:
     """Extract on first use, then report what the server needs (no sample, no feature)."""
     from embedcache.store.reader import open_store
-    from fedheads.runner import store_fingerprint
+    from fedheads.run.train import store_fingerprint
 
     cfg = node_settings(context)
     run = json.loads(str(msg.content.config_records["fh.run"]["json"]))

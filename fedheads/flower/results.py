@@ -11,23 +11,23 @@ from typing import Any
 
 import torch
 
-from fedheads import report
 from fedheads.core.tree import tree_leaves
+from fedheads.report import results as report
 
 SERVER_STATE_FORMAT = "fedheads-flower-server-state/1"
 
 
 def save_server_state(path: Path, server_state: Any) -> None:
-    from fedheads.checkpoint import save_sealed
+    from fedheads.run.checkpoint import save_sealed
 
     save_sealed(path, {"format": SERVER_STATE_FORMAT, "server": [t.detach().cpu() for t in tree_leaves(server_state)]})
 
 
 def write_run(cfg: Any, out: dict[str, Any]) -> dict[str, Any]:
     """Write cfg.out/{config.json, metrics.csv, summary.md, plots, state/, results.json}."""
-    from fedheads import rundir
-    from fedheads.machine import machine
-    from fedheads.runner import _config_dict, _metrics_rows, _write_run_dir, environment
+    from fedheads.run import rundir
+    from fedheads.run.environment import machine
+    from fedheads.run.train import _config_dict, _metrics_rows, _write_run_dir, environment
 
     run_dir = Path(cfg.out)
     res, names, desc = out["result"], out["names"], out["desc"]

@@ -94,8 +94,8 @@ def _same_backbones(desc: list[tuple[int, dict[str, Any]]]) -> None:
 
 def run_federation(grid: Grid, context: Context, cfg: FlowerRunConfig) -> dict[str, Any]:
     """The whole run; returns {"result": RunResult, "server_state", "log": FlowerLog, ...}."""
-    from fedheads import rundir
     from fedheads.flower.loop import federate
+    from fedheads.run import rundir
 
     if cfg.out:
         rundir.refuse_existing(Path(cfg.out), overwrite=cfg.overwrite)

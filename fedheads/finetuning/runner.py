@@ -1,0 +1,364 @@
+"""`fedheads finetune`: stage 1 on the store, stage 2 live, one run directory per method.
+
+    RUN_DIR/results.json       the results contract of `fedheads train` + stages, paper units,
+                               timing, and the per-round curves of FedNCM Figure 1 (written last)
+    RUN_DIR/config.json        the whole resolved configuration
+    RUN_DIR/metrics.csv        round x seed x client accuracy (percent; round 0 = before FT)
+    RUN_DIR/summary.md, accuracy_per_round.png, per_client.png, figure1.png
+    RUN_DIR/state/seed<S>.ckpt.pt   checkpoint after every round (weights_only loadable); the
+                               last one holds the final global model
+    RUN_DIR/state/seed<S>.backbone.pt  the final fine-tuned backbone (no head) as a `ckpt:` file
+                               (docs/contracts.md 3f): `embedcache extract --backbones
+                               ckpt:RUN_DIR/state/seed0.backbone.pt` caches its features
+
+Several `--head` values write one such directory per method under RUN_DIR plus a combined
+summary.md / results.json / figure1.png (FedNCM paper Figure 1: accuracy vs rounds, vs
+communication, vs computation, one curve per method).
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import math
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from embedcache.errors import UserError
+from fedheads.algorithms import create_algorithm
+from fedheads.core.config import setting
+from fedheads.core.protocol import HeadArch
+from fedheads.finetuning import plots
+from fedheads.finetuning.algorithm import FineTune, FTConfig, split_state
+from fedheads.finetuning.data import cached_clients, image_clients
+from fedheads.finetuning.driver import Checkpoint, FTRun, run_finetune, seed_timing
+from fedheads.finetuning.heads import HeadResult, check_store, head_from_store
+from fedheads.finetuning.model import LiveNet, Trainable, count_values, reinitialise
+from fedheads.report import communication as comm
+from fedheads.report import plotting
+from fedheads.report import results as report
+from fedheads.run import rundir
+from fedheads.run.checks import check_finetune_heads, check_finite, check_seeds, check_trained_state
+from fedheads.run.environment import machine
+from fedheads.run.load import resolve_device
+from fedheads.run.options import Part, settings_values, split_settings
+from fedheads.run.rundir import atomic_path
+
+METHOD_NAMES = {"fedncm": "fedncm+ft", "lp": "lp+ft", "random": "ft"}
+
+
+def method_name(head: str) -> str:
+    """The run's name for a stage-1 head: HEAD+ft (FedNCM+FT, Fed3R+FT, ...), "ft" for the random head."""
+    return METHOD_NAMES.get(head, f"{head}+ft")
+
+
+@dataclass(frozen=True)
+class FinetuneOptions:
+    """Everything `fedheads finetune` takes besides the manifest, store, backbone and output."""
+
+    heads: tuple[str, ...] = setting(("fedncm",), "stage-1 methods: fedncm | lp | random (= the FT baseline)")
+    head_rounds: int = setting(5, "LP rounds of stage 1 (FedNCM App. C.2, Table 6: 5 and 10)",
+                               source="FedNCM App. C.2; FedNCM Table 6")
+    rounds: int = setting(10, "fine-tuning rounds R")
+    ft: FTConfig = setting(doc="client/server optimisation", default_factory=FTConfig)
+    trainable: str = setting("all", "all | after:BLOCK | head")
+    bn: str = setting("train", "train (paper's code: FLSim .train()) | frozen (pre-trained statistics)")
+    live_prefix: bool = setting(False, "after:BLOCK / head: run the frozen prefix live instead of reading the cache")
+    pretrained: bool = setting(True, "False: the paper's Random baseline (all weights re-initialised)")
+    augment: bool = setting(True, "live images: the backbone's training augmentation")
+    ncm_bias: str = setting("zero", "FedNCM head bias: zero (paper) | random (authors' code)")
+    lp_settings: tuple[tuple[str, Any], ...] = setting((), "fedheads `lp` config fields for stage 1")
+    seeds: tuple[int, ...] = setting((0,), "one seed by default: fine-tuning is the expensive stage")
+    fraction: float = setting(1.0, "client participation per round")
+    eval_every: int = setting(1, "evaluate every k rounds (0: round 0 and the last only)")
+    device: str = "auto"
+    num_workers: int = setting(2, "DataLoader workers for live images")
+    weights_dir: str | None = None
+    resume: bool = setting(False, "continue from RUN_DIR/state/seed<S>.ckpt.pt")
+    overwrite: bool = setting(False, "replace a finished run directory")
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        check_seeds(self.seeds)
+        check_finite(self)
+
+
+# `fedheads finetune --set KEY=VALUE`: the client/server optimisation (FTConfig) and the method's
+# stage-1 and backbone choices, flat keys (fedheads.run.options.Part)
+SETTINGS = (Part(FTConfig), Part(FinetuneOptions, ("head_rounds", "trainable", "bn", "live_prefix", "pretrained",
+                                                   "augment", "ncm_bias")))
+
+
+def finetune_options(settings: Iterable[tuple[str, Any]] = (), **run: Any) -> FinetuneOptions:
+    """FinetuneOptions from `--set` items (keys: fedheads.run.options.command_settings(SETTINGS);
+    later items win) and the run options (heads, rounds, seeds, fraction, device, ...)."""
+    ft, top = split_settings("finetune", SETTINGS, settings)
+    return FinetuneOptions(ft=FTConfig(**ft), **top, **run)
+
+
+def finetune_settings(opts: FinetuneOptions) -> dict[str, Any]:
+    """{key: value} of every `--set` key of the run `opts` describes (the dump's `set:`)."""
+    return settings_values(SETTINGS, (opts.ft, opts))
+
+
+def _jsonable(obj: Any) -> Any:
+    if hasattr(obj, "__dataclass_fields__"):
+        return {k: _jsonable(v) for k, v in asdict(obj).items()}
+    if isinstance(obj, (list, tuple)):
+        return [_jsonable(v) for v in obj]
+    if isinstance(obj, dict):
+        return {str(k): _jsonable(v) for k, v in obj.items()}
+    return obj
+
+
+def _write(path: Path, text: str) -> None:
+    with atomic_path(path) as tmp:
+        tmp.write_text(text)
+
+
+def _prepare_out(out: Path, opts: FinetuneOptions) -> None:
+    """A run directory is never overwritten silently (docs/contracts.md, section 6); a killed run
+    is continued with --resume, replaced with --overwrite."""
+    what = rundir.describe_run(out)
+    if what is not None and not (opts.overwrite or opts.resume):
+        raise UserError(f"{out} holds {what}; use --resume to continue it, --overwrite to replace it, "
+                        "or another --out")
+    if opts.overwrite and not opts.resume:
+        rundir.clear_run(out)
+    (out / "results.json").unlink(missing_ok=True)  # results.json marks a complete directory
+
+
+@rundir.holds_lock
+def finetune_run(manifest: str | Path | Any, store: str, backbone: str, out: str | Path,
+                 opts: FinetuneOptions = FinetuneOptions()) -> dict[str, Any]:
+    """Python API of `fedheads finetune` (the CLI is a thin layer over it): returns results.json."""
+    from embedcache.backbones import create_backbone
+    from embedcache.manifest import load_manifest
+
+    if not opts.heads:
+        raise UserError("--head: name at least one method")
+    check_finetune_heads(opts.heads)
+    trainable = Trainable.parse(opts.trainable)
+    if not opts.pretrained and (trainable.mode != "all" or set(opts.heads) != {"random"}):
+        raise UserError("pretrained=false (the Random baseline) trains everything from scratch: use "
+                        "--set trainable=all --head random")
+    m = load_manifest(manifest) if isinstance(manifest, (str, Path)) else manifest
+    device = resolve_device(opts.device)
+    bb = create_backbone(backbone, weights_dir=opts.weights_dir, device="cpu")
+    staged = bb.trainable()  # UserError for backbones that cannot train (TFLite)
+    trainable.check(staged)
+    names = [c.name for c in m.clients]
+    shape = tuple(staged.stage_output_shape(trainable.cut)) if trainable.mode == "after" else None
+    if any(h != "random" for h in opts.heads):
+        check_store(store, m, bb, backbone)
+    probe = LiveNet(staged, trainable, len(m.classes), bn=opts.bn, live_prefix=opts.live_prefix)
+    if probe.takes_images:
+        from embedcache.sources import open_source
+
+        clients = image_clients(m, open_source(m.source), bb.transform, opts.num_workers, opts.augment, device)
+    else:
+        in_name = trainable.input_backbone(backbone)
+        if in_name != backbone:
+            check_store(store, m, create_backbone(in_name, weights_dir=opts.weights_dir), in_name,
+                        cut=trainable.cut, map_shape=shape)
+        clients = cached_clients(store, in_name, names, [c.domain for c in m.clients], shape)
+    out = Path(out)
+    multi = len(opts.heads) > 1
+    subs = {h: out / method_name(h) if multi else out for h in opts.heads}
+    for d in ([out] if multi else []) + list(subs.values()):  # every refusal before any training
+        _prepare_out(d, opts)
+    results = {}
+    for h in opts.heads:
+        results[method_name(h)] = _one_method(h, m, store, bb, backbone, trainable, clients, device, subs[h], opts)
+    if not multi:
+        return results[method_name(opts.heads[0])]
+    combined = {"algorithms": results, "backbone": backbone, "store": str(store), "manifest_hash": m.content_hash}
+    plots.figure1(list(results.values()), out / "figure1.png",
+                  title=plotting.title("Fine-tuning (FedNCM Figure 1)", m.source, backbone))
+    table = report.comparison_markdown(list(results.values()), title=f"{backbone}: fine-tuning, {opts.rounds} rounds")
+    _write(out / "summary.md", f"# Fine-tuning comparison\n\n{table}\n\n![Figure 1](figure1.png)\n")
+    report.write_results_json(combined, out / "results.json")
+    return combined
+
+
+def _one_method(head: str, m: Any, store: str, bb: Any, backbone: str, trainable: Trainable, clients: list,
+                device: torch.device, out: Path, opts: FinetuneOptions) -> dict[str, Any]:
+    name = method_name(head) if opts.pretrained else "random"
+    run_cfg = {"manifest_hash": m.content_hash, "backbone": backbone, "weights_sha256": bb.weights_sha256,
+               "head": head, "head_rounds": opts.head_rounds if head == "lp" else 0, "ft": _jsonable(opts.ft),
+               "trainable": trainable.spec, "bn": opts.bn, "live_prefix": opts.live_prefix,
+               "pretrained": opts.pretrained, "augment": opts.augment, "ncm_bias": opts.ncm_bias,
+               "lp_settings": _jsonable(opts.lp_settings), "fraction": opts.fraction}
+    per_seed, rows, heads_done, runs = [], [], [], []
+    t_all, c_all = time.perf_counter(), time.process_time()
+    for seed in opts.seeds:
+        staged = bb.trainable()
+        net = LiveNet(staged, trainable, len(m.classes), bn=opts.bn, live_prefix=opts.live_prefix)
+        if not opts.pretrained:
+            reinitialise(net.staged, seed)
+        hr = head_from_store(head, store, backbone, [c.name for c in clients], num_classes=len(m.classes),
+                             feature_dim=int(staged.feature_dim), seed=seed, head_rounds=opts.head_rounds,
+                             ncm_bias=opts.ncm_bias, lp_settings=dict(opts.lp_settings), device="cpu")
+        with torch.no_grad():
+            net.head.weight.copy_(hr.weight)
+            net.head.bias.copy_(hr.bias)
+        net.to(device)
+        if device.type == "cuda":
+            net.to(memory_format=torch.channels_last)
+        alg = FineTune(opts.ft)
+        ck = Checkpoint(out / "state" / f"seed{seed}.ckpt.pt", {**run_cfg, "seed": seed})
+        run = run_finetune(alg, net, split_state(net), clients, rounds=opts.rounds, seed=seed,
+                           fraction=opts.fraction, eval_every=opts.eval_every, device=device, checkpoint=ck,
+                           resume=opts.resume, progress=opts.progress)
+        check_trained_state({"model": run.state.model}, name, seed)
+        if trainable.mode != "head":  # head-only: the backbone did not change
+            _export_backbone(out / "state" / f"seed{seed}.backbone.pt", bb, backbone, net, run,
+                             f"fedheads finetune {name}, seed {seed}, {opts.rounds} rounds, trainable "
+                             f"{trainable.spec}, bn {opts.bn}, manifest {m.content_hash[:12]}, from {backbone} "
+                             f"(weights {bb.weights_sha256[:12]})")
+        heads_done.append(hr)
+        runs.append(run)
+        per_seed.append(_seed_result(run, hr, net, clients, seed, opts))
+        for rec in run.rounds:
+            for c, a in zip(clients, rec.accuracy or []):
+                rows.append([rec.round, seed, c.name, "" if a != a else round(100 * a, 4)])
+    result = report.summarise_runs(per_seed, algorithm=name, backbones=[backbone], rounds=opts.rounds,
+                                   fraction=opts.fraction, extra=_extra(heads_done, runs, per_seed, net, clients,
+                                                                        trainable, opts, head))
+    result["timing"].update(wall_seconds=time.perf_counter() - t_all, cpu_seconds=time.process_time() - c_all,
+                            machine=machine(device))
+    result["dataset"] = m.source  # plot titles (contract 6)
+    config = {"manifest_hash": m.content_hash, "store": str(store), "backbone": backbone,
+              "options": _jsonable(opts), "run": run_cfg}
+    _write(out / "config.json", json.dumps(config, indent=2, sort_keys=True) + "\n")
+    buf = io.StringIO()
+    w = csv.writer(buf, lineterminator="\n")
+    w.writerow(["round", "seed", "client", "accuracy"])
+    w.writerows(rows)
+    _write(out / "metrics.csv", buf.getvalue())
+    plotting.plot_history([result], out / "accuracy_per_round.png")
+    plotting.plot_per_client([result], out / "per_client.png")
+    plots.figure1([result], out / "figure1.png", title=plotting.title(f"Fine-tuning, {name}", m.source, backbone))
+    md = report.run_markdown(result) + "\n\n" + plots.stages_markdown(result) + \
+        "\n![accuracy per round](accuracy_per_round.png)\n![Figure 1](figure1.png)\n![per-client accuracy](per_client.png)\n"
+    report.write_markdown(md, out / "summary.md")
+    report.write_results_json(result, out / "results.json")  # last: marks the directory complete
+    return result
+
+
+def _export_backbone(path: Path, bb: Any, backbone: str, net: LiveNet, run: FTRun, note: str) -> None:
+    """The seed's fine-tuned backbone as a `ckpt:` file: the trained stages from the final global
+    model, everything else (the frozen prefix, BatchNorm counters) from the pre-trained backbone,
+    so the file depends on the weights only (a resumed run writes the same bytes)."""
+    from embedcache.backbones.ckpt import CkptBackbone, save_backbone_checkpoint
+
+    staged = bb.trainable()
+    fresh = LiveNet(staged, net.trainable, net.head.out_features, bn=net.bn, live_prefix=net.live_prefix)
+    fresh.load_trained_state({**run.state.model.params, **run.state.model.buffers})
+    base = bb.base_name if isinstance(bb, CkptBackbone) else backbone  # the file records the root base
+    save_backbone_checkpoint(path, base, staged, note)
+
+
+def _seed_result(run: FTRun, hr: HeadResult, net: LiveNet, clients: list, seed: int,
+                 opts: FinetuneOptions) -> dict[str, Any]:
+    final = next(r for r in reversed(run.rounds) if r.accuracy is not None)
+    per_client = {c.name: 100.0 * a for c, a in zip(clients, final.accuracy) if a == a}
+    history = [{"round": r.round, "accuracy": 100.0 * _nanmean(r.accuracy)} for r in run.rounds if r.accuracy]
+    ft = run.rounds[1:]
+    up_b, down_b = sum(r.up_bytes for r in ft), sum(r.down_bytes for r in ft)
+    hc = hr.communication or {}
+    msgs = sum(len(r.participants) for r in ft)
+    commsum = {
+        "upload_params_per_client_per_round": (sum(r.up_values for r in ft) / msgs) if msgs else 0.0,
+        "upload_bytes_total": up_b + int(hc.get("upload_bytes_total", 0)),
+        "download_bytes_total": down_b + int(hc.get("download_bytes_total", 0)),
+    }
+    return {"seed": seed, "per_client": per_client, "history": history, "communication": commsum,
+            "trainable_params_per_client": count_values(net.trained_state(), net.parameter_keys())}
+
+
+def _nanmean(v: Sequence[float] | None) -> float:
+    vals = [x for x in (v or []) if x == x]
+    return sum(vals) / len(vals) if vals else math.nan
+
+
+def _extra(heads: list[HeadResult], runs: list[FTRun], per_seed: list[dict], net: LiveNet, clients: list,
+           trainable: Trainable, opts: FinetuneOptions, head: str) -> dict[str, Any]:
+    """Stages, FedNCM App. A units, the Figure-1 curves and timing (see the module docstring)."""
+    import numpy as np
+
+    C, D = net.head.out_features, net.head.in_features
+    K, E = len(clients), opts.ft.local_epochs
+    n_all = sum(c.n_train for c in clients)
+    P = count_values(net.trained_state(), net.parameter_keys()) - (C * D + C)  # trained base params
+    hr = heads[0]
+    # FedNCM App. A: Eq. 3 (head tuning) / Eq. 4 (FT) communication, Eq. 5 (FT) / Eq. 6 (head) compute
+    if head == "lp":
+        head_bytes = comm.comm_lp_bytes(D, C, K, hr.rounds, opts.fraction)
+        head_F = comm.comp_lp(hr.rounds, 1, n_all)
+    elif head == "random":
+        head_bytes, head_F = 0.0, 0
+    else:  # a one-pass head: its paper's per-client traffic (FedNCM: Eq. 3, one round), one forward pass
+        rc = create_algorithm(head).paper_round_comm(HeadArch((D,), num_classes=C), K)
+        head_bytes = float((rc.upload + rc.download) * K * comm.BITS_PER_PARAM / 8) if rc else 0.0
+        head_F = comm.comp_fedncm(n_all)
+    ft_bytes_per_round = comm.comm_ft_bytes(D, C, P, K, 1, opts.fraction)
+    run0 = runs[0]
+    by_round: dict[int, list[float]] = {}
+    for run in runs:
+        for r in run.rounds:
+            if r.accuracy:
+                by_round.setdefault(r.round, []).append(100.0 * _nanmean(r.accuracy))
+    hc = hr.communication or {}
+    cum_b, cum_F = float(head_bytes), float(head_F)
+    meas = float(hc.get("upload_bytes_total", 0) + hc.get("download_bytes_total", 0))
+    curve = []
+    for r in run0.rounds:
+        if r.round > 0:
+            cum_b += ft_bytes_per_round
+            cum_F += 3 * E * r.samples  # Eq. 5 with this round's N_s
+            meas += r.up_bytes + r.down_bytes
+        accs = by_round.get(r.round)
+        if accs:
+            curve.append({"round": r.round, "accuracy": float(np.mean(accs)),
+                          "std": float(np.std(accs, ddof=1)) if len(accs) > 1 else 0.0,
+                          "paper_comm_bytes": cum_b, "paper_compute_F": cum_F, "measured_comm_bytes": meas})
+    stage1_acc = [np.mean(list(h.per_client.values())) for h in heads if h.per_client]
+    return {
+        "method": method_name(head), "stage1": head, "trainable": trainable.spec, "cut": trainable.cut,
+        "bn": opts.bn, "server": opts.ft.server, "pretrained": opts.pretrained,
+        "clients": [c.name for c in clients], "domains": [c.domain for c in clients],
+        "training_rounds": opts.rounds, "fraction": opts.fraction,
+        "stages": [
+            {"stage": "head", "method": head, "rounds": hr.rounds, "on": "feature store",
+             "communication": hr.communication,
+             "accuracy": ({"mean": float(np.mean(stage1_acc)),
+                           "std": float(np.std(stage1_acc, ddof=1)) if len(stage1_acc) > 1 else 0.0}
+                          if stage1_acc else None)},
+            {"stage": "finetune", "rounds": opts.rounds, "trainable": trainable.spec, "server": opts.ft.server,
+             "inputs": "live images" if net.takes_images else f"cached {trainable.input_backbone('B')} from the store",
+             "round0_accuracy_per_seed": [100.0 * _nanmean(run.rounds[0].accuracy) for run in runs],
+             "seconds_per_round": float(np.mean([r.train_seconds for run in runs for r in run.rounds[1:]] or [0.0])),
+             "eval_seconds_per_round": float(np.mean([r.eval_seconds for run in runs for r in run.rounds if r.accuracy]
+                                                     or [0.0]))},
+        ],
+        "paper_units": {
+            "reference": "Legate et al. NeurIPS 2023, App. A: Eq. 3 (head tuning) and 4 (FT) in bytes at 32 bit; "
+                         "Eq. 5 (FT, 3F per sample) and 6 (head tuning, F per sample) in units of one forward pass F",
+            "LL_in": D, "LL_out": C, "P_trained_base_params": P, "clients_K": K,
+            "head_comm_bytes": head_bytes, "head_compute_F": head_F,
+            "ft_comm_bytes": ft_bytes_per_round * opts.rounds,
+            "ft_compute_F": float(3 * E * sum(r.samples for r in run0.rounds[1:])),
+            "note": ("P counts the parameters of the base that fine-tuning trains "
+                     f"({trainable.spec}); F is one forward pass of the whole model"),
+        },
+        "figure1": curve,
+        "timing": {"per_seed": [seed_timing(s["seed"], run) for s, run in zip(per_seed, runs)],
+                   "load_wall_seconds": None, "load_cpu_seconds": None},
+    }
