@@ -9,6 +9,7 @@ import logging
 import numpy as np
 import pytest
 import torch
+from fedcof_reference import Fed3RClient, Fed3RServer
 
 from embedcache.errors import UserError
 from fedheads.algorithms import create_algorithm
@@ -66,88 +67,7 @@ def fed3r_step(A, b, dataloader, model, num_classes, device):
     return A, b
 
 
-# dipamgoswami/FedCOF federate_classes.py, transcribed verbatim (Server, Fed3RServer, Client, Fed3RClient)
-class Server:
-    def __init__(self, client_data, n_classes, feature_space_dim):
-        self.client_data = client_data
-        self.n_classes = n_classes
-        self.feature_space_dim = feature_space_dim
-
-
-class Fed3RServer(Server):
-    def __init__(self, client_data,  n_classes, feature_space_dim, _lambda):
-        super().__init__(client_data, n_classes, feature_space_dim)
-        self.ridge_solution = None
-        self._lambda = _lambda
-
-    def shrink_cov(self, cov,  alpha=1):
-        iden = torch.eye(cov.shape[0])
-        cov_ = cov + (alpha*iden)
-        return cov_
-
-    def get_classifier_weights(self):
-        init_W = torch.nn.functional.normalize(self.ridge_solution)
-        return init_W
-
-    def aggregate(self):
-        G = torch.zeros(size=(self.feature_space_dim, self.feature_space_dim))
-        class_sums = {c: torch.zeros(size=(self.feature_space_dim,)) for c in range(self.n_classes)}
-
-        for user_id, user_data in self.client_data.items():  # noqa: B007
-            current_G = user_data["G"]
-            G += current_G
-            for class_id, class_sum in user_data["B"].items():
-                class_sums[class_id] += class_sum
-
-        inv_G = torch.linalg.pinv(self.shrink_cov(G, alpha=self._lambda)).float()
-        self.ridge_solution = []
-
-        for label_idx in range(self.n_classes):
-            self.ridge_solution.append(torch.matmul(inv_G.float(), class_sums[label_idx].float().unsqueeze(0).T))
-
-        self.ridge_solution = torch.stack(self.ridge_solution).float().squeeze(2)
-
-
-class Client:
-    def __init__(self,  user_id, user_features, user_labels):
-        self.user_id = user_id
-        self.user_features = user_features
-        self.user_labels = user_labels
-        self.statistics = {}
-
-    def send(self):
-        return self.statistics
-
-
-class Fed3RClient(Client):
-    def __init__(self,  user_id, user_features, user_labels):
-        super().__init__(user_id, user_features, user_labels)
-        self.statistics = {"G": None, "B": None}
-
-    def compute_G_B(self, data, labels):
-        G = torch.mm(data.T, data)
-
-        unique_classes = torch.unique(labels)
-
-        # Dictionary to store the means and sample counts for each class
-        sum_means = {}
-
-        # Loop over each unique class and compute the mean and sample count
-        for class_label in unique_classes:
-            # Get the data points corresponding to the current class
-            class_data = data[labels == class_label]
-
-            # Compute the mean for the class and the number of samples
-            class_mean = class_data.mean(dim=0)
-            class_sample_count = class_data.size(0)
-            sum_means[class_label.item()] = class_mean * class_sample_count
-
-        return G, sum_means
-
-    def compute(self):
-        self.statistics["G"], self.statistics["B"] = self.compute_G_B(self.user_features, self.user_labels)
-
-
+# dipamgoswami/FedCOF federate_classes.py: tests/fedcof_reference.py
 # ---------------------------------------------------------------- helpers
 def federation(seed=0, M=5, C=6, D=5, dyadic=False):
     """Non-IID clients of different sizes, a per-client shift; class 5 held by nobody. With
