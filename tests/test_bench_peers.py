@@ -106,3 +106,25 @@ def test_frameworks_agree_on_one_full_batch_step(tmp_path: Path, monkeypatch: py
     d = json.loads(out.read_text())
     assert d["command"] and d["commit"] and "fedheads" in out.with_suffix(".md").read_text()
     assert out.with_suffix(".png").stat().st_size > 0
+
+
+@pytest.mark.shared
+def test_fmnist_store_extracts_the_official_splits(tmp_path: Path, shared: Path, cifar_weights: Path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """benchmarks/fmnist_store.py: Fashion-MNIST's own train/test split as one client's splits,
+    extracted by embedcache, and read back by bench_peers.store_features in the same order."""
+    import fmnist_store
+
+    monkeypatch.setenv("EMBEDCACHE_WEIGHTS", str(shared / "weights"))
+    rng = np.random.default_rng(0)
+    imgs = rng.integers(0, 256, (7, 28, 28))
+    write_idx(tmp_path / "train-images-idx3-ubyte.gz", imgs[:5])
+    write_idx(tmp_path / "train-labels-idx1-ubyte.gz", np.array([1, 2, 9, 0, 3]))
+    write_idx(tmp_path / "t10k-images-idx3-ubyte", imgs[5:])
+    write_idx(tmp_path / "t10k-labels-idx1-ubyte", np.array([4, 8]))
+    store = fmnist_store.build(tmp_path, "resnet20-cifar10", tmp_path / "cache", None, limit=4)
+    assert store.parent.name.endswith("-first4")
+    xtr, ytr, xte, yte = bench.store_features(str(store), "resnet20-cifar10")
+    assert xtr.shape == (4, 64) and ytr.tolist() == [1, 2, 9, 0] and yte.tolist() == [4, 8]
+    assert np.isfinite(xtr).all() and xtr.std() > 0
+    assert fmnist_store.build(tmp_path, "resnet20-cifar10", tmp_path / "cache", None, limit=4) == store  # cached
