@@ -349,13 +349,33 @@ def plot(result: dict, path: Path) -> None:
     plt.close(fig)
 
 
+def parse_rounds(spec: str, protocols: list[str]) -> dict[str, int]:
+    """--rounds: "" (none), "N" (every protocol) or "PROTOCOL=N,..."; SystemExit naming a bad item."""
+    if not spec.strip():
+        return {}
+    if "=" not in spec:
+        items = [(p, spec) for p in protocols]
+    else:
+        items = [tuple(x.split("=", 1)) for x in spec.split(",") if x.strip()]  # type: ignore[misc]
+    out = {}
+    for name, n in items:
+        name = name.strip()
+        if name not in protocols:
+            raise SystemExit(f"error: --rounds {spec}: unknown protocol {name!r} (one of {', '.join(protocols)})")
+        if not n.strip().isdigit() or int(n) < 1:
+            raise SystemExit(f"error: --rounds {spec}: {n!r} is not a positive number of rounds")
+        out[name] = int(n)
+    return out
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--protocols", default=",".join(PROTOCOLS))
     ap.add_argument("--heads", default="linear,mlp", help="heads to run where a protocol has them")
     ap.add_argument("--frameworks", default=",".join(FRAMEWORKS))
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--rounds", type=int, default=0, help="override every protocol's rounds")
+    ap.add_argument("--rounds", default="", help="override the protocols' rounds: N for every protocol, or "
+                    "PROTOCOL=N,... (e.g. crossdevice=30,skewed=30: as many as fit a few minutes per framework)")
     ap.add_argument("--lr", type=float, default=0.05, help="client SGD learning rate")
     ap.add_argument("--batch", type=int, default=10, help="local batch size (>= every client's rows: one full-batch "
                     "step per epoch, so every framework must give the same model up to float rounding)")
@@ -371,6 +391,7 @@ def main(argv: list[str] | None = None) -> dict:
                     f"{QUICK['rounds']} rounds, 1 repeat (checks every path, not a figure)")
     ap.add_argument("--out", default=str(HERE / "results" / "peers.json"))
     a = ap.parse_args(argv)
+    rounds_override = parse_rounds(a.rounds, list(PROTOCOLS))
     env = child_env(a.site or [p for p in [os.environ.get("BENCH_PEERS_SITE")] if p])
     repeats = 1 if a.quick else a.repeats
     peers = peer_status(env)
@@ -389,8 +410,8 @@ def main(argv: list[str] | None = None) -> dict:
             if a.quick:
                 proto.update(clients=QUICK["clients"], per_round=QUICK["per_round"] * (2 if pname == "skewed" else 1),
                              rounds=QUICK["rounds"])
-            if a.rounds:
-                proto["rounds"] = a.rounds
+            if pname in rounds_override:
+                proto["rounds"] = rounds_override[pname]
             if proto["dim"] == 784:
                 data, source = fashion_mnist(Path(a.fashion_mnist)), f"Fashion-MNIST pixels from {a.fashion_mnist}"
             else:

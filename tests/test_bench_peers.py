@@ -128,3 +128,13 @@ def test_fmnist_store_extracts_the_official_splits(tmp_path: Path, shared: Path,
     assert xtr.shape == (4, 64) and ytr.tolist() == [1, 2, 9, 0] and yte.tolist() == [4, 8]
     assert np.isfinite(xtr).all() and xtr.std() > 0
     assert fmnist_store.build(tmp_path, "resnet20-cifar10", tmp_path / "cache", None, limit=4) == store  # cached
+
+
+def test_rounds_override_per_protocol() -> None:
+    names = list(bench.PROTOCOLS)
+    assert bench.parse_rounds("", names) == {}
+    assert bench.parse_rounds("7", names) == {n: 7 for n in names}
+    assert bench.parse_rounds("crossdevice=30,skewed=20", names) == {"crossdevice": 30, "skewed": 20}
+    for bad in ("crossdevic=3", "skewed=0", "skewed=x"):
+        with pytest.raises(SystemExit, match="--rounds"):
+            bench.parse_rounds(bad, names)
