@@ -29,20 +29,25 @@ def chunk_digest(key: str, features: np.ndarray, views: np.ndarray | None, mask:
     """sha256 of (cache key, chunk features bytes, chunk views bytes, chunk mask bytes), C order,
     stored dtype, one byte per mask entry; a shard without views/mask hashes exactly as before."""
     h = hashlib.sha256(key.encode())
-    h.update(memoryview(np.ascontiguousarray(features)).cast("B"))
+    h.update(_bytes(features))
     if views is not None:
-        h.update(memoryview(np.ascontiguousarray(views)).cast("B"))
+        h.update(_bytes(views))
     if mask is not None:
-        h.update(memoryview(np.ascontiguousarray(mask, dtype=np.bool_).view(np.uint8)).cast("B"))
+        h.update(_bytes(np.ascontiguousarray(mask, dtype=np.bool_).view(np.uint8)))
     return h.digest()
 
 
 def rows_digest(key: str, labels: np.ndarray, sample_ids: Sequence[str]) -> bytes:
     """sha256 of (cache key, labels as int64 bytes, compact JSON list of the sample ids)."""
     h = hashlib.sha256(key.encode())
-    h.update(memoryview(np.ascontiguousarray(labels, dtype=np.int64)).cast("B"))
+    h.update(_bytes(np.asarray(labels, dtype=np.int64)))
     h.update(json.dumps([str(s) for s in sample_ids], ensure_ascii=False, separators=(",", ":")).encode())
     return h.digest()
+
+
+def _bytes(arr: np.ndarray) -> memoryview:
+    """The array's bytes in C order, without a copy when it is already contiguous."""
+    return np.ascontiguousarray(arr).data.cast("B")
 
 
 class Rows(NamedTuple):
@@ -175,13 +180,17 @@ class RowStream:
         self.buf: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
 
     def take(self, a: int, b: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Rows [a, b) as (features, labels, sample ids); ranges must follow each other."""
         have = self.start + (0 if self.buf is None else len(self.buf[1]))
-        if have < b:
+        if have < b or self.buf is None:
             c1 = -(-b // self.reader.chunk_rows)
             f, y, s, _, _ = self.reader.read(self.next_chunk, c1)
             self.next_chunk = c1
-            self.buf = (f, y, s) if self.buf is None else tuple(np.concatenate([o, x]) for o, x in zip(self.buf, (f, y, s)))
+            if self.buf is not None:
+                f, y, s = (np.concatenate([self.buf[0], f]), np.concatenate([self.buf[1], y]),
+                           np.concatenate([self.buf[2], s]))
+            self.buf = (f, y, s)
         i, j = a - self.start, b - self.start
-        out = tuple(x[i:j] for x in self.buf)
-        self.buf, self.start = tuple(x[j:] for x in self.buf), b
-        return out
+        f, y, s = self.buf
+        self.buf, self.start = (f[j:], y[j:], s[j:]), b
+        return f[i:j], y[i:j], s[i:j]

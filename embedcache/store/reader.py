@@ -30,7 +30,7 @@ import numpy as np
 import zarr
 
 from embedcache.errors import UserError
-from embedcache.store.checked_reads import RowStream, ShardReader
+from embedcache.store.checked_reads import Rows, RowStream, ShardReader
 from embedcache.store.layout import (
     OLDER,
     SPLITS,
@@ -306,21 +306,25 @@ def load_split(
             masked = next(sh for sh in shards if sh.token_shape is not None)
             raise UserError(f"{masked.backbone}: token states with a mask are loaded alone, not concatenated "
                             f"with {', '.join(n for n in names if n != masked.backbone)}")
-        parts = []
+        parts: list[tuple[ShardInfo, Rows]] = []
         for sh in shards:
             reader = ShardReader(nodes, sh, views)
-            parts.append((sh, *reader.read(0, reader.n_chunks)))
-        first = parts[0]
-        for sh, _, labels, ids, _, _ in parts[1:]:
-            _same_rows(client, split, first[0].backbone, sh.backbone, (first[3], ids), (first[2], labels))
-        if views and len({p[4].shape[0] for p in parts}) > 1:
-            raise UserError(f"{client}/{split}: backbones hold different numbers of views "
-                            f"({', '.join(f'{p[0].backbone}={p[4].shape[0]}' for p in parts)})")
-        feats = np.concatenate([p[1] for p in parts], axis=1)
-        vws = np.concatenate([p[4] for p in parts], axis=2) if views else None
+            parts.append((sh, reader.read(0, reader.n_chunks)))
+        first_sh, first = parts[0]
+        for sh, rows in parts[1:]:
+            _same_rows(client, split, first_sh.backbone, sh.backbone, (first.ids, rows.ids),
+                       (first.labels, rows.labels))
+        feats = np.concatenate([rows.features for _, rows in parts], axis=1)
+        vws = None
+        if views:
+            held = [(sh.backbone, rows.views) for sh, rows in parts if rows.views is not None]
+            if len(held) != len(parts) or len({v.shape[0] for _, v in held}) > 1:
+                raise UserError(f"{client}/{split}: backbones hold different numbers of views "
+                                f"({', '.join(f'{b}={v.shape[0]}' for b, v in held)})")
+            vws = np.concatenate([v for _, v in held], axis=2)
         token_shape, channels_first = _token_layout(shards)
-        out[client] = ClientSplit(client=client, domain=first[0].domain, features=feats,
-                                  labels=first[2], sample_ids=first[3], views=vws, mask=first[5],
+        out[client] = ClientSplit(client=client, domain=first_sh.domain, features=feats,
+                                  labels=first.labels, sample_ids=first.ids, views=vws, mask=first.mask,
                                   token_shape=token_shape, channels_first=channels_first)
     return out
 
@@ -351,10 +355,10 @@ def iter_split_chunks(
     n = shards[0].n
     for a in range(0, n, chunk_rows):
         b = min(a + chunk_rows, n)
-        feats, labels, ids = [], None, None
-        for sh, stream in zip(shards, streams):
+        feats, labels, ids = [], np.empty(0, np.int64), np.empty(0, str)
+        for k, (sh, stream) in enumerate(zip(shards, streams)):
             f, y, s = stream.take(a, b)
-            if labels is None:
+            if k == 0:
                 labels, ids = y, s
             else:
                 _same_rows(client, split, shards[0].backbone, sh.backbone, (ids, s), (labels, y))
