@@ -18,9 +18,9 @@ from typing import Any
 
 import numpy as np
 from numcodecs.vlen import VLenUTF8
-from numcodecs.zstd import Zstd
 
-_ZSTD = Zstd()
+from embedcache.store.zstd_prefix import decode, decode_prefix
+
 _VLEN = VLenUTF8()
 _NUMERIC = {"float32", "float16", "float64", "int64", "int32", "uint8", "bool"}
 
@@ -81,41 +81,42 @@ class ChunkFiles:
         idx[self.row_axis] = str(chunk)
         return f"{self.directory}{os.sep}c{self.separator}{self.separator.join(idx)}"
 
-    def chunk(self, chunk: int) -> np.ndarray:
-        """The whole stored chunk (edge chunks are stored whole too); the fill value when its file is absent."""
+    def chunk(self, chunk: int, rows: int | None = None) -> np.ndarray:
+        """The first `rows` rows of a stored chunk (all by default; edge chunks are stored whole);
+        the fill value when its file is absent. Numeric chunks split along axis 0 decode only
+        the bytes of those rows (`zstd_prefix`)."""
+        cr = self.chunks[self.row_axis]
+        rows = cr if rows is None else rows
         try:
             with open(self._key(chunk), "rb") as f:
                 raw = f.read()
         except FileNotFoundError:
-            return np.full(self.chunks, self.fill, dtype=object if self.dtype is None else self.dtype)
+            shape = tuple(rows if i == self.row_axis else s for i, s in enumerate(self.chunks))
+            return np.full(shape, self.fill, dtype=object if self.dtype is None else self.dtype)
         size = math.prod(self.chunks)
         if self.dtype is None:
-            out = np.asarray(_VLEN.decode(_ZSTD.decode(raw) if self.zstd else raw), dtype=object)
+            out = np.asarray(_VLEN.decode(decode(raw) if self.zstd else raw), dtype=object)
         else:  # decoded into a fresh array: callers get writable rows, as from zarr
-            out = np.empty(size, dtype=self.dtype)
+            prefix = self.row_axis == 0 and rows < cr
+            out = np.empty(size // cr * rows if prefix else size, dtype=self.dtype)
             if self.zstd:
-                got = _ZSTD.decode(raw, out=out.view(np.uint8))
-                n = len(memoryview(got).cast("B"))
+                n = decode_prefix(raw, out)
             else:
                 n = min(len(raw), out.nbytes)
                 out.view(np.uint8)[:n] = np.frombuffer(raw, np.uint8)[:n]
-                n = len(raw)
-            if n != out.nbytes:
-                raise ValueError(f"chunk {chunk} holds {n} bytes, not {out.nbytes}")
+            if n != out.nbytes or (not self.zstd and len(raw) != size * self.dtype.itemsize):
+                raise ValueError(f"chunk {chunk} holds too few bytes ({n} of {out.nbytes} decoded)")
+            if prefix:
+                return out.reshape((rows,) + self.chunks[1:])
         if out.size != size:
             raise ValueError(f"chunk {chunk} holds {out.size} values, not {size}")
-        return out.reshape(self.chunks)
+        out = out.reshape(self.chunks)
+        return out if rows == cr else out[(slice(None),) * self.row_axis + (slice(0, rows),)]
 
     def read(self, c0: int, c1: int) -> np.ndarray:
         """Rows [c0 * chunk_rows, min(c1 * chunk_rows, rows)) along the row axis."""
         cr, n = self.chunks[self.row_axis], self.shape[self.row_axis]
-        parts = []
-        for c in range(c0, c1):
-            part = self.chunk(c)
-            stop = min(cr, n - c * cr)
-            if stop < cr:
-                part = part[(slice(None),) * self.row_axis + (slice(0, max(stop, 0)),)]
-            parts.append(part)
+        parts = [self.chunk(c, max(0, min(cr, n - c * cr))) for c in range(c0, c1)]
         if len(parts) == 1:
             return parts[0]
         if not parts:

@@ -363,7 +363,7 @@ def iter_split_chunks(
             else:
                 _same_rows(client, split, shards[0].backbone, sh.backbone, (ids, s), (labels, y))
             feats.append(f)
-        yield np.concatenate(feats, axis=1), labels, ids
+        yield (feats[0] if len(feats) == 1 else np.concatenate(feats, axis=1)), labels, ids  # one backbone: no copy
 
 
 def shard_attributes(store: str | Path | StoreInfo, shard: ShardInfo) -> dict:
