@@ -82,6 +82,8 @@ def decode_prefix(frame: bytes, out: np.ndarray) -> int:
     """Decompress the first `out.nbytes` bytes of the zstd content of `frame` into `out` (a
     C-contiguous array); returns how many bytes were written, fewer only when the content is
     shorter. ValueError when the frame is damaged before that point."""
+    if not out.flags.c_contiguous or not out.flags.writeable:
+        raise ValueError("decode_prefix needs a C-contiguous, writable output array")
     want = out.nbytes
     if want == 0:
         return 0
@@ -94,7 +96,7 @@ def decode_prefix(frame: bytes, out: np.ndarray) -> int:
     _LIB.ZSTD_DCtx_reset(ctx.ptr, _SESSION_ONLY)
     src = ctypes.c_char_p(frame)  # keeps the pointer valid for the calls below
     inb = _InBuffer(ctypes.cast(src, ctypes.c_void_p), len(frame), 0)
-    outb = _OutBuffer(out.ctypes.data, want, 0)
+    outb = _OutBuffer(out.__array_interface__["data"][0], want, 0)  # cheaper than out.ctypes
     while outb.pos < want:
         before = (inb.pos, outb.pos)
         r = _LIB.ZSTD_decompressStream(ctx.ptr, ctypes.byref(outb), ctypes.byref(inb))
