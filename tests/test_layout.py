@@ -137,15 +137,19 @@ def test_store_load_opens_the_store_once_whatever_the_clients(tmp_path, monkeypa
             f = tmp_path / f"c{k}-{split}.npz"
             np.savez(f, features=rs.normal(size=(m, 3)).astype("f4"), labels=rs.integers(0, 2, m))
             import_features(store, f, backbone="bb", client=f"c{k}", split=split, domain="d", classes=["a", "b"])
-    opened = []
-    real = reader.open_group
-    monkeypatch.setattr(reader, "open_group", lambda *a: opened.append(a) or real(*a))
+    import embedcache.store.layout as layout
+
+    opened, parsed = [], []
+    real, real_meta = layout.zarr_root, reader.root_metadata
+    monkeypatch.setattr(layout, "zarr_root", lambda *a: opened.append(a) or real(*a))
+    monkeypatch.setattr(reader, "root_metadata", lambda *a: parsed.append(a) or real_meta(*a))
     data = load_fed_data(str(store), ["bb"], device="cpu", chunk_rows=3)
-    assert data.num_clients == len(SKEWED) and len(opened) <= 2, len(opened)  # was 2 per client
+    # was 2 zarr opens per client; the metadata is now read once, as JSON, and no zarr group is opened
+    assert data.num_clients == len(SKEWED) and len(parsed) == 1 and not opened, (parsed, opened)
     info = reader.open_store(str(store))
     assert info.shard("bb", "c3", "test").n == 2 and info.shard("bb", "c3", "nope") is None
     back = pickle.loads(pickle.dumps(info))  # dask ships StoreInfos: the caches stay behind
-    assert back == info and "_root" not in back.__dict__ and back.shard("bb", "c1", "train").n == SKEWED[1]
+    assert back == info and "_nodes" not in back.__dict__ and back.shard("bb", "c1", "train").n == SKEWED[1]
 
 
 def test_count_parameters_is_the_same_in_both_layouts():

@@ -36,9 +36,9 @@ def _shards(store: str | Path) -> tuple[Any, Iterator[tuple[str, dict[str, Any],
         raise UserError(f"{bad[0]}: shard incomplete; run extract (or verify) first")
 
     def gen() -> Iterator[tuple[str, dict[str, Any], dict[str, np.ndarray]]]:
-        root = info.root()
+        nodes = info.nodes()
         for s in info.shards:
-            reader = ShardReader(root, s, s.views > 1, info.path)  # exports only checked rows
+            reader = ShardReader(nodes, s, s.views > 1)  # exports only checked rows
             feats, labels, ids, views, mask = reader.read(0, reader.n_chunks)
             arrays = {"features": feats.astype(s.dtype), "labels": np.asarray(labels, np.int64),
                       "sample_ids": np.asarray(ids.tolist(), dtype=str)}
@@ -46,7 +46,7 @@ def _shards(store: str | Path) -> tuple[Any, Iterator[tuple[str, dict[str, Any],
                 arrays["views"] = views.astype(s.dtype)
             if mask is not None:
                 arrays["mask"] = mask
-            yield s.path, _json_attrs(root[s.path].attrs), arrays
+            yield s.path, _json_attrs(nodes.attributes(s.path) or {}), arrays
 
     return info, gen()
 

@@ -140,6 +140,10 @@ def consolidated_problem(path: str | Path, meta: dict) -> str | None:
     entries = consolidated_entries(meta)
     if not isinstance(entries, dict):
         return entries
+    bad = next((k for k, v in entries.items() if not isinstance(v, dict) or v.get("node_type") not in ("group", "array")),
+               None)
+    if bad is not None:  # the reader reads the entries as they are: each must be a node's metadata
+        return f"is unreadable (its entry {bad} is not a node's metadata)"
     listed = {k for k, v in entries.items() if k.count("/") == 2 and isinstance(v, dict) and v.get("node_type") == "group"}
     disk = disk_shard_paths(path)
     if listed == disk:
@@ -172,6 +176,44 @@ def open_group(path: str | Path, consolidated: bool) -> zarr.Group:
         return zarr_root(path, consolidated)
     except Exception as exc:  # zarr raises many types for a damaged hierarchy
         raise UserError(f"{path}: cannot open the store ({type(exc).__name__}: {exc})") from None
+
+
+class StoreNodes:
+    """The metadata (zarr.json, parsed) of a store's nodes by path: from the root's consolidated
+    metadata when the reader uses it (checked against the shard directories on disk), else each
+    node's own file, read once when first asked. Reads need no zarr group: opening one parses the
+    whole consolidated metadata into zarr objects, which grows with the shards (`root()` opens
+    the hierarchy without it, for the arrays the direct reads do not handle)."""
+
+    def __init__(self, path: str | Path, entries: dict[str, Any] | None = None) -> None:
+        self.path = str(path)
+        self.consolidated = entries is not None
+        self._known: dict[str, Any] = entries if entries is not None else {}
+        self._root: zarr.Group | None = None
+
+    def get(self, key: str) -> dict[str, Any] | None:
+        """The node's metadata; None when there is no such node or it is unreadable."""
+        if key in self._known or self.consolidated:
+            found = self._known.get(key)
+        else:
+            try:
+                found = json.loads((Path(self.path) / key / "zarr.json").read_text())
+            except (OSError, UnicodeDecodeError, ValueError):
+                found = None
+            self._known[key] = found
+        return found if isinstance(found, dict) else None
+
+    def attributes(self, key: str) -> dict[str, Any] | None:
+        """A group's attributes; None when it is not a readable group."""
+        meta = self.get(key)
+        attrs = meta.get("attributes", {}) if meta is not None and meta.get("node_type") == "group" else None
+        return attrs if isinstance(attrs, dict) else None
+
+    def root(self) -> zarr.Group:
+        """The store's root group, opened once, without the consolidated metadata."""
+        if self._root is None:
+            self._root = open_group(self.path, False)
+        return self._root
 
 
 BACKUP_PREFIX = ".import-backup-"  # a shard an import replaces waits here (no zarr.json: not a node)

@@ -7,8 +7,11 @@ asked: FedPCL's r(x; Phi*) = concat(r_1(x; phi_1*), ..., r_K(x; phi_K*))
 
 Nothing is handed out that was not written and checked (`embedcache.store.checked_reads`): zarr reads
 a deleted chunk file as fill values, so without the check a lost file would train on zeros.
-Consolidated metadata is used only when it matches the shard groups on disk; otherwise the
-hierarchy is read and a `StoreWarning` says so, once.
+Consolidated metadata is used only when it matches the shard groups on disk; otherwise each
+shard's own metadata is read and a `StoreWarning` says so, once. Metadata is read as JSON
+(`layout.StoreNodes`) and chunks of the writer's layout from their files
+(`embedcache.store.chunk_files`), not through zarr objects: per shard, those cost more than the
+bytes of a small shard.
 
 Token states (FedDRA's stage 1): a text token shard holds rows T-major plus a `mask` [N, T]; an
 image cut map holds rows C-major ([C, H, W] flattened: H*W tokens of C channels).
@@ -18,8 +21,7 @@ image cut map holds rows C-major ([C, H, W] flattened: H*W tokens of C channels)
 from __future__ import annotations
 
 import json
-import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,18 +30,19 @@ import numpy as np
 import zarr
 
 from embedcache.errors import UserError
-from embedcache.store.checked_reads import RowStream, ShardReader
+from embedcache.store.checked_reads import Rows, RowStream, ShardReader
 from embedcache.store.layout import (
     OLDER,
     SPLITS,
     STORE_FORMAT,
     ShardInfo,
+    StoreNodes,
+    consolidated_entries,
     consolidated_problem,
+    disk_shard_paths,
     note,
-    open_group,
     root_metadata,
     stale_reason,
-    zarr_root,
 )
 
 
@@ -65,23 +68,29 @@ class StoreInfo:
             object.__setattr__(self, "_index", index)
         return index.get((backbone, client, split))
 
+    def nodes(self) -> StoreNodes:
+        """The metadata of the store's nodes, as open_store read it (one snapshot with `shards`);
+        read again after `release_root` or unpickling."""
+        nodes = self.__dict__.get("_nodes")
+        if nodes is None:
+            entries = consolidated_entries(root_metadata(self.path)) if self.consolidated else None
+            nodes = StoreNodes(self.path, entries if isinstance(entries, dict) else None)
+            object.__setattr__(self, "_nodes", nodes)
+        return nodes
+
     def root(self) -> zarr.Group:
-        """The store's root group, opened once per StoreInfo (the same snapshot as its shards):
-        opening parses the consolidated metadata, which grows with the number of shards, so
-        opening it per client made loading quadratic in the clients (minutes at 1,000)."""
-        root = self.__dict__.get("_root")
-        if root is None:
-            root = open_group(self.path, self.consolidated)
-            object.__setattr__(self, "_root", root)
-        return root
+        """The store's root group (zarr), opened once per StoreInfo, for what the direct reads of
+        `nodes()` do not cover; it opens the hierarchy, not the consolidated metadata, whose parse
+        into zarr objects grows with the number of shards."""
+        return self.nodes().root()
 
     def release_root(self) -> None:
-        """Let go of the root group and its parsed metadata (tens of MB at 1,000s of shards), e.g.
-        once a run has read its features: root() would open it again."""
-        self.__dict__.pop("_root", None)
+        """Let go of the parsed metadata (tens of MB at 1,000s of shards) and the root group, e.g.
+        once a run has read its features: nodes() and root() would read them again."""
+        self.__dict__.pop("_nodes", None)
 
     def __getstate__(self) -> dict:  # the caches are rebuilt where the StoreInfo is unpickled (dask workers)
-        return {k: v for k, v in self.__dict__.items() if k not in ("_index", "_root")}
+        return {k: v for k, v in self.__dict__.items() if k not in ("_index", "_nodes")}
 
 
 @dataclass(frozen=True)
@@ -110,55 +119,58 @@ class ClientSplit:
         return self.features.reshape(n, t, d)
 
 
-def _walk(root: zarr.Group, attrs: dict) -> list[ShardInfo]:
-    shards: list[ShardInfo] = []
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        for bkey, bgroup in sorted(root.groups()):
-            for client, cgroup in sorted(bgroup.groups()):
-                for split, shard in sorted(cgroup.groups()):
-                    a = shard.attrs
-                    if split not in SPLITS or "cache_key" not in a:
-                        continue  # a shard being created: not yet a shard
-                    mh = str(a.get("manifest_hash", ""))
-                    tshape, mshape = a.get("token_shape"), (a.get("preprocess") or {}).get("map_shape")
-                    shards.append(ShardInfo(
-                        backbone=a["backbone"], key=bkey, client=client, split=split,
-                        domain=a.get("domain", ""), n=int(a["n"]), dim=int(a["dim"]), dtype=a["dtype"],
-                        views=int(a.get("views", 1)), complete=bool(a.get("complete", False)),
-                        cache_key=a["cache_key"], path=f"{bkey}/{client}/{split}", manifest_hash=mh,
-                        stale=stale_reason(attrs, client, mh), modality=str(a.get("modality", "image")),
-                        token_shape=None if tshape is None else (int(tshape[0]), int(tshape[1])),
-                        map_shape=None if mshape is None else tuple(int(v) for v in mshape),
-                        weights_sha256=str(a.get("weights_sha256", "")),
-                        preprocess=json.dumps(a.get("preprocess"), sort_keys=True, separators=(",", ":"))))
+def _shard_info(path: str, a: dict[str, Any], root_attrs: dict[str, Any]) -> ShardInfo:
+    bkey, client, split = path.split("/")
+    mh = str(a.get("manifest_hash", ""))
+    tshape, mshape = a.get("token_shape"), (a.get("preprocess") or {}).get("map_shape")
+    return ShardInfo(
+        backbone=str(a["backbone"]), key=bkey, client=client, split=split,
+        domain=str(a.get("domain", "")), n=int(a["n"]), dim=int(a["dim"]), dtype=str(a["dtype"]),
+        views=int(a.get("views", 1)), complete=bool(a.get("complete", False)),
+        cache_key=str(a["cache_key"]), path=path, manifest_hash=mh,
+        stale=stale_reason(root_attrs, client, mh), modality=str(a.get("modality", "image")),
+        token_shape=None if tshape is None else (int(tshape[0]), int(tshape[1])),
+        map_shape=None if mshape is None else tuple(int(v) for v in mshape),
+        weights_sha256=str(a.get("weights_sha256", "")),
+        preprocess=json.dumps(a.get("preprocess"), sort_keys=True, separators=(",", ":")))
+
+
+def _walk(nodes: StoreNodes, paths: Iterable[str], root_attrs: dict[str, Any]) -> list[ShardInfo]:
+    """Every shard among the `<backbone>/<client>/<split>` groups `paths`, sorted by
+    (backbone key, client, split); a group without a cache key is a shard being created."""
+    shards = []
+    for path in sorted(paths, key=lambda p: p.split("/")):
+        a = nodes.attributes(path)
+        if a is not None and path.rsplit("/", 1)[1] in SPLITS and "cache_key" in a:
+            shards.append(_shard_info(path, a, root_attrs))
     return shards
 
 
 def open_store(path: str | Path, *, quiet: bool = False) -> StoreInfo:
     """Describe a store from its metadata alone (no feature is read). Uses the consolidated
-    metadata only when it matches the shard groups on disk; otherwise reads the hierarchy and
-    warns once (`quiet=True`: no warning, for `verify`, which reports it as a problem)."""
+    metadata only when it matches the shard groups on disk; otherwise reads each shard's own
+    metadata and warns once (`quiet=True`: no warning, for `verify`, which reports it as a problem)."""
     meta = root_metadata(path)
     attrs = meta["attributes"]
     if attrs.get("format") != STORE_FORMAT:
         raise UserError(f"{path}: not an embedcache store (format={attrs.get('format')!r})")
     problem = consolidated_problem(path, meta)
-    use = meta.get("consolidated_metadata") is not None and problem is None
-    shards = None
-    if use:
+    entries = consolidated_entries(meta)
+    use = isinstance(entries, dict) and problem is None
+    shards, nodes = None, None
+    if isinstance(entries, dict) and use:
         try:
-            root = zarr_root(path, True)
-            shards = _walk(root, attrs)
-        except Exception as exc:  # e.g. zarr cannot nest names that differ only in case
+            nodes = StoreNodes(path, entries)
+            shards = _walk(nodes, (k for k in entries if k.count("/") == 2), attrs)
+        except Exception as exc:  # e.g. malformed attributes: the files may hold better ones
             problem, use = f"is unreadable ({type(exc).__name__}: {' '.join(str(exc).split())[:120]})", False
     if shards is None:
         if problem and not quiet:
             note(f"{path}: consolidated metadata {problem}; reading the hierarchy instead "
                  "(the next write, or `embedcache verify --repair`, rewrites it)")
         try:
-            root = zarr_root(path, False)
-            shards = _walk(root, attrs)
+            nodes = StoreNodes(path)
+            shards = _walk(nodes, disk_shard_paths(path), attrs)
         except Exception as exc:
             raise UserError(f"{path}: cannot read the store's metadata ({type(exc).__name__}: {exc})") from None
     info = StoreInfo(
@@ -166,7 +178,7 @@ def open_store(path: str | Path, *, quiet: bool = False) -> StoreInfo:
         backbones=tuple(sorted({s.backbone for s in shards})),
         clients=tuple(sorted(attrs["clients"] if attrs.get("clients") is not None else {s.client for s in shards})),
         shards=tuple(shards), consolidated=use, source=str(attrs.get("source", "")))
-    object.__setattr__(info, "_root", root)  # StoreInfo.root(): the group just walked, not opened again
+    object.__setattr__(info, "_nodes", nodes)  # StoreInfo.nodes(): the metadata just walked, not read again
     return info
 
 
@@ -286,7 +298,7 @@ def load_split(
     # default: the store's clients (its latest manifest's), never shards a later manifest dropped
     wanted = list(clients) if clients is not None else list(info.clients)
     check_backbone_identity(info, names, wanted, (split,))
-    root = info.root()
+    nodes = info.nodes()
     out: dict[str, ClientSplit] = {}
     for client in wanted:
         shards = [_servable_shard(info, n, client, split) for n in names]
@@ -294,21 +306,25 @@ def load_split(
             masked = next(sh for sh in shards if sh.token_shape is not None)
             raise UserError(f"{masked.backbone}: token states with a mask are loaded alone, not concatenated "
                             f"with {', '.join(n for n in names if n != masked.backbone)}")
-        parts = []
+        parts: list[tuple[ShardInfo, Rows]] = []
         for sh in shards:
-            reader = ShardReader(root, sh, views, info.path)
-            parts.append((sh, *reader.read(0, reader.n_chunks)))
-        first = parts[0]
-        for sh, _, labels, ids, _, _ in parts[1:]:
-            _same_rows(client, split, first[0].backbone, sh.backbone, (first[3], ids), (first[2], labels))
-        if views and len({p[4].shape[0] for p in parts}) > 1:
-            raise UserError(f"{client}/{split}: backbones hold different numbers of views "
-                            f"({', '.join(f'{p[0].backbone}={p[4].shape[0]}' for p in parts)})")
-        feats = np.concatenate([p[1] for p in parts], axis=1)
-        vws = np.concatenate([p[4] for p in parts], axis=2) if views else None
+            reader = ShardReader(nodes, sh, views)
+            parts.append((sh, reader.read(0, reader.n_chunks)))
+        first_sh, first = parts[0]
+        for sh, rows in parts[1:]:
+            _same_rows(client, split, first_sh.backbone, sh.backbone, (first.ids, rows.ids),
+                       (first.labels, rows.labels))
+        feats = np.concatenate([rows.features for _, rows in parts], axis=1)
+        vws = None
+        if views:
+            held = [(sh.backbone, rows.views) for sh, rows in parts if rows.views is not None]
+            if len(held) != len(parts) or len({v.shape[0] for _, v in held}) > 1:
+                raise UserError(f"{client}/{split}: backbones hold different numbers of views "
+                                f"({', '.join(f'{b}={v.shape[0]}' for b, v in held)})")
+            vws = np.concatenate([v for _, v in held], axis=2)
         token_shape, channels_first = _token_layout(shards)
-        out[client] = ClientSplit(client=client, domain=first[0].domain, features=feats,
-                                  labels=first[2], sample_ids=first[3], views=vws, mask=first[5],
+        out[client] = ClientSplit(client=client, domain=first_sh.domain, features=feats,
+                                  labels=first.labels, sample_ids=first.ids, views=vws, mask=first.mask,
                                   token_shape=token_shape, channels_first=channels_first)
     return out
 
@@ -334,28 +350,36 @@ def iter_split_chunks(
                         "returns the mask")
     if len({sh.n for sh in shards}) > 1:
         raise UserError(f"{client}/{split}: backbones hold different numbers of samples")
-    root = info.root()
-    streams = [RowStream(ShardReader(root, sh, False, info.path)) for sh in shards]
+    nodes = info.nodes()
+    streams = [RowStream(ShardReader(nodes, sh, False)) for sh in shards]
     n = shards[0].n
     for a in range(0, n, chunk_rows):
         b = min(a + chunk_rows, n)
-        feats, labels, ids = [], None, None
-        for sh, stream in zip(shards, streams):
+        feats, labels, ids = [], np.empty(0, np.int64), np.empty(0, str)
+        for k, (sh, stream) in enumerate(zip(shards, streams)):
             f, y, s = stream.take(a, b)
-            if labels is None:
+            if k == 0:
                 labels, ids = y, s
             else:
                 _same_rows(client, split, shards[0].backbone, sh.backbone, (ids, s), (labels, y))
             feats.append(f)
-        yield np.concatenate(feats, axis=1), labels, ids
+        yield (feats[0] if len(feats) == 1 else np.concatenate(feats, axis=1)), labels, ids  # one backbone: no copy
 
 
 def shard_attributes(store: str | Path | StoreInfo, shard: ShardInfo) -> dict:
     """All attributes of one shard (backbone, weights_sha256, preprocess, cache_key, ...)."""
     info = store if isinstance(store, StoreInfo) else open_store(store)
+    attrs = info.nodes().attributes(shard.path)
+    if attrs is None:
+        raise UserError(f"{shard.path}: cannot read its attributes (its zarr.json is missing or unreadable)")
+    return dict(attrs)
+
+
+def shard_chunk_rows(store: str | Path | StoreInfo, shard: ShardInfo) -> int:
+    """Rows per stored chunk of a shard (how it was written), from its metadata."""
+    info = store if isinstance(store, StoreInfo) else open_store(store)
+    meta = info.nodes().get(f"{shard.path}/features") or {}
     try:
-        return dict(info.root()[shard.path].attrs)
-    except UserError:
-        raise
-    except Exception as exc:
-        raise UserError(f"{shard.path}: cannot read its attributes ({type(exc).__name__}: {exc})") from None
+        return int(meta["chunk_grid"]["configuration"]["chunk_shape"][0])
+    except (KeyError, TypeError, ValueError, IndexError):
+        raise UserError(f"{shard.path}/features: chunk shape unreadable; run `embedcache verify {info.path}`") from None
