@@ -174,18 +174,13 @@ def test_a_consolidated_entry_that_is_no_node_is_not_trusted(store):
     assert load_split(info, "plain", "train")["c0"].features.shape == (11, 6)
 
 
-@pytest.mark.parametrize("system_lib", [True, False])
-def test_a_prefix_of_a_zstd_frame_is_its_first_bytes(monkeypatch, system_lib):
-    """zstd_prefix: the first k bytes of the content, with the system libzstd or numcodecs; a
-    frame cut short gives fewer bytes; garbage is a ValueError (the reader: `cannot read`)."""
+def test_a_prefix_of_a_zstd_frame_is_its_first_bytes():
+    """zstd_prefix: the first k bytes of the content; a frame cut short gives fewer bytes or a
+    ValueError; garbage is a ValueError (the reader: `cannot read`)."""
     from numcodecs.zstd import Zstd
 
     from embedcache.store import zstd_prefix
 
-    if not system_lib:
-        monkeypatch.setattr(zstd_prefix, "_LIB", None)
-    elif zstd_prefix._LIB is None:
-        pytest.skip("no system libzstd: the numcodecs case covers this machine")
     content = np.random.default_rng(0).normal(size=(256, 300)).astype(np.float32)
     content[3:] = 0  # a padded edge chunk: mostly zeros after the first rows
     frame = bytes(Zstd().encode(content.tobytes()))
@@ -195,19 +190,20 @@ def test_a_prefix_of_a_zstd_frame_is_its_first_bytes(monkeypatch, system_lib):
         np.testing.assert_array_equal(out, content[:rows])
     big = np.empty((300, 300), np.float32)
     assert zstd_prefix.decode_prefix(frame, big) == content.nbytes  # the content is shorter
-    if system_lib:
+    try:
         assert zstd_prefix.decode_prefix(frame[: len(frame) // 2], np.empty_like(content)) < content.nbytes
-    with pytest.raises((ValueError, RuntimeError)):
+    except ValueError:
+        pass  # a truncated frame: refused, never returned whole
+    with pytest.raises(ValueError):
         zstd_prefix.decode_prefix(b"\x28\xb5\x2f\xfd" + b"\xff" * 40, np.empty(100, np.uint8))
 
 
-@pytest.mark.parametrize("system_lib", [True, False])
-def test_a_whole_zstd_frame_decodes_as_numcodecs_decodes_it(monkeypatch, system_lib):
+def test_a_whole_zstd_frame_decodes_as_numcodecs_decodes_it():
     from numcodecs.zstd import Zstd
 
     from embedcache.store import zstd_prefix
 
-    if not system_lib:
-        monkeypatch.setattr(zstd_prefix, "_LIB", None)
     for content in (b"x", "é".encode() * 1000, np.arange(5000).tobytes()):
         assert zstd_prefix.decode(bytes(Zstd().encode(content))) == content
+    with pytest.raises(ValueError):
+        zstd_prefix.decode(b"\x28\xb5\x2f\xfd" + b"\xff" * 40)
