@@ -24,7 +24,6 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 import torch
-from tqdm.auto import tqdm
 
 from embedcache.errors import UserError
 from fedheads.core import ops, rng
@@ -150,6 +149,9 @@ EVAL_GROUP_BYTES = 32 << 20  # padded test features per `predict` call of the ve
 
 
 BetweenBuckets = Callable[[], None]  # called after each size bucket's work (run's `between_buckets`)
+# run's `progress` hook: (rounds done, rounds in all, the round just done), called once before the
+# first round with None and after every round (a progress bar is the caller's, e.g. fedheads.run.progress)
+Progress = Callable[[int, int, "RoundRecord | None"], None]
 
 
 def eval_client_state(algorithm: Algorithm, client_state: Any, server_state: Any, data: Federation,
@@ -329,7 +331,7 @@ def owned(client_state: Any, *others: Any) -> Any:
 
 
 def run(algorithm: Algorithm, data: Federation, rounds: int, seed: int = 0, fraction: float = 1.0,
-        engine: str = "vectorized", eval_every: int = 1, progress: bool = True,
+        engine: str = "vectorized", eval_every: int = 1, progress: Progress | bool | None = None,
         checkpoint: Checkpointer | None = None, reorder: bool = False,
         between_buckets: BetweenBuckets | None = None, message_budget: int | None = MESSAGE_BUDGET) -> RunResult:
     """Train `algorithm` for `rounds` communication rounds; see the module docstring. With a
@@ -343,7 +345,11 @@ def run(algorithm: Algorithm, data: Federation, rounds: int, seed: int = 0, frac
     each size bucket's client updates and evaluation (e.g. to hand freed memory back).
     `message_budget`: bytes of participants' messages the vectorised engine holds at once for an
     algorithm that declares `sums_messages` (beyond it they are added group by group; the sum's
-    float rounding then follows the groups); None holds them all."""
+    float rounding then follows the groups); None holds them all. `progress`: the run's progress
+    hook (`Progress`; None or False: no reports), e.g. a bar the caller draws."""
+    if progress is True:
+        raise TypeError("run(progress=True): the engine draws no bar; pass a Progress hook "
+                        "(e.g. fedheads.run.progress.RoundBar)")
     order = stacking_order(algorithm, data, fraction, engine) if reorder else None
     stacked = data if order is None else data.select(order)
     with ops.buffer_pool():  # local training's scratch buffers are reused across rounds
@@ -365,7 +371,7 @@ def _in_data_order(res: RunResult, order: tuple[int, ...], server_fields: Sequen
 
 
 def _run(algorithm: Algorithm, data: Federation, rounds: int, seed: int, fraction: float,
-         engine: str, eval_every: int, progress: bool, checkpoint: Checkpointer | None,
+         engine: str, eval_every: int, progress: Progress | bool | None, checkpoint: Checkpointer | None,
          between_buckets: BetweenBuckets | None, message_budget: int | None = MESSAGE_BUDGET) -> RunResult:
     if engine not in ENGINES:
         raise UserError(f"engine {engine!r}: must be one of {', '.join(ENGINES)}")
@@ -392,9 +398,10 @@ def _run(algorithm: Algorithm, data: Federation, rounds: int, seed: int, fractio
     per_client: int | None = None  # one participant's message bytes (measured once, for sums_messages)
     if first == rounds:  # every round was done: the final evaluated state again (a pure function)
         evaluated = eval_client_state(algorithm, cstate, sstate, data, engine)
-    bar = tqdm(range(first, rounds), desc=f"{algorithm.name}[{engine}]", disable=not progress, leave=False,
-               initial=first, total=rounds)
-    for r in bar:
+    report = progress if callable(progress) else None
+    if report is not None:
+        report(first, rounds, None)
+    for r in range(first, rounds):
         t0 = clock(data.device)
         part = select_participants(M, fraction, seed, r)
         ctx = RoundCtx(round=r, seed=seed, participants=part, num_clients=M)
@@ -429,12 +436,13 @@ def _run(algorithm: Algorithm, data: Federation, rounds: int, seed: int, fractio
         if last or (eval_every and (r + 1) % eval_every == 0):
             evaluated = eval_client_state(algorithm, cstate, sstate, data, engine)
             acc = evaluate(algorithm, evaluated, sstate, data, engine, adapt=False, between_buckets=between_buckets)
-            bar.set_postfix(acc=f"{float(acc['main'].nanmean()):.3f}")
         t2 = clock(data.device) if acc is not None else t1
         res.history.append(RoundRecord(r, tuple(part.tolist()), comm, acc, t1[0] - t0[0], t1[1] - t0[1],
                                        t2[0] - t1[0], t2[1] - t1[1]))
         if checkpoint is not None:
             checkpoint.save(RunState(r + 1, cstate, sstate, bc, res.history, res.upload_values_per_client))
+        if report is not None:
+            report(r + 1, rounds, res.history[-1])
     # the last round is always evaluated: its evaluated state is what a saved state must predict
     res.client_state, res.server_state = evaluated, sstate
     t_end = clock(data.device)
