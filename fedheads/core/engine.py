@@ -19,7 +19,7 @@ times the number of participants."""
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
@@ -221,6 +221,30 @@ def _evaluate_padded(algorithm: Algorithm, client_state: Any, server_state: Any,
     return {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
 
 
+def participant_groups(data: Federation, participants: torch.Tensor, size: int | None = None, views: bool = False,
+                       between_buckets: BetweenBuckets | None = None) -> Iterator[tuple[list[int], FedData]]:
+    """The walk both vectorised client steps share: per group of the layout, its participants
+    (`participants`, global ids) in runs of at most `size` (None: all of the group's at once), as
+    (their global ids, their FedData). The FedData is the group itself when all of it takes part,
+    else a trimmed copy of their rows (FedData.select), or with `views` a view of them where they
+    are consecutive (FedData.client_range: no copy, the train padding kept). `between_buckets` is
+    called after each group holding participants, once the caller has let go of its last FedData."""
+    taking = set(participants.tolist())
+    for ms, group in data.groups():
+        loc = [p for p, i in enumerate(ms) if i in taking]
+        if not loc:
+            continue
+        step = size or len(loc)
+        for a in range(0, len(loc), step):
+            sel = loc[a:a + step]
+            span = row_range(sel) if views else None
+            # yielded unnamed: the caller holds the only reference, so dropping it frees the copy
+            yield [ms[p] for p in sel], (group if len(sel) == len(ms) else
+                                         group.client_range(*span) if span is not None else group.select(sel))
+        if between_buckets is not None:
+            between_buckets()
+
+
 def client_updates(algorithm: Algorithm, client_state: Any, broadcast: Any, data: Federation, ctx: RoundCtx,
                    between_buckets: BetweenBuckets | None = None) -> tuple[Any, Any]:
     """The vectorised engine's client step: `client_update` of the participants `ctx.participants`
@@ -242,14 +266,8 @@ def client_updates(algorithm: Algorithm, client_state: Any, broadcast: Any, data
         cs_sub = client_state if everyone else tree_index(client_state, pidx)
         cs_sub, msg = algorithm.client_update(cs_sub, broadcast, sub, ctx)
         return (cs_sub if everyone else tree_scatter(client_state, pidx, cs_sub)), msg
-    taking = set(part.tolist())
     msgs, order = [], []
-    for ms, bucket in groups:
-        loc = [p for p, i in enumerate(ms) if i in taking]
-        if not loc:
-            continue
-        ids = [ms[p] for p in loc]
-        sub = bucket if len(loc) == len(ms) else bucket.select(loc)
+    for ids, sub in participant_groups(data, part, between_buckets=between_buckets):
         # the bucket's rows of the state: views when they are consecutive (clients stored largest
         # first), so no bucket-sized copy is made for the call (client_update is pure)
         cs_b, msg_b = algorithm.client_update(tree_rows(client_state, ids, dev), broadcast, sub, ctx)
@@ -258,8 +276,6 @@ def client_updates(algorithm: Algorithm, client_state: Any, broadcast: Any, data
         msgs.append(msg_b)
         order += ids
         del cs_b, sub
-        if between_buckets is not None:
-            between_buckets()
     return client_state, put_back(tree_cat(msgs), order, dev)
 
 
@@ -295,22 +311,14 @@ def summed_updates(algorithm: Algorithm, client_state: Any, broadcast: Any, data
     (`sums_messages`): at most `group_size` participants at a time through `summed_update`, each
     group's one-row sum added to the round's as it goes, so no group's messages outlive it.
     The client state's rows are written in place (the caller passes its own copy)."""
-    dev, taking, total = data.device, set(ctx.participants.tolist()), None
-    for ms, group in data.groups():
-        loc = [p for p, i in enumerate(ms) if i in taking]
-        for a in range(0, len(loc), group_size):
-            sel = loc[a:a + group_size]
-            ids = [ms[p] for p in sel]
-            span = row_range(sel)
-            sub = group.client_range(*span) if span is not None and len(sel) < len(ms) else (
-                group if len(sel) == len(ms) else group.select(sel))
-            cs_g, msg = algorithm.summed_update(tree_rows(client_state, ids, dev), broadcast, sub, ctx)
-            msg = unshared(msg, client_state)
-            tree_put_rows_(client_state, ids, cs_g)
-            total = msg if total is None else tree_map(torch.add, total, msg)
-            del cs_g, sub
-        if between_buckets is not None:
-            between_buckets()
+    dev, total = data.device, None
+    for ids, sub in participant_groups(data, ctx.participants, group_size, views=True,
+                                       between_buckets=between_buckets):
+        cs_g, msg = algorithm.summed_update(tree_rows(client_state, ids, dev), broadcast, sub, ctx)
+        msg = unshared(msg, client_state)
+        tree_put_rows_(client_state, ids, cs_g)
+        total = msg if total is None else tree_map(torch.add, total, msg)
+        del cs_g, sub
     return client_state, total
 
 
