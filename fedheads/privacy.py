@@ -57,6 +57,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import math
 import secrets
 from collections.abc import Mapping, Sequence
@@ -247,6 +248,18 @@ def plain_client_state(cs: Any) -> Any:
     return cs.inner if isinstance(cs, PrivateClientState) else cs
 
 
+# AlgorithmBase declarations that describe the message, which Private replaces with its secure-sum
+# form (PrivateMessage): they stay Private's own, not the inner algorithm's
+OWN_ATTRIBUTES = ("sums_messages",)
+
+
+def delegated_attributes() -> tuple[str, ...]:
+    """The class attributes AlgorithmBase declares (name, rules, state-field lists, flags), less
+    OWN_ATTRIBUTES: what Private takes from the algorithm it wraps, so a declaration added to
+    the protocol is passed on without a change here."""
+    return tuple(k for k in inspect.get_annotations(AlgorithmBase) if k not in OWN_ATTRIBUTES)
+
+
 class Private(AlgorithmBase):
     """`inner` under the Gaussian mechanism `mech` (module docstring). States and predictions are
     the inner algorithm's (the client state carries a release count beside them); the message
@@ -274,12 +287,8 @@ class Private(AlgorithmBase):
             raise UserError(f"dp: {inner.name}'s sensitivity of {bad[0]} is {self.sensitivity[bad[0]]}")
         self.inner, self.mech = inner, mech
         self.cfg = inner.cfg
-        self.name = inner.name
-        self.global_rule = inner.global_rule  # type: ignore[misc]
-        self.server_client_fields = inner.server_client_fields  # type: ignore[misc]
-        self.collect_rounds = inner.collect_rounds
-        self.one_pass = inner.one_pass  # type: ignore[misc]
-        self.server_sized_fields = inner.server_sized_fields  # type: ignore[misc]
+        for k in delegated_attributes():  # the states are the inner algorithm's: so are its declarations
+            setattr(self, k, getattr(inner, k))
         self.z = mech.z()
         self.noise_std = noise_stds(self.sensitivity, self.z, mech.split)
         self._secret = secrets.randbits(63) if mech.noise_seed is None else int(mech.noise_seed)

@@ -125,6 +125,24 @@ def test_a_wrong_value_is_one_line_naming_the_algorithm(store, tmp_path):
         create_algorithm("lp", hidden=(4,))
 
 
+
+@pytest.mark.parametrize("algorithm,item,needle", [
+    ("fed3r", "lam=abc", "--set lam=abc: fed3r's lam takes a number"),  # float
+    ("fed3r", "lam=true", "--set lam=true: fed3r's lam takes a number"),
+    ("fed3r", "bias=yes", "--set bias=yes: fed3r's bias takes true or false"),  # bool: no truthy text
+    ("fed3r", "bias=1", "--set bias=1: fed3r's bias takes true or false"),
+    ("fedavg", "batch_size=2.5", "--set batch_size=2.5: fedavg's batch_size takes an integer"),  # int
+    ("lp", "server_opt=3", "--set server_opt=3: lp's server_opt takes text"),  # a str choice
+    ("lp", "server_opt=nope", "server_opt 'nope': must be one of fedavg"),  # text, not a choice: the config says which
+    ("lp", "server_lr=x", "--set server_lr=x: lp's server_lr takes a number or null"),  # float | None
+])
+def test_a_value_of_the_wrong_type_names_what_the_field_takes(store, tmp_path, builds, algorithm, item, needle):
+    res = _cli(*_train(store, tmp_path / "o", "--set", item, algorithm=algorithm))
+    assert_one_line(res, 2, needle)
+    assert "not supported between" not in res.output and "instances of" not in res.output
+    assert builds == ({algorithm: 1} if "nope" in item else {})  # a wrong type is refused before building
+    assert not (tmp_path / "o").exists()
+
 # ------------------------------------------------------------------ finetune / feddra: --set, aliases, files
 
 FT = ["finetune", "--manifest", "m.json", "--store", "s.zarr", "--backbone", "resnet20-cifar10", "--out", "o"]

@@ -285,3 +285,33 @@ def test_fed3r_under_vanishing_noise_gives_its_non_private_head(mode):
     for k in pw:
         torch.testing.assert_close(w[k], pw[k], rtol=0, atol=1e-6)
     assert torch.equal(res.final_accuracy(), plain.final_accuracy())
+
+
+def test_private_passes_on_every_declaration_of_the_protocol(monkeypatch):
+    """A declaration added to AlgorithmBase reaches Private without a hand-kept list: the wrapped
+    algorithm's value, not the protocol's default."""
+    from fedheads.core.protocol import AlgorithmBase
+
+    monkeypatch.setitem(AlgorithmBase.__annotations__, "new_hook", "ClassVar[str]")
+    monkeypatch.setattr(AlgorithmBase, "new_hook", "default", raising=False)
+    inner_cls = type(create_algorithm("fedncm"))
+    Extended = type("Extended", (inner_cls,), {"new_hook": "the inner's", "global_rule": "other",
+                                                "server_sized_fields": ("x",), "collect_rounds": 3})
+    inner = Extended(create_algorithm("fedncm").cfg)
+    alg = Private(inner, Mechanism(noise_multiplier=1.0))
+    assert alg.new_hook == "the inner's"
+    for k in AlgorithmBase.__annotations__:
+        if k != "sums_messages":  # the message is Private's own secure-sum form
+            assert getattr(alg, k) == getattr(inner, k), k
+    assert inner.sums_messages and not alg.sums_messages
+
+
+def test_private_handles_every_optional_hook_of_the_protocol():
+    """Hooks take and return states, which Private wraps: each is overridden in Private, except
+    those that never apply to it (a summed_update: Private does not declare sums_messages; a
+    private algorithm is not made private again), so a hook added to the protocol fails here."""
+    from fedheads.core.protocol import AlgorithmBase
+
+    hooks = {k for k, v in vars(AlgorithmBase).items() if callable(v) and not k.startswith("_")}
+    left = {k for k in hooks if getattr(Private, k) is getattr(AlgorithmBase, k)}
+    assert left == {"summed_update", "dp_sensitivity"}

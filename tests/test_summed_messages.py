@@ -63,3 +63,28 @@ def test_group_sizes_follow_the_budget():
     assert engine.summing_group(fedncm, 100, 10, 500) == 10  # its own summed_update: whole groups
     assert engine.summing_group(plain, 100, 10, 500) == 5  # the default: 5 messages at a time
     assert engine.summing_group(create_algorithm("fedavg"), 100, 10, 500) is None  # not a sum
+
+
+@pytest.mark.parametrize("size,views", [(None, False), (1, True), (2, True), (3, False)])
+def test_one_walk_hands_out_every_participant_once(size, views):
+    """client_updates and summed_updates share participant_groups: every participant once, in the
+    layout's group order, at most `size` at a time, each run with its own clients' data; the hook
+    runs after each group holding participants, when the caller has dropped that group's data."""
+    import weakref
+
+    data = to_layout(tiny_fed(M=7, seed=4), LayoutConfig("bucketed", waste=0.0, bucket_clients=2))
+    part = torch.tensor([0, 2, 3, 5, 6])
+    held: list[tuple[weakref.ref, bool]] = []  # the data handed out, and whether it is a whole group
+    hooks: list[bool] = []
+    walked: list[int] = []
+    for ids, sub in engine.participant_groups(data, part, size, views=views,
+                                              between_buckets=lambda: hooks.append(held[-1][0]() is None or held[-1][1])):
+        assert 0 < len(ids) <= (size or len(ids))
+        assert sub.client_index.tolist() == data.select(ids).client_index.tolist()
+        walked += ids
+        held.append((weakref.ref(sub), any(sub is g for _, g in data.groups())))
+        del sub
+    in_order = [i for ms, _ in data.groups() for i in ms if i in set(part.tolist())]
+    assert walked == in_order
+    assert not all(whole for _, whole in held)  # some copies or views were freed before the hook
+    assert hooks == [True] * sum(any(i in set(part.tolist()) for i in ms) for ms, _ in data.groups())

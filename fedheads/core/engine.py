@@ -19,12 +19,11 @@ times the number of participants."""
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 import torch
-from tqdm.auto import tqdm
 
 from embedcache.errors import UserError
 from fedheads.core import ops, rng
@@ -150,6 +149,9 @@ EVAL_GROUP_BYTES = 32 << 20  # padded test features per `predict` call of the ve
 
 
 BetweenBuckets = Callable[[], None]  # called after each size bucket's work (run's `between_buckets`)
+# run's `progress` hook: (rounds done, rounds in all, the round just done), called once before the
+# first round with None and after every round (a progress bar is the caller's, e.g. fedheads.run.progress)
+Progress = Callable[[int, int, "RoundRecord | None"], None]
 
 
 def eval_client_state(algorithm: Algorithm, client_state: Any, server_state: Any, data: Federation,
@@ -219,6 +221,30 @@ def _evaluate_padded(algorithm: Algorithm, client_state: Any, server_state: Any,
     return {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
 
 
+def participant_groups(data: Federation, participants: torch.Tensor, size: int | None = None, views: bool = False,
+                       between_buckets: BetweenBuckets | None = None) -> Iterator[tuple[list[int], FedData]]:
+    """The walk both vectorised client steps share: per group of the layout, its participants
+    (`participants`, global ids) in runs of at most `size` (None: all of the group's at once), as
+    (their global ids, their FedData). The FedData is the group itself when all of it takes part,
+    else a trimmed copy of their rows (FedData.select), or with `views` a view of them where they
+    are consecutive (FedData.client_range: no copy, the train padding kept). `between_buckets` is
+    called after each group holding participants, once the caller has let go of its last FedData."""
+    taking = set(participants.tolist())
+    for ms, group in data.groups():
+        loc = [p for p, i in enumerate(ms) if i in taking]
+        if not loc:
+            continue
+        step = size or len(loc)
+        for a in range(0, len(loc), step):
+            sel = loc[a:a + step]
+            span = row_range(sel) if views else None
+            # yielded unnamed: the caller holds the only reference, so dropping it frees the copy
+            yield [ms[p] for p in sel], (group if len(sel) == len(ms) else
+                                         group.client_range(*span) if span is not None else group.select(sel))
+        if between_buckets is not None:
+            between_buckets()
+
+
 def client_updates(algorithm: Algorithm, client_state: Any, broadcast: Any, data: Federation, ctx: RoundCtx,
                    between_buckets: BetweenBuckets | None = None) -> tuple[Any, Any]:
     """The vectorised engine's client step: `client_update` of the participants `ctx.participants`
@@ -240,14 +266,8 @@ def client_updates(algorithm: Algorithm, client_state: Any, broadcast: Any, data
         cs_sub = client_state if everyone else tree_index(client_state, pidx)
         cs_sub, msg = algorithm.client_update(cs_sub, broadcast, sub, ctx)
         return (cs_sub if everyone else tree_scatter(client_state, pidx, cs_sub)), msg
-    taking = set(part.tolist())
     msgs, order = [], []
-    for ms, bucket in groups:
-        loc = [p for p, i in enumerate(ms) if i in taking]
-        if not loc:
-            continue
-        ids = [ms[p] for p in loc]
-        sub = bucket if len(loc) == len(ms) else bucket.select(loc)
+    for ids, sub in participant_groups(data, part, between_buckets=between_buckets):
         # the bucket's rows of the state: views when they are consecutive (clients stored largest
         # first), so no bucket-sized copy is made for the call (client_update is pure)
         cs_b, msg_b = algorithm.client_update(tree_rows(client_state, ids, dev), broadcast, sub, ctx)
@@ -256,8 +276,6 @@ def client_updates(algorithm: Algorithm, client_state: Any, broadcast: Any, data
         msgs.append(msg_b)
         order += ids
         del cs_b, sub
-        if between_buckets is not None:
-            between_buckets()
     return client_state, put_back(tree_cat(msgs), order, dev)
 
 
@@ -293,22 +311,14 @@ def summed_updates(algorithm: Algorithm, client_state: Any, broadcast: Any, data
     (`sums_messages`): at most `group_size` participants at a time through `summed_update`, each
     group's one-row sum added to the round's as it goes, so no group's messages outlive it.
     The client state's rows are written in place (the caller passes its own copy)."""
-    dev, taking, total = data.device, set(ctx.participants.tolist()), None
-    for ms, group in data.groups():
-        loc = [p for p, i in enumerate(ms) if i in taking]
-        for a in range(0, len(loc), group_size):
-            sel = loc[a:a + group_size]
-            ids = [ms[p] for p in sel]
-            span = row_range(sel)
-            sub = group.client_range(*span) if span is not None and len(sel) < len(ms) else (
-                group if len(sel) == len(ms) else group.select(sel))
-            cs_g, msg = algorithm.summed_update(tree_rows(client_state, ids, dev), broadcast, sub, ctx)
-            msg = unshared(msg, client_state)
-            tree_put_rows_(client_state, ids, cs_g)
-            total = msg if total is None else tree_map(torch.add, total, msg)
-            del cs_g, sub
-        if between_buckets is not None:
-            between_buckets()
+    dev, total = data.device, None
+    for ids, sub in participant_groups(data, ctx.participants, group_size, views=True,
+                                       between_buckets=between_buckets):
+        cs_g, msg = algorithm.summed_update(tree_rows(client_state, ids, dev), broadcast, sub, ctx)
+        msg = unshared(msg, client_state)
+        tree_put_rows_(client_state, ids, cs_g)
+        total = msg if total is None else tree_map(torch.add, total, msg)
+        del cs_g, sub
     return client_state, total
 
 
@@ -329,7 +339,7 @@ def owned(client_state: Any, *others: Any) -> Any:
 
 
 def run(algorithm: Algorithm, data: Federation, rounds: int, seed: int = 0, fraction: float = 1.0,
-        engine: str = "vectorized", eval_every: int = 1, progress: bool = True,
+        engine: str = "vectorized", eval_every: int = 1, progress: Progress | bool | None = None,
         checkpoint: Checkpointer | None = None, reorder: bool = False,
         between_buckets: BetweenBuckets | None = None, message_budget: int | None = MESSAGE_BUDGET) -> RunResult:
     """Train `algorithm` for `rounds` communication rounds; see the module docstring. With a
@@ -343,7 +353,11 @@ def run(algorithm: Algorithm, data: Federation, rounds: int, seed: int = 0, frac
     each size bucket's client updates and evaluation (e.g. to hand freed memory back).
     `message_budget`: bytes of participants' messages the vectorised engine holds at once for an
     algorithm that declares `sums_messages` (beyond it they are added group by group; the sum's
-    float rounding then follows the groups); None holds them all."""
+    float rounding then follows the groups); None holds them all. `progress`: the run's progress
+    hook (`Progress`; None or False: no reports), e.g. a bar the caller draws."""
+    if progress is True:
+        raise TypeError("run(progress=True): the engine draws no bar; pass a Progress hook "
+                        "(e.g. fedheads.run.progress.RoundBar)")
     order = stacking_order(algorithm, data, fraction, engine) if reorder else None
     stacked = data if order is None else data.select(order)
     with ops.buffer_pool():  # local training's scratch buffers are reused across rounds
@@ -365,7 +379,7 @@ def _in_data_order(res: RunResult, order: tuple[int, ...], server_fields: Sequen
 
 
 def _run(algorithm: Algorithm, data: Federation, rounds: int, seed: int, fraction: float,
-         engine: str, eval_every: int, progress: bool, checkpoint: Checkpointer | None,
+         engine: str, eval_every: int, progress: Progress | bool | None, checkpoint: Checkpointer | None,
          between_buckets: BetweenBuckets | None, message_budget: int | None = MESSAGE_BUDGET) -> RunResult:
     if engine not in ENGINES:
         raise UserError(f"engine {engine!r}: must be one of {', '.join(ENGINES)}")
@@ -392,9 +406,10 @@ def _run(algorithm: Algorithm, data: Federation, rounds: int, seed: int, fractio
     per_client: int | None = None  # one participant's message bytes (measured once, for sums_messages)
     if first == rounds:  # every round was done: the final evaluated state again (a pure function)
         evaluated = eval_client_state(algorithm, cstate, sstate, data, engine)
-    bar = tqdm(range(first, rounds), desc=f"{algorithm.name}[{engine}]", disable=not progress, leave=False,
-               initial=first, total=rounds)
-    for r in bar:
+    report = progress if callable(progress) else None
+    if report is not None:
+        report(first, rounds, None)
+    for r in range(first, rounds):
         t0 = clock(data.device)
         part = select_participants(M, fraction, seed, r)
         ctx = RoundCtx(round=r, seed=seed, participants=part, num_clients=M)
@@ -429,12 +444,13 @@ def _run(algorithm: Algorithm, data: Federation, rounds: int, seed: int, fractio
         if last or (eval_every and (r + 1) % eval_every == 0):
             evaluated = eval_client_state(algorithm, cstate, sstate, data, engine)
             acc = evaluate(algorithm, evaluated, sstate, data, engine, adapt=False, between_buckets=between_buckets)
-            bar.set_postfix(acc=f"{float(acc['main'].nanmean()):.3f}")
         t2 = clock(data.device) if acc is not None else t1
         res.history.append(RoundRecord(r, tuple(part.tolist()), comm, acc, t1[0] - t0[0], t1[1] - t0[1],
                                        t2[0] - t1[0], t2[1] - t1[1]))
         if checkpoint is not None:
             checkpoint.save(RunState(r + 1, cstate, sstate, bc, res.history, res.upload_values_per_client))
+        if report is not None:
+            report(r + 1, rounds, res.history[-1])
     # the last round is always evaluated: its evaluated state is what a saved state must predict
     res.client_state, res.server_state = evaluated, sstate
     t_end = clock(data.device)

@@ -572,11 +572,34 @@ def resolve_settings(name: str, opts: Any, strict: bool = True) -> tuple[dict[st
     return used, ignored
 
 
+_TAKES: dict[str, tuple[str, Callable[[Any], bool]]] = {  # annotation -> (what it takes, in words; check)
+    "None": ("null", lambda v: v is None),
+    "bool": ("true or false", lambda v: isinstance(v, bool)),
+    "int": ("an integer", lambda v: isinstance(v, int) and not isinstance(v, bool)),
+    "float": ("a number", lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)),  # finite: check_finite
+    "str": ("text", lambda v: isinstance(v, str)),
+}  # not containers: a factory may take other spellings of them (mlp's hidden=512 or "512,256")
+
+
+def check_setting_type(name: str, key: str, annotation: str, value: Any) -> None:
+    """One line naming the key, the value and what the config field's annotation takes, where
+    `value` is not of that type (an annotation this check does not know: the config decides)."""
+    opts = [t.strip() for t in annotation.split("|")]
+    if any(o not in _TAKES for o in opts) or any(_TAKES[o][1](value) for o in opts):
+        return
+    shown = value if isinstance(value, str) else json.dumps(value)
+    raise UserError(f"--set {key}={shown}: {name}'s {key} takes {' or '.join(_TAKES[o][0] for o in opts)}")
+
+
 def build_algorithm(name: str, opts: Any, strict: bool = True) -> tuple[Any, dict[str, Any], list[str]]:
     """The algorithm, built once with every --set field and generic option that applies to it
     (resolve_settings). Returns (algorithm, the kwargs used, options that do not apply). A value
-    its config refuses is one line naming the algorithm and the settings given."""
+    not of its field's type is one line saying what the field takes (check_setting_type), before
+    anything is built; a value its config refuses is one line naming the algorithm and the settings."""
     used, ignored = resolve_settings(name, opts, strict)
+    types = {s.key: s.type for s in settings_of(name)[0]}
+    for k, v in used.items():
+        check_setting_type(name, k, types[k], v)
     from fedheads.algorithms import create_algorithm
 
     try:

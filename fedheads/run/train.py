@@ -49,6 +49,7 @@ from fedheads.run.options import (  # noqa: F401 (parse_settings, build_algorith
     resolve_settings,
     unknown_key_error,
 )
+from fedheads.run.progress import RoundBar
 from fedheads.run.rundir import atomic_path
 from fedheads.version import __version__
 
@@ -338,9 +339,9 @@ def train_data(data: Federation, backbones: Sequence[str], algorithm: str, opts:
                         "backbones": list(backbones), "data": data_id}
             ck = resume_mod.HeadCheckpoint(state_dir / f"seed{seed}.ckpt.pt", settings, algorithm, resume, log)
         try:
-            with _training(heap, data):
+            with _training(heap, data), RoundBar(f"{alg.name}[{opts.engine}]", opts.progress) as bar:
                 res = run(alg, data, rounds, seed=seed, fraction=opts.fraction, engine=opts.engine,
-                          eval_every=opts.eval_every, progress=opts.progress, checkpoint=ck, reorder=True,
+                          eval_every=opts.eval_every, progress=bar, checkpoint=ck, reorder=True,
                           between_buckets=None if heap is None else heap.between_buckets)
             check_trained_state({"client": res.client_state, "server": res.server_state}, algorithm, seed)
         finally:
