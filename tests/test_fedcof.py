@@ -342,3 +342,19 @@ def test_malformed_messages_are_refused_in_one_line():
         alg.server_aggregate(ss, bad(classes=cls), ctx(range(3), 3))
     with pytest.raises(UserError, match="a message of 3 clients .* for 2 participants"):
         alg.server_aggregate(ss, msg, ctx([0, 1], 3))
+
+
+def test_the_spread_formed_in_place_and_in_blocks_is_the_same_gram(monkeypatch):
+    """estimated_gram forms μ_kc − μ_c a block of rows at a time, in the caller's copy with
+    `overwrite` (the server's bank copy): elementwise, so the Gram is the same bit for bit."""
+    g = torch.Generator().manual_seed(0)
+    means = torch.randn(50, 6, dtype=torch.float64, generator=g)
+    cls = torch.randint(0, 4, (50,), generator=g)
+    n = torch.randint(1, 5, (50,), generator=g)
+    whole = F.estimated_gram(means, cls, n, 4, 0.5)
+    monkeypatch.setattr(F, "SPREAD_ROWS", 7)
+    copy = means.clone()
+    for got in (F.estimated_gram(means, cls, n, 4, 0.5), F.estimated_gram(copy, cls, n, 4, 0.5, overwrite=True)):
+        assert all(torch.equal(a, b) for a, b in zip(got, whole))
+    mu = whole[1] / whole[2].clamp(min=1).unsqueeze(1).to(torch.float64)
+    assert torch.equal(copy, means - mu[cls]) and not torch.equal(copy, means)  # overwritten with the spread

@@ -45,6 +45,8 @@ from fedheads.core.config import setting
 from fedheads.core.federation import DataSpec, FedData
 from fedheads.core.protocol import AlgorithmBase, HeadArch, Init, PaperRoundComm, RoundCtx, SecureForm
 
+SPREAD_ROWS = 4096  # rows of the class-mean spread formed at a time (estimated_gram)
+
 
 @dataclass(frozen=True)
 class FedCOFConfig:
@@ -135,10 +137,12 @@ def pair_stats(x: torch.Tensor, y: torch.Tensor, mask: torch.Tensor, num_classes
 
 
 def estimated_gram(means: torch.Tensor, cls: torch.Tensor, n: torch.Tensor, num_classes: int, gamma: float,
-                   between_class: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                   between_class: bool = False, overwrite: bool = False,
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(G [D, D], class sums [C, D], class counts [C]) from the client class means [P, D] of
     classes `cls` [P] with counts `n` [P] (float64): G = Σ_c (N_c − 1) Σ̂_c + N ḡḡᵀ (module
-    docstring), plus Σ_c N_c (μ_c − ḡ)(μ_c − ḡ)ᵀ with `between_class`."""
+    docstring), plus Σ_c N_c (μ_c − ḡ)(μ_c − ḡ)ᵀ with `between_class`. `overwrite`: `means`
+    is the caller's own copy and becomes the spread μ_kc − μ_c (one [P, D] buffer less)."""
     C, D = num_classes, means.shape[1]
     nf = n.to(torch.float64)
     N_c = torch.zeros(C, dtype=torch.float64, device=means.device).index_add_(0, cls, nf)
@@ -146,8 +150,9 @@ def estimated_gram(means: torch.Tensor, cls: torch.Tensor, n: torch.Tensor, num_
     sums = torch.zeros(C, D, dtype=torch.float64, device=means.device).index_add_(0, cls, nf.unsqueeze(1) * means)
     present = N_c > 0
     mu = sums / N_c.clamp(min=1).unsqueeze(1)  # exact class means
-    d = mu.index_select(0, cls)
-    torch.sub(means, d, out=d)  # spread of the client means around their class mean (no [P, D] temporary)
+    d = means if overwrite else means.clone()  # spread of the client means around their class mean:
+    for a in range(0, d.shape[0], SPREAD_ROWS):  # in place, a block at a time (elementwise: the same values)
+        d[a:a + SPREAD_ROWS] -= mu.index_select(0, cls[a:a + SPREAD_ROWS])
     w = nf * ((N_c - 1) / (K_c - 1).clamp(min=1))[cls]  # n_kc (N_c - 1)/(K_c - 1): both factors at once
     gram = (d * w.unsqueeze(1)).T @ d
     shrink = float(gamma) * float(((N_c - 1) * present).sum())  # Σ_c (N_c − 1) γI
@@ -230,8 +235,8 @@ class FedCOF(AlgorithmBase):
         bank_means[s] = msg.means.to(dev, torch.float64)
         bank_class[s], bank_count[s] = cls, cnt
         ok = bank_count > 0
-        gram, sums, counts = estimated_gram(bank_means[ok], bank_class[ok], bank_count[ok], int(ss.counts.shape[0]),
-                                            self.cfg.gamma, self.cfg.between_class)
+        gram, sums, counts = estimated_gram(bank_means[ok], bank_class[ok], bank_count[ok], C, self.cfg.gamma,
+                                            self.cfg.between_class, overwrite=True)  # bank_means[ok] is a copy
         present = counts > 0
         sol, pinv = solve_psd(gram, sums.T, "fedcof: estimated Gram",  # W = G^-1 [N_c mu_c]
                               f" (gamma={self.cfg.gamma:g}; gamma > 0 makes it definite once a class has 2 samples)")
