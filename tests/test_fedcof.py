@@ -150,6 +150,10 @@ def test_secagg_is_refused_in_one_line_naming_why_and_the_cost(tmp_path):
     assert "\n" not in line and "each client's class means" in line and "D² = 16 per class" in line
     with pytest.raises(UserError, match="C·D² values per client"):
         alg.secure_form()
+    from fedheads.privacy import Mechanism, Private
+
+    with pytest.raises(UserError, match="dp: fedcof has no differentially private form"):  # its means are no sums
+        Private(alg, Mechanism(epsilon=1.0))
     pytest.importorskip("flwr")
     from flower_helpers import write_store
 
