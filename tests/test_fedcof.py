@@ -4,6 +4,7 @@ partial participation, the pseudo-inverse fallback, and the one-line refusal und
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import numpy as np
@@ -127,7 +128,14 @@ def test_partial_participation_reaches_the_full_head():
     assert torch.equal(part.server_state.weight, full.server_state.weight)
     first = part.history[0]
     assert len(first.participants) == 3 and first.accuracy is not None
-    assert first.comm.up_values == 3 * (C * 4 + C)  # FedNCM's cost: means and counts
+    # each sends the mean, label and count of the classes it holds (not C x D), and only once
+    held = [len(set(clients[k][1].tolist())) for k in range(6)]
+    assert first.comm.up_values == sum(held[k] for k in first.participants) * (4 + 2)
+    sent: set[int] = set()
+    for r in part.history:
+        fresh = [k for k in r.participants if k not in sent]
+        assert abs(r.comm.up_values - sum(held[k] for k in fresh) * 6) <= len(r.participants) / 2  # rounded mean
+        sent |= set(r.participants)
 
 
 def test_secagg_is_refused_in_one_line_naming_why_and_the_cost(tmp_path):
@@ -139,9 +147,13 @@ def test_secagg_is_refused_in_one_line_naming_why_and_the_cost(tmp_path):
     with pytest.raises(UserError) as e:
         alg.secure_form(tree_index(msg, torch.tensor([0])))
     line = str(e.value)
-    assert "\n" not in line and "each client's class means" in line and f"{C * 4 * 4:,}" in line
+    assert "\n" not in line and "each client's class means" in line and "D² = 16 per class" in line
     with pytest.raises(UserError, match="C·D² values per client"):
         alg.secure_form()
+    from fedheads.privacy import Mechanism, Private
+
+    with pytest.raises(UserError, match="dp: fedcof has no differentially private form"):  # its means are no sums
+        Private(alg, Mechanism(epsilon=1.0))
     pytest.importorskip("flwr")
     from flower_helpers import write_store
 
@@ -237,3 +249,116 @@ def test_the_engine_keeps_the_data_order_for_fedcof_whose_bank_follows_positions
     b = engine.run(alg, data, 1, progress=False)
     for f in ("bank_means", "bank_class", "bank_count", "weight"):
         assert torch.equal(getattr(a.server_state, f), getattr(b.server_state, f)), f
+
+
+# ---------------------------------------------------------------- compact messages
+def test_messages_hold_only_the_classes_each_client_has_bit_for_bit_fedncms_sums():
+    """A client sends the means of the classes it holds, not a [C, D] block: the message grows
+    with the (client, class) pairs, and each sum is client_stats' dense one bit for bit."""
+    from fedheads.algorithms.fedncm import client_stats
+
+    clients, _ = federation(seed=6, M=9, C=5, D=4)
+    C = 400  # many classes nobody holds
+    data = from_arrays(clients, C)
+    alg = F.FedCOF()
+    init = alg.init(data.spec(), 0)
+    cs, msg = alg.client_update(init.client_state, init.broadcast, data, ctx(range(9), 9))
+    held = [sorted(set(c[1].tolist())) for c in clients]
+    assert msg.pairs.tolist() == [len(h) for h in held]
+    assert msg.classes.tolist() == [c for h in held for c in h] and msg.means.shape == (sum(map(len, held)), 4)
+    sums, counts = client_stats(data.x_train, data.y_train, data.m_train, C)
+    k = torch.repeat_interleave(torch.arange(9), msg.pairs)
+    assert torch.equal(msg.counts, counts[k, msg.classes])
+    assert torch.equal(msg.means, sums[k, msg.classes] / counts[k, msg.classes].unsqueeze(1).to(torch.float64))
+    values, nbytes = msg.comm_size()
+    assert values == round(len(k) * (4 + 2) / 9) and nbytes == round(len(k) * (4 * 8 + 16) / 9) and values < C
+    # once sent, a client sends nothing
+    _, again = alg.client_update(cs, init.broadcast, data, ctx(range(9), 9))
+    assert again.pairs.tolist() == [0] * 9 and again.means.shape == (0, 4) and again.comm_size() == (0, 0)
+
+
+def test_ragged_messages_concatenate_select_and_reorder_as_stacked_rows():
+    """FedCOFMessage is a RaggedRows tree: per-client messages concatenated are the stacked one,
+    selecting clients takes their runs, and the server places any grouping of them identically."""
+    from fedheads.core.tree import RaggedRows, tree_cat, tree_leaves, tree_rows
+
+    clients, C = federation(seed=7, M=6)
+    data = from_arrays(clients, C)
+    alg = F.FedCOF()
+    init = alg.init(data.spec(), 0)
+    _, whole = alg.client_update(init.client_state, init.broadcast, data, ctx(range(6), 6))
+    assert isinstance(whole, RaggedRows)
+    one = [alg.client_update(tree_index(init.client_state, torch.tensor([k])), init.broadcast, data.select([k]),
+                             ctx([k], 6))[1] for k in range(6)]
+    perm = [4, 0, 5, 2]
+    for got, want in ((tree_cat(one), whole), (tree_index(whole, torch.tensor(perm)), tree_cat([one[k] for k in perm])),
+                      (tree_rows(whole, [1, 2, 3]), tree_cat(one[1:4]))):
+        assert all(torch.equal(a, b) for a, b in zip(tree_leaves(got), tree_leaves(want)))
+    ref, _ = alg.server_aggregate(init.server_state, whole, ctx(range(6), 6))
+    ss = init.server_state
+    for g in ([3, 1, 5], [0], [2, 4]):  # any order of participants, their rows in that order
+        ss, _ = alg.server_aggregate(ss, tree_index(whole, torch.tensor(g)), ctx(g, 6))
+    for f in ("bank_means", "bank_class", "bank_count", "weight"):
+        assert torch.equal(getattr(ss, f), getattr(ref, f)), f
+
+
+@pytest.mark.parametrize("eng", engine.ENGINES)
+def test_size_buckets_give_the_padded_head_bit_for_bit(eng):
+    """Buckets that interleave the client order: their messages, of different sizes, are
+    concatenated and put back in client order (core/tree.py RaggedRows) before the server step."""
+    from fedheads.core.federation import BucketedFedData, LayoutConfig, to_layout
+    from fedheads.core.tree import tree_leaves
+
+    clients, C = federation(seed=8, M=10)
+    padded = from_arrays(clients, C)
+    buckets = to_layout(padded, LayoutConfig("bucketed", waste=1.0, bucket_clients=3))
+    assert isinstance(buckets, BucketedFedData) and [i for ms in buckets.members for i in ms] != list(range(10))
+    for frac, rounds in ((1.0, 1), (0.4, 5)):
+        a = engine.run(F.FedCOF(), padded, rounds, seed=2, fraction=frac, engine=eng, progress=False)
+        b = engine.run(F.FedCOF(), buckets, rounds, seed=2, fraction=frac, progress=False)
+        assert all(torch.equal(x, y) for x, y in zip(tree_leaves(a.server_state), tree_leaves(b.server_state)))
+        assert [r.comm for r in a.history] == [r.comm for r in b.history]
+
+
+def test_malformed_messages_are_refused_in_one_line():
+    clients, C = federation(seed=9, M=3)
+    data = from_arrays(clients, C)
+    alg = F.FedCOF()
+    init = alg.init(data.spec(), 0)
+    _, msg = alg.client_update(init.client_state, init.broadcast, data, ctx(range(3), 3))
+    ss = init.server_state
+
+    def bad(**kw):
+        return dataclasses.replace(msg, **kw)
+
+    cls = msg.classes.clone()
+    cls[-1] = C
+    with pytest.raises(UserError, match=f"client 2 sent class {C} with count"):
+        alg.server_aggregate(ss, bad(classes=cls), ctx(range(3), 3))
+    cnt = msg.counts.clone()
+    cnt[0] = 0
+    with pytest.raises(UserError, match="client 0 sent class .* with count 0"):
+        alg.server_aggregate(ss, bad(counts=cnt), ctx(range(3), 3))
+    assert int(msg.pairs[0]) >= 2
+    cls = msg.classes.clone()
+    cls[1] = cls[0]
+    with pytest.raises(UserError, match="client 0 sent class .* twice or out of ascending order"):
+        alg.server_aggregate(ss, bad(classes=cls), ctx(range(3), 3))
+    with pytest.raises(UserError, match="a message of 3 clients .* for 2 participants"):
+        alg.server_aggregate(ss, msg, ctx([0, 1], 3))
+
+
+def test_the_spread_formed_in_place_and_in_blocks_is_the_same_gram(monkeypatch):
+    """estimated_gram forms μ_kc − μ_c a block of rows at a time, in the caller's copy with
+    `overwrite` (the server's bank copy): elementwise, so the Gram is the same bit for bit."""
+    g = torch.Generator().manual_seed(0)
+    means = torch.randn(50, 6, dtype=torch.float64, generator=g)
+    cls = torch.randint(0, 4, (50,), generator=g)
+    n = torch.randint(1, 5, (50,), generator=g)
+    whole = F.estimated_gram(means, cls, n, 4, 0.5)
+    monkeypatch.setattr(F, "SPREAD_ROWS", 7)
+    copy = means.clone()
+    for got in (F.estimated_gram(means, cls, n, 4, 0.5), F.estimated_gram(copy, cls, n, 4, 0.5, overwrite=True)):
+        assert all(torch.equal(a, b) for a, b in zip(got, whole))
+    mu = whole[1] / whole[2].clamp(min=1).unsqueeze(1).to(torch.float64)
+    assert torch.equal(copy, means - mu[cls]) and not torch.equal(copy, means)  # overwritten with the spread

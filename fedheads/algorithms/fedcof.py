@@ -3,7 +3,10 @@ Training-free Federated Learning", NeurIPS 2025): a ridge-regression classifier 
 second-order statistics the server estimates from the client class means alone, at FedNCM's
 communication.
 
-Client k sends its per-class means μ_kc and counts n_kc (federate_classes.py ``FedCOFClient``).
+Client k sends its per-class means μ_kc and counts n_kc of the classes it holds, with their labels
+(federate_classes.py ``FedCOFClient``: a dict over the client's own classes). The message keeps
+them as (client, class) pairs, each client's run in ascending class order (``FedCOFMessage``), so
+its size follows the pairs, not clients x classes.
 The server forms, for each class c held by K_c clients with N_c = Σ_k n_kc samples:
   μ_c  = Σ_k n_kc μ_kc / N_c                                   (the exact class mean, as FedNCM)
   Σ̂_c  = Σ_k n_kc (μ_kc − μ_c)(μ_kc − μ_c)ᵀ / (K_c − 1) + γI  (the unbiased covariance estimator
@@ -38,10 +41,11 @@ import torch
 
 from embedcache.errors import UserError
 from fedheads.algorithms.fed3r import DTYPES, linear_head, linear_scores, normalise_classes, solve_psd
-from fedheads.algorithms.fedncm import client_stats
 from fedheads.core.config import setting
 from fedheads.core.federation import DataSpec, FedData
 from fedheads.core.protocol import AlgorithmBase, HeadArch, Init, PaperRoundComm, RoundCtx, SecureForm
+
+SPREAD_ROWS = 4096  # rows of the class-mean spread formed at a time (estimated_gram)
 
 
 @dataclass(frozen=True)
@@ -82,15 +86,63 @@ class FedCOFBroadcast:
 
 @dataclass(frozen=True)
 class FedCOFMessage:
-    means: torch.Tensor  # [M, C, D] class means mu_kc (zeros for classes the client lacks)
-    counts: torch.Tensor  # [M, C] int64 n_kc
+    """The means of the classes each client holds, as runs of (client, class) pairs: client i's
+    run is items [start_i, start_i + pairs[i]) with start_i = pairs[:i].sum(), in ascending class
+    order. Two messages concatenated leaf by leaf are the message of their clients in order
+    (core.tree.RaggedRows)."""
+
+    pairs: torch.Tensor  # [M] int64 classes each client sends (0 once it has sent them)
+    means: torch.Tensor  # [Q, D] class means mu_kc, Q = pairs.sum()
+    classes: torch.Tensor  # [Q] int64 their class c
+    counts: torch.Tensor  # [Q] int64 n_kc
+
+    def client_rows(self, idx: torch.Tensor) -> FedCOFMessage:
+        """The runs of clients `idx`, in that order."""
+        idx = idx.to(self.pairs.device)
+        start = torch.cumsum(self.pairs, 0) - self.pairs
+        n = self.pairs[idx]
+        first = torch.cumsum(n, 0) - n
+        item = (torch.repeat_interleave(start[idx] - first, n) + torch.arange(int(n.sum()), device=n.device))
+        item = item.to(self.means.device)
+        return FedCOFMessage(n, self.means[item], self.classes[item], self.counts[item])
+
+    def comm_size(self) -> tuple[int, int]:
+        """(values, bytes) one client sends, averaged over the clients and rounded: per class
+        it holds, its mean (D values), its label and its count."""
+        M = max(int(self.pairs.shape[0]), 1)
+        Q, D = self.means.shape
+        per = D * self.means.element_size() + self.classes.element_size() + self.counts.element_size()
+        return round(Q * (D + 2) / M), round(Q * per / M)
+
+
+def pair_stats(x: torch.Tensor, y: torch.Tensor, mask: torch.Tensor, num_classes: int, block_rows: int = 1024,
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(pairs [M], sums [Q, D] float64, classes [Q], counts [Q]) of the (client, class) pairs
+    that rows of x [M, N, D] with labels y and mask true make, in (client, class) order: FedNCM's
+    LocalClientStats (fedncm.client_stats) without a row for classes a client lacks. Rows are
+    added in the order client_stats adds them, so each sum is its float64 sum bit for bit."""
+    M, N, D = x.shape
+    key = torch.where(mask, torch.arange(M, device=x.device).view(M, 1) * num_classes + y,
+                      torch.full_like(y, -1)).reshape(-1)
+    keys, slot = torch.unique(key, sorted=True, return_inverse=True)  # -1 (rows not sent) first
+    flat = x.reshape(M * N, D)
+    sums = torch.zeros(len(keys), D, dtype=torch.float64, device=x.device)
+    for a in range(0, M * N, block_rows):  # float64 copies one block at a time (client_stats)
+        sums.index_add_(0, slot[a:a + block_rows], flat[a:a + block_rows].to(torch.float64))
+    counts = torch.bincount(slot, minlength=len(keys))
+    lo = int(bool(len(keys)) and bool(keys[0] < 0))
+    keys, sums, counts = keys[lo:], sums[lo:], counts[lo:]
+    client = torch.div(keys, num_classes, rounding_mode="floor")
+    return torch.bincount(client, minlength=M), sums, keys - client * num_classes, counts
 
 
 def estimated_gram(means: torch.Tensor, cls: torch.Tensor, n: torch.Tensor, num_classes: int, gamma: float,
-                   between_class: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                   between_class: bool = False, overwrite: bool = False,
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(G [D, D], class sums [C, D], class counts [C]) from the client class means [P, D] of
     classes `cls` [P] with counts `n` [P] (float64): G = Σ_c (N_c − 1) Σ̂_c + N ḡḡᵀ (module
-    docstring), plus Σ_c N_c (μ_c − ḡ)(μ_c − ḡ)ᵀ with `between_class`."""
+    docstring), plus Σ_c N_c (μ_c − ḡ)(μ_c − ḡ)ᵀ with `between_class`. `overwrite`: `means`
+    is the caller's own copy and becomes the spread μ_kc − μ_c (one [P, D] buffer less)."""
     C, D = num_classes, means.shape[1]
     nf = n.to(torch.float64)
     N_c = torch.zeros(C, dtype=torch.float64, device=means.device).index_add_(0, cls, nf)
@@ -98,7 +150,9 @@ def estimated_gram(means: torch.Tensor, cls: torch.Tensor, n: torch.Tensor, num_
     sums = torch.zeros(C, D, dtype=torch.float64, device=means.device).index_add_(0, cls, nf.unsqueeze(1) * means)
     present = N_c > 0
     mu = sums / N_c.clamp(min=1).unsqueeze(1)  # exact class means
-    d = means - mu[cls]  # spread of the client means around their class mean
+    d = means if overwrite else means.clone()  # spread of the client means around their class mean:
+    for a in range(0, d.shape[0], SPREAD_ROWS):  # in place, a block at a time (elementwise: the same values)
+        d[a:a + SPREAD_ROWS] -= mu.index_select(0, cls[a:a + SPREAD_ROWS])
     w = nf * ((N_c - 1) / (K_c - 1).clamp(min=1))[cls]  # n_kc (N_c - 1)/(K_c - 1): both factors at once
     gram = (d * w.unsqueeze(1)).T @ d
     shrink = float(gamma) * float(((N_c - 1) * present).sum())  # Σ_c (N_c − 1) γI
@@ -147,29 +201,42 @@ class FedCOF(AlgorithmBase):
 
     def client_update(self, cs: FedCOFClientState, bc: FedCOFBroadcast, data: FedData,
                       ctx: RoundCtx) -> tuple[FedCOFClientState, FedCOFMessage]:
-        sums, counts = client_stats(data.x_train, data.y_train, data.m_train, data.num_classes)
-        means = sums / counts.clamp(min=1).unsqueeze(-1).to(sums.dtype)  # mu_kc (FedCOFClient)
-        fresh = ~cs.sent.to(sums.device)  # a client contributes exactly once
-        means = means * fresh.view(-1, 1, 1).to(means.dtype)
-        return FedCOFClientState(torch.ones_like(cs.sent)), FedCOFMessage(means.to(self.dtype),
-                                                                          counts * fresh.view(-1, 1).to(counts.dtype))
+        fresh = ~cs.sent.to(data.m_train.device)  # a client contributes exactly once
+        pairs, sums, classes, counts = pair_stats(data.x_train, data.y_train, data.m_train & fresh.view(-1, 1),
+                                                  data.num_classes)
+        means = sums / counts.unsqueeze(-1).to(sums.dtype)  # mu_kc (FedCOFClient)
+        del sums
+        return FedCOFClientState(torch.ones_like(cs.sent)), FedCOFMessage(pairs, means.to(self.dtype), classes, counts)
 
     def server_aggregate(self, ss: FedCOFServerState, msg: FedCOFMessage,
                          ctx: RoundCtx) -> tuple[FedCOFServerState, FedCOFBroadcast]:
-        held = msg.counts > 0  # [P, C]: the (client, class) means this round brings
-        rank = torch.cumsum(held.to(torch.int64), 1) - 1
-        slot = ss.offsets[ctx.participants.to(ss.offsets.device)].unsqueeze(1) + rank
-        i, c = held.nonzero(as_tuple=True)
-        s = slot[i, c]
+        C, dev = int(ss.counts.shape[0]), ss.offsets.device
+        part = ctx.participants.to(dev)
+        pairs, cls, cnt = msg.pairs.to(dev), msg.classes.to(dev), msg.counts.to(dev)
+        if pairs.shape != part.shape or int(pairs.sum()) != cls.numel():
+            raise UserError(f"fedcof: a message of {pairs.numel()} clients and {cls.numel()} class means for "
+                            f"{part.numel()} participants")
+        i = torch.repeat_interleave(torch.arange(len(part), device=dev), pairs)  # client row of each pair
+        bad = ((cls < 0) | (cls >= C) | (cnt < 1)).nonzero()
+        if len(bad):
+            j = int(bad[0])
+            raise UserError(f"fedcof: client {int(part[i[j]])} sent class {int(cls[j])} with count {int(cnt[j])} "
+                            f"(classes are 0..{C - 1}, counts >= 1)")
+        key = i * C + cls  # (client, class) pairs: strictly ascending in a well-formed message
+        bad = (key[1:] <= key[:-1]).nonzero()
+        if len(bad):
+            j = int(bad[0]) + 1
+            raise UserError(f"fedcof: client {int(part[i[j]])} sent class {int(cls[j])} twice or out of ascending order")
+        s = ss.offsets[part][i] + torch.arange(cls.numel(), device=dev) - (torch.cumsum(pairs, 0) - pairs)[i]
         nxt = torch.cat([ss.offsets[1:], ss.offsets.new_tensor([ss.bank_count.numel()])])
-        if bool((s >= nxt[ctx.participants.to(nxt.device)][i]).any()):
+        if bool((s >= nxt[part][i]).any()):
             raise UserError("fedcof: a client sent means of more classes than it has training samples")
         bank_means, bank_class, bank_count = ss.bank_means.clone(), ss.bank_class.clone(), ss.bank_count.clone()
-        bank_means[s] = msg.means[i, c].to(torch.float64)
-        bank_class[s], bank_count[s] = c, msg.counts[i, c]
+        bank_means[s] = msg.means.to(dev, torch.float64)
+        bank_class[s], bank_count[s] = cls, cnt
         ok = bank_count > 0
-        gram, sums, counts = estimated_gram(bank_means[ok], bank_class[ok], bank_count[ok], int(ss.counts.shape[0]),
-                                            self.cfg.gamma, self.cfg.between_class)
+        gram, sums, counts = estimated_gram(bank_means[ok], bank_class[ok], bank_count[ok], C, self.cfg.gamma,
+                                            self.cfg.between_class, overwrite=True)  # bank_means[ok] is a copy
         present = counts > 0
         sol, pinv = solve_psd(gram, sums.T, "fedcof: estimated Gram",  # W = G^-1 [N_c mu_c]
                               f" (gamma={self.cfg.gamma:g}; gamma > 0 makes it definite once a class has 2 samples)")
@@ -198,15 +265,18 @@ class FedCOF(AlgorithmBase):
         """Refused in one line: the estimator needs every client's own means."""
         size = ""
         if isinstance(message, FedCOFMessage):
-            C, D = message.means.shape[-2:]
-            size = f" (= {C * D * D:,} here, against C·D = {C * D:,} for the means)"
+            D = int(message.means.shape[-1])
+            size = f" (D² = {D * D:,} per class here, against D = {D:,} for a mean)"
         raise UserError("secagg: fedcof needs each client's class means in the clear (its server estimates the class "
                         "covariances from their spread); the sum form, sum_k n_kc mu_kc mu_kc^T per class, would cost "
                         f"C·D² values per client{size}")
 
     def paper_round_comm(self, arch: HeadArch, clients: int) -> PaperRoundComm:
-        """Class means in the backbone space, C x D, up (FedNCM's cost, as the paper counts it);
-        down: the classifier, C x D, as FedNCM's Appendix A counts its head."""
+        """Class means in the backbone space up: the paper counts the means of the classes a
+        client holds (FedNCM's cost); without the data this convention gives the bound C x D of a
+        client holding every class. The measured upload (`FedCOFMessage.comm_size`) counts the
+        classes each client holds, with a label and a count per class. Down: the classifier,
+        C x D, as FedNCM's Appendix A counts its head."""
         up = arch.num_classes * arch.in_dim
         return PaperRoundComm(up, up)
 

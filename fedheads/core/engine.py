@@ -275,8 +275,10 @@ def client_updates(algorithm: Algorithm, client_state: Any, broadcast: Any, data
         tree_put_rows_(client_state, ids, cs_b)
         msgs.append(msg_b)
         order += ids
-        del cs_b, sub
-    return client_state, put_back(tree_cat(msgs), order, dev)
+        del cs_b, sub, msg_b
+    msg = tree_cat(msgs)
+    msgs.clear()  # the parts live on in `msg`: drop them before put_back's copy of it
+    return client_state, put_back(msg, order, dev)
 
 
 MESSAGE_BUDGET = 512 << 20  # bytes of participants' messages the vectorised engine holds at once (sums_messages)

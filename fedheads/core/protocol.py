@@ -6,6 +6,10 @@ run. Conventions:
   have a leading client axis [M, ...]. The vectorised engine passes all participating clients
   at once; the loop engine passes one (M=1) and concatenates the messages; a networked driver
   would pass one. The maths never knows which.
+  A message whose clients send different numbers of items (FedCOF: the means of the classes
+  each client holds) keeps them as consecutive runs per client and is a `core.tree.RaggedRows`:
+  it says how to take client rows and how large one client's part is; the engines and drivers
+  concatenate and select it through core/tree.py as any other message.
 - Server state and broadcast have no client axis. The broadcast is what every participant
   receives; the engine counts its size once per participant as downlink traffic.
 - Server aggregation is written as SUMS of client contributions followed by a small finalize

@@ -1,17 +1,37 @@
 """Helpers over "stacked trees": frozen dataclasses / dicts / tuples whose tensor leaves carry a
 leading client axis [M, ...]. Client states and messages follow that convention, so the engines
 can select, scatter and concatenate them without knowing the algorithm (fedjax-style backends).
-Non-tensor leaves (ints, strings, None) are passed through unchanged."""
+Non-tensor leaves (ints, strings, None) are passed through unchanged.
+
+A message whose clients send different numbers of items (FedCOF's means of the classes each
+client holds) may instead lay them out as consecutive runs, one per client, in leaves [Q, ...]
+beside its [M, ...] leaves: such a type is :class:`RaggedRows`. Concatenating two of them leaf by
+leaf along dim 0 must give the message of their clients in order (so `tree_cat` needs nothing
+more); the type says how to take client rows (`client_rows`, used by `tree_index` and
+`tree_rows`) and how large one client's part is (`comm_size`, used by `payload_size`)."""
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar, runtime_checkable
 
 import torch
 
 T = TypeVar("T")
+
+
+@runtime_checkable
+class RaggedRows(Protocol):
+    """A tree whose leaves are not all [M, ...]: runs of items per client (module docstring)."""
+
+    def client_rows(self, idx: torch.Tensor) -> Any:
+        """The tree of clients `idx` (rows of its client axis, in that order)."""
+        ...
+
+    def comm_size(self) -> tuple[int, int]:
+        """(values, bytes) one client sends (payload_size with per_client)."""
+        ...
 
 
 def tree_map(fn: Callable[..., Any], tree: T, *rest: Any) -> T:
@@ -44,7 +64,10 @@ def tree_leaves(tree: Any) -> list[torch.Tensor]:
 
 
 def tree_index(tree: T, idx: torch.Tensor) -> T:
-    """Rows `idx` of the client axis of every leaf (a sub-federation)."""
+    """Rows `idx` of the client axis of every leaf (a sub-federation); a RaggedRows tree's own
+    `client_rows`."""
+    if isinstance(tree, RaggedRows):
+        return tree.client_rows(idx)
     return tree_map(lambda t: t.index_select(0, idx.to(t.device)), tree)
 
 
@@ -81,7 +104,7 @@ def tree_rows(tree: T, ids: Sequence[int], device: torch.device | str = "cpu") -
     """Rows `ids` of the client axis of every leaf: views when they are consecutive (a size bucket
     of clients stored largest first), else a copy (tree_index)."""
     span = row_range(ids)
-    if span is None:
+    if span is None or isinstance(tree, RaggedRows):
         return tree_index(tree, torch.tensor(list(ids), dtype=torch.int64, device=device))
     a, b = span
     return tree_map(lambda t: t[a:b], tree)
@@ -138,7 +161,8 @@ def tree_cat_chunks(chunks: Iterable[tuple[int, T]], total: int) -> T:
 
 
 def tree_cat(parts: Sequence[T]) -> T:
-    """Concatenate trees along the client axis (loop engine: M=1 messages -> one stacked message)."""
+    """Concatenate trees along the client axis (loop engine: M=1 messages -> one stacked message;
+    RaggedRows trees concatenate their runs the same way, module docstring)."""
     if len(parts) == 1:
         return parts[0]
     return tree_map(lambda *ts: torch.cat(ts, 0), parts[0], *parts[1:])
