@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -22,13 +21,6 @@ def server_state_blob(server_state: Any) -> dict[str, Any]:
     from fedheads.run.checkpoint import sealed
 
     return sealed({"format": SERVER_STATE_FORMAT, "server": [t.detach().cpu() for t in tree_leaves(server_state)]})
-
-
-def save_server_state(path: Path, server_state: Any) -> None:
-    """The server state as a file of its own (server_state_blob), atomically."""
-    from fedheads.run.rundir import atomic_torch_save
-
-    atomic_torch_save(path, server_state_blob(server_state))
 
 
 def write_run(cfg: Any, out: dict[str, Any]) -> dict[str, Any]:
