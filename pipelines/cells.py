@@ -74,7 +74,8 @@ def run_head(cfg: dict[str, Any], paths: dict[str, Any], heap: Any = None) -> di
     from fedheads.core.engine import run
     from fedheads.privacy import mechanism
     from fedheads.report import results as report
-    from fedheads.run.train import TrainOptions, _config_dict, build_algorithm
+    from fedheads.run.rundir import config_dict
+    from fedheads.run.train import TrainOptions, build_algorithm
 
     o = cfg["options"]
     dp = mechanism(dict(o["dp"])) if o.get("dp") else None  # (field, value) pairs of a privacy.Mechanism
@@ -99,7 +100,7 @@ def run_head(cfg: dict[str, Any], paths: dict[str, Any], heap: Any = None) -> di
                                                               for b in cfg["backbones"]],
             "training_rounds": opts.rounds - int(getattr(alg, "collect_rounds", 0)), "other_rules": other,
             "algorithm_kwargs": used, "ignored_options": ignored,
-            "algorithm_config": _config_dict(getattr(alg, "cfg", None)),
+            "algorithm_config": config_dict(getattr(alg, "cfg", None)),
             "paper_units": _paper_units(cfg["algorithm"], data, opts.rounds, opts.fraction, getattr(alg, "cfg", None))}
 
 

@@ -182,10 +182,11 @@ def test_the_digest_covers_plain_values_too():
 
 
 def test_flower_server_state_is_sealed(tmp_path):
-    from fedheads.flower.results import SERVER_STATE_FORMAT, save_server_state
+    from fedheads.flower.results import SERVER_STATE_FORMAT, server_state_blob
+    from fedheads.run.rundir import RunDir
 
-    path = tmp_path / "seed0.server.pt"
-    save_server_state(path, {"protos": torch.randn(4, 6), "count": torch.tensor(3)})
+    path = RunDir(tmp_path).save_state("seed0.server.pt", server_state_blob({"protos": torch.randn(4, 6),
+                                                                            "count": torch.tensor(3)}))
     got = checkpoint.load_sealed(path, SERVER_STATE_FORMAT, "")
     assert [tuple(t.shape) for t in got["server"]] in ([(), (4, 6)], [(4, 6), ()])
     flip_tensor_bit(path)

@@ -15,6 +15,7 @@ from fedheads.feddra.evaluation import METRICS, across_clients
 from fedheads.finetuning.driver import seed_timing
 from fedheads.report import plotting
 from fedheads.report import results as report
+from fedheads.run.rundir import RunDir, jsonable
 
 HEADLINE = ("t2i_r1", "t2i_r5", "i2t_r1", "i2t_r5", "cap_t2i_r1", "cap_t2i_r5")
 
@@ -69,7 +70,6 @@ def _probe_summary(probes: Sequence[Any]) -> dict[str, Any] | None:
 def extra(runs: Sequence[Any], per_seed: Sequence[Mapping[str, Any]], cfg: Any, su: Any, opts: Any,
           probes: Sequence[Any], exported: Sequence[Any]) -> dict[str, Any]:
     """The FedDRA blocks of results.json (docs/contracts.md section 10)."""
-    from fedheads.finetuning.runner import _jsonable
 
     names = [c.name for c in su.clients]
     finals = [_final(r).retrieval for r in runs]
@@ -98,7 +98,7 @@ def extra(runs: Sequence[Any], per_seed: Sequence[Mapping[str, Any]], cfg: Any, 
             stages[key]["rounds"] = len(vals[0])
     lam_final = np.mean([r.rounds[-1].lam for r in runs], axis=0).tolist()
     return {
-        "method": "feddra", "config": _jsonable(cfg), "plan": [list(p) for p in cfg.plan()],
+        "method": "feddra", "config": jsonable(cfg), "plan": [list(p) for p in cfg.plan()],
         "dataset": su.manifest.source, "image_encoder": su.image_bb.name, "text_encoder": su.text_bb.name,
         "image_cut": su.cut,
         "image_trainable": opts.image_trainable, "text_trainable": opts.text_trainable if su.needs_text else "frozen",
@@ -256,22 +256,24 @@ def plot_lambda(results: Sequence[Mapping[str, Any]], path: Path) -> Path:
     return plotting.save(fig, path)
 
 
-def _plots(results: Sequence[Mapping[str, Any]], out: Path) -> None:
-    plot_rounds(results, out / "retrieval_per_round.png")
-    plot_clients(results, out / "retrieval_per_client.png")
-    plot_lambda(results, out / "lambda.png")
+def _plots(results: Sequence[Mapping[str, Any]], rd: RunDir) -> None:
+    rd.save_figure("retrieval_per_round.png", lambda p: plot_rounds(results, p))
+    rd.save_figure("retrieval_per_client.png", lambda p: plot_clients(results, p))
+    rd.save_figure("lambda.png", lambda p: plot_lambda(results, p))
 
 
-def write_run(result: Mapping[str, Any], out: Path) -> None:
-    _plots([result], out)
-    report.write_markdown(run_markdown(result), out / "summary.md")
+def write_run(result: Mapping[str, Any], rd: RunDir) -> None:
+    """The plots and summary.md of one method's run directory (results.json: the caller, last)."""
+    _plots([result], rd)
+    rd.write_text("summary.md", run_markdown(result))
 
 
-def write_comparison(results: Sequence[Mapping[str, Any]], out: Path) -> None:
-    _plots(results, out)
+def write_comparison(results: Sequence[Mapping[str, Any]], rd: RunDir) -> None:
+    """The plots and summary.md of a comparison of methods (results.json: the caller, last)."""
+    _plots(results, rd)
     r0 = results[0]
     md = (f"# FedDRA and baselines: {r0['image_encoder']} @ {r0['image_cut']} + {r0['text_encoder']}\n\n"
           f"{r0['rounds']} rounds, seeds {r0['seeds']}\n\n{table(results)}\n"
           "![retrieval per round](retrieval_per_round.png)\n![retrieval per client](retrieval_per_client.png)\n"
           "![lambda](lambda.png)\n")
-    report.write_markdown(md, out / "summary.md")
+    rd.write_text("summary.md", md)

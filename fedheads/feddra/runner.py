@@ -31,10 +31,7 @@ every method), not FedDRA's extra module-only steps; a step-matched FedAvg (2E f
 from __future__ import annotations
 
 import copy
-import csv
 import dataclasses
-import io
-import json
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -54,13 +51,13 @@ from fedheads.feddra.model import DualEncoder, ModuleShape
 from fedheads.feddra.pairs import PairClient, cache_from_store, check_paired, pair_clients
 from fedheads.feddra.probe import ProbeOptions, run_probe
 from fedheads.finetuning.heads import check_store
-from fedheads.finetuning.runner import _jsonable, _write
 from fedheads.report import results as report
 from fedheads.run import rundir
 from fedheads.run.checks import check_finite, check_seeds, check_trained_state
 from fedheads.run.environment import machine
 from fedheads.run.load import resolve_device
 from fedheads.run.options import Part, settings_values, split_settings
+from fedheads.run.rundir import RunDir, jsonable
 
 BASELINES: dict[str, dict[str, Any]] = {
     "feddra": {},
@@ -219,15 +216,6 @@ def _setup(manifest: Any, store: str | None, image_encoder: str, text_encoder: s
     return _Setup(m, bb, text_bb, cut, tcut, clients, device, needs_text, opts.weights_dir)
 
 
-def _prepare_out(out: Path, opts: FedDRAOptions) -> None:
-    what = rundir.describe_run(out)
-    if what is not None and not (opts.overwrite or opts.resume):
-        raise UserError(f"{out} holds {what}; use --resume to continue it, --overwrite to replace it, or another --out")
-    if opts.overwrite and not opts.resume:
-        rundir.clear_run(out)
-    (out / "results.json").unlink(missing_ok=True)
-
-
 @rundir.holds_lock
 def feddra_run(manifest: str | Path | Any, store: str | None, image_encoder: str, text_encoder: str,
                out: str | Path, opts: FedDRAOptions = FedDRAOptions()) -> dict[str, Any]:
@@ -236,20 +224,19 @@ def feddra_run(manifest: str | Path | Any, store: str | None, image_encoder: str
         raise UserError(f"--baseline {','.join(opts.baselines)}: name each method once")
     cfgs = {b: apply_baseline(opts.fd, b) for b in opts.baselines}
     su = _setup(manifest, store, image_encoder, text_encoder, opts, list(cfgs.values()))
-    out = Path(out)
     multi = len(cfgs) > 1
-    subs = {b: out / b if multi else out for b in cfgs}
-    for d in ([out] if multi else []) + list(subs.values()):
-        _prepare_out(d, opts)
+    rd = RunDir(out, list(cfgs) if multi else ())
+    rd.check(opts.overwrite, opts.resume, resume_needs_checkpoints=False)  # every refusal before any training
+    rd.begin(opts.overwrite and not opts.resume)
+    subs = {b: rd.member(b) if multi else rd for b in cfgs}
     results = {b: _one_method(b, cfg, su, store, image_encoder, text_encoder, subs[b], opts)
                for b, cfg in cfgs.items()}
     if not multi:
         return results[opts.baselines[0]]
     combined = {"algorithms": results, "image_encoder": image_encoder, "text_encoder": text_encoder,
                 "store": None if store is None else str(store), "manifest_hash": su.manifest.content_hash}
-    feddra_report.write_comparison(list(results.values()), out)
-    report.write_results_json(combined, out / "results.json")
-    return combined
+    feddra_report.write_comparison(list(results.values()), rd)
+    return rd.finish(combined)
 
 
 def _build(su: _Setup, opts: FedDRAOptions, seed: int, device: torch.device) -> DualEncoder:
@@ -264,12 +251,12 @@ def _build(su: _Setup, opts: FedDRAOptions, seed: int, device: torch.device) -> 
 
 
 def _one_method(name: str, cfg: FedDRAConfig, su: _Setup, store: str | None, image_encoder: str,
-                text_encoder: str, out: Path, opts: FedDRAOptions) -> dict[str, Any]:
+                text_encoder: str, rd: RunDir, opts: FedDRAOptions) -> dict[str, Any]:
     run_cfg = {"manifest_hash": su.manifest.content_hash, "image_encoder": image_encoder,
                "image_weights_sha256": su.image_bb.weights_sha256, "text_encoder": text_encoder,
                "text_weights_sha256": su.text_bb.weights_sha256, "image_cut": su.cut, "text_cut": su.text_cut, "baseline": name,
-               "feddra": _jsonable(cfg), "image_trainable": opts.image_trainable,
-               "text_trainable": opts.text_trainable, "bn": opts.bn, "shape": _jsonable(opts.shape),
+               "feddra": jsonable(cfg), "image_trainable": opts.image_trainable,
+               "text_trainable": opts.text_trainable, "bn": opts.bn, "shape": jsonable(opts.shape),
                "augment": opts.augment, "stage1_inputs": opts.stage1_inputs, "store_cache": store is not None}
     alg = FedDRA(cfg)
     runs: list[FDRun] = []
@@ -278,35 +265,35 @@ def _one_method(name: str, cfg: FedDRAConfig, su: _Setup, store: str | None, ima
     for seed in opts.seeds:
         net = _build(su, opts, seed, su.device)
         glob = copy.deepcopy(net)
-        ck = feddra_checkpoint(out / "state" / f"seed{seed}.ckpt.pt", {**run_cfg, "seed": seed})
+        ck = feddra_checkpoint(rd.file(f"state/seed{seed}.ckpt.pt"), {**run_cfg, "seed": seed})
         run = run_feddra(alg, net, glob, su.clients, seed=seed, device=su.device, checkpoint=ck, resume=opts.resume,
                          eval_every=opts.eval_every, augment=opts.augment, stage1_inputs=opts.stage1_inputs,
                          progress=opts.progress)
         check_trained_state({"model": run.state.model}, name, seed)
         runs.append(run)
         glob.load_state({**run.state.model.params, **run.state.model.buffers})
-        exported.append(_export(glob, su, out, seed, image_encoder, text_encoder))
-        probes.append(run_probe(opts.probe, glob, su, out, seed, exported[-1]) if opts.probe else None)
+        exported.append(_export(glob, su, rd, seed, image_encoder, text_encoder))
+        probes.append(run_probe(opts.probe, glob, su, rd.path, seed, exported[-1]) if opts.probe else None)
         per_seed.append(feddra_report.seed_result(run, net, su.clients, seed))
     result = report.summarise_runs(per_seed, algorithm=name, backbones=[image_encoder, text_encoder],
                                    rounds=cfg.rounds, extra=feddra_report.extra(runs, per_seed, cfg, su, opts,
                                                                                 probes, exported))
     result["timing"].update(wall_seconds=time.perf_counter() - t_all, cpu_seconds=time.process_time() - c_all,
                             machine=machine(su.device))
-    config = {"algorithm": name, "store": None if store is None else str(store), "options": _jsonable(opts),
+    config = {"algorithm": name, "store": None if store is None else str(store), "options": jsonable(opts),
               "run": run_cfg}
-    _write(out / "config.json", json.dumps(config, indent=2, sort_keys=True) + "\n")
-    _write(out / "metrics.csv", _metrics_csv(runs, opts.seeds, su.clients))
-    feddra_report.write_run(result, out)
-    report.write_results_json(result, out / "results.json")  # last: marks the directory complete
-    return result
+    rd.write_json("config.json", config)
+    rd.write_csv("metrics.csv", *_metrics_table(runs, opts.seeds, su.clients))
+    feddra_report.write_run(result, rd)
+    return rd.finish(result)  # last: marks the directory complete
 
 
-def _export(glob: DualEncoder, su: _Setup, out: Path, seed: int, image_encoder: str, text_encoder: str) -> dict:
-    """The trained encoders as `ckpt:` files (contract 3f), loadable by `embedcache extract`."""
+def _export(glob: DualEncoder, su: _Setup, rd: RunDir, seed: int, image_encoder: str, text_encoder: str) -> dict:
+    """The trained encoders as `ckpt:` files (contract 3f, written atomically by vl.export_encoder),
+    loadable by `embedcache extract`."""
     note = (f"fedheads feddra, seed {seed}, {len(su.clients)} clients, manifest {su.manifest.content_hash[:12]}, "
             f"image cut {su.cut}, text cut {su.text_cut}")
-    paths = {"image": out / "encoders" / f"image-seed{seed}.pt", "text": out / "encoders" / f"text-seed{seed}.pt"}
+    paths = {"image": rd.file(f"encoders/image-seed{seed}.pt"), "text": rd.file(f"encoders/text-seed{seed}.pt")}
     shas = {"image": vl.export_encoder(paths["image"], getattr(su.image_bb, "base_name", image_encoder), glob.image,
                                        note)}
     if su.needs_text:
@@ -315,12 +302,12 @@ def _export(glob: DualEncoder, su: _Setup, out: Path, seed: int, image_encoder: 
     return {k: {"path": str(paths[k]), "sha256": v} for k, v in shas.items()}
 
 
-def _metrics_csv(runs: Sequence[FDRun], seeds: Sequence[int], clients: Sequence[PairClient]) -> str:
+def _metrics_table(runs: Sequence[FDRun], seeds: Sequence[int],
+                   clients: Sequence[PairClient]) -> tuple[list[str], list[list[Any]]]:
+    """metrics.csv (header, rows): round x seed x client retrieval metrics (percent), lambda, v, s."""
     from fedheads.feddra.evaluation import METRICS
 
-    buf = io.StringIO()
-    w = csv.writer(buf, lineterminator="\n")
-    w.writerow(["round", "seed", "client", *METRICS, "lambda", "v", "scale"])
+    rows = []
     for seed, run in zip(seeds, runs):
         for rec in run.rounds:
             for c in clients:
@@ -328,8 +315,8 @@ def _metrics_csv(runs: Sequence[FDRun], seeds: Sequence[int], clients: Sequence[
                 vals = ["" if ret.get(k) is None or ret[k] != ret[k] else round(100 * ret[k], 4) for k in METRICS]
                 extra = [rec.lam[c.index] if rec.lam else "", rec.v[c.index] if rec.v else "",
                          rec.scale[c.index] if rec.scale else ""]
-                w.writerow([rec.round, seed, c.name, *vals, *extra])
-    return buf.getvalue()
+                rows.append([rec.round, seed, c.name, *vals, *extra])
+    return ["round", "seed", "client", *METRICS, "lambda", "v", "scale"], rows
 
 
 def summary_line(res: dict[str, Any]) -> str:

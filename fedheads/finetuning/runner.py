@@ -18,13 +18,10 @@ communication, vs computation, one curve per method).
 
 from __future__ import annotations
 
-import csv
-import io
-import json
 import math
 import time
 from collections.abc import Iterable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -48,7 +45,7 @@ from fedheads.run.checks import check_finetune_heads, check_finite, check_seeds,
 from fedheads.run.environment import machine
 from fedheads.run.load import resolve_device
 from fedheads.run.options import Part, settings_values, split_settings
-from fedheads.run.rundir import atomic_path
+from fedheads.run.rundir import RunDir, jsonable
 
 METHOD_NAMES = {"fedncm": "fedncm+ft", "lp": "lp+ft", "random": "ft"}
 
@@ -107,33 +104,6 @@ def finetune_settings(opts: FinetuneOptions) -> dict[str, Any]:
     return settings_values(SETTINGS, (opts.ft, opts))
 
 
-def _jsonable(obj: Any) -> Any:
-    if hasattr(obj, "__dataclass_fields__"):
-        return {k: _jsonable(v) for k, v in asdict(obj).items()}
-    if isinstance(obj, (list, tuple)):
-        return [_jsonable(v) for v in obj]
-    if isinstance(obj, dict):
-        return {str(k): _jsonable(v) for k, v in obj.items()}
-    return obj
-
-
-def _write(path: Path, text: str) -> None:
-    with atomic_path(path) as tmp:
-        tmp.write_text(text)
-
-
-def _prepare_out(out: Path, opts: FinetuneOptions) -> None:
-    """A run directory is never overwritten silently (docs/contracts.md, section 6); a killed run
-    is continued with --resume, replaced with --overwrite."""
-    what = rundir.describe_run(out)
-    if what is not None and not (opts.overwrite or opts.resume):
-        raise UserError(f"{out} holds {what}; use --resume to continue it, --overwrite to replace it, "
-                        "or another --out")
-    if opts.overwrite and not opts.resume:
-        rundir.clear_run(out)
-    (out / "results.json").unlink(missing_ok=True)  # results.json marks a complete directory
-
-
 @rundir.holds_lock
 def finetune_run(manifest: str | Path | Any, store: str, backbone: str, out: str | Path,
                  opts: FinetuneOptions = FinetuneOptions()) -> dict[str, Any]:
@@ -168,33 +138,34 @@ def finetune_run(manifest: str | Path | Any, store: str, backbone: str, out: str
             check_store(store, m, create_backbone(in_name, weights_dir=opts.weights_dir), in_name,
                         cut=trainable.cut, map_shape=shape)
         clients = cached_clients(store, in_name, names, [c.domain for c in m.clients], shape)
-    out = Path(out)
     multi = len(opts.heads) > 1
-    subs = {h: out / method_name(h) if multi else out for h in opts.heads}
-    for d in ([out] if multi else []) + list(subs.values()):  # every refusal before any training
-        _prepare_out(d, opts)
+    rd = RunDir(out, [method_name(h) for h in opts.heads] if multi else ())
+    # never overwritten silently (docs/contracts.md, section 6): every refusal before any training; a
+    # killed run is continued with --resume, replaced with --overwrite
+    rd.check(opts.overwrite, opts.resume, resume_needs_checkpoints=False)
+    rd.begin(opts.overwrite and not opts.resume)
+    subs = {h: rd.member(method_name(h)) if multi else rd for h in opts.heads}
     results = {}
     for h in opts.heads:
         results[method_name(h)] = _one_method(h, m, store, bb, backbone, trainable, clients, device, subs[h], opts)
     if not multi:
         return results[method_name(opts.heads[0])]
     combined = {"algorithms": results, "backbone": backbone, "store": str(store), "manifest_hash": m.content_hash}
-    plots.figure1(list(results.values()), out / "figure1.png",
-                  title=plotting.title("Fine-tuning (FedNCM Figure 1)", m.source, backbone))
+    rd.save_figure("figure1.png", lambda p: plots.figure1(
+        list(results.values()), p, title=plotting.title("Fine-tuning (FedNCM Figure 1)", m.source, backbone)))
     table = report.comparison_markdown(list(results.values()), title=f"{backbone}: fine-tuning, {opts.rounds} rounds")
-    _write(out / "summary.md", f"# Fine-tuning comparison\n\n{table}\n\n![Figure 1](figure1.png)\n")
-    report.write_results_json(combined, out / "results.json")
-    return combined
+    rd.write_text("summary.md", f"# Fine-tuning comparison\n\n{table}\n\n![Figure 1](figure1.png)\n")
+    return rd.finish(combined)
 
 
 def _one_method(head: str, m: Any, store: str, bb: Any, backbone: str, trainable: Trainable, clients: list,
-                device: torch.device, out: Path, opts: FinetuneOptions) -> dict[str, Any]:
+                device: torch.device, rd: RunDir, opts: FinetuneOptions) -> dict[str, Any]:
     name = method_name(head) if opts.pretrained else "random"
     run_cfg = {"manifest_hash": m.content_hash, "backbone": backbone, "weights_sha256": bb.weights_sha256,
-               "head": head, "head_rounds": opts.head_rounds if head == "lp" else 0, "ft": _jsonable(opts.ft),
+               "head": head, "head_rounds": opts.head_rounds if head == "lp" else 0, "ft": jsonable(opts.ft),
                "trainable": trainable.spec, "bn": opts.bn, "live_prefix": opts.live_prefix,
                "pretrained": opts.pretrained, "augment": opts.augment, "ncm_bias": opts.ncm_bias,
-               "lp_settings": _jsonable(opts.lp_settings), "fraction": opts.fraction}
+               "lp_settings": jsonable(opts.lp_settings), "fraction": opts.fraction}
     per_seed, rows, heads_done, runs = [], [], [], []
     t_all, c_all = time.perf_counter(), time.process_time()
     for seed in opts.seeds:
@@ -212,13 +183,13 @@ def _one_method(head: str, m: Any, store: str, bb: Any, backbone: str, trainable
         if device.type == "cuda":
             net.to(memory_format=torch.channels_last)
         alg = FineTune(opts.ft)
-        ck = Checkpoint(out / "state" / f"seed{seed}.ckpt.pt", {**run_cfg, "seed": seed})
+        ck = Checkpoint(rd.file(f"state/seed{seed}.ckpt.pt"), {**run_cfg, "seed": seed})
         run = run_finetune(alg, net, split_state(net), clients, rounds=opts.rounds, seed=seed,
                            fraction=opts.fraction, eval_every=opts.eval_every, device=device, checkpoint=ck,
                            resume=opts.resume, progress=opts.progress)
         check_trained_state({"model": run.state.model}, name, seed)
         if trainable.mode != "head":  # head-only: the backbone did not change
-            _export_backbone(out / "state" / f"seed{seed}.backbone.pt", bb, backbone, net, run,
+            _export_backbone(rd.file(f"state/seed{seed}.backbone.pt"), bb, backbone, net, run,
                              f"fedheads finetune {name}, seed {seed}, {opts.rounds} rounds, trainable "
                              f"{trainable.spec}, bn {opts.bn}, manifest {m.content_hash[:12]}, from {backbone} "
                              f"(weights {bb.weights_sha256[:12]})")
@@ -235,21 +206,17 @@ def _one_method(head: str, m: Any, store: str, bb: Any, backbone: str, trainable
                             machine=machine(device))
     result["dataset"] = m.source  # plot titles (contract 6)
     config = {"manifest_hash": m.content_hash, "store": str(store), "backbone": backbone,
-              "options": _jsonable(opts), "run": run_cfg}
-    _write(out / "config.json", json.dumps(config, indent=2, sort_keys=True) + "\n")
-    buf = io.StringIO()
-    w = csv.writer(buf, lineterminator="\n")
-    w.writerow(["round", "seed", "client", "accuracy"])
-    w.writerows(rows)
-    _write(out / "metrics.csv", buf.getvalue())
-    plotting.plot_history([result], out / "accuracy_per_round.png")
-    plotting.plot_per_client([result], out / "per_client.png")
-    plots.figure1([result], out / "figure1.png", title=plotting.title(f"Fine-tuning, {name}", m.source, backbone))
+              "options": jsonable(opts), "run": run_cfg}
+    rd.write_json("config.json", config)
+    rd.write_csv("metrics.csv", ["round", "seed", "client", "accuracy"], rows)
+    rd.save_figure("accuracy_per_round.png", lambda p: plotting.plot_history([result], p))
+    rd.save_figure("per_client.png", lambda p: plotting.plot_per_client([result], p))
+    rd.save_figure("figure1.png", lambda p: plots.figure1(
+        [result], p, title=plotting.title(f"Fine-tuning, {name}", m.source, backbone)))
     md = report.run_markdown(result) + "\n\n" + plots.stages_markdown(result) + \
         "\n![accuracy per round](accuracy_per_round.png)\n![Figure 1](figure1.png)\n![per-client accuracy](per_client.png)\n"
-    report.write_markdown(md, out / "summary.md")
-    report.write_results_json(result, out / "results.json")  # last: marks the directory complete
-    return result
+    rd.write_text("summary.md", md)
+    return rd.finish(result)  # last: marks the directory complete
 
 
 def _export_backbone(path: Path, bb: Any, backbone: str, net: LiveNet, run: FTRun, note: str) -> None:

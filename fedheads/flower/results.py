@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -17,19 +16,19 @@ from fedheads.report import results as report
 SERVER_STATE_FORMAT = "fedheads-flower-server-state/1"
 
 
-def save_server_state(path: Path, server_state: Any) -> None:
-    from fedheads.run.checkpoint import save_sealed
+def server_state_blob(server_state: Any) -> dict[str, Any]:
+    """What state/seed<S>.server.pt holds: the server state's tensor leaves, sealed with their digest."""
+    from fedheads.run.checkpoint import sealed
 
-    save_sealed(path, {"format": SERVER_STATE_FORMAT, "server": [t.detach().cpu() for t in tree_leaves(server_state)]})
+    return sealed({"format": SERVER_STATE_FORMAT, "server": [t.detach().cpu() for t in tree_leaves(server_state)]})
 
 
 def write_run(cfg: Any, out: dict[str, Any]) -> dict[str, Any]:
     """Write cfg.out/{config.json, metrics.csv, summary.md, plots, state/, results.json}."""
-    from fedheads.run import rundir
     from fedheads.run.environment import machine
-    from fedheads.run.train import _config_dict, _metrics_rows, _write_run_dir, environment
+    from fedheads.run.rundir import RunDir, config_dict
+    from fedheads.run.train import environment, write_run_files
 
-    run_dir = Path(cfg.out)
     res, names, desc = out["result"], out["names"], out["desc"]
     n_test = [int(d["n_test"]) for d in desc]
     per_seed = [report.seed_result_from_run(res, cfg.seed, names, n_test=n_test)]
@@ -65,11 +64,10 @@ def write_run(cfg: Any, out: dict[str, Any]) -> dict[str, Any]:
         result["per_client"][c] = {"mean": None, "std": None, "n_test": n_test[names.index(c)], "dropped": True}
     result["per_client"] = dict(sorted(result["per_client"].items()))
     result["clients_dropped"] = dropped
-    if cfg.overwrite:
-        rundir.clear_run(run_dir)
-    save_server_state(run_dir / "state" / f"seed{cfg.seed}.server.pt", out["server_state"])
+    rd = RunDir(cfg.out).begin(cfg.overwrite)  # the refusals: before the run started (fedheads.flower.server)
+    rd.save_state(f"state/seed{cfg.seed}.server.pt", server_state_blob(out["server_state"]))
     config = {"flower": dataclasses.asdict(cfg), "algorithm": cfg.algorithm, "backbones": cfg.backbone_list(),
-              "algorithm_kwargs": out["kwargs"], "algorithm_config": _config_dict(out["algorithm_config"]),
+              "algorithm_kwargs": out["kwargs"], "algorithm_config": config_dict(out["algorithm_config"]),
               "environment": environment()}
-    _write_run_dir(run_dir, result, config, _metrics_rows(res, cfg.seed, names))
+    write_run_files(rd, result, config, report.metrics_rows(res, cfg.seed, names))
     return result

@@ -105,13 +105,11 @@ def run_federation(grid: Grid, context: Context, cfg: FlowerRunConfig) -> dict[s
         out = federate(audit, context, cfg, describe_nodes(audit, nodes, cfg))
     except UserError as e:  # reported where the run would have been, never a partial run directory
         if cfg.out:
-            Path(cfg.out).mkdir(parents=True, exist_ok=True)
-            (Path(cfg.out) / "failed.json").write_text(json.dumps({"error": str(e)}) + "\n")
+            rundir.RunDir(cfg.out).write_text("failed.json", json.dumps({"error": str(e)}) + "\n")
         raise
     out["audit"] = audit.received
     if cfg.out:  # what the server received, by record name and key (no values): contract 8
-        Path(cfg.out).mkdir(parents=True, exist_ok=True)
-        (Path(cfg.out) / "received.jsonl").write_text("".join(json.dumps(a) + "\n" for a in audit.received))
+        rundir.RunDir(cfg.out).write_text("received.jsonl", "".join(json.dumps(a) + "\n" for a in audit.received))
         from fedheads.flower.results import write_run
 
         write_run(cfg, out)

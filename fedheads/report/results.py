@@ -95,6 +95,22 @@ def seed_result_from_run(run: Any, seed: int, client_names: Sequence[str],
     return out
 
 
+METRICS_COLUMNS = ("round", "seed", "client", "rule", "accuracy")  # metrics.csv of train, compare, Flower runs
+
+
+def metrics_rows(run: Any, seed: int, client_names: Sequence[str]) -> list[list[Any]]:
+    """metrics.csv rows (METRICS_COLUMNS) of an engine ``RunResult``: every evaluated round x
+    client x rule, accuracy in percent rounded to 4 places (empty for a client without test samples)."""
+    rows = []
+    for rec in run.history:
+        if rec.accuracy is None:
+            continue
+        for rule, acc in rec.accuracy.items():
+            for name, a in zip(client_names, acc.tolist()):
+                rows.append([rec.round + 1, seed, name, rule, "" if a != a else round(100.0 * a, 4)])
+    return rows
+
+
 def _r(x: float) -> float:
     return round(float(x), 4)
 

@@ -72,9 +72,14 @@ def state_digest(blob: dict[str, Any]) -> str:
     return state_dict_sha256(tensors)
 
 
+def sealed(blob: dict[str, Any]) -> dict[str, Any]:
+    """`blob` with its digest (what a state file holds: fedheads.run.rundir.RunDir.save_state)."""
+    return {**blob, DIGEST: state_digest(blob)}
+
+
 def save_sealed(path: Path, blob: dict[str, Any]) -> None:
     """`blob` with its digest, written atomically to `path`."""
-    atomic_torch_save(path, {**blob, DIGEST: state_digest(blob)})
+    atomic_torch_save(path, sealed(blob))
 
 
 def load_sealed(path: Path, fmt: str, remedy: str) -> dict[str, Any]:

@@ -1,17 +1,23 @@
-"""Run directories are never overwritten silently (docs/contracts.md, section 6).
+"""Run directories (docs/contracts.md, section 6): `RunDir`, the one writer of the run directories
+of `train`, `compare`, `finetune`, `feddra` and Flower runs.
 
-`train` and `compare` refuse an --out that already holds a run unless --overwrite is given; with
-it, the old run's files are removed (only the names a run writes, never unknown files) once the
-new run's input has been checked, so a bad option never costs the old results.
+Never overwritten silently: an --out that already holds a run is refused unless --overwrite (or
+--resume) is given; with --overwrite, the old run's files are removed (only the names a run
+writes, never unknown files) once the new run's input has been checked, so a bad option never
+costs the old results.
 
 Atomic output files: write under a temporary name in the target folder, rename at the end,
-so a crash never leaves a file with the final name that looks complete (docs/contracts.md)."""
+so a crash never leaves a file with the final name that looks complete. results.json is written
+last: its presence means the directory is complete."""
 
 from __future__ import annotations
 
 import contextlib
+import csv
+import dataclasses
 import functools
 import inspect
+import io
 import itertools
 import json
 import os
@@ -230,3 +236,128 @@ def atomic_torch_save(path: str | Path, obj: Any) -> None:
 
     with atomic_path(path) as tmp:
         torch.save(obj, tmp)
+
+
+def config_dict(obj: Any) -> Any:
+    """A dataclass (or list of them) as config.json records it: fields by name, anything that is
+    not a JSON scalar as its repr (`train`, `compare`, Flower runs)."""
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return {f.name: config_dict(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if isinstance(obj, (list, tuple)):
+        return [config_dict(v) for v in obj]
+    if isinstance(obj, (str, int, float, bool)) or obj is None:
+        return obj
+    return repr(obj)
+
+
+def jsonable(obj: Any) -> Any:
+    """Dataclasses (dataclasses.asdict), lists and dicts as JSON values, anything else as it is
+    (`finetune`, `feddra` config.json)."""
+    if hasattr(obj, "__dataclass_fields__"):
+        return {k: jsonable(v) for k, v in dataclasses.asdict(obj).items()}
+    if isinstance(obj, (list, tuple)):
+        return [jsonable(v) for v in obj]
+    if isinstance(obj, dict):
+        return {str(k): jsonable(v) for k, v in obj.items()}
+    return obj
+
+
+class RunDir:
+    """One run directory being written, and the only writer of its files.
+
+    Opening: `check` (refusals, nothing touched) once the options are known, then `begin` once
+    the run's input has been checked (--overwrite: the old run's files removed; results.json
+    removed in any case, so a resumed run is complete again only when it finishes). Writing:
+    every file atomically (write_text, write_json, write_csv, save_state, save_figure), then
+    `finish`, which writes results.json last; nothing may be written after it. `members`: the
+    sub-directories of a comparison (one RunDir each, `member`). The lock (`locked`, `holds_lock`)
+    is held by the caller around all of it."""
+
+    def __init__(self, path: str | Path, members: Sequence[str] = ()) -> None:
+        self.path = Path(path)
+        self.members = tuple(members)
+        self.finished = False
+
+    def _dirs(self) -> list[Path]:
+        return [self.path, *(self.path / m for m in self.members)]
+
+    def member(self, name: str) -> RunDir:
+        """The run directory of comparison member `name`."""
+        return RunDir(self.path / name)
+
+    def check(self, overwrite: bool, resume: bool, *, resume_needs_checkpoints: bool = True) -> None:
+        """Refuse (UserError) a directory that holds a run, unless `overwrite` or `resume`.
+        `resume_needs_checkpoints` (train, compare: check_resume): --resume and --overwrite are
+        exclusive and a run without checkpoints is not resumed over. Without it (finetune, feddra:
+        their drivers check the checkpoint), --resume wins over --overwrite."""
+        if resume_needs_checkpoints:
+            check_resume(self.path, self.members, overwrite, resume)
+            return
+        for d in self._dirs():
+            what = describe_run(d)
+            if what is not None and not (overwrite or resume):
+                raise UserError(f"{d} holds {what}; use --resume to continue it, --overwrite to replace it, "
+                                "or another --out")
+
+    def begin(self, overwrite: bool) -> RunDir:
+        """Start writing: with `overwrite`, remove the files an earlier run wrote here (clear_run);
+        remove results.json in any case (it marks a complete directory). Returns self."""
+        if overwrite:
+            clear_run(self.path, self.members)
+        for d in self._dirs():
+            (d / "results.json").unlink(missing_ok=True)
+        return self
+
+    def file(self, name: str) -> Path:
+        """The path of file `name`, for a writer with its own atomic file format (`ckpt:` exports,
+        per-round checkpoints: fedheads.run.checkpoint)."""
+        self._writable(name)
+        return self.path / name
+
+    def _writable(self, name: str) -> None:
+        if self.finished:
+            raise RuntimeError(f"{self.path}: {name} written after results.json (RunDir.finish must come last)")
+
+    def write_text(self, name: str, text: str) -> Path:
+        """File `name` holding `text` (UTF-8), atomically."""
+        self._writable(name)
+        with atomic_path(self.path / name) as tmp:
+            tmp.write_bytes(text.encode())
+        return self.path / name
+
+    def write_json(self, name: str, obj: Any) -> Path:
+        """`obj` as indented JSON with sorted keys and a final newline (config.json)."""
+        return self.write_text(name, json.dumps(obj, indent=2, sort_keys=True) + "\n")
+
+    def write_csv(self, name: str, header: Sequence[str], rows: Iterable[Sequence[Any]]) -> Path:
+        """A CSV file: `header`, then `rows` (newline line ends)."""
+        buf = io.StringIO()
+        w = csv.writer(buf, lineterminator="\n")
+        w.writerow(header)
+        w.writerows(rows)
+        return self.write_text(name, buf.getvalue())
+
+    def save_state(self, name: str, obj: Any) -> Path:
+        """`torch.save(obj)` atomically (states and checkpoints: fedheads.run.checkpoint.sealed)."""
+        self._writable(name)
+        atomic_torch_save(self.path / name, obj)
+        return self.path / name
+
+    def save_figure(self, name: str, draw: Callable[[Path], Any]) -> Path:
+        """A plot: `draw(path)` draws and saves it at `path` (the fedheads.report.plotting functions,
+        which write atomically through `atomic_path`)."""
+        self._writable(name)
+        path = self.path / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        draw(path)
+        return path
+
+    def finish(self, result: dict[str, Any]) -> dict[str, Any]:
+        """results.json (indented, sorted keys, as fedheads.report.results.write_results_json),
+        written last: from now on the directory is complete and nothing more is written. Returns
+        `result`."""
+        self._writable("results.json")
+        with atomic_path(self.path / "results.json") as tmp:
+            tmp.write_bytes(json.dumps(result, indent=2, sort_keys=True).encode())
+        self.finished = True
+        return result

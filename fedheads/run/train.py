@@ -15,10 +15,7 @@ features by nearest prototype with faiss (fedheads.prediction.prototypes)."""
 from __future__ import annotations
 
 import contextlib
-import csv
 import dataclasses
-import io
-import json
 import os
 import platform
 from collections.abc import Sequence
@@ -37,7 +34,7 @@ from fedheads.report import results as report
 from fedheads.run import checkpoint as resume_mod
 from fedheads.run import rundir
 from fedheads.run.allocator import GlibcHeap
-from fedheads.run.checkpoint import load_sealed, save_sealed
+from fedheads.run.checkpoint import load_sealed, sealed
 from fedheads.run.checks import check_finite, check_seeds, check_trained_state
 from fedheads.run.environment import machine
 from fedheads.run.load import load_fed_data, resolve_device
@@ -50,7 +47,7 @@ from fedheads.run.options import (  # noqa: F401 (parse_settings, build_algorith
     unknown_key_error,
 )
 from fedheads.run.progress import RoundBar
-from fedheads.run.rundir import atomic_path
+from fedheads.run.rundir import RunDir, config_dict
 from fedheads.version import __version__
 
 if TYPE_CHECKING:
@@ -90,27 +87,12 @@ class TrainOptions:
         return {k: v for k, v in g.items() if v is not None}
 
 
-def _config_dict(obj: Any) -> Any:
-    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return {f.name: _config_dict(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
-    if isinstance(obj, (list, tuple)):
-        return [_config_dict(v) for v in obj]
-    if isinstance(obj, (str, int, float, bool)) or obj is None:
-        return obj
-    return repr(obj)
-
-
-def _atomic_bytes(path: Path, data: bytes) -> None:
-    with atomic_path(path) as tmp:
-        tmp.write_bytes(data)
-
-
-def save_state(path: Path, result: RunResult) -> None:
-    """Tensor leaves of the final states, in tree order (loadable with weights_only=True), sealed
-    with their digest (fedheads.run.checkpoint)."""
+def state_blob(result: RunResult) -> dict[str, Any]:
+    """What state/seed<S>.pt holds: the tensor leaves of the final states, in tree order
+    (loadable with weights_only=True), sealed with their digest (fedheads.run.checkpoint)."""
     cs = [t.detach().cpu() for t in tree_leaves(result.client_state)]
     ss = [t.detach().cpu() for t in tree_leaves(result.server_state)]
-    save_sealed(path, {"format": STATE_FORMAT, "client": cs, "server": ss})
+    return sealed({"format": STATE_FORMAT, "client": cs, "server": ss})
 
 
 def load_state(path: Path, algorithm: Any, spec: DataSpec, seed: int) -> tuple[Any, Any]:
@@ -139,17 +121,6 @@ def _sized_like(like: Any, saved: Sequence[Any], fields: Sequence[str]) -> Any:
             changes[f.name] = v.new_empty(saved[i].shape)
         i += len(tree_leaves(v))
     return dataclasses.replace(like, **changes)
-
-
-def _metrics_rows(result: RunResult, seed: int, names: Sequence[str]) -> list[list[Any]]:
-    rows = []
-    for rec in result.history:
-        if rec.accuracy is None:
-            continue
-        for rule, acc in rec.accuracy.items():
-            for name, a in zip(names, acc.tolist()):
-                rows.append([rec.round + 1, seed, name, rule, "" if a != a else round(100.0 * a, 4)])
-    return rows
 
 
 def store_fingerprint(info: Any, backbones: Sequence[str]) -> dict[str, Any]:
@@ -310,7 +281,7 @@ def train_data(data: Federation, backbones: Sequence[str], algorithm: str, opts:
     if t_start is None:
         t_start = clock(torch.device("cpu"))
     alg, used, ignored = built or build_algorithm(algorithm, opts, strict=strict)  # bad options fail before training
-    alg_cfg = _config_dict(getattr(alg, "cfg", None))
+    alg_cfg = config_dict(getattr(alg, "cfg", None))
     require_test_samples(data)
     record = _store_record(store, backbones)
     names, n_test = list(data.client_names), list(data.n_test)
@@ -332,7 +303,7 @@ def train_data(data: Federation, backbones: Sequence[str], algorithm: str, opts:
         if state_dir is not None:
             # --set / --lr ... are in the algorithm's config: the diff then names the field once
             settings = {"algorithm": algorithm, "algorithm_config": alg_cfg, "seed": seed,
-                        "options": {k: v for k, v in _config_dict(opts).items()
+                        "options": {k: v for k, v in config_dict(opts).items()
                                     if k not in ("progress", "tensorboard", "settings", *opts.generic_names)},
                         "device": str(data.device), "layout": layout_info(data),
                         "store": None if record is None else record.path,
@@ -351,7 +322,7 @@ def train_data(data: Federation, backbones: Sequence[str], algorithm: str, opts:
         for rule, acc in res.history[-1].accuracy.items():  # type: ignore[union-attr]
             if rule != "main":
                 extra_rules.setdefault(rule, []).append(100.0 * float(acc[~acc.isnan()].mean()))
-        rows += _metrics_rows(res, seed, names)
+        rows += report.metrics_rows(res, seed, names)
         if opts.dp is not None:
             from fedheads.privacy import plain_client_state
 
@@ -380,7 +351,7 @@ def train_data(data: Federation, backbones: Sequence[str], algorithm: str, opts:
                               "algorithm": algorithm}
     if record is not None:
         config["store_fingerprint"] = record.fingerprint
-    config.update({"options": _config_dict(opts), "algorithm_kwargs": used if per_seed else {},
+    config.update({"options": config_dict(opts), "algorithm_kwargs": used if per_seed else {},
                    "algorithm_config": alg_cfg, "ignored_options": ignored, "environment": environment()})
     return TrainedRun(result, config, rows, states, opts)
 
@@ -397,8 +368,8 @@ def train_run(store: str | Path | StoreInfo | None, backbones: Sequence[str], al
     from numpy arrays: no store fingerprint in config.json). Every round is checkpointed in
     RUN_DIR/state/; `resume` continues from there (fedheads.run.checkpoint). `heap`: the process's heap
     policy (fedheads.run.allocator.GlibcHeap, which the `fedheads` command chooses; None: none)."""
-    out = Path(out)
-    rundir.check_resume(out, (), overwrite, resume)
+    rd = RunDir(out)
+    rd.check(overwrite, resume)
     built = build_algorithm(algorithm, opts, strict=strict)  # bad options fail before the old run is touched
     if opts.tensorboard:
         from fedheads.run.tracking import require
@@ -407,54 +378,50 @@ def train_run(store: str | Path | StoreInfo | None, backbones: Sequence[str], al
     t_start = clock(torch.device("cpu"))  # nothing queued on a device yet
     data, record, load = _features(store, data, backbones, opts, t_start, "train", heap)
     require_test_samples(data)
-    if overwrite:  # results.json marks a complete run: no old file may sit beside the new ones
-        rundir.clear_run(out)
-    (out / "results.json").unlink(missing_ok=True)  # resumed: complete again only when rewritten
+    rd.begin(overwrite)  # results.json marks a complete run: no old file may sit beside the new ones
     trained = train_data(data, backbones, algorithm, opts, store=record, strict=strict,
-                         t_start=t_start, load=load, state_dir=out / "state", resume=resume, heap=heap, built=built)
-    write_trained(out, trained)
+                         t_start=t_start, load=load, state_dir=rd.path / "state", resume=resume, heap=heap, built=built)
+    write_trained(rd, trained)
     return trained.result
 
 
-def write_trained(out: str | Path, trained: TrainedRun) -> None:
+def write_trained(out: str | Path | RunDir, trained: TrainedRun) -> None:
     """A run directory (docs/contracts.md, 6) from a run trained in memory."""
-    out = Path(out)
+    rd = out if isinstance(out, RunDir) else RunDir(out)
     for seed, states in trained.states.items():
-        save_state(out / "state" / f"seed{seed}.pt", states)
+        rd.save_state(f"state/seed{seed}.pt", state_blob(states))
     if trained.opts is not None:
         c = trained.config
-        write_config_yaml(out, "train", c["store"], c["backbones"], [c["algorithm"]], trained.opts,
+        write_config_yaml(rd, "train", c["store"], c["backbones"], [c["algorithm"]], trained.opts,
                           dropped=tuple(c.get("ignored_options", ())),
                           configs={c["algorithm"]: c.get("algorithm_config")})
-    _write_run_dir(out, trained.result, trained.config, trained.rows)
+    write_run_files(rd, trained.result, trained.config, trained.rows)
 
 
-def write_config_yaml(out: Path, command: str, store: str | None, backbones: Sequence[str],
+def write_config_yaml(rd: RunDir, command: str, store: str | None, backbones: Sequence[str],
                       algorithms: Sequence[str], opts: TrainOptions, dropped: tuple[str, ...] = (),
                       configs: dict[str, Any] | None = None) -> None:
     """RUN_DIR/config.yaml: the effective configuration, as `--dump-config` prints it (`fedheads
     <command> --config RUN_DIR/config.yaml` runs it again). `configs`: {algorithm: the config it
     trained with} (then nothing is built again)."""
 
-    cfg = effective_config(command, store, list(backbones), list(algorithms), opts, out, strict=False, dropped=dropped,
-                           configs=configs)
-    _atomic_bytes(out / "config.yaml", dump(command, cfg).encode())
+    cfg = effective_config(command, store, list(backbones), list(algorithms), opts, rd.path, strict=False,
+                           dropped=dropped, configs=configs)
+    rd.write_text("config.yaml", dump(command, cfg))
 
 
-def _write_run_dir(out: Path, result: dict[str, Any], config: dict[str, Any], rows: list[list[Any]]) -> None:
-    _atomic_bytes(out / "config.json", (json.dumps(config, indent=2, sort_keys=True) + "\n").encode())
-    buf = io.StringIO()
-    w = csv.writer(buf, lineterminator="\n")
-    w.writerow(["round", "seed", "client", "rule", "accuracy"])
-    w.writerows(rows)
-    _atomic_bytes(out / "metrics.csv", buf.getvalue().encode())
-    plotting.plot_history([result], out / "accuracy_per_round.png")
-    plotting.plot_per_client([result], out / "per_client.png")
+def write_run_files(rd: RunDir, result: dict[str, Any], config: dict[str, Any], rows: list[list[Any]]) -> None:
+    """config.json, metrics.csv (fedheads.report.results.metrics_rows), the plots and summary.md of
+    one trained head, then results.json (last: the directory is complete); `train`, each member of
+    `compare`, and a Flower run (fedheads.flower.results)."""
+    rd.write_json("config.json", config)
+    rd.write_csv("metrics.csv", report.METRICS_COLUMNS, rows)
+    rd.save_figure("accuracy_per_round.png", lambda p: plotting.plot_history([result], p))
+    rd.save_figure("per_client.png", lambda p: plotting.plot_per_client([result], p))
     md = report.run_markdown(result) + "\n\n![accuracy per round](accuracy_per_round.png)\n" \
         "![per-client accuracy](per_client.png)\n"
-    report.write_markdown(md, out / "summary.md")
-    # results.json last: its presence means the run directory is complete
-    report.write_results_json(result, out / "results.json")
+    rd.write_text("summary.md", md)
+    rd.finish(result)
 
 
 def check_compare_settings(algorithms: Sequence[str], opts: TrainOptions) -> None:
@@ -498,7 +465,7 @@ def compare_data(data: Federation, backbones: Sequence[str], algorithms: Sequenc
             for name in algorithms}
     combined = {"algorithms": {n: r.result for n, r in runs.items()}, "backbones": list(backbones),
                 "dataset": None if record is None else record.dataset,
-                "store": None if record is None else record.path, "options": _config_dict(opts),
+                "store": None if record is None else record.path, "options": config_dict(opts),
                 "environment": environment(),
                 "timing": report.timing_block([], *_since(t_start, data.device), machine(data.device), load)}
     return runs, combined
@@ -511,8 +478,8 @@ def compare_runs(store: str | Path | StoreInfo | None, backbones: Sequence[str],
     """Train every algorithm on the same cached features (loaded once) and write the comparison.
     An --out (or an <algorithm>/ in it) holding a run is refused unless `overwrite`. `store`,
     `data` and `heap` as in train_run; `resume` continues an interrupted comparison."""
-    out = Path(out)
-    rundir.check_resume(out, algorithms, overwrite, resume)
+    rd = RunDir(out, algorithms)
+    rd.check(overwrite, resume)
     built = build_compared(algorithms, opts)
     if opts.tensorboard:
         from fedheads.run.tracking import require
@@ -521,31 +488,28 @@ def compare_runs(store: str | Path | StoreInfo | None, backbones: Sequence[str],
     t_start = clock(torch.device("cpu"))  # nothing queued on a device yet
     data, record, load = _features(store, data, backbones, opts, t_start, "compare", heap)
     require_test_samples(data)
-    if overwrite:
-        rundir.clear_run(out, algorithms)
-    for d in [out, *(out / a for a in algorithms)]:
-        (d / "results.json").unlink(missing_ok=True)  # resumed: complete again only when rewritten
+    rd.begin(overwrite)  # resumed: complete again only when rewritten
     runs, combined = compare_data(data, backbones, algorithms, opts, store=record,
-                                  t_start=t_start, load=load, out=out, resume=resume, heap=heap, built=built)
-    write_comparison(out, runs, combined, opts)
+                                  t_start=t_start, load=load, out=rd.path, resume=resume, heap=heap, built=built)
+    write_comparison(rd, runs, combined, opts)
     return combined
 
 
-def write_comparison(out: str | Path, runs: dict[str, TrainedRun], combined: dict[str, Any],
+def write_comparison(out: str | Path | RunDir, runs: dict[str, TrainedRun], combined: dict[str, Any],
                      opts: TrainOptions) -> None:
     """A comparison directory (docs/contracts.md, 6): one run directory per algorithm, the table
     and plots, results.json last."""
-    out = Path(out)
+    rd = out if isinstance(out, RunDir) else RunDir(out, list(runs))
     for name, trained in runs.items():
-        write_trained(out / name, trained)
-    write_config_yaml(out, "compare", combined["store"], combined["backbones"], list(runs), opts,
+        write_trained(rd.member(name), trained)
+    write_config_yaml(rd, "compare", combined["store"], combined["backbones"], list(runs), opts,
                       configs={n: r.config.get("algorithm_config") for n, r in runs.items()})
     results = list(combined["algorithms"].values())
-    where = f" on {report.relative_paths(combined['dataset'], out)}" if combined.get("dataset") else ""
+    where = f" on {report.relative_paths(combined['dataset'], rd.path)}" if combined.get("dataset") else ""
     title = f"{', '.join(combined['backbones'])}{where}: {opts.rounds} rounds"  # the table adds the seeds
     table = report.comparison_markdown(results, title=title)
-    plotting.plot_history(results, out / "accuracy_per_round.png")
-    plotting.plot_per_client(results, out / "per_client.png")
-    report.write_markdown(f"# Comparison\n\n{table}\n\n![accuracy per round](accuracy_per_round.png)\n"
-                          "![per-client accuracy](per_client.png)\n", out / "summary.md")
-    report.write_results_json(combined, out / "results.json")
+    rd.save_figure("accuracy_per_round.png", lambda p: plotting.plot_history(results, p))
+    rd.save_figure("per_client.png", lambda p: plotting.plot_per_client(results, p))
+    rd.write_text("summary.md", f"# Comparison\n\n{table}\n\n![accuracy per round](accuracy_per_round.png)\n"
+                  "![per-client accuracy](per_client.png)\n")
+    rd.finish(combined)
