@@ -246,6 +246,25 @@ def test_lp_without_local_models_keeps_no_head_per_client_and_trains_the_same(la
         LPConfig(local_models="false")  # type: ignore[arg-type]
 
 
+def test_lp_predict_reads_the_global_head_without_a_copy_per_client() -> None:
+    """Evaluation groups hold thousands of small clients at a real federation's scale: predict
+    must not copy the C x (D+1) global head once per client (it allocates only the scores)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from fedheads.algorithms.lp import HeadClientState, HeadServerState, init_mlp
+
+    M, N, D, C = 400, 2, 64, 50
+    ss = HeadServerState(init_mlp(D, (), C, 0), None, True)
+    alg = HeadTuning(LPConfig(local_models=False))
+    x, mask = torch.randn(M, N, D), torch.ones(M, N, dtype=torch.bool)
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        out = alg.predict(HeadClientState({}, None), ss, x, mask)  # type: ignore[arg-type]
+    allocated = sum(e.self_cpu_memory_usage for e in prof.key_averages() if e.self_cpu_memory_usage > 0)
+    assert set(out) == {"main", "global_model"} and out["main"].shape == (M, N, C)
+    assert allocated < M * (D + 1) * C * 4 // 4  # scores [M, N, C] only, no [M, D+1, C] copy
+    torch.testing.assert_close(out["main"], x @ ss.params["cls.weight"] + ss.params["cls.bias"])
+
+
 def _pooled_means(data: FedData, feats: torch.Tensor) -> np.ndarray:
     x = feats[data.m_train].double().numpy()
     y = data.y_train[data.m_train].numpy()

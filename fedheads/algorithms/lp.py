@@ -246,7 +246,7 @@ class HeadTuning(AlgorithmBase):
             sums, counts = client_stats(h, data.y_train, data.m_train, data.num_classes)
             return cs, FedNCMMessage(sums, counts)
         mu = cfg.prox_mu if cfg.server_opt == "fedprox" else 0.0
-        start = expand(bc.params, M)  # the participants' copies of w, trained in place
+        start = expand_view(bc.params, M)  # w for every participant, read only (local_train trains its own copy)
 
         anchor = {k: v.unsqueeze(0) for k, v in bc.params.items()}  # one row for any number of clients
 
@@ -256,14 +256,18 @@ class HeadTuning(AlgorithmBase):
                 loss = loss + 0.5 * mu * sum(((p[k] - anchor[k]) ** 2).flatten(1).sum(1) for k in p)
             return loss, b
 
-        opt = opt_init(cfg.optimizer, start) if cfg.reset_optimizer else cs.opt
-        p, _, opt = local_train(start, {}, opt, cfg.optimizer, loss_fn, data, ctx, cfg.batch_size, cfg.local_epochs,
-                                rowwise=True)
         if cfg.local_models:
-            new = HeadClientState(p, opt)
-        else:  # what the next round reads: nothing but a carried optimiser state (reset_optimizer=False)
-            new = HeadClientState({}, OptState(opt.step) if cfg.reset_optimizer else opt, cs.trains)
-        return new, delta_message(p, start, {}, {}, data)
+            opt = opt_init(cfg.optimizer, start) if cfg.reset_optimizer else cs.opt
+            p, _, opt = local_train(start, {}, opt, cfg.optimizer, loss_fn, data, ctx, cfg.batch_size,
+                                    cfg.local_epochs, rowwise=True)
+            return HeadClientState(p, opt), delta_message(p, start, {}, {}, data)
+        # no head kept: a reset optimiser's moments live in local_train's scratch buffers, and the
+        # trained copy becomes the message w_i - w in place (one [M, ...] copy per participant)
+        reset = cfg.reset_optimizer
+        p, _, opt = local_train(start, {}, None if reset else cs.opt, cfg.optimizer, loss_fn, data, ctx,
+                                cfg.batch_size, cfg.local_epochs, keep_opt=not reset, rowwise=True)
+        w = torch.tensor(data.n_train, dtype=torch.float32, device=data.device)
+        return HeadClientState({}, opt, cs.trains), DeltaMessage({k: p[k].sub_(start[k]) for k in start}, {}, w)
 
     def server_aggregate(self, ss: HeadServerState, msg: Any,
                          ctx: RoundCtx) -> tuple[HeadServerState, HeadBroadcast]:
