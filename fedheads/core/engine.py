@@ -241,7 +241,8 @@ def client_updates(algorithm: Algorithm, client_state: Any, broadcast: Any, data
         cs_sub, msg = algorithm.client_update(cs_sub, broadcast, sub, ctx)
         return (cs_sub if everyone else tree_scatter(client_state, pidx, cs_sub)), msg
     taking = set(part.tolist())
-    msgs, order = [], []
+    row = {i: r for r, i in enumerate(part.tolist())}  # a participant's row of the round's messages
+    out: Any = None
     for ms, bucket in groups:
         loc = [p for p, i in enumerate(ms) if i in taking]
         if not loc:
@@ -251,14 +252,18 @@ def client_updates(algorithm: Algorithm, client_state: Any, broadcast: Any, data
         # the bucket's rows of the state: views when they are consecutive (clients stored largest
         # first), so no bucket-sized copy is made for the call (client_update is pure)
         cs_b, msg_b = algorithm.client_update(tree_rows(client_state, ids, dev), broadcast, sub, ctx)
-        msg_b = unshared(msg_b, client_state)  # a message viewing the state would change with the write
+        # each bucket's messages go straight to their rows (participant order), copied before the
+        # state's rows are written (a message may view them), and dropped: the round holds the
+        # messages once, not the buckets' parts, their concatenation and its reordering
+        if out is None:
+            out = tree_map(lambda t: t.new_empty((len(part), *t.shape[1:])), msg_b)
+        at = torch.tensor([row[i] for i in ids], dtype=torch.int64)
+        tree_map(lambda o, t: o.index_copy_(0, at.to(o.device), t), out, msg_b)  # noqa: B023 (used at once)
         tree_put_rows_(client_state, ids, cs_b)
-        msgs.append(msg_b)
-        order += ids
-        del cs_b, sub
+        del cs_b, sub, msg_b
         if between_buckets is not None:
             between_buckets()
-    return client_state, put_back(tree_cat(msgs), order, dev)
+    return client_state, out
 
 
 MESSAGE_BUDGET = 512 << 20  # bytes of participants' messages the vectorised engine holds at once (sums_messages)
