@@ -428,6 +428,7 @@ def _run(algorithm: Algorithm, data: Federation, rounds: int, seed: int, fractio
         comm = CommRecord(up_v * P, up_b * P, down_v * P, down_b * P)
         res.upload_values_per_client = up_v
         sstate, bc = algorithm.server_aggregate(sstate, msg, ctx)
+        del msg  # spent: not held through the evaluation and the next round's client updates
         t1 = clock(data.device)
         last = r == rounds - 1
         acc = None
