@@ -18,7 +18,10 @@ same torch threads, `--repeats` times interleaved:
     round, from results.json; goal for Fed3R: within 3x of `read`) and evaluation apart, and peak
     memory above the baseline as a multiple of the feature bytes (goal <= 1.5x);
   * `lp`: the FedAvg linear probe at `--lp-clients` (100) clients per round for `--lp-rounds` (50)
-    rounds, evaluated after the last: seconds per round;
+    rounds, evaluated after the last: seconds per round. Run with `--set lp.local_models=false`
+    (lp.py): no client keeps a head between rounds, so memory follows the round's participants;
+    `--lp-local-models` keeps every client's last local head (the "local_model" rule, LP's
+    default) at one C x (D+1) head per client of the federation;
   * the machine's floors, in the same kind of subprocess: float64 GEMM rate at the Gram shapes
     (torch.matmul [1281, n] x [n, 1281] for n = 4096, the pooled Gram; and batched [B, 1281, r] x
     [B, r, 1281] for r = 2 rows, a median client's own Gram), and memory bandwidth (a large
@@ -93,7 +96,8 @@ def work():
         return out
     fedheads.cli.main(["train", "--store", a["store"], "--backbones", "synthetic", "--algorithm", m,
                        "--rounds", str(a["rounds"]), "--fraction", repr(a["fraction"]), "--seeds", "0",
-                       "--device", "cpu", "--eval-every", str(a["eval_every"]), "--quiet", "--out", a["out"]],
+                       "--device", "cpu", "--eval-every", str(a["eval_every"]), "--quiet", "--out", a["out"],
+                       *[x for kv in a.get("settings", []) for x in ("--set", kv)]],
                       standalone_mode=False)
     return {}
 
@@ -176,7 +180,8 @@ def run_case(name: str, store: Path, tmp: Path, k: int, a: argparse.Namespace, c
     lp = name == "lp"
     args = {"mode": name, "store": str(store), "out": str(tmp / f"{name}-{k}{'-prof' if profile else ''}"),
             "threads": a.threads, "profile": profile, "rounds": a.lp_rounds if lp else 1,
-            "fraction": min(1.0, a.lp_clients / clients) if lp else 1.0, "eval_every": 0 if lp else 1}
+            "fraction": min(1.0, a.lp_clients / clients) if lp else 1.0, "eval_every": 0 if lp else 1,
+            "settings": [] if not lp or a.lp_local_models else ["lp.local_models=false"]}
     r = child(args, a.limit, a.timeout)
     if "failed" in r or name == "read":
         return r
@@ -224,6 +229,8 @@ def main() -> None:
     ap.add_argument("--lp-clients", type=int, default=100)
     ap.add_argument("--lp-rounds", type=int, default=50)
     ap.add_argument("--no-lp", action="store_true", help="skip the LP run")
+    ap.add_argument("--lp-local-models", action="store_true",
+                    help="LP keeps every client's last local head (one per client of the federation)")
     ap.add_argument("--clients", type=int, default=None, help="M sizes at the shape's quantiles (default: all 9,275)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--cache-dir", default=None, help="where the store is built (inat_store.default_cache())")
@@ -252,7 +259,8 @@ def main() -> None:
     result: dict = {**provenance(), "method": __doc__.split("\n\n")[1] + "\n\n" + __doc__.split("\n\n")[2],
                     "machine": machine("cpu"), "threads": a.threads, "repeats": a.repeats, "quick": a.quick,
                     "memory_limit_bytes": a.limit, "store": facts, "notes": notes,
-                    "lp": {"clients_per_round": a.lp_clients, "rounds": a.lp_rounds}, "runs": {}}
+                    "lp": {"clients_per_round": a.lp_clients, "rounds": a.lp_rounds, "local_models": a.lp_local_models},
+                    "runs": {}}
     print(f"store {store}: {facts['clients']} clients, {facts['train_rows']} train / {facts['test_rows']} test rows, "
           f"{fb / 1e9:.2f} GB features", flush=True)
     for n in notes:

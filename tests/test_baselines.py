@@ -25,8 +25,8 @@ from fedheads.algorithms.pfedme import PFedMe, PFedMeConfig
 from fedheads.algorithms.server_opt import FedAdam, make_server_optimizer
 from fedheads.algorithms.solo import Solo, SoloConfig
 from fedheads.core import OptimizerConfig, RoundCtx, ServerSGD, payload_size, run
-from fedheads.core.federation import FedData
-from fedheads.core.tree import tree_index
+from fedheads.core.federation import FedData, LayoutConfig, to_layout
+from fedheads.core.tree import tree_index, tree_leaves
 from fedheads.run.load import from_arrays
 
 SGD = lambda lr: OptimizerConfig("sgd", lr=lr, weight_decay=0.0)  # noqa: E731
@@ -215,6 +215,54 @@ def test_lp_fedavg_equals_core_fedavg_linear_and_prox_zero_is_fedavg() -> None:
         _, msg = alg.client_update(init.client_state, init.broadcast, data, RoundCtx(0, 0, torch.arange(4), 4))
         far[mu] = sum(float(v.norm()) for v in msg.delta.values())
     assert far[5.0] < far[0.0]
+
+
+@pytest.mark.parametrize("layout", [None, LayoutConfig("bucketed", waste=1.0, bucket_clients=2)])
+@pytest.mark.parametrize("reset", [True, False])
+def test_lp_without_local_models_keeps_no_head_per_client_and_trains_the_same(layout, reset) -> None:
+    """local_models=False: the client state holds no head (only the step counter, or the carried
+    momentum with reset_optimizer=False), and the server model and its accuracies are those of LP
+    with local heads, bit for bit, with partial participation and size buckets."""
+    data = tiny_fed(M=6) if layout is None else to_layout(tiny_fed(M=6), layout)
+    opt = OptimizerConfig("sgd", lr=0.2, momentum=0.0 if reset else 0.5)
+    keep, drop = (run(HeadTuning(LPConfig(batch_size=4, optimizer=opt, reset_optimizer=reset, local_models=lm)),
+                      data, rounds=3, seed=5, fraction=0.5, progress=False) for lm in (True, False))
+    for k, v in keep.server_state.params.items():
+        assert torch.equal(v, drop.server_state.params[k])
+    for a, b in zip(keep.history, drop.history):
+        assert a.comm == b.comm and set(a.accuracy) == {"main", "global_model", "local_model"}
+        assert set(b.accuracy) == {"main", "global_model"}
+        for rule in b.accuracy:
+            torch.testing.assert_close(a.accuracy[rule], b.accuracy[rule], rtol=0, atol=0, equal_nan=True)
+    C, D = data.num_classes, data.dim
+    assert keep.trainable_params_per_client == drop.trainable_params_per_client == D * C + C
+    assert drop.client_state.params == {} and keep.client_state.params["cls.weight"].shape == (6, D, C)
+    if reset:  # nothing per client but the [M] step counter
+        assert [t.shape for t in tree_leaves(drop.client_state)] == [(6,)]
+    else:  # the carried momentum is per client by nature, and the same either way
+        for k, v in keep.client_state.opt.m.items():
+            assert torch.equal(v, drop.client_state.opt.m[k])
+    with pytest.raises(UserError, match="local_models 'false'"):
+        LPConfig(local_models="false")  # type: ignore[arg-type]
+
+
+def test_lp_predict_reads_the_global_head_without_a_copy_per_client() -> None:
+    """Evaluation groups hold thousands of small clients at a real federation's scale: predict
+    must not copy the C x (D+1) global head once per client (it allocates only the scores)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from fedheads.algorithms.lp import HeadClientState, HeadServerState, init_mlp
+
+    M, N, D, C = 400, 2, 64, 50
+    ss = HeadServerState(init_mlp(D, (), C, 0), None, True)
+    alg = HeadTuning(LPConfig(local_models=False))
+    x, mask = torch.randn(M, N, D), torch.ones(M, N, dtype=torch.bool)
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        out = alg.predict(HeadClientState({}, None), ss, x, mask)  # type: ignore[arg-type]
+    allocated = sum(e.self_cpu_memory_usage for e in prof.key_averages() if e.self_cpu_memory_usage > 0)
+    assert set(out) == {"main", "global_model"} and out["main"].shape == (M, N, C)
+    assert allocated < M * (D + 1) * C * 4 // 4  # scores [M, N, C] only, no [M, D+1, C] copy
+    torch.testing.assert_close(out["main"], x @ ss.params["cls.weight"] + ss.params["cls.bias"])
 
 
 def _pooled_means(data: FedData, feats: torch.Tensor) -> np.ndarray:

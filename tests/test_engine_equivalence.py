@@ -51,6 +51,9 @@ ALGOS = {
                                                     adam_flavour="reddi", optimizer=SGD(0.1))),
     "mlp-ncm-adam": lambda: MLP(MLPConfig(hidden=(8, 8), batch_size=4, init="fedncm", server_opt="fedadam")),
     "lp-fed3r": lambda: HeadTuning(LPConfig(batch_size=4, init="fed3r", optimizer=SGD(0.1))),
+    "lp-no-local": lambda: HeadTuning(LPConfig(batch_size=4, optimizer=SGD(0.1), local_models=False)),
+    "lp-no-local-carry": lambda: HeadTuning(LPConfig(batch_size=4, local_models=False, reset_optimizer=False,
+                                                     optimizer=OptimizerConfig("sgd", lr=0.05, momentum=0.5))),
     "mlp-fedcof": lambda: MLP(MLPConfig(hidden=(8, 8), batch_size=4, init="fedcof")),
 }
 

@@ -51,7 +51,9 @@ available offline); "quick": the quickstart's builtin:digits feature shift, 4 cl
 (Off the grid, FedAvg lr 0.3 gives LP 55.2 / 41.5 and MLP 53.2 / 45.0.) The former defaults are
 one flag away: ``--set lp.lr=0.01``, ``--set mlp.server_opt=fedavg``. Inference: "main" = the
 global model on each client's test split (= "global_model"); "local_model" = the client's model
-after its last local training."""
+after its last local training, which makes the client state one head per client of the federation
+(``local_models=False`` drops it: clients then keep nothing between rounds but a carried client
+optimiser, and memory follows the round's participants)."""
 
 from __future__ import annotations
 
@@ -71,13 +73,13 @@ from fedheads.algorithms.fedncm import (
     head_bias,
     linear_head_init,
 )
-from fedheads.algorithms.pfl_common import DeltaMessage, config_from_kwargs, delta_message, expand, mean_delta
+from fedheads.algorithms.pfl_common import DeltaMessage, config_from_kwargs, delta_message, expand, expand_view, mean_delta
 from fedheads.algorithms.server_opt import SERVER_OPTS, make_server_optimizer
 from fedheads.core import ops
 from fedheads.core.config import setting
 from fedheads.core.federation import DataSpec, FedData
 from fedheads.core.heads import Params, count_params
-from fedheads.core.optim import OptimizerConfig, OptState, opt_init
+from fedheads.core.optim import OptimizerConfig, OptState, opt_init, opt_initial
 from fedheads.core.protocol import AlgorithmBase, HeadArch, Init, PaperRoundComm, RoundCtx
 from fedheads.core.train import local_train
 
@@ -121,6 +123,9 @@ class LPConfig:
     batch_size: int = setting(32, "local mini-batch size")
     local_epochs: int = setting(1, "E")
     reset_optimizer: bool = setting(True, "fresh client optimiser every round (FLSim builds one per round)")
+    local_models: bool = setting(True, 'keep every client\'s last local head for the "local_model" rule (one head per '
+                                 'client of the federation); False: a client keeps no head between rounds, so memory '
+                                 'follows the round\'s participants and only "main" = "global_model" is evaluated')
 
     def __post_init__(self) -> None:
         if self.init not in INITS:
@@ -134,6 +139,8 @@ class LPConfig:
                             f"{self.local_epochs}: must be >= 1")
         if self.prox_mu < 0:
             raise UserError(f"prox_mu {self.prox_mu}: must be >= 0")
+        if not isinstance(self.local_models, bool):
+            raise UserError(f"local_models {self.local_models!r}: must be true or false")
 
 
 def init_mlp(in_dim: int, hidden: tuple[int, ...], num_classes: int, seed: int) -> Params:
@@ -164,8 +171,9 @@ def logits(params: Params, x: torch.Tensor, n_hidden: int) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class HeadClientState:
-    params: Params  # [M, ...] the client's model after its last local training
-    opt: OptState  # client optimiser state
+    params: Params  # [M, ...] the client's model after its last local training ({} with local_models=False)
+    opt: OptState  # client optimiser state (the step counter alone when it is reset every round and no head is kept)
+    trains: int = 0  # values each client trains, for trainable_params where `params` is {} (else 0)
 
 
 @dataclass(frozen=True)
@@ -209,7 +217,6 @@ class HeadTuning(AlgorithmBase):
 
     def init(self, spec: DataSpec, seed: int) -> Init:
         g = {k: v.to(spec.device) for k, v in init_mlp(spec.dim, tuple(self.cfg.hidden), spec.num_classes, seed).items()}
-        cp = expand(g, spec.num_clients)
         ncm = self.cfg.init != "random"
         bias = head = None
         if self.cfg.init == "fedncm" and head_bias(self.cfg.ncm_bias) == "authors-code":  # nn.Linear's bias (fedncm.py)
@@ -217,16 +224,21 @@ class HeadTuning(AlgorithmBase):
         if self.head_alg is not None:  # the head's server state over the last layer's input
             head = self.head_alg.init(dataclasses.replace(spec, dim=g["cls.weight"].shape[0]), seed).server_state
         ss = HeadServerState(g, self.server_opt.init(g), not ncm, bias, head)
-        return Init(HeadClientState(cp, opt_init(self.cfg.optimizer, cp)), ss, HeadBroadcast(g, ncm))
+        if self.cfg.local_models:
+            cp = expand(g, spec.num_clients)
+            cs = HeadClientState(cp, opt_init(self.cfg.optimizer, cp))
+        else:  # no head per client: a FedAvg client starts every round from the broadcast
+            opt = opt_initial(self.cfg.optimizer, expand_view(g, spec.num_clients), self.cfg.reset_optimizer)
+            cs = HeadClientState({}, opt, count_params(expand_view(g, 1)))
+        return Init(cs, ss, HeadBroadcast(g, ncm))
 
     def client_update(self, cs: HeadClientState, bc: HeadBroadcast, data: FedData,
                       ctx: RoundCtx) -> tuple[HeadClientState, DeltaMessage | FedNCMMessage]:
         cfg, nh = self.cfg, self.n_hidden
         M = data.num_clients
-        start = expand(bc.params, M)
         if bc.collect_ncm:  # FedNCM Alg. 1 lines 7-12 on the last layer's input
-            with torch.no_grad():
-                h = penultimate(start, data.x_train, nh)
+            with torch.no_grad():  # read only: views of the broadcast, no copy per client
+                h = penultimate(expand_view(bc.params, M), data.x_train, nh)
             if self.head_alg is not None:  # the init head's own client step on that input (its only round)
                 hdata = dataclasses.replace(data, x_train=h)
                 first = self.head_alg.init(hdata.spec(), ctx.seed)
@@ -234,6 +246,7 @@ class HeadTuning(AlgorithmBase):
             sums, counts = client_stats(h, data.y_train, data.m_train, data.num_classes)
             return cs, FedNCMMessage(sums, counts)
         mu = cfg.prox_mu if cfg.server_opt == "fedprox" else 0.0
+        start = expand_view(bc.params, M)  # w for every participant, read only (local_train trains its own copy)
 
         anchor = {k: v.unsqueeze(0) for k, v in bc.params.items()}  # one row for any number of clients
 
@@ -243,10 +256,18 @@ class HeadTuning(AlgorithmBase):
                 loss = loss + 0.5 * mu * sum(((p[k] - anchor[k]) ** 2).flatten(1).sum(1) for k in p)
             return loss, b
 
-        opt = opt_init(cfg.optimizer, start) if cfg.reset_optimizer else cs.opt
-        p, _, opt = local_train(start, {}, opt, cfg.optimizer, loss_fn, data, ctx, cfg.batch_size, cfg.local_epochs,
-                                rowwise=True)
-        return HeadClientState(p, opt), delta_message(p, start, {}, {}, data)
+        if cfg.local_models:
+            opt = opt_init(cfg.optimizer, start) if cfg.reset_optimizer else cs.opt
+            p, _, opt = local_train(start, {}, opt, cfg.optimizer, loss_fn, data, ctx, cfg.batch_size,
+                                    cfg.local_epochs, rowwise=True)
+            return HeadClientState(p, opt), delta_message(p, start, {}, {}, data)
+        # no head kept: a reset optimiser's moments live in local_train's scratch buffers, and the
+        # trained copy becomes the message w_i - w in place (one [M, ...] copy per participant)
+        reset = cfg.reset_optimizer
+        p, _, opt = local_train(start, {}, None if reset else cs.opt, cfg.optimizer, loss_fn, data, ctx,
+                                cfg.batch_size, cfg.local_epochs, keep_opt=not reset, rowwise=True)
+        w = torch.tensor(data.n_train, dtype=torch.float32, device=data.device)
+        return HeadClientState({}, opt, cs.trains), DeltaMessage({k: p[k].sub_(start[k]) for k in start}, {}, w)
 
     def server_aggregate(self, ss: HeadServerState, msg: Any,
                          ctx: RoundCtx) -> tuple[HeadServerState, HeadBroadcast]:
@@ -270,7 +291,9 @@ class HeadTuning(AlgorithmBase):
 
     def predict(self, cs: HeadClientState, ss: HeadServerState, x: torch.Tensor,
                 mask: torch.Tensor) -> dict[str, torch.Tensor]:
-        glob = logits(expand(ss.params, x.shape[0]), x, self.n_hidden)
+        glob = logits(expand_view(ss.params, x.shape[0]), x, self.n_hidden)  # one head read by every client
+        if not cs.params:  # local_models=False: no local head was kept
+            return {"main": glob, "global_model": glob}
         return {"main": glob, "global_model": glob, "local_model": logits(cs.params, x, self.n_hidden)}
 
     def paper_round_comm(self, arch: HeadArch, clients: int) -> PaperRoundComm | None:
@@ -282,7 +305,7 @@ class HeadTuning(AlgorithmBase):
         return PaperRoundComm(up, up)
 
     def trainable_params(self, cs: HeadClientState) -> int:
-        return count_params(cs.params)
+        return count_params(cs.params) if cs.params else cs.trains
 
 
 def _factory(**kw: object) -> HeadTuning:

@@ -32,6 +32,7 @@ from fedheads.core.ops import masked_accuracy
 from fedheads.core.order import put_back, stacking_order
 from fedheads.core.protocol import Algorithm, AlgorithmBase, Init, RoundCtx
 from fedheads.core.tree import (
+    RaggedRows,
     payload_size,
     row_range,
     tree_cat,
@@ -266,19 +267,33 @@ def client_updates(algorithm: Algorithm, client_state: Any, broadcast: Any, data
         cs_sub = client_state if everyone else tree_index(client_state, pidx)
         cs_sub, msg = algorithm.client_update(cs_sub, broadcast, sub, ctx)
         return (cs_sub if everyone else tree_scatter(client_state, pidx, cs_sub)), msg
-    msgs, order = [], []
+    row = {i: r for r, i in enumerate(part.tolist())}  # a participant's row of the round's messages
+    out: Any = None
+    msgs, order = [], []  # RaggedRows messages (no fixed rows per client): concatenated and reordered
     for ids, sub in participant_groups(data, part, between_buckets=between_buckets):
         # the bucket's rows of the state: views when they are consecutive (clients stored largest
         # first), so no bucket-sized copy is made for the call (client_update is pure)
         cs_b, msg_b = algorithm.client_update(tree_rows(client_state, ids, dev), broadcast, sub, ctx)
-        msg_b = unshared(msg_b, client_state)  # a message viewing the state would change with the write
+        if isinstance(msg_b, RaggedRows):  # runs of items per client: kept whole, reordered at the end
+            msgs.append(unshared(msg_b, client_state))  # a message viewing the state would change with the write
+            order += ids
+            tree_put_rows_(client_state, ids, cs_b)
+            del cs_b, sub, msg_b
+            continue
+        # each bucket's messages go straight to their rows (participant order), copied before the
+        # state's rows are written (a message may view them), and dropped: the round holds the
+        # messages once, not the buckets' parts, their concatenation and its reordering
+        if out is None:
+            out = tree_map(lambda t: t.new_empty((len(part), *t.shape[1:])), msg_b)
+        at = torch.tensor([row[i] for i in ids], dtype=torch.int64)
+        tree_map(lambda o, t: o.index_copy_(0, at.to(o.device), t), out, msg_b)  # noqa: B023 (used at once)
         tree_put_rows_(client_state, ids, cs_b)
-        msgs.append(msg_b)
-        order += ids
         del cs_b, sub, msg_b
-    msg = tree_cat(msgs)
-    msgs.clear()  # the parts live on in `msg`: drop them before put_back's copy of it
-    return client_state, put_back(msg, order, dev)
+    if msgs:
+        msg = tree_cat(msgs)
+        msgs.clear()  # the parts live on in `msg`: drop them before put_back's copy of it
+        return client_state, put_back(msg, order, dev)
+    return client_state, out
 
 
 MESSAGE_BUDGET = 512 << 20  # bytes of participants' messages the vectorised engine holds at once (sums_messages)
@@ -440,6 +455,7 @@ def _run(algorithm: Algorithm, data: Federation, rounds: int, seed: int, fractio
         comm = CommRecord(up_v * P, up_b * P, down_v * P, down_b * P)
         res.upload_values_per_client = up_v
         sstate, bc = algorithm.server_aggregate(sstate, msg, ctx)
+        del msg  # spent: not held through the evaluation and the next round's client updates
         t1 = clock(data.device)
         last = r == rounds - 1
         acc = None
