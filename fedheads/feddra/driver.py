@@ -80,8 +80,12 @@ class _Inputs:
             raise UserError(f"stage1_inputs {mode!r}: use one of {', '.join(STAGE1_INPUTS)}")
         self.net, self.mode, self.version, self.run = net, mode, 0, next(_RUNS)
 
+    def token(self, r: int) -> object:
+        """The name of the global encoders that round r's stage 2 left (r = 0: the pre-trained ones)."""
+        return 0 if r == 0 else (self.run, r)
+
     def set_round(self, r: int) -> None:
-        self.version = 0 if r == 0 else (self.run, r)
+        self.version = self.token(r)
 
     def pick(self, c: PairClient, split: str) -> tuple[TokenCache | None, TokenCache | None]:
         """Token states of the current global encoders; a frozen encoder's from any cache."""
@@ -142,6 +146,17 @@ def _encoders_version(plan: list[tuple[int, ...]], done: int, trains_encoders: b
     return max([r for r in range(1, done + 1) if 2 in plan[r - 1]], default=0)
 
 
+def _held_encoders(plan: list[tuple[int, ...]], done: int, trains_encoders: bool) -> int | None:
+    """The round whose encoders the clients were last sent, after `done` rounds (0: pre-trained,
+    None: none sent yet): those at the start of round `done`'s last stage. A function of the plan,
+    so a resumed run counts the down-link exactly as an uninterrupted one."""
+    if done == 0:
+        return None
+    if trains_encoders and 2 in plan[done - 1][:-1]:
+        return done
+    return _encoders_version(plan, done - 1, trains_encoders)
+
+
 def run_feddra(alg: FedDRA, net: DualEncoder, glob: DualEncoder, clients: Sequence[PairClient], *, seed: int,
                device: torch.device, checkpoint: Checkpoint | None = None, resume: bool = False,
                eval_every: int = 1, augment: bool = True, stage1_inputs: str = "auto", progress: bool = True,
@@ -155,14 +170,14 @@ def run_feddra(alg: FedDRA, net: DualEncoder, glob: DualEncoder, clients: Sequen
     N = len(clients)
     inputs = _Inputs(net, stage1_inputs)
     ss = alg.init(net, N)
-    sent_version: object = -1  # encoder version the clients hold (-1: none yet)
     B_v = min(cfg.batch_size, min(c.n_train for c in clients))  # one v batch size for all ([R])
     enc_keys = [k for k in ss.model.params if not is_module_key(k)] + list(ss.model.buffers)
     mod_keys = [k for k in ss.model.params if is_module_key(k)]
 
     def train(r: int, ss: FDServerState) -> tuple[FDServerState, FDRound]:
-        nonlocal sent_version
         inputs.set_round(_encoders_version(plan, r - 1, net.trains_encoders))  # those after round r-1 (a resumed run)
+        held = _held_encoders(plan, r - 1, net.trains_encoders)
+        sent_version: object = -1 if held is None else inputs.token(held)  # encoder version the clients hold (-1: none yet)
         stages = plan[r - 1]
         scales = alg.scales(ss)
         rec = FDRound(r, list(stages), scale=scales.tolist())
