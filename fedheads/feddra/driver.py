@@ -78,7 +78,8 @@ class _Inputs:
     def __init__(self, net: DualEncoder, mode: str) -> None:
         if mode not in STAGE1_INPUTS:
             raise UserError(f"stage1_inputs {mode!r}: use one of {', '.join(STAGE1_INPUTS)}")
-        self.net, self.mode, self.version, self.run = net, mode, 0, next(_RUNS)
+        self.net, self.mode, self.run = net, mode, next(_RUNS)
+        self.version: object = 0
 
     def token(self, r: int) -> object:
         """The name of the global encoders that round r's stage 2 left (r = 0: the pre-trained ones)."""

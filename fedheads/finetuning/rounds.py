@@ -48,6 +48,9 @@ class LiveRound:
         return dict(self.__dict__)
 
 
+R = TypeVar("R", bound=LiveRound)  # the stage's round record
+
+
 @dataclass
 class LiveRun:
     """A live stage's run of one seed: its round records and final server state."""
@@ -94,11 +97,10 @@ class Checkpoint:
         return replace(like, model=model, **dict(zip(names, rest))), [self.record(**r) for r in blob["history"]]
 
 
-def run_rounds(state: S, rounds: int, train: Callable[[int, S], tuple[S, LiveRound]],
-               evaluate: Callable[[S, LiveRound], dict[str, str]], round0: LiveRound, *, device: torch.device,
-               eval_every: int = 1, checkpoint: Checkpoint | None = None, resume: bool = False,
-               progress: bool = True, desc: str = "rounds",
-               on_round: Callable[[Any], None] | None = None) -> LiveRun:
+def run_rounds(state: S, rounds: int, train: Callable[[int, S], tuple[S, R]], evaluate: Callable[[S, R], dict[str, str]],
+               round0: R, *, device: torch.device, eval_every: int = 1, checkpoint: Checkpoint | None = None,
+               resume: bool = False, progress: bool = True, desc: str = "rounds",
+               on_round: Callable[[R], None] | None = None) -> LiveRun:
     """Run rounds 1..`rounds` from `state` (or from the checkpoint, with `resume`); see the module
     docstring. `train(r, state)` runs round r and returns the new state and the round's record;
     `evaluate(state, rec)` evaluates the global model of `state` into `rec` and returns the
