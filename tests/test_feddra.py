@@ -416,3 +416,32 @@ def test_live_stage1_encodes_a_batch_once_for_model_and_anchor(paired, monkeypat
         next(other.image.parameters()).add_(0.1)
     assert alg.shares_encoders(net, copy.deepcopy(net), 1)
     assert not alg.shares_encoders(net, other, 1) and not alg.shares_encoders(net, copy.deepcopy(net), 2)
+
+
+def test_resume_counts_the_down_link_as_an_uninterrupted_run(paired, tmp_path):
+    """Killed after round 2 of stage 1 and resumed: round 3 (the first stage 2) sends the clients
+    the modules only, as in the uninterrupted run; they already hold the pre-trained encoders."""
+    from fedheads.feddra.driver import feddra_checkpoint
+
+    m, _ = paired
+    cfg = FedDRAConfig(rounds=3, schedule="sequential", stage1_rounds=2, steps=1, batch_size=4,
+                       dro=DROConfig(rho=1.0), optimizer="sgd", lr=0.5)
+    clients, make = _world(m)
+    ref = _run(cfg, clients, make, stage1_inputs="live", eval_every=0)
+    ck = feddra_checkpoint(tmp_path / "c.pt", {"test": 1})
+
+    class Killed(Exception):
+        pass
+
+    def kill(rec):
+        if rec.round == 2:
+            raise Killed
+    with pytest.raises(Killed):
+        _run(cfg, clients, make, stage1_inputs="live", eval_every=0, checkpoint=ck, on_round=kill)
+    got = _run(cfg, clients, make, stage1_inputs="live", eval_every=0, checkpoint=ck, resume=True)
+    assert got.resumed_from == 2
+    assert [r.comm for r in got.rounds] == [r.comm for r in ref.rounds]
+    assert ref.rounds[3].comm["stage2"]["down_values"] < ref.rounds[1].comm["stage1"]["down_values"]
+    for k, v in _state(ref).items():
+        assert torch.equal(v, _state(got)[k]), k
+    assert torch.equal(got.state.lam, ref.state.lam)

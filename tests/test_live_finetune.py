@@ -220,7 +220,7 @@ def test_kill_minus_9_then_resume_is_identical(setup, tmp_path):
 
     def script(out: Path, resume: bool, delay: float) -> str:
         # killed in the sleep after round 2's checkpoint, before round 3
-        return kill_helpers.stop_after("fedheads.finetuning.driver:Checkpoint", "a[1][-1].round", 2, delay) + \
+        return kill_helpers.stop_after("fedheads.finetuning.rounds:Checkpoint", "a[1][-1].round", 2, delay) + \
             _KILL_SCRIPT.format(manifest=str(root / "manifest.json"), store=str(root / "s.zarr"), out=str(out),
                                 resume=resume)
 

@@ -5,10 +5,11 @@ evaluated model).
 Round r (feddra.py for the maths): for each stage of the round (FedDRAConfig.plan), every client
 loads the broadcast into the workspace, trains, and its message is added to the server's sums
 right away; then the server finalises the stage. After the round's last stage the server updates
-lambda from the clients' v_i, the global model is evaluated (retrieval per client, every
-`eval_every` rounds) and a checkpoint is written atomically (global model, lambda, history;
-torch.load(weights_only=True)). Every random choice is a pure function of (seed, round, client,
-stage, ...), so a run killed at any point and resumed ends with the same weights and lambda.
+lambda from the clients' v_i. The rounds, their timing, the evaluation (retrieval per client,
+every `eval_every` rounds), the per-round checkpoint (global model, lambda, history) and resume
+are the live round loop's (fedheads.finetuning.rounds). Every random choice is a pure function of
+(seed, round, client, stage, ...), so a run killed at any point and resumed ends with the same
+weights and lambda.
 
 Stage-1 inputs are the encoders' token states: from the cache while it is fresh (the store's
 shards were made by the pre-trained encoders, version 0; after a stage 2 changes the encoders,
@@ -30,18 +31,16 @@ from typing import Any
 
 import numpy as np
 import torch
-from tqdm.auto import tqdm
 
 from embedcache.errors import UserError
 from fedheads.core import rng
-from fedheads.core.engine import clock
 from fedheads.core.tree import payload_size
-from fedheads.feddra.algorithm import FedDRA
+from fedheads.feddra.algorithm import FDServerState, FedDRA
 from fedheads.feddra.evaluation import retrieval
 from fedheads.feddra.model import DualEncoder, is_module_key
 from fedheads.feddra.pairs import EVAL_BATCH, PairClient, TokenCache, dro_rows, encode_cache, eval_batches, step_rows
 from fedheads.finetuning.data import seeded
-from fedheads.finetuning.driver import Checkpoint, LiveRound, LiveRun
+from fedheads.finetuning.rounds import Checkpoint, LiveRound, LiveRun, run_rounds
 
 CKPT_FORMAT = "fedheads-feddra-ckpt/1"
 STAGE1_INPUTS = ("auto", "reencode", "live")
@@ -79,10 +78,15 @@ class _Inputs:
     def __init__(self, net: DualEncoder, mode: str) -> None:
         if mode not in STAGE1_INPUTS:
             raise UserError(f"stage1_inputs {mode!r}: use one of {', '.join(STAGE1_INPUTS)}")
-        self.net, self.mode, self.version, self.run = net, mode, 0, next(_RUNS)
+        self.net, self.mode, self.run = net, mode, next(_RUNS)
+        self.version: object = 0
+
+    def token(self, r: int) -> object:
+        """The name of the global encoders that round r's stage 2 left (r = 0: the pre-trained ones)."""
+        return 0 if r == 0 else (self.run, r)
 
     def set_round(self, r: int) -> None:
-        self.version = 0 if r == 0 else (self.run, r)
+        self.version = self.token(r)
 
     def pick(self, c: PairClient, split: str) -> tuple[TokenCache | None, TokenCache | None]:
         """Token states of the current global encoders; a frozen encoder's from any cache."""
@@ -143,6 +147,17 @@ def _encoders_version(plan: list[tuple[int, ...]], done: int, trains_encoders: b
     return max([r for r in range(1, done + 1) if 2 in plan[r - 1]], default=0)
 
 
+def _held_encoders(plan: list[tuple[int, ...]], done: int, trains_encoders: bool) -> int | None:
+    """The round whose encoders the clients were last sent, after `done` rounds (0: pre-trained,
+    None: none sent yet): those at the start of round `done`'s last stage. A function of the plan,
+    so a resumed run counts the down-link exactly as an uninterrupted one."""
+    if done == 0:
+        return None
+    if trains_encoders and 2 in plan[done - 1][:-1]:
+        return done
+    return _encoders_version(plan, done - 1, trains_encoders)
+
+
 def run_feddra(alg: FedDRA, net: DualEncoder, glob: DualEncoder, clients: Sequence[PairClient], *, seed: int,
                device: torch.device, checkpoint: Checkpoint | None = None, resume: bool = False,
                eval_every: int = 1, augment: bool = True, stage1_inputs: str = "auto", progress: bool = True,
@@ -150,40 +165,23 @@ def run_feddra(alg: FedDRA, net: DualEncoder, glob: DualEncoder, clients: Sequen
     """Train FedDRA for `alg.cfg.rounds` rounds; see the module docstring."""
     cfg = alg.cfg
     plan = cfg.plan()
-    if eval_every < 0:
-        raise UserError(f"--eval-every {eval_every}: must be >= 0 (0 = only round 0 and the last)")
     if any(2 in p for p in plan) and not net.trains_encoders:
         raise UserError("stage 2 trains the encoders, but both are frozen (image_trainable/text_trainable); "
                         "use --set schedule=sequential --set stage1_rounds=R for a stage-1-only run")
     N = len(clients)
     inputs = _Inputs(net, stage1_inputs)
     ss = alg.init(net, N)
-    out = FDRun()
-    if resume and checkpoint is not None and checkpoint.path.is_file():
-        ss, out.rounds = checkpoint.load(ss)
-        out.resumed_from = out.rounds[-1].round
-    else:
-        t = clock(device)
-        glob.load_state({**ss.model.params, **ss.model.buffers})
-        rec = FDRound(0, lam=ss.lam.tolist(), retrieval=evaluate(alg, glob, clients, inputs, device, seed))
-        t2 = clock(device)
-        rec.eval_seconds, rec.eval_cpu_seconds = t2[0] - t[0], t2[1] - t[1]
-        out.rounds.append(rec)
-        if checkpoint is not None:
-            checkpoint.save(ss, out.rounds)
-    first = out.rounds[-1].round + 1
-    inputs.set_round(_encoders_version(plan, first - 1, net.trains_encoders))
-    sent_version = -1  # encoder version the clients hold (-1: none yet)
     B_v = min(cfg.batch_size, min(c.n_train for c in clients))  # one v batch size for all ([R])
     enc_keys = [k for k in ss.model.params if not is_module_key(k)] + list(ss.model.buffers)
     mod_keys = [k for k in ss.model.params if is_module_key(k)]
-    bar = tqdm(range(first, cfg.rounds + 1), desc="feddra", unit="round", disable=not progress,
-               initial=first - 1, total=cfg.rounds)
-    for r in bar:
+
+    def train(r: int, ss: FDServerState) -> tuple[FDServerState, FDRound]:
+        inputs.set_round(_encoders_version(plan, r - 1, net.trains_encoders))  # those after round r-1 (a resumed run)
+        held = _held_encoders(plan, r - 1, net.trains_encoders)
+        sent_version: object = -1 if held is None else inputs.token(held)  # encoder version the clients hold (-1: none yet)
         stages = plan[r - 1]
         scales = alg.scales(ss)
         rec = FDRound(r, list(stages), scale=scales.tolist())
-        t = clock(device)
         v = torch.full((N,), math.nan, dtype=torch.float64)
         for st in stages:
             glob.load_state({**ss.model.params, **ss.model.buffers})  # frozen global copy (Alg. 2/3 line 3)
@@ -244,21 +242,16 @@ def run_feddra(alg: FedDRA, net: DualEncoder, glob: DualEncoder, clients: Sequen
                 v[c.index] = alg.client_value(glob, glob, vb, stages[-1])
         ss = alg.update_lambda(ss, v)  # Alg. 1 line 18
         rec.v, rec.lam = v.tolist(), ss.lam.tolist()
-        t2 = clock(device)
-        rec.train_seconds, rec.train_cpu_seconds = t2[0] - t[0], t2[1] - t[1]
-        if r == cfg.rounds or (eval_every and r % eval_every == 0):
-            glob.load_state({**ss.model.params, **ss.model.buffers})
-            rec.retrieval = evaluate(alg, glob, clients, inputs, device, seed)
-            t3 = clock(device)
-            rec.eval_seconds, rec.eval_cpu_seconds = t3[0] - t2[0], t3[1] - t2[1]
-            bar.set_postfix(r1=f"{100 * np.nanmean([x['t2i_r1'] for x in rec.retrieval]):.1f}")
-        out.rounds.append(rec)
-        if checkpoint is not None:
-            checkpoint.save(ss, out.rounds)
-        if on_round is not None:
-            on_round(rec)
-    out.state = ss
-    return out
+        return ss, rec
+
+    def evaluate_into(ss: FDServerState, rec: FDRound) -> dict[str, str]:
+        glob.load_state({**ss.model.params, **ss.model.buffers})
+        rec.retrieval = evaluate(alg, glob, clients, inputs, device, seed)
+        return {"r1": f"{100 * np.nanmean([x['t2i_r1'] for x in rec.retrieval]):.1f}"}
+
+    return run_rounds(ss, cfg.rounds, train, evaluate_into, FDRound(0, lam=ss.lam.tolist()), device=device,
+                      eval_every=eval_every, checkpoint=checkpoint, resume=resume, progress=progress,
+                      desc="feddra", on_round=on_round)
 
 
 def feddra_checkpoint(path: Any, config: dict[str, Any]) -> Checkpoint:

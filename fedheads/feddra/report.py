@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 
 from fedheads.feddra.evaluation import METRICS, across_clients
-from fedheads.finetuning.driver import seed_timing
+from fedheads.finetuning.rounds import seed_timing
 from fedheads.report import plotting
 from fedheads.report import results as report
 from fedheads.run.rundir import RunDir, jsonable

@@ -7,6 +7,7 @@ path (`fedheads train/compare/predict`) imports none of them.
     fedheads.finetuning.data     client batches from live images or from cached maps/features
     fedheads.finetuning.algorithm the FT algorithm (typed state, pure client/server functions, sums)
     fedheads.finetuning.heads    stage 1 (FedNCM / LP / random head) on the feature store
-    fedheads.finetuning.driver   rounds, one model on the device, per-round checkpoints
+    fedheads.finetuning.rounds   the live round loop (FT and FedDRA): records, timing, eval cadence, checkpoints, resume
+    fedheads.finetuning.driver   fine-tuning's round: one model on the device, clients added to running sums
     fedheads.finetuning.runner   `fedheads finetune`: run directories, accounting, Figure-1 plots
 """

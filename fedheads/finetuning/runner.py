@@ -34,9 +34,10 @@ from fedheads.core.protocol import HeadArch
 from fedheads.finetuning import plots
 from fedheads.finetuning.algorithm import FineTune, FTConfig, split_state
 from fedheads.finetuning.data import cached_clients, image_clients
-from fedheads.finetuning.driver import Checkpoint, FTRun, run_finetune, seed_timing
+from fedheads.finetuning.driver import FTRun, finetune_checkpoint, run_finetune
 from fedheads.finetuning.heads import HeadResult, check_store, head_from_store
 from fedheads.finetuning.model import LiveNet, Trainable, count_values, reinitialise
+from fedheads.finetuning.rounds import seed_timing
 from fedheads.report import communication as comm
 from fedheads.report import plotting
 from fedheads.report import results as report
@@ -183,7 +184,7 @@ def _one_method(head: str, m: Any, store: str, bb: Any, backbone: str, trainable
         if device.type == "cuda":
             net.to(memory_format=torch.channels_last)
         alg = FineTune(opts.ft)
-        ck = Checkpoint(rd.file(f"state/seed{seed}.ckpt.pt"), {**run_cfg, "seed": seed})
+        ck = finetune_checkpoint(rd.file(f"state/seed{seed}.ckpt.pt"), {**run_cfg, "seed": seed})
         run = run_finetune(alg, net, split_state(net), clients, rounds=opts.rounds, seed=seed,
                            fraction=opts.fraction, eval_every=opts.eval_every, device=device, checkpoint=ck,
                            resume=opts.resume, progress=opts.progress)
