@@ -1,6 +1,6 @@
 """Every PNG shares fedheads.report.plotting: 12 distinct method colours, legends outside the data,
-titles with dataset and backbone, and a per-client chart readable from 4 to 100 clients
-(geometry of the drawn figure, never pixels)."""
+titles with dataset and backbone, and a per-client chart readable from 4 to 100 clients and, beyond
+300, one sorted curve per method (geometry of the drawn figure, never pixels)."""
 
 from __future__ import annotations
 
@@ -71,6 +71,25 @@ def test_per_client_chart_is_readable_from_4_to_100_clients(drawn, n):
         assert len(shown) >= min(n, 20)  # many: thinned, but still a usable number of names
     _legend_outside(fig, ax)
     assert "builtin:digits" in ax.get_title() and "resnet20-cifar10" in ax.get_title()
+
+
+def test_per_client_chart_of_thousands_of_clients_is_one_sorted_curve_per_method(drawn):
+    """A real federation's shape (thousands of clients): one line per method over the share of
+    clients, its accuracies sorted; clients without a test score are left out of the curve."""
+    clients = [f"c{i:05d}" for i in range(2000)]
+    results = [_result(f"m{i}", clients, i) for i in range(3)]
+    results[0]["per_client"]["c00000"] = {"mean": None, "std": None, "n_test": 0}
+    plotting.plot_per_client(results, "unused.png")
+    fig = drawn[0]
+    ax = fig.axes[0]
+    assert len(ax.lines) == 3 and not ax.patches and not ax.get_xticklabels(minor=True)
+    for line, r in zip(ax.lines, results):
+        y = line.get_ydata()
+        want = sorted(v["mean"] for v in r["per_client"].values() if v["mean"] is not None)
+        assert list(y) == want and line.get_xdata()[0] == 0 and line.get_xdata()[-1] == 100
+    assert len(ax.lines[0].get_ydata()) == 1999
+    _legend_outside(fig, ax)
+    assert "2000 clients" in ax.get_xlabel()
 
 
 def test_pipeline_figures_share_palette_and_outside_legends(drawn):

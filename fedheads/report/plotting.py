@@ -109,11 +109,45 @@ def client_label_step(n: int, axis_inches: float, fontsize: float) -> int:
     return max(1, math.ceil(n / fit))
 
 
+_CURVES_OVER = 300  # beyond this many clients: one curve per algorithm, clients sorted by accuracy
+
+
+def _client_mean(r: Mapping[str, Any], c: str) -> float:
+    v = r["per_client"].get(c, {}).get("mean")
+    return np.nan if v is None else float(v)
+
+
+def _sorted_curves_figure(results: Sequence[Mapping[str, Any]], clients: Sequence[str],
+                          title_text: str | None) -> Any:
+    """Many clients: each algorithm's per-client accuracies sorted, against the share of clients
+    (an inverse CDF), so thousands of clients are one line each instead of an unreadable row of
+    dots and names (and the figure costs one artist per algorithm, not one per client)."""
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(7.5, 4.2))
+    for j, r in enumerate(results):
+        m = np.array([_client_mean(r, c) for c in clients])
+        m = np.sort(m[~np.isnan(m)])
+        if m.size:
+            ax.plot(np.linspace(0, 100, m.size), m, color=color(j), lw=1.5,
+                    label=f"{r['algorithm']} (median {np.median(m):.1f})")
+    ax.set_xlim(0, 100)
+    ax.set_ylim(bottom=0)
+    ax.set_xlabel(f"clients sorted by accuracy (% of the {len(clients)} clients; those without test samples left out)")
+    ax.set_ylabel("test accuracy (%)")
+    ax.set_title(title_text or result_title("Accuracy per client", results), fontsize=10)
+    ax.grid(alpha=0.3)
+    legend_outside(ax)
+    return fig
+
+
 def per_client_figure(results: Sequence[Mapping[str, Any]], title_text: str | None = None) -> Any:
     """Per-client accuracy of each algorithm (std over seeds): grouped bars up to 30 clients, a dot
-    plot beyond; the width, fonts and the names shown scale with the number of clients."""
+    plot beyond; the width, fonts and the names shown scale with the number of clients. Beyond 300
+    clients each algorithm is one curve of its clients sorted by accuracy."""
     plt = pyplot()
     clients = sorted({c for r in results for c in r["per_client"]})
+    if len(clients) > _CURVES_OVER:
+        return _sorted_curves_figure(results, clients, title_text)
     n, k = len(clients), max(1, len(results))
     width = min(_MAX_W, max(_MIN_W, n * (_SLOT_IN + _BAR_IN * k) if n <= _BARS_UP_TO else n * 0.22))
     fontsize = 9 if n <= 12 else 8 if n <= 30 else 7
