@@ -247,13 +247,14 @@ def participant_groups(data: Federation, participants: torch.Tensor, size: int |
 
 
 def client_updates(algorithm: Algorithm, client_state: Any, broadcast: Any, data: Federation, ctx: RoundCtx,
-                   between_buckets: BetweenBuckets | None = None) -> tuple[Any, Any]:
+                   between_buckets: BetweenBuckets | None = None, in_place: bool = False) -> tuple[Any, Any]:
     """The vectorised engine's client step: `client_update` of the participants `ctx.participants`
     in one stacked call per group of the layout; returns (the federation's client state, the
     participants' stacked messages in participant order).
 
-    Padded data: one call (the participants selected when not everyone takes part; the state
-    returned out of place). Bucketed data: one call per bucket holding participants, each on
+    Padded data: one call (the participants selected when not everyone takes part; their rows
+    written back into `client_state` in place when `in_place`, the caller owning it, else into a
+    copy). Bucketed data: one call per bucket holding participants, each on
     its bucket's FedData and its clients' rows of the state; the rows are written back IN PLACE
     into `client_state` (the caller's own, see `owned`), so no per-round copy of a federation's
     worth of state is made; `between_buckets` is called after each bucket."""
@@ -266,7 +267,12 @@ def client_updates(algorithm: Algorithm, client_state: Any, broadcast: Any, data
         sub = data if everyone else data.select(part)
         cs_sub = client_state if everyone else tree_index(client_state, pidx)
         cs_sub, msg = algorithm.client_update(cs_sub, broadcast, sub, ctx)
-        return (cs_sub if everyone else tree_scatter(client_state, pidx, cs_sub)), msg
+        if everyone:
+            return cs_sub, msg
+        # the participants' rows written back: in place when the caller owns the state (`in_place`,
+        # the engine's run: a copy of a federation's worth of state per round was most of a round
+        # whose clients keep a model each), else into a copy
+        return (tree_scatter_ if in_place else tree_scatter)(client_state, pidx, cs_sub), msg
     row = {i: r for r, i in enumerate(part.tolist())}  # a participant's row of the round's messages
     out: Any = None
     msgs, order = [], []  # RaggedRows messages (no fixed rows per client): concatenated and reordered
@@ -417,8 +423,6 @@ def _run(algorithm: Algorithm, data: Federation, rounds: int, seed: int, fractio
         cstate, sstate, bc = start.client_state, start.server_state, start.broadcast
         res.history, res.upload_values_per_client = list(start.history), start.upload_values_per_client
         res.resumed_from = start.round
-    if engine == "vectorized" and len(data.groups()) > 1:
-        cstate = owned(cstate, sstate, bc)  # client_updates writes the buckets' rows in place
     first = 0 if start is None else start.round
     per_client: int | None = None  # one participant's message bytes (measured once, for sums_messages)
     if first == rounds:  # every round was done: the final evaluated state again (a pure function)
@@ -433,12 +437,12 @@ def _run(algorithm: Algorithm, data: Federation, rounds: int, seed: int, fractio
         if engine == "vectorized" and algorithm.sums_messages and message_budget is not None and per_client is None:
             per_client = message_bytes(algorithm, cstate, bc, data, ctx)  # once: every round's messages are alike
         group = summing_group(algorithm, per_client or 0, len(part), message_budget) if engine == "vectorized" else None
+        if engine == "vectorized":  # client_updates / summed_updates write participants' rows in place:
+            cstate = owned(cstate, sstate, bc)  # a copy only of leaves shared with the states (cheap checks)
         if group is not None:
-            if len(data.groups()) == 1:
-                cstate = tree_map(lambda t: t.clone(), cstate)  # one private copy per round, then row writes
             cstate, msg = summed_updates(algorithm, cstate, bc, data, ctx, group, between_buckets)
         elif engine == "vectorized":
-            cstate, msg = client_updates(algorithm, cstate, bc, data, ctx, between_buckets)
+            cstate, msg = client_updates(algorithm, cstate, bc, data, ctx, between_buckets, in_place=True)
         else:
             msgs = []
             # one private copy per round, then in-place row writes (no O(M) copy per client)
