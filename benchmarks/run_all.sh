@@ -44,12 +44,12 @@ bench_heap_policy          |                                                   |
 bench_predict_images       |                                                   | --quick --out @OUT/predict_images.json
 bench_cached_vs_live       | --rounds 100 --live-rounds 5                      | -
 bench_flower               |                                                   | --quick --out @OUT/flower.json
-bench_peers                | --site ../peers_site                              | --quick --site ../peers_site --out @OUT/peers.json
+bench_peers                | --site ../peers_site --rounds crossdevice=30,skewed=30 | --quick --site ../peers_site --out @OUT/peers.json
 bench_feddra               |                                                   | --quick --out @OUT/feddra.json
 bench_scale                | --clients 1000 --layouts bucketed --repeats 3     | --quick --out @OUT/scale.json
 bench_scale_breakdown      |                                                   | -
 bench_privacy_utility      |                                                   | --small --out @OUT/privacy_utility.json
-bench_scale_inat           | --repeats 3 --profile fed3r                       | --quick --out @OUT/scale_inat.json
+bench_scale_inat           | --repeats 3 --algorithms fedncm,fed3r,fedcof --mem-limit-gb 12 --timeout 400 --profile fedncm | --quick --out @OUT/scale_inat.json
 bench_pipelines:ci         | --scale ci --scheduler local:2 --out-dir runs/bench-pipelines | --experiments fedpcl-table2 --scale smoke --scheduler serial --out @OUT/pipelines.json
 bench_pipelines:ci_compare | --experiments fedpcl-table14,fedpcl-table2,fedpcl-table3 --scale ci --scheduler local:2 --compare serial --out benchmarks/results/pipelines_ci_compare.json | -
 bench_pipelines:paper      | --scale paper --out-dir runs/bench-pipelines --warm-only --out benchmarks/results/pipelines_paper.json | -
