@@ -13,7 +13,10 @@ Foundations of Differential Privacy", Sec. 3.5.3 and Appendix A, the Gaussian me
 3. Gaussian noise N(0, sigma_f^2 I) is added to the TOTAL of every field f, once per round:
    by the server ("central"), or as N(0, sigma_f^2 / K I) by each of the round's K participants
    ("distributed": the shares add up to sigma_f^2 under SecAgg+, and the server adds none);
-4. the server finalizes from the noisy totals (the secure form's `aggregate`).
+4. the server finalizes from the noisy totals (the secure form's `aggregate`), which is
+   post-processing (Dwork & Roth, Prop. 2.1): the algorithm may adapt that step to the noise it
+   is told of (`AlgorithmBase.dp_finalize`: Fed3R's ridge penalty; results.json's
+   `post_processing`).
 
 Budget between the statistics (sums and counts; Grams for Fed3R): one joint Gaussian mechanism
 on the concatenation of the fields, each field divided by its own noise scale. With a split
@@ -37,7 +40,9 @@ Privacy Loss Distributions", PETS 2022) accountant. A one-shot head (FedNCM, Alg
 client's statistics once, also under partial participation (a client that has sent sends zeros
 afterwards), so r = 1: the run is one Gaussian mechanism, however many rounds it takes. Every
 round still adds fresh noise to its own totals, so R rounds leave R noise draws in the final
-sums. r is counted per client during the run (the client state) and the maximum is reported.
+sums; a round whose messages hold no secure sums at all (CCVR calibrating a saved head once
+every client's statistics are in) releases nothing and draws none. r is counted per client
+during the run (the client state) and the maximum is reported.
 Several seeds trained on the same data are several releases of it: results.json also gives the
 epsilon of publishing every seed's head.
 
@@ -292,9 +297,11 @@ class Private(AlgorithmBase):
         self.z = mech.z()
         self.noise_std = noise_stds(self.sensitivity, self.z, mech.split)
         self._secret = secrets.randbits(63) if mech.noise_seed is None else int(mech.noise_seed)
+        self.post_processing: dict[str, Any] = {}  # the inner finalize's choices under this noise (dp_finalize)
 
     # ------------------------------------------------------------------ protocol
     def init(self, spec: DataSpec, seed: int) -> Init:
+        self.post_processing = self.inner.dp_finalize(dict(self.noise_std), spec)
         it = self.inner.init(spec, seed)
         rel = torch.zeros(spec.num_clients, dtype=torch.int64, device=spec.device)
         return Init(PrivateClientState(it.client_state, rel), it.server_state, it.broadcast)
@@ -307,7 +314,7 @@ class Private(AlgorithmBase):
         M = data.num_clients
         rows = [tree_rows(msg, [i]) for i in range(M)]
         contrib = [form.sums(r) for r in rows]
-        if set(contrib[0]) != set(self.sensitivity):
+        if contrib[0] and set(contrib[0]) != set(self.sensitivity):  # {}: nothing released this round
             raise UserError(f"dp: {self.name}'s secure sums ({', '.join(sorted(contrib[0]))}) do not match its "
                             f"sensitivities ({', '.join(sorted(self.sensitivity))})")
         sums = {k: torch.stack([c[k].to(torch.float64) for c in contrib]) for k in contrib[0]}
@@ -342,7 +349,8 @@ class Private(AlgorithmBase):
                     t = t + self.noise_std[k] * gaussian(t.shape, (self._secret, ctx.seed, 0, ctx.round, j), t.device)
                 totals[k] = t
         for k in form.integer:
-            totals[k] = totals[k].clamp_min(1)
+            if k in totals:
+                totals[k] = totals[k].clamp_min(1)
         return form.aggregate(ss, clear, totals, ctx)
 
     def secure_form(self, message: Any = None) -> SecureForm:
@@ -398,6 +406,8 @@ class Private(AlgorithmBase):
             "epsilon_all_seeds": epsilon(self.z, m.delta, sum(releases_per_seed), m.accountant),
             "noise_seed": "secret" if m.noise_seed is None else m.noise_seed,
         }
+        if self.post_processing:
+            out["post_processing"] = self.post_processing
         if m.accountant == "pld":
             out["pld_value_discretization_interval"] = _pld_interval(self.z, max(r, 1))
         if m.mode == "distributed":

@@ -198,6 +198,14 @@ class AlgorithmBase(Generic[CS, SS, Msg, Bc]):
         the Gaussian mechanism of differential privacy; the default refuses in one line."""
         raise UserError(f"dp: {self.name} has no differentially private form (its messages are not clipped sums)")
 
+    def dp_finalize(self, noise_std: dict[str, float], spec: DataSpec) -> dict[str, Any]:
+        """Adapt the server's finalize to secure-sum totals that carry Gaussian noise of std
+        noise_std[f] per entry (differential privacy; a function of the noisy totals is
+        post-processing, of no privacy cost: e.g. Fed3R's ridge penalty from the Gram's noise).
+        Called by the private wrapper before each `init`; returns what it set, for results.json's
+        privacy block. The default changes nothing and returns {}."""
+        return {}
+
     def linear_head(self, server_state: SS) -> dict[str, torch.Tensor] | None:
         """The linear classifier {"cls.weight": [D, C], "cls.bias": [C]} (the core's layout, no
         client axis, float32) that this server state defines, for fine-tuning or linear probing
