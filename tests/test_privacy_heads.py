@@ -160,3 +160,90 @@ def test_fed3r_cli_records_the_lambda_used(tmp_path):
     post, sigma = p["post_processing"], p["noise_std"]["gram"]
     assert post["gram_noise_std"] == sigma and post["lam_noise_scale"] == 3.0
     assert post["fed3r_lam"] == pytest.approx(0.01 + 3.0 * sigma * math.sqrt(post["gram_dim"]))
+
+
+# ---------------------------------------------------------------------- FedPFT, local DP
+def _fedpft(**kw):
+    return create_algorithm("fedpft", **{"components": 1, "covariance": "full", "server_epochs": 2, **kw})
+
+
+@pytest.mark.parametrize("covariance", ["full", "diag", "spherical", "tied"])
+def test_fedpft_local_dp_under_vanishing_noise_sends_the_em_gaussians(covariance):
+    """One component: the Gaussians fitted to the noisy statistics are EM's (scikit-learn) when
+    the noise vanishes, so the server trains the same head."""
+    fed = tiny_fed(M=5)
+    plain = run(_fedpft(covariance=covariance), fed, 1, seed=1, progress=False)
+    big = float(fed.x_train.norm(dim=-1).max()) * 2  # no feature is clipped
+    alg = Private(_fedpft(covariance=covariance), Mechanism(clip=big, noise_multiplier=1e-12, mode="local",
+                                                            noise_seed=0))
+    res = run(alg, fed, 1, seed=1, progress=False)
+    ps, ss = plain.server_state, res.server_state
+    assert torch.equal(ss.counts, ps.counts) and torch.equal(ss.owner, ps.owner)
+    for k in ("weights", "means", "covariances"):
+        torch.testing.assert_close(getattr(ss, k), getattr(ps, k), rtol=1e-4, atol=1e-5)
+    for k in ps.head:
+        torch.testing.assert_close(ss.head[k], ps.head[k], rtol=1e-3, atol=1e-4)
+    assert alg.releases(res.client_state) == 1
+    rep = alg.report([1])
+    assert rep["mode"] == "local" and rep["sensitivity"] == {"sums": big, "sq": big * big, "counts": 1.0}
+
+
+def test_fedpft_local_noise_is_each_clients_own_with_the_mechanisms_std():
+    """The statistics each client fits its Gaussians to are its exact ones plus N(0, sigma_f^2)
+    per entry (read by a spy on the message builder); clients already sent add none."""
+    import numpy as np
+
+    from fedheads.core.protocol import RoundCtx
+    from fedheads.privacy import bounded
+
+    fed = tiny_fed(M=4, D=4)
+    alg = Private(_fedpft(), Mechanism(clip=1.0, noise_multiplier=0.8, mode="local", noise_seed=3))
+    init = alg.init(fed.spec(), 0)
+    real = alg.inner.local_form()
+    exact = real.stats(init.client_state.inner, init.broadcast, bounded(fed, 1.0, "clip"), None)[1]
+    seen = []
+    from fedheads.core.protocol import LocalForm
+
+    alg.inner.local_form = lambda: LocalForm(real.stats, lambda noisy, rel, d, c: seen.append(noisy) or
+                                             real.message(noisy, rel, d, c))
+    for r in range(40):
+        ctx = RoundCtx(r, 0, torch.arange(fed.num_clients), fed.num_clients)
+        alg.client_update(init.client_state, init.broadcast, fed, ctx)
+    for k in exact:
+        z = np.concatenate([((s[k] - exact[k]) / alg.noise_std[k]).reshape(-1).numpy() for s in seen])
+        assert abs(z.var() - 1.0) < 5 * math.sqrt(2.0 / z.size) and abs(z.mean()) < 5 / math.sqrt(z.size), k
+    sent = alg.client_update(init.client_state, init.broadcast, fed, ctx)[0]
+    seen.clear()
+    _, msg = alg.client_update(sent, init.broadcast, fed, ctx)
+    assert int(msg.counts.sum()) == 0 and all(float(v.abs().sum()) == 0 for v in seen[0].values())
+    assert sent.releases.tolist() == [1] * 4
+
+
+def test_fedpft_and_local_mode_refuse_what_they_cannot_do(tmp_path):
+    with pytest.raises(UserError, match="fedpft sends each client's Gaussian mixtures.*under DP use --dp-mode local"):
+        Private(_fedpft(), Mechanism(noise_multiplier=1.0))
+    with pytest.raises(UserError, match="dp: fedpft with components=2"):
+        Private(_fedpft(components=2), Mechanism(noise_multiplier=1.0, mode="local"))
+    with pytest.raises(UserError, match="dp: fedncm has no local form"):
+        Private(create_algorithm("fedncm"), Mechanism(noise_multiplier=1.0, mode="local"))
+    store = _write_store(tmp_path)
+    res = CliRunner().invoke(main, ["train", "--store", str(store), "--backbones", "synth", "--algorithm", "fedpft",
+                                    "--rounds", "1", "--seeds", "0", "--device", "cpu", "--quiet",
+                                    "--dp-epsilon", "1", "--out", str(tmp_path / "r")])
+    assert_one_line(res, 2, "--dp-mode local")
+
+
+def test_fedpft_local_dp_cli_run_records_the_mechanism(tmp_path):
+    store = _write_store(tmp_path)
+    out = tmp_path / "r"
+    r = CliRunner().invoke(main, ["train", "--store", str(store), "--backbones", "synth", "--algorithm", "fedpft",
+                                  "--rounds", "1", "--seeds", "0", "--device", "cpu", "--quiet", "--dp-mode", "local",
+                                  "--dp-epsilon", "4", "--set", "covariance=full", "--set", "server_epochs=2",
+                                  "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    p = json.loads((out / "results.json").read_text())["privacy"]
+    assert p["mode"] == "local" and p["releases_per_example"] == 1 and p["epsilon"] <= 4.0
+    assert "each client's own" in p["noise_std_per_client"]
+    pred = CliRunner().invoke(main, ["predict", "--run", str(out), "--store", str(store), "--out",
+                                     str(tmp_path / "p.csv")])
+    assert pred.exit_code == 0, pred.output
