@@ -197,8 +197,8 @@ def train(data: Data, algorithm: str, *, backbones: Sequence[str] | str | None =
         checkpoint after every round that `resume=True` continues from (and, with `tensorboard`,
         per-round TensorBoard scalars: extra [tensorboard]);
         None: nothing is written and `Result.states` holds each seed's final states.
-    dp: train under differential privacy (algorithms with a DP form: FedNCM and the training-free
-        heads): a fedheads.privacy.Mechanism or its fields, e.g. {"epsilon": 1.0, "delta": 1e-5,
+    dp: train under differential privacy (algorithms with a DP form: FedNCM, Fed3R, CCVR calibrating
+        a saved head; FedPFT with mode "local"): a fedheads.privacy.Mechanism or its fields, e.g. {"epsilon": 1.0, "delta": 1e-5,
         "clip": 1.0}; results.json's `privacy` then records the mechanism and the epsilon spent."""
     from fedheads.run import train as runner
 

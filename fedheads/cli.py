@@ -149,7 +149,8 @@ def _dp_options(f):
     opts = [
         click.option("--dp-epsilon", type=float, default=None,
                      help="Train under differential privacy, calibrated to spend at most this epsilon "
-                          "(algorithms with a DP form: fedncm and the training-free heads)."),
+                          "(algorithms with a DP form: fedncm, fed3r, ccvr calibrating a saved head; "
+                          "fedpft with --dp-mode local)."),
         click.option("--dp-noise-multiplier", type=float, default=None,
                      help="Or: the Gaussian noise multiplier z itself (epsilon is then reported)."),
         click.option("--dp-delta", type=float, default=1e-5, show_default=True, help="DP delta."),
@@ -157,8 +158,9 @@ def _dp_options(f):
                      help="L2 bound C of each training feature."),
         click.option("--dp-transform", type=click.Choice(["clip", "normalize"]), default="clip", show_default=True,
                      help="Scale each feature to norm <= C (clip) or exactly C (normalize)."),
-        click.option("--dp-mode", type=click.Choice(["central", "distributed"]), default="central", show_default=True,
-                     help="Noise added once by the server, or split over the clients (under SecAgg+)."),
+        click.option("--dp-mode", type=click.Choice(["central", "distributed", "local"]), default="central",
+                     show_default=True, help="Noise added once by the server, or split over the clients (under "
+                                             "SecAgg+), or by each client on its own statistics (fedpft)."),
         click.option("--dp-accountant", type=click.Choice(["rdp", "pld"]), default="rdp", show_default=True,
                      help="dp-accounting's accountant."),
         click.option("--dp-split", default=None, metavar="FIELD=W,...",

@@ -13,7 +13,10 @@ Foundations of Differential Privacy", Sec. 3.5.3 and Appendix A, the Gaussian me
 3. Gaussian noise N(0, sigma_f^2 I) is added to the TOTAL of every field f, once per round:
    by the server ("central"), or as N(0, sigma_f^2 / K I) by each of the round's K participants
    ("distributed": the shares add up to sigma_f^2 under SecAgg+, and the server adds none);
-4. the server finalizes from the noisy totals (the secure form's `aggregate`).
+4. the server finalizes from the noisy totals (the secure form's `aggregate`), which is
+   post-processing (Dwork & Roth, Prop. 2.1): the algorithm may adapt that step to the noise it
+   is told of (`AlgorithmBase.dp_finalize`: Fed3R's ridge penalty; results.json's
+   `post_processing`).
 
 Budget between the statistics (sums and counts; Grams for Fed3R): one joint Gaussian mechanism
 on the concatenation of the fields, each field divided by its own noise scale. With a split
@@ -37,7 +40,9 @@ Privacy Loss Distributions", PETS 2022) accountant. A one-shot head (FedNCM, Alg
 client's statistics once, also under partial participation (a client that has sent sends zeros
 afterwards), so r = 1: the run is one Gaussian mechanism, however many rounds it takes. Every
 round still adds fresh noise to its own totals, so R rounds leave R noise draws in the final
-sums. r is counted per client during the run (the client state) and the maximum is reported.
+sums; a round whose messages hold no secure sums at all (CCVR calibrating a saved head once
+every client's statistics are in) releases nothing and draws none. r is counted per client
+during the run (the client state) and the maximum is reported.
 Several seeds trained on the same data are several releases of it: results.json also gives the
 epsilon of publishing every seed's head.
 
@@ -45,6 +50,16 @@ Noise is drawn from a secret key: `noise_seed=None` (default) takes a fresh one 
 deployment must (noise a reader can recompute protects nothing); an integer makes runs
 reproducible for simulation and tests (the draws also depend on the run's seed, so the seeds of a
 run get different noise).
+
+Local mode ("local", for algorithms whose messages are no sums but have a local form,
+`AlgorithmBase.local_form`: FedPFT's per-client class Gaussians): each client adds
+N(0, sigma_f^2 I) to each field f of ITS OWN statistics, sigma_f as above, and builds its message
+from the noisy statistics (post-processing); the server receives only that. An example is in its
+client's statistics only, released once by a one-shot head: one Gaussian mechanism of multiplier
+z, accounted as above (Analyze Gauss, Dwork, Talwar, Thakurta & Zhang, "Analyze Gauss: Optimal
+Bounds for Privacy-Preserving Principal Component Analysis", STOC 2014, applies it to a second
+moment matrix). The guarantee holds against the server too, at the price of K noise draws in
+what the server combines instead of one.
 
 Not covered: the evaluation on clients' test splits (it releases accuracies, not statistics);
 distributed noise against fewer honest clients than planned (dropped-out clients, or t clients
@@ -71,7 +86,7 @@ from fedheads.core.federation import DataSpec, FedData
 from fedheads.core.protocol import AlgorithmBase, HeadArch, Init, PaperRoundComm, RoundCtx, SecureForm
 from fedheads.core.tree import tree_cat, tree_rows
 
-MODES = ("central", "distributed")
+MODES = ("central", "distributed", "local")
 TRANSFORMS = ("clip", "normalize")
 ACCOUNTANTS = ("rdp", "pld")
 
@@ -86,6 +101,7 @@ class Mechanism:
     epsilon: float | None = None  # target epsilon: z is calibrated so the planned releases spend at most this
     delta: float = 1e-5  # the delta epsilon is reported for (and calibrated to)
     mode: str = "central"  # "central": the server adds the noise | "distributed": each client adds its share
+    # | "local": each client noises its own statistics (algorithms with a local form: FedPFT)
     accountant: str = "rdp"  # dp-accounting's "rdp" or "pld"
     releases: int = 1  # releases of each client's statistics the calibration plans for (one-shot heads: 1)
     split: tuple[tuple[str, float], ...] = ()  # (field, weight) of the budget; () = equal over the fields
@@ -263,7 +279,8 @@ def delegated_attributes() -> tuple[str, ...]:
 class Private(AlgorithmBase):
     """`inner` under the Gaussian mechanism `mech` (module docstring). States and predictions are
     the inner algorithm's (the client state carries a release count beside them); the message
-    is the secure-sum form, so the same object runs in simulation and under SecAgg+.
+    is the secure-sum form, so the same object runs in simulation and under SecAgg+ (local mode:
+    the inner algorithm's own message, built on each client from its noisy statistics).
 
     Noisy totals of the integer fields of the secure form (counts) are clamped to >= 1 before the
     algorithm finalizes (post-processing, no privacy cost): FedNCM then divides by a positive
@@ -281,7 +298,15 @@ class Private(AlgorithmBase):
         if isinstance(inner, Private):
             raise UserError(f"dp: {inner.name} is already private")
         self.sensitivity = {k: float(v) for k, v in inner.dp_sensitivity(mech.clip).items()}  # refuses in one line
-        inner.secure_form()  # the sums the noise goes on (refuses in one line)
+        if mech.mode == "local":
+            inner.local_form()  # the per-client statistics the noise goes on (refuses in one line)
+        else:
+            try:
+                inner.secure_form()  # the sums the noise goes on (refuses in one line)
+            except UserError as e:
+                if type(inner).local_form is AlgorithmBase.local_form:
+                    raise
+                raise UserError(f"{e}; under DP use --dp-mode local") from None
         bad = [k for k, v in self.sensitivity.items() if not (math.isfinite(v) and v >= 0)]
         if bad:
             raise UserError(f"dp: {inner.name}'s sensitivity of {bad[0]} is {self.sensitivity[bad[0]]}")
@@ -292,22 +317,26 @@ class Private(AlgorithmBase):
         self.z = mech.z()
         self.noise_std = noise_stds(self.sensitivity, self.z, mech.split)
         self._secret = secrets.randbits(63) if mech.noise_seed is None else int(mech.noise_seed)
+        self.post_processing: dict[str, Any] = {}  # the inner finalize's choices under this noise (dp_finalize)
 
     # ------------------------------------------------------------------ protocol
     def init(self, spec: DataSpec, seed: int) -> Init:
+        self.post_processing = self.inner.dp_finalize(dict(self.noise_std), spec)
         it = self.inner.init(spec, seed)
         rel = torch.zeros(spec.num_clients, dtype=torch.int64, device=spec.device)
         return Init(PrivateClientState(it.client_state, rel), it.server_state, it.broadcast)
 
     def client_update(self, cs: PrivateClientState, bc: Any, data: FedData, ctx: RoundCtx,
-                      ) -> tuple[PrivateClientState, PrivateMessage]:
+                      ) -> tuple[PrivateClientState, Any]:
         data = bounded(data, self.mech.clip, self.mech.transform)
+        if self.mech.mode == "local":
+            return self._local_update(cs, bc, data, ctx)
         inner_cs, msg = self.inner.client_update(cs.inner, bc, data, ctx)
         form = self.inner.secure_form(msg)
         M = data.num_clients
         rows = [tree_rows(msg, [i]) for i in range(M)]
         contrib = [form.sums(r) for r in rows]
-        if set(contrib[0]) != set(self.sensitivity):
+        if contrib[0] and set(contrib[0]) != set(self.sensitivity):  # {}: nothing released this round
             raise UserError(f"dp: {self.name}'s secure sums ({', '.join(sorted(contrib[0]))}) do not match its "
                             f"sensitivities ({', '.join(sorted(self.sensitivity))})")
         sums = {k: torch.stack([c[k].to(torch.float64) for c in contrib]) for k in contrib[0]}
@@ -328,7 +357,30 @@ class Private(AlgorithmBase):
         rel = cs.releases + sent.to(cs.releases.device, torch.int64)
         return PrivateClientState(inner_cs, rel), PrivateMessage(sums, clear)
 
-    def server_aggregate(self, ss: Any, msg: PrivateMessage, ctx: RoundCtx) -> tuple[Any, Any]:
+    def _local_update(self, cs: PrivateClientState, bc: Any, data: FedData, ctx: RoundCtx) -> tuple[PrivateClientState, Any]:
+        """Local mode: each releasing client noises its own statistics, then builds its message."""
+        form = self.inner.local_form()
+        inner_cs, stats, release = form.stats(cs.inner, bc, data, ctx)
+        if set(stats) != set(self.sensitivity):
+            raise UserError(f"dp: {self.name}'s local statistics ({', '.join(sorted(stats))}) do not match its "
+                            f"sensitivities ({', '.join(sorted(self.sensitivity))})")
+        ids = data.client_index.tolist()
+        noisy = {}
+        for j, (k, v) in enumerate(sorted(stats.items())):
+            v = v.to(torch.float64)
+            if self.noise_std[k] > 0:
+                keys = [(self._secret, ctx.seed, 2, ctx.round, c, j) for c in ids]
+                noise = torch.stack([gaussian(v.shape[1:], key, v.device) for key in keys])
+                on = release.to(v.device, torch.float64).view(-1, *([1] * (v.dim() - 1)))
+                v = v + self.noise_std[k] * noise * on
+            noisy[k] = v
+        msg = form.message(noisy, release, data, ctx)
+        rel = cs.releases + release.to(cs.releases.device, torch.int64)
+        return PrivateClientState(inner_cs, rel), msg
+
+    def server_aggregate(self, ss: Any, msg: Any, ctx: RoundCtx) -> tuple[Any, Any]:
+        if self.mech.mode == "local":  # the clients' messages, built from their noisy statistics
+            return self.inner.server_aggregate(ss, msg, ctx)
         totals = {k: v.sum(0) for k, v in msg.sums.items()}
         return self._aggregate(ss, msg.clear, totals, ctx)
 
@@ -342,12 +394,16 @@ class Private(AlgorithmBase):
                     t = t + self.noise_std[k] * gaussian(t.shape, (self._secret, ctx.seed, 0, ctx.round, j), t.device)
                 totals[k] = t
         for k in form.integer:
-            totals[k] = totals[k].clamp_min(1)
+            if k in totals:
+                totals[k] = totals[k].clamp_min(1)
         return form.aggregate(ss, clear, totals, ctx)
 
     def secure_form(self, message: Any = None) -> SecureForm:
         """Under SecAgg+ the nodes' sums are PrivateMessage.sums (noisy in distributed mode: no
-        longer integers); the server's step is the noise (central mode) and the inner finalize."""
+        longer integers); the server's step is the noise (central mode) and the inner finalize.
+        Local mode: the inner algorithm's own form (its messages are already noisy)."""
+        if self.mech.mode == "local":
+            return self.inner.secure_form(message)
         inner = self.inner.secure_form(None if message is None else message.clear)
         integer = inner.integer if self.mech.mode == "central" else ()
 
@@ -398,10 +454,14 @@ class Private(AlgorithmBase):
             "epsilon_all_seeds": epsilon(self.z, m.delta, sum(releases_per_seed), m.accountant),
             "noise_seed": "secret" if m.noise_seed is None else m.noise_seed,
         }
+        if self.post_processing:
+            out["post_processing"] = self.post_processing
         if m.accountant == "pld":
             out["pld_value_discretization_interval"] = _pld_interval(self.z, max(r, 1))
         if m.mode == "distributed":
             out["noise_std_per_client"] = "noise_std / sqrt(K), K = the round's participants"
+        if m.mode == "local":
+            out["noise_std_per_client"] = "noise_std, on each client's own statistics (local DP)"
         return out
 
 

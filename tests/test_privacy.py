@@ -314,4 +314,4 @@ def test_private_handles_every_optional_hook_of_the_protocol():
 
     hooks = {k for k, v in vars(AlgorithmBase).items() if callable(v) and not k.startswith("_")}
     left = {k for k in hooks if getattr(Private, k) is getattr(AlgorithmBase, k)}
-    assert left == {"summed_update", "dp_sensitivity"}
+    assert left == {"summed_update", "dp_sensitivity", "dp_finalize", "local_form"}

@@ -41,7 +41,21 @@ first unless ``head_seed``): its global rule must be a linear head, scores = x W
 read off the run's own ``predict`` at x = 0 and the unit vectors and checked on random features
 (FedNCM's cosine rule, for one, is refused). The clients then train nothing: they send their
 statistics, and the server, in its first round, reads that head and calibrates it (so the
-states this run saves hold it, and predicting from them does not read the other run)."""
+states this run saves hold it, and predicting from them does not read the other run).
+
+Differential privacy (fedheads.privacy's Gaussian mechanism on the secure sums) applies when a
+saved head is calibrated with ``covariance="paper"``: the clients then send nothing but s_kc,
+q_kc and n_kc, sums over examples whose sensitivities to one example with ||x|| <= C are C, C^2
+(||x x^T||_F = ||x||^2) and 1 (`dp_sensitivity`). It is refused where the FedAvg-LP head is
+trained here (its SGD deltas are no clipped sums) and for ``covariance="fl-bench"`` (no sum over
+examples). The server's steps from the noisy totals are post-processing: Private clamps each
+noisy count to >= 1 and the secure form rounds it, so a class with N_c < 2 still gets no virtual
+features; the noisy Sigma_c is symmetrised (`class_gaussians`) and may be indefinite, and
+`gaussian_factor` clips its negative eigenvalues to 0, which samples from the nearest positive
+semidefinite matrix in Frobenius norm (Higham, "Computing a Nearest Symmetric Positive
+Semidefinite Matrix", Linear Algebra Appl. 1988). results.json's privacy block accounts for the
+statistics of this run; the saved head is another release of its own run's data (its own
+results.json), which composes with this one where the data are the same."""
 
 from __future__ import annotations
 
@@ -296,11 +310,14 @@ class CCVR(AlgorithmBase):
     def server_aggregate(self, ss: CCVRServerState, msg: CCVRMessage | DeltaMessage | Empty,
                          ctx: RoundCtx) -> tuple[CCVRServerState, CCVRBroadcast]:
         if isinstance(msg, Empty):  # a saved head, every statistic in: nothing changes
-            return ss, CCVRBroadcast(HeadBroadcast(ss.lp.params, False), False, False)
+            return self._idle(ss)
         if isinstance(msg, CCVRMessage):  # sums of client contributions ...
             ss = self._collect(ss, msg.sums.sum(0), msg.sq.sum(0), msg.counts.sum(0), msg.fresh, ctx)
             return self._step(ss, msg.lp, ctx)
         return self._step(ss, msg, ctx)  # ... then FedAvg and the calibration (the finalize)
+
+    def _idle(self, ss: CCVRServerState) -> tuple[CCVRServerState, CCVRBroadcast]:
+        return ss, CCVRBroadcast(HeadBroadcast(ss.lp.params, False), False, False)
 
     def _collect(self, ss: CCVRServerState, sums: torch.Tensor, sq: torch.Tensor, counts: torch.Tensor,
                  fresh: torch.Tensor, ctx: RoundCtx) -> CCVRServerState:
@@ -351,7 +368,9 @@ class CCVR(AlgorithmBase):
         """Under SecAgg+ the server sees the sums of the class statistics (CCVR Sec. 4, as sums) and
         of the n_k-weighted FedAvg deltas with their weights; only the flags saying whose
         statistics are new travel in the clear (the server learns who has reported, not what)."""
-        def sums(m: CCVRMessage | DeltaMessage) -> dict[str, torch.Tensor]:
+        def sums(m: CCVRMessage | DeltaMessage | Empty) -> dict[str, torch.Tensor]:
+            if isinstance(m, Empty):  # a saved head, every statistic in: nothing is sent
+                return {}
             d = m.lp if isinstance(m, CCVRMessage) else m
             out: dict[str, torch.Tensor] = {}
             if d is not None:
@@ -366,6 +385,8 @@ class CCVR(AlgorithmBase):
 
         def aggregate(ss: CCVRServerState, flags: CCVRFresh | None, tot: dict[str, torch.Tensor],
                       ctx: RoundCtx) -> tuple[CCVRServerState, CCVRBroadcast]:
+            if not tot and flags is None:  # the Empty round of a saved head
+                return self._idle(ss)
             d = None
             if "weight" in tot:
                 w = tot["weight"]
@@ -376,6 +397,22 @@ class CCVR(AlgorithmBase):
             return self._step(ss, d, ctx)
 
         return SecureForm(sums, ("counts",), clear, aggregate)
+
+    def dp_sensitivity(self, clip: float) -> dict[str, float]:
+        """One example, its feature x clipped to ||x|| <= clip, moves one class's sum s_c by x
+        (L2 norm clip), its q_c by x x^T (Frobenius norm ||x||^2 = clip^2) and its count by 1:
+        differential privacy of the statistics (CCVR Sec. 4, as sums) when nothing else is sent,
+        i.e. when a saved head is calibrated. Refused (one line) where the message holds more."""
+        if self.cfg.head is None:
+            raise UserError("dp: ccvr trains its FedAvg-LP head here, whose SGD deltas are not clipped sums; "
+                            "calibrate a saved head trained under DP instead (e.g. a fed3r run with --dp-*): "
+                            "--set head=RUN_DIR")
+        if self.cfg.covariance != "paper":
+            raise UserError("dp: ccvr covariance='fl-bench' sends (n-1)/n q_kc + mu_kc mu_kc^T per client, which is "
+                            "not a sum over the client's examples (it rescales and recentres all of them), so a "
+                            "sum's per-example sensitivity does not bound it; use covariance='paper'")
+        c = float(clip)
+        return {"sums": c, "sq": c * c, "counts": 1.0}
 
     def trainable_params(self, cs: CCVRClientState) -> int:
         return 0 if self.cfg.head is not None else count_params(cs.lp.params)

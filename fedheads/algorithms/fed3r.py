@@ -23,12 +23,28 @@ back to the pseudo-inverse, logs a warning and sets ``pinv`` in the server state
 With partial participation (fraction < 1) run enough rounds to reach every client, as FedNCM: a
 client that has contributed sends zeros, the server re-solves after every round, and each
 round's evaluation is the accuracy after the clients seen so far (the paper's curves of
-accuracy against clients)."""
+accuracy against clients).
+
+Differential privacy (fedheads.privacy): one example moves A by φ̃φ̃ᵀ, b's parts by x and 1
+(`dp_sensitivity`), and the server solves from totals carrying Gaussian noise, N(0, σ²) iid per
+entry of ΣA_k (σ = the Gram's noise std). The secure form symmetrises the noisy Gram, ½(G + Gᵀ),
+before the solve (post-processing of the released matrix, so the sensitivity of the full matrix,
+||φ̃φ̃ᵀ||_F = ||φ̃||², stays the one accounted): the Cholesky factorisation reads one triangle, and
+the symmetric part halves the off-diagonal noise variance. The noise E = ½(N + Nᵀ) is not positive
+semidefinite: ||E|| <= ||N||, and a D' x D' matrix N of iid N(0, σ²) entries has
+||N|| <= (2√D' + t)σ with probability >= 1 - 2 exp(-t²/2) (Vershynin, "Introduction to the
+Non-asymptotic Analysis of Random Matrices", 2012, Cor. 5.35). A fixed λ = 0.01 therefore leaves
+λI + ΣA_k + E indefinite; ``lam_noise_scale`` = κ > 0 sets, under DP, λ = lam + κ σ √D', and
+κ >= 2 + √(2 log(2/β) / D') makes the system positive definite with probability >= 1 - β (ΣA_k
+is positive semidefinite; E's own norm is nearer √2 σ√D', a GOE's, so κ = 2 is already ample).
+The λ used is in results.json's privacy block (``post_processing``). Without DP nothing changes."""
 
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -53,6 +69,10 @@ class Fed3RConfig:
                                "as FedCOF's code runs Fed3R", source="Erosinho13/Fed3R fed3r_step; "
                                                                      "dipamgoswami/FedCOF Fed3RServer")
     dtype: str = setting("float64", "dtype of the statistics sent (they accumulate in float64): float64 | float32")
+    lam_noise_scale: float = setting(0.0, "under DP: lambda = lam + lam_noise_scale * sigma_gram * sqrt(D'), sigma_gram "
+                                     "the Gram's noise std per entry; >= 2 keeps the noisy system positive definite "
+                                     "w.h.p. (module docstring); 0: lam alone; no effect without DP",
+                                     source="ours (Vershynin 2012, Cor. 5.35)")
 
 
 @dataclass(frozen=True)
@@ -150,8 +170,11 @@ class Fed3R(AlgorithmBase):
             raise UserError(f"dtype={cfg.dtype!r}: must be one of {', '.join(DTYPES)}")
         if not cfg.lam >= 0:
             raise UserError(f"lam={cfg.lam!r}: the ridge penalty must be >= 0")
+        if not (cfg.lam_noise_scale >= 0 and math.isfinite(cfg.lam_noise_scale)):
+            raise UserError(f"lam_noise_scale={cfg.lam_noise_scale!r}: must be a number >= 0")
         self.cfg = cfg
         self.dtype = DTYPES[cfg.dtype]
+        self.lam = float(cfg.lam)  # the ridge penalty solved with (dp_finalize raises it under DP)
 
     def init(self, spec: DataSpec, seed: int) -> Init:
         C, D, dev = spec.num_classes, spec.dim, spec.device
@@ -204,8 +227,9 @@ class Fed3R(AlgorithmBase):
         b = sums.T  # [D, C]: b's feature rows
         if self.cfg.bias:
             b = torch.cat([b, counts.to(torch.float64).unsqueeze(0)], 0)  # b's bias row: onehot(y) summed
-        a = gram + self.cfg.lam * torch.eye(gram.shape[0], dtype=gram.dtype, device=gram.device)
-        sol, pinv = solve_psd(a, b, "fed3r: lambda I + sum_k A_k", f" (lam={self.cfg.lam:g}; lam > 0 makes it definite)")
+        a = gram + self.lam * torch.eye(gram.shape[0], dtype=gram.dtype, device=gram.device)
+        hint = f" (lam={self.lam:g}; lam > 0 makes it definite, under DP lam_noise_scale >= 2)"
+        sol, pinv = solve_psd(a, b, "fed3r: lambda I + sum_k A_k", hint)
         D = sums.shape[1]
         bias = sol[D] if self.cfg.bias else torch.zeros_like(sol[0])
         weight, bias = normalise_classes(sol[:D].T, bias, present)
@@ -234,7 +258,9 @@ class Fed3R(AlgorithmBase):
         """Under SecAgg+ the server sees only Σ_k A_k, the summed class sums and counts."""
 
         def agg(ss: Fed3RServerState, clear: object, tot: dict[str, torch.Tensor], ctx: RoundCtx) -> tuple:
-            one = Fed3RMessage(tot["gram"][None], tot["sums"][None], tot["counts"].round().to(torch.int64)[None])
+            g = tot["gram"]
+            g = 0.5 * (g + g.T)  # symmetric part (post-processing: a noisy sum is not symmetric)
+            one = Fed3RMessage(g[None], tot["sums"][None], tot["counts"].round().to(torch.int64)[None])
             return self.server_aggregate(ss, one, ctx)
 
         return SecureForm(lambda m: {"gram": m.gram[0].double(), "sums": m.sums[0].double(),
@@ -244,6 +270,15 @@ class Fed3R(AlgorithmBase):
         """One example, its feature clipped to L2 norm `clip`, moves A by φ̃φ̃ᵀ (Frobenius norm
         ||φ̃||² = clip² + 1 with the bias column), one class sum by `clip` and one count by 1."""
         return {"gram": float(clip) ** 2 + float(self.cfg.bias), "sums": float(clip), "counts": 1.0}
+
+    def dp_finalize(self, noise_std: dict[str, float], spec: DataSpec) -> dict[str, Any]:
+        """λ = lam + lam_noise_scale · σ_gram · √D' (module docstring), recorded."""
+        Dp = spec.dim + int(self.cfg.bias)
+        sigma = float(noise_std.get("gram", 0.0))
+        self.lam = float(self.cfg.lam) + float(self.cfg.lam_noise_scale) * sigma * math.sqrt(Dp)
+        return {"fed3r_lam": self.lam, "fed3r_lam_rule": "lam + lam_noise_scale * gram_noise_std * sqrt(D')",
+                "lam": self.cfg.lam, "lam_noise_scale": self.cfg.lam_noise_scale, "gram_noise_std": sigma,
+                "gram_dim": Dp, "gram_noise": "iid per entry, symmetrised: (G + G^T) / 2"}
 
     def paper_round_comm(self, arch: HeadArch, clients: int) -> PaperRoundComm:
         """Up: A_k (D'²) and b_k (D'·C), D' = D + 1 with the bias column; down: the classifier

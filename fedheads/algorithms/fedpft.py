@@ -11,7 +11,23 @@ covariances S with its count n_kc (utils.learn_gmm). The server draws n_kc synth
 from each received mixture (component j ~ Cat(pi), z = m_j + A_j eps with A_j A_j^T = S_j; eps
 and the component draw are counter-based in (seed, client id, c, row): core/rng.py) and trains
 the linear head on the pooled synthetic features centrally (strategy.FedPFT.aggregate_fit). One
-round with every client (one-shot FL). The paper's differentially private variant is not here.
+round with every client (one-shot FL).
+
+Differential privacy: the paper's own DP variant is not implemented here (the paper is not at
+hand). Ours is a local Gaussian mechanism on each client's class statistics, in the style of
+Analyze Gauss (Dwork et al., STOC 2014): with one Gaussian per class (``components=1``), a
+client's per-class count n_kc, sum s_kc and second moment q_kc = sum x x^T are its mixture's
+sufficient statistics, and one example with ||x|| <= C moves them by 1, C and C^2 (CCVR's
+sensitivities). Under ``--dp-mode local`` (fedheads.privacy) each client adds the Gaussian noise
+to its own (n, s, q) and fits its Gaussians to the noisy ones (`local_form`: post-processing):
+ñ = round(n + noise), a class sent where ñ > 1 as FedPFT's rule, mean s/ñ and the maximum-
+likelihood covariance q/ñ - mu mu^T with scikit-learn's reg_covar 1e-6 added to its diagonal
+(what EM returns for one component, so vanishing noise gives the non-private mixtures), its
+negative eigenvalues clipped to 0 for the "full" and "tied" types (the nearest positive
+semidefinite matrix, Higham 1988) and its diagonal to >= reg_covar for "diag" and "spherical".
+Each example is in one client's one release: one Gaussian mechanism of multiplier z. The server
+trains on the synthetic features as without DP. Refused for components > 1 (EM's mixture is no
+function of sums) and in central or distributed mode (the mixtures are no sums).
 
 Defaults are the baseline's (README "Number of mixtures 1, Covariance type spherical, tolerance
 1e-12, maximum EM iterations 1e3"; server head: AdamW lr 1e-4, batch 32, and 50 epochs as its
@@ -36,17 +52,19 @@ import numpy as np
 import torch
 
 from embedcache.errors import UserError
-from fedheads.algorithms.ccvr import fit_linear, gaussian_factor
+from fedheads.algorithms.ccvr import fit_linear, gaussian_factor, second_moments
+from fedheads.algorithms.fedncm import client_stats
 from fedheads.algorithms.lp import init_mlp
 from fedheads.algorithms.pfl_common import config_from_kwargs
 from fedheads.core import rng
 from fedheads.core.config import setting
 from fedheads.core.federation import DataSpec, FedData
 from fedheads.core.heads import Params
-from fedheads.core.protocol import AlgorithmBase, Init, RoundCtx, SecureForm
+from fedheads.core.protocol import AlgorithmBase, Init, LocalForm, RoundCtx, SecureForm
 
 COVARIANCES = ("spherical", "diag", "full", "tied")
 _DTYPES = {"float32": torch.float32, "float16": torch.float16}
+_REG_COVAR = 1e-6  # scikit-learn GaussianMixture's default reg_covar, added to every covariance
 
 
 @dataclass(frozen=True)
@@ -245,6 +263,58 @@ class FedPFT(AlgorithmBase):
 
     def trainable_params(self, cs: FedPFTClientState) -> int:
         return 0  # clients fit mixtures in closed form (EM); the head is trained at the server
+
+    def dp_sensitivity(self, clip: float) -> dict[str, float]:
+        """One example with ||x|| <= clip moves one class's count by 1, sum by clip and second
+        moment by ||x x^T||_F = clip^2 (module docstring); one component only."""
+        if self.cfg.components != 1:
+            raise UserError(f"dp: fedpft with components={self.cfg.components}: its local DP form releases one "
+                            "Gaussian per class from noisy sums (an EM mixture is no function of sums); use components=1")
+        c = float(clip)
+        return {"sums": c, "sq": c * c, "counts": 1.0}
+
+    def local_form(self) -> LocalForm:
+        """Each fresh client's per-class (count, sum, second moment), and its one-Gaussian-per-class
+        message fitted to their noisy versions (module docstring)."""
+        def stats(cs: FedPFTClientState, bc: FedPFTBroadcast, data: FedData, ctx: RoundCtx,
+                  ) -> tuple[FedPFTClientState, dict[str, torch.Tensor], torch.Tensor]:
+            fresh = ~cs.sent.to(data.device)  # a client contributes exactly once
+            sums, counts = client_stats(data.x_train, data.y_train, data.m_train, data.num_classes)
+            sq = second_moments(data.x_train, data.y_train, data.m_train, data.num_classes)
+            f = fresh.to(torch.float64)
+            out = {"sums": sums.double() * f.view(-1, 1, 1), "sq": sq * f.view(-1, 1, 1, 1),
+                   "counts": counts.double() * f.view(-1, 1)}
+            return FedPFTClientState(torch.ones_like(cs.sent)), out, fresh
+
+        def message(noisy: dict[str, torch.Tensor], release: torch.Tensor, data: FedData,
+                    ctx: RoundCtx) -> FedPFTMessage:
+            return self.gaussians_message(noisy["sums"], noisy["sq"], noisy["counts"], release, data.client_index)
+
+        return LocalForm(stats, message)
+
+    def gaussians_message(self, sums: torch.Tensor, sq: torch.Tensor, counts: torch.Tensor, release: torch.Tensor,
+                          client: torch.Tensor) -> FedPFTMessage:
+        """One Gaussian per class [M, C] from (noisy) statistics: scikit-learn's one-component fit
+        (mean, maximum-likelihood covariance + reg_covar I) in the configured covariance type."""
+        M, C, D = sums.shape
+        n = counts.round().clamp(min=0)
+        send = (n > self.cfg.components) & release.to(n.device).view(-1, 1)
+        nn = n.clamp(min=1).unsqueeze(-1)
+        mu = sums / nn
+        cov = sq / nn.unsqueeze(-1) - mu.unsqueeze(-1) * mu.unsqueeze(-2)
+        cov = 0.5 * (cov + cov.transpose(-1, -2)) + _REG_COVAR * torch.eye(D, dtype=cov.dtype, device=cov.device)
+        kind = self.cfg.covariance
+        if kind in ("full", "tied"):
+            lam, vec = torch.linalg.eigh(cov)
+            cov = (vec * lam.clamp(min=0).unsqueeze(-2)) @ vec.transpose(-1, -2)
+            par = cov.unsqueeze(2) if kind == "full" else cov
+        else:
+            var = torch.diagonal(cov, dim1=-2, dim2=-1).clamp(min=_REG_COVAR)
+            par = var.unsqueeze(2) if kind == "diag" else var.mean(-1, keepdim=True)
+        keep = send.to(torch.float64)
+        par = par * keep.view(M, C, *([1] * (par.dim() - 2)))
+        return FedPFTMessage((keep.unsqueeze(-1)).to(self.dtype), (mu * keep.unsqueeze(-1)).unsqueeze(2).to(self.dtype),
+                             par.to(self.dtype), (n * keep).to(torch.int64), client.clone())
 
 
 def _factory(**kw: object) -> FedPFT:

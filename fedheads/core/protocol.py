@@ -81,6 +81,19 @@ class SecureForm(Generic[SS, Msg, Bc]):
 
 
 @dataclass(frozen=True)
+class LocalForm(Generic[CS, Msg, Bc]):
+    """How an algorithm's clients release statistics of their own data under local differential
+    privacy: each client's statistics are noised on the client (fedheads.privacy, mode "local")
+    and the message is built from the noisy ones (post-processing), so the server never sees
+    exact statistics. For messages that are no sums (per-client mixtures: FedPFT)."""
+
+    stats: Callable[[CS, Bc, FedData, RoundCtx], tuple[CS, dict[str, torch.Tensor], torch.Tensor]]
+    # (client_state, broadcast, data, ctx) -> (client_state, {field: [M, ...] float64}, releases [M] bool)
+    message: Callable[[dict[str, torch.Tensor], torch.Tensor, FedData, RoundCtx], Msg]
+    # (noisy statistics {field: [M, ...]}, releases [M] bool, data, ctx) -> the message
+
+
+@dataclass(frozen=True)
 class HeadArch:
     """The head on top of frozen backbones as the papers count it (FedPCL Sec. 5.1)."""
 
@@ -197,6 +210,20 @@ class AlgorithmBase(Generic[CS, SS, Msg, Bc]):
         training example, its feature clipped to L2 norm `clip`, is added or removed. Used by
         the Gaussian mechanism of differential privacy; the default refuses in one line."""
         raise UserError(f"dp: {self.name} has no differentially private form (its messages are not clipped sums)")
+
+    def local_form(self) -> LocalForm[CS, Msg, Bc]:
+        """The per-client statistics that local differential privacy noises on each client, and
+        the message built from them (keys as `dp_sensitivity`'s). The default refuses in one line."""
+        raise UserError(f"dp: {self.name} has no local form (--dp-mode local noises per-client statistics, "
+                        "which it does not send); use --dp-mode central or distributed")
+
+    def dp_finalize(self, noise_std: dict[str, float], spec: DataSpec) -> dict[str, Any]:
+        """Adapt the server's finalize to secure-sum totals that carry Gaussian noise of std
+        noise_std[f] per entry (differential privacy; a function of the noisy totals is
+        post-processing, of no privacy cost: e.g. Fed3R's ridge penalty from the Gram's noise).
+        Called by the private wrapper before each `init`; returns what it set, for results.json's
+        privacy block. The default changes nothing and returns {}."""
+        return {}
 
     def linear_head(self, server_state: SS) -> dict[str, torch.Tensor] | None:
         """The linear classifier {"cls.weight": [D, C], "cls.bias": [C]} (the core's layout, no
