@@ -34,7 +34,7 @@ the symmetric part halves the off-diagonal noise variance. The noise E = ½(N + 
 semidefinite: ||E|| <= ||N||, and a D' x D' matrix N of iid N(0, σ²) entries has
 ||N|| <= (2√D' + t)σ with probability >= 1 - 2 exp(-t²/2) (Vershynin, "Introduction to the
 Non-asymptotic Analysis of Random Matrices", 2012, Cor. 5.35). A fixed λ = 0.01 therefore leaves
-λI + ΣA_k + E indefinite; ``lam_noise_scale`` = κ > 0 sets, under DP, λ = lam + κ σ √D', and
+λI + ΣA_k + E indefinite; ``lam_noise_scale`` = κ (default 2) sets, under DP, λ = lam + κ σ √D', and
 κ >= 2 + √(2 log(2/β) / D') makes the system positive definite with probability >= 1 - β (ΣA_k
 is positive semidefinite; E's own norm is nearer √2 σ√D', a GOE's, so κ = 2 is already ample).
 The λ used is in results.json's privacy block (``post_processing``). Without DP nothing changes."""
@@ -69,9 +69,9 @@ class Fed3RConfig:
                                "as FedCOF's code runs Fed3R", source="Erosinho13/Fed3R fed3r_step; "
                                                                      "dipamgoswami/FedCOF Fed3RServer")
     dtype: str = setting("float64", "dtype of the statistics sent (they accumulate in float64): float64 | float32")
-    lam_noise_scale: float = setting(0.0, "under DP: lambda = lam + lam_noise_scale * sigma_gram * sqrt(D'), sigma_gram "
+    lam_noise_scale: float = setting(2.0, "under DP: lambda = lam + lam_noise_scale * sigma_gram * sqrt(D'), sigma_gram "
                                      "the Gram's noise std per entry; >= 2 keeps the noisy system positive definite "
-                                     "w.h.p. (module docstring); 0: lam alone; no effect without DP",
+                                     "w.h.p. (module docstring); 0: lam alone (indefinite under DP); no effect without DP",
                                      source="ours (Vershynin 2012, Cor. 5.35)")
 
 
