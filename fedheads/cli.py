@@ -439,13 +439,14 @@ def _flower_options(f):
 def _flower_config(settings, out, **kw):
     """The run config of `serve` / `simulate`; the --dp-* options (train's) become its dp_* fields,
     checked here, and an algorithm without a DP form is refused before any server starts."""
-    from fedheads.privacy import from_cli
     from fedheads.run.checks import check_algorithms
     from fedheads.run.options import parse_settings
 
     check_algorithms([kw["algorithm"]])
     fields = parse_settings(settings)
     _check_plain(click.get_current_context(), settings=fields)
+    from fedheads.privacy import from_cli  # (torch) after the typo checks
+
     dp = {k: kw.pop(k) for k in [k for k in kw if k.startswith("dp_")]}
     mech = from_cli(**dp, dp_noise_seed=None)  # one line for values that are not a mechanism
     from fedheads.flower import require_flower
