@@ -167,5 +167,30 @@ def test_serve_refuses_dp_input_in_one_line_before_any_server_starts(store, tmp_
     _one_line(CliRunner().invoke(main, ["simulate", "--store", str(store), "--backbones", "synth", "--algorithm", "lp",
                                         "--dp-noise-multiplier", "1", "--out", str(tmp_path / "s")]),
               "lp has no differentially private form")
+    _one_line(CliRunner().invoke(main, ["simulate", "--store", str(store), "--backbones", "synth", "--algorithm",
+                                        "fedncm", "--dp-noise-multiplier", "1", "--dp-mode", "distributed",
+                                        "--on-dropout", "continue", "--out", str(tmp_path / "s")]),
+              "a dropped node's noise share would be missing")
     with pytest.raises(UserError, match="--dp-noise-multiplier -1"):
         FlowerRunConfig(backbones="synth", dp_noise_multiplier=-1)
+
+
+def test_serve_hands_flower_the_public_mechanism_only(tmp_path, monkeypatch):
+    """The run config `serve` writes into the Flower App (every node receives it) holds the
+    mechanism's parameters and no noise key; distributed noise without SecAgg+ is pointed out."""
+    from fedheads.flower import deploy
+
+    seen = {}
+
+    def fake_serve(run_config, out, **kw):
+        seen.update(run_config)
+        raise UserError("stopped before the SuperLink")
+
+    monkeypatch.setattr(deploy, "serve", fake_serve)
+    res = CliRunner().invoke(main, ["serve", "--nodes", "2", "--algorithm", "fed3r", "--backbones", "synth",
+                                    "--dp-epsilon", "2", "--dp-mode", "distributed", "--out", str(tmp_path / "r")])
+    lines = res.output.strip().splitlines()
+    assert res.exit_code == 2 and lines[-1] == "error: stopped before the SuperLink", res.output
+    assert lines[0].startswith("note: --dp-mode distributed without --secagg"), res.output
+    assert seen["dp-epsilon"] == 2.0 and seen["dp-mode"] == "distributed" and seen["dp-noise-multiplier"] == 0.0
+    assert not [k for k in seen if "seed" in k and k != "seed"]

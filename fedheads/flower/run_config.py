@@ -59,7 +59,10 @@ class FlowerRunConfig:
         for name in ("dp_epsilon", "dp_noise_multiplier"):
             if not getattr(self, name) >= 0:  # 0 means "not given": a negative one must not mean it silently
                 raise UserError(f"--{name.replace('_', '-')} {getattr(self, name)}: must be a positive number")
-        self.mechanism()  # the --dp-* values: one line when they are not a mechanism
+        if self.mechanism() is not None and self.dp_mode == "distributed" and self.on_dropout == "continue":
+            raise UserError("--dp-mode distributed with --on-dropout continue: a dropped node's noise share would be "
+                            "missing from the round's sum (less noise than accounted); use --dp-mode central or "
+                            "--on-dropout refuse")
 
     @classmethod
     def from_run_config(cls, rc: Any) -> FlowerRunConfig:
