@@ -38,8 +38,7 @@ class FlowerRunConfig:
     overwrite: bool = False  # replace a run already in `out`
     # differential privacy (fedheads.privacy; the --dp-* options of `fedheads train`): on when
     # dp_epsilon or dp_noise_multiplier is > 0. Public parameters only: a run config reaches every
-    # node, so the noise key never travels in it (each party draws its own; module docstring of
-    # fedheads.flower.loop)
+    # node, so the noise key never travels in it (each party draws its own: fedheads/flower/dp.py)
     dp_epsilon: float = 0.0  # target epsilon (0 = not given)
     dp_noise_multiplier: float = 0.0  # the noise multiplier z itself (0 = not given)
     dp_delta: float = 1e-5  # the delta epsilon is calibrated to and reported for
