@@ -67,6 +67,20 @@ def test_in_the_clear_a_private_run_equals_the_engines_bit_for_bit(store, mode):
                                      Mechanism(noise_multiplier=0.5, clip=3.0, mode=mode, noise_seed=11)).report([1])
 
 
+def test_fed3r_under_dp_equals_the_engines_private_run(store):
+    """The other head with a DP form (its Grams noised too): the same plumbing, the same state."""
+    mode = "distributed"
+    cfg = FlowerRunConfig(algorithm="fed3r", backbones="synth", rounds=1, timeout=120, seed=2, dp_noise_multiplier=0.5,
+                          dp_clip=3.0, dp_mode=mode)
+    out = simulate_store(cfg, store, noise_seed=11)
+    mech = Mechanism(noise_multiplier=0.5, clip=3.0, mode=mode, noise_seed=11)
+    ref = run(Private(registry.create_algorithm("fed3r"), mech), load_fed_data(store, ["synth"], "cpu"), 1, seed=2,
+              engine="loop", progress=False)
+    for got, want in zip(tree_leaves(out["server_state"]), tree_leaves(ref.server_state)):
+        assert torch.equal(got, want)
+    assert set(out["privacy"]["noise_std"]) == set(Private(registry.create_algorithm("fed3r"), mech).noise_std)
+
+
 @pytest.mark.parametrize("mode", ["central", "distributed"])
 def test_secagg_carries_the_same_noise_as_the_engine(store, mode):
     out = simulate_store(dp_cfg(mode, secagg=True), store, noise_seed=11)
