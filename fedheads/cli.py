@@ -439,18 +439,31 @@ def _flower_options(f):
 
 
 def _flower_config(settings, out, **kw):
+    """The run config of `serve` / `simulate`; the --dp-* options (train's) become its dp_* fields,
+    checked here, and an algorithm without a DP form is refused before any server starts."""
     from fedheads.run.checks import check_algorithms
     from fedheads.run.options import parse_settings
 
     check_algorithms([kw["algorithm"]])
     fields = parse_settings(settings)
     _check_plain(click.get_current_context(), settings=fields)
+    from fedheads.privacy import from_cli  # (torch) after the typo checks
+
+    dp = {k: kw.pop(k) for k in [k for k in kw if k.startswith("dp_")]}
+    mech = from_cli(**dp, dp_noise_seed=None)  # one line for values that are not a mechanism
     from fedheads.flower import require_flower
     from fedheads.flower.run_config import FlowerRunConfig
 
     require_flower()  # one line without the extra, before anything is written
-    return FlowerRunConfig(settings=json.dumps([list(p) for p in fields]),
-                           out=str(Path(out).resolve()), **kw)
+    cfg = FlowerRunConfig(settings=json.dumps([list(p) for p in fields]), out=str(Path(out).resolve()),
+                          **{**dp, "dp_epsilon": dp["dp_epsilon"] or 0.0,
+                             "dp_noise_multiplier": dp["dp_noise_multiplier"] or 0.0, "dp_split": dp["dp_split"] or ""},
+                          **kw)
+    if mech is not None:
+        from fedheads.flower.loop import build
+
+        build(cfg)  # the server's algorithm under the mechanism: refuses one without a DP form
+    return cfg
 
 
 def _flower_summary(res: dict, out: str) -> None:
@@ -467,7 +480,8 @@ def _flower_summary(res: dict, out: str) -> None:
 @click.option("--store", required=True, type=click.Path(), help="Feature store; one virtual node per client.")
 @click.option("--clients", default="", help="Comma-separated subset/order of the store's clients (default: all).")
 @_flower_options
-def simulate(store, clients, **kw) -> None:
+@_dp_options
+def simulate(store, clients, dp_noise_seed, **kw) -> None:
     """Run an algorithm over Flower's simulation runtime in this process (same results as `train`)."""
     from fedheads.flower.sim import flower_logs, simulate_store
     from fedheads.run import rundir
@@ -477,7 +491,7 @@ def simulate(store, clients, **kw) -> None:
         # before flower.log is written there: an existing run is refused untouched
         rundir.refuse_existing(Path(cfg.out), overwrite=cfg.overwrite)
         with flower_logs(Path(cfg.out) / "flower.log", lambda m: click.echo(m, err=True)):
-            simulate_store(cfg, store, [c for c in clients.split(",") if c] or None)
+            simulate_store(cfg, store, [c for c in clients.split(",") if c] or None, noise_seed=dp_noise_seed)
     _flower_summary(json.loads((Path(cfg.out) / "results.json").read_text()), cfg.out)
 
 
@@ -490,9 +504,17 @@ def simulate(store, clients, **kw) -> None:
 @click.option("--ssl-keyfile", default=None, help="TLS private key.")
 @click.option("--ssl-ca-certfile", default=None, help="TLS CA certificate (give it to the nodes as --root-certificates).")
 @_flower_options
-def serve(nodes, host, port, wait, ssl_certfile, ssl_keyfile, ssl_ca_certfile, **kw) -> None:
-    """Start a Flower SuperLink, run an algorithm over the nodes that join, write --out."""
+@_dp_options
+def serve(nodes, host, port, wait, ssl_certfile, ssl_keyfile, ssl_ca_certfile, dp_noise_seed, **kw) -> None:
+    """Start a Flower SuperLink, run an algorithm over the nodes that join, write --out (with
+    --dp-*: under differential privacy, docs/flower.md)."""
+    if dp_noise_seed is not None:
+        raise UserError(f"--dp-noise-seed {dp_noise_seed}: simulation only (`fedheads simulate`); in a deployment the "
+                        "server and every node draw their own secret noise key")
     cfg = _flower_config(nodes=nodes, wait=wait, **kw)
+    if cfg.dp_mode == "distributed" and not cfg.secagg and cfg.mechanism() is not None:
+        click.echo("note: --dp-mode distributed without --secagg: the server sees each node's sums with only "
+                   "its share of the noise (docs/flower.md)", err=True)
     from fedheads.flower.deploy import serve as run_serve
 
     tls = None

@@ -143,6 +143,36 @@ def test_secagg_fedncm_over_three_nodes_gives_the_class_means_of_train(tmp_path,
     assert len(masked) == 3 and all(all(v == [] for v in a["arrays"].values()) for a in masked)
 
 
+def test_distributed_dp_under_secagg_over_three_nodes_writes_the_privacy_block(tmp_path, node_stores):
+    """Each node clips its features and adds its share of the noise from its own secret key; the
+    server adds none, sees only the SecAgg+ totals and the nodes' release counts, and accounts."""
+    from fedheads.algorithms.fedncm import client_stats
+    from fedheads.privacy import bounded, epsilon
+    from fedheads.run.load import load_fed_data
+
+    stores, union = node_stores
+    dep = Deployment(tmp_path, ["--algorithm", "fedncm", "--backbones", "synth", "--rounds", "1", "--secagg",
+                                "--timeout", "180", "--dp-noise-multiplier", "0.5", "--dp-clip", "3",
+                                "--dp-mode", "distributed"],
+                     [["--store", str(stores[c])] for c in CLIENTS])
+    try:
+        rc, log = dep.wait()
+    finally:
+        dep.close()
+    assert rc == 0, log[-3000:]
+    p = json.loads((dep.out / "results.json").read_text())["privacy"]
+    assert p["mode"] == "distributed" and p["noise_seed"] == "secret" and p["releases_per_example"] == 1
+    assert p["noise_multiplier"] == 0.5 and p["epsilon"] == pytest.approx(epsilon(0.5, 1e-5, 1))
+    sums = torch.load(dep.out / "state" / "seed0.server.pt", weights_only=True)["server"][0]
+    data = bounded(load_fed_data(str(union), ["synth"], "cpu"), 3.0, "clip")
+    clean = client_stats(data.x_train, data.y_train, data.m_train, data.num_classes)[0].sum(0)
+    gap = (sums.double() - clean.double()).abs().max().item()
+    assert 0.1 < gap < 10 * p["noise_std"]["sums"]  # the nodes' noise: present, and of its stated scale
+    received = [json.loads(line) for line in (dep.out / "received.jsonl").read_text().splitlines()]
+    updates = [a for a in received if a["type"] == "train.update"]
+    assert len(updates) == 3 and all(a["arrays"] == {} and "fh.releases" in a["configs"] for a in updates)
+
+
 def test_plain_fedpcl_nodes_extract_their_own_images_and_equal_the_engine(tmp_path):
     """Nodes hold manifests of their own images (builtin digits): they extract on first use."""
     from fedheads.core.engine import run

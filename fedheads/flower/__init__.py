@@ -7,6 +7,8 @@ Layout (docs/contracts.md section 8 is the contract):
             the securely summed totals;
 - `node`    the ClientApp (`fedheads.flower.node:app`): a node's own data, extraction on first use,
             client state in `context.state`;
+- `dp`      differential privacy (fedheads.privacy's Private) split between the server and the
+            nodes: what travels (never a noise key), who adds the noise, the release counts;
 - `server`  the ServerApp (`fedheads.flower.server:app`): M=1 messages in, the same
             `server_aggregate` out;
 - `sim`     Flower's simulation runtime (LinkState, InMemoryGrid, VCE workers) with an in-process

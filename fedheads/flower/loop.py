@@ -16,19 +16,21 @@ from fedheads.core.protocol import RoundCtx
 from fedheads.core.tree import payload_size, tree_cat
 from fedheads.flower import codec
 from fedheads.flower.deploy import round_line
+from fedheads.flower.dp import node_mechanism, reported_releases
 from fedheads.flower.messaging import failed_nodes, run_record, send
 from fedheads.flower.run_config import FlowerLog, FlowerRunConfig
 
 log = logging.getLogger("fedheads.flower")
 
 
-def build(cfg: FlowerRunConfig) -> tuple[Any, dict[str, Any]]:
-    """The algorithm and the kwargs it was built from (sent to every node)."""
+def build(cfg: FlowerRunConfig, noise_seed: int | None = None) -> tuple[Any, dict[str, Any]]:
+    """The server's algorithm (under the run's DP mechanism, with its own noise key, when asked
+    for) and the kwargs of the algorithm it wraps (sent to every node)."""
     from fedheads.run.train import TrainOptions, build_algorithm
 
     opts = TrainOptions(settings=tuple((k, v) for k, v in json.loads(cfg.settings)),
                         local_epochs=cfg.local_epochs or None, batch_size=cfg.batch_size or None,
-                        lr=cfg.lr or None, progress=False)
+                        lr=cfg.lr or None, progress=False, dp=cfg.mechanism(noise_seed))
     alg, kwargs, _ = build_algorithm(cfg.algorithm, opts, strict=True)
     return alg, kwargs
 
@@ -36,12 +38,15 @@ def build(cfg: FlowerRunConfig) -> tuple[Any, dict[str, Any]]:
 class Federation:
     """State of one run: the nodes in global client order and what every message carries."""
 
-    def __init__(self, grid: Any, context: Any, cfg: FlowerRunConfig, order: list[tuple[int, dict[str, Any]]]) -> None:
+    def __init__(self, grid: Any, context: Any, cfg: FlowerRunConfig, order: list[tuple[int, dict[str, Any]]],
+                 noise_seed: int | None = None) -> None:
         self.grid, self.context, self.cfg = grid, context, cfg
         self.node_ids = [n for n, _ in order]
         self.names = [str(d["client"]) for _, d in order]
         self.desc = [d for _, d in order]
-        self.alg, self.kwargs = build(cfg)
+        self.alg, self.kwargs = build(cfg, noise_seed)
+        self.dp = node_mechanism(self.alg)  # what the nodes get of the mechanism (never a noise key)
+        self.releases = [0] * len(self.node_ids)  # under DP: each client's rounds with non-zero statistics
         if cfg.secagg:
             from fedheads.flower.secure import secure_form
 
@@ -51,7 +56,8 @@ class Federation:
     def run_json(self, i: int, r: int, part: list[int]) -> dict[str, Any]:
         return {"algorithm": self.cfg.algorithm, "kwargs": self.kwargs, "seed": self.cfg.seed, "round": r,
                 "index": i, "num_clients": len(self.node_ids), "participants": part,
-                "backbones": self.cfg.backbone_list(), "binarize": self.cfg.binarize, "secagg": self.cfg.secagg}
+                "backbones": self.cfg.backbone_list(), "binarize": self.cfg.binarize, "secagg": self.cfg.secagg,
+                "dp": self.dp}
 
     def message(self, i: int, r: int, part: list[int], kind: str, name: str, tree: Any) -> Message:
         content = RecordDict({"fh.run": run_record(self.run_json(i, r, part))})
@@ -72,11 +78,15 @@ class Federation:
                                 "(on-dropout=continue completes rounds from the nodes that reply)")
             log.warning("%s; completing the round without it", note)
         by_index = {i: replies[self.node_ids[i]] for i in idx if i not in failed}
+        if self.dp is not None and kind == "train.update":
+            for i, m in by_index.items():
+                self.releases[i] = reported_releases(m.content.config_records, self.names[i])
         return by_index, failed
 
 
-def federate(grid: Any, context: Any, cfg: FlowerRunConfig, order: list[tuple[int, dict[str, Any]]]) -> dict[str, Any]:
-    fed = Federation(grid, context, cfg, order)
+def federate(grid: Any, context: Any, cfg: FlowerRunConfig, order: list[tuple[int, dict[str, Any]]],
+             noise_seed: int | None = None) -> dict[str, Any]:
+    fed = Federation(grid, context, cfg, order, noise_seed)
     alg, M = fed.alg, len(fed.node_ids)
     spec = DataSpec(int(fed.desc[0]["dim"]), int(fed.desc[0]["num_classes"]), M,
                     tuple(int(d["n_train"]) for d in fed.desc), torch.device("cpu"))
@@ -125,7 +135,8 @@ def federate(grid: Any, context: Any, cfg: FlowerRunConfig, order: list[tuple[in
     res.wall_seconds, res.cpu_seconds = t_end[0] - t_run[0], t_end[1] - t_run[1]
     return {"result": res, "server_state": ss, "log": fed.flog, "names": fed.names, "desc": fed.desc,
             "kwargs": fed.kwargs, "algorithm_config": getattr(alg, "cfg", None),
-            "collect_rounds": int(getattr(alg, "collect_rounds", 0))}
+            "collect_rounds": int(getattr(alg, "collect_rounds", 0)),
+            "privacy": None if fed.dp is None else alg.report([max(fed.releases, default=0)])}
 
 
 def _progress(cfg: FlowerRunConfig, record: dict[str, Any]) -> None:

@@ -12,8 +12,11 @@ ClientApp process (Flower starts one per message in a deployment).
 
 Messages (contract 8): query.describe -> what the server needs to initialise (sizes, class list
 hash; no sample); train.update -> `client_update` on the broadcast, reply the message (or, under
-SecAgg+, its clear part and one exponent per secure field); train (SecAgg+ stages, through
-Flower's secaggplus_mod) -> the secure fields scaled into [-1, 1]; evaluate -> accuracy per rule."""
+SecAgg+, its clear part and one exponent per secure field; under DP also its release count);
+train (SecAgg+ stages, through Flower's secaggplus_mod) -> the secure fields scaled into [-1, 1];
+evaluate -> accuracy per rule. Under DP the node clips its features and, in distributed mode,
+adds its noise share from its own key (fedheads/flower/dp.py; node config `dp-noise-seed`:
+simulation and tests only)."""
 
 from __future__ import annotations
 
@@ -114,18 +117,23 @@ def _round_config(msg: Message) -> dict[str, Any]:
     return json.loads(str(msg.content.config_records["fh.run"]["json"]))
 
 
-def _algorithm(run: dict[str, Any], dim: int, num_classes: int, device: Any) -> tuple[Any, Any]:
+def _algorithm(run: dict[str, Any], dim: int, num_classes: int, device: Any, cfg: dict[str, str]) -> tuple[Any, Any]:
     """(algorithm, its Init for the federation), built once per process (init also sets the
-    algorithm's head spec); the node keeps only its own row of the client state."""
+    algorithm's head spec); the node keeps only its own row of the client state. Under DP
+    (run["dp"]) the algorithm is wrapped in the run's mechanism with this node's own noise key
+    (fedheads/flower/dp.py)."""
     import torch
 
     from fedheads.algorithms import create_algorithm
     from fedheads.core.federation import DataSpec
+    from fedheads.flower.dp import node_algorithm, node_noise_seed
 
+    dp = run.get("dp")
     key = ("alg", run["algorithm"], json.dumps(run["kwargs"], sort_keys=True), run["seed"], run["num_clients"], dim,
-           num_classes, str(device))
+           num_classes, str(device), json.dumps(dp, sort_keys=True), cfg.get("dp-noise-seed", ""))
     if key not in _CACHE:
-        alg = create_algorithm(run["algorithm"], **run["kwargs"])
+        alg = node_algorithm(create_algorithm(run["algorithm"], **run["kwargs"]), dp, node_noise_seed(cfg),
+                             cfg.get("client") or cfg["store"])
         spec = DataSpec(dim, num_classes, run["num_clients"], tuple([0] * run["num_clients"]), torch.device(device))
         _CACHE[key] = alg, alg.init(spec, run["seed"])
     return _CACHE[key]
@@ -146,7 +154,7 @@ def _client_state(context: Context, alg_init: Any, index: int, device: Any) -> A
 def _setup(msg: Message, context: Context) -> tuple[dict[str, str], dict[str, Any], Any, Any, Any]:
     cfg, run = node_settings(context), _round_config(msg)
     data = load_node_data(cfg, run["backbones"], run["binarize"], run["index"])
-    alg, init = _algorithm(run, data.dim, data.num_classes, data.device)
+    alg, init = _algorithm(run, data.dim, data.num_classes, data.device, cfg)
     return cfg, run, data, alg, _client_state(context, init, run["index"], data.device)
 
 
@@ -185,6 +193,10 @@ def update(msg: Message, context: Context) -> Message:
     cs, out = alg.client_update(cs, to_device(bc, data.device), data, ctx)
     codec.put(context.state, "fh.client_state", cs)
     reply = RecordDict()
+    if run.get("dp") is not None:  # the count the server's accountant needs (fedheads/flower/dp.py)
+        from fedheads.flower.dp import RELEASES, releases_of
+
+        reply.config_records[RELEASES] = ConfigRecord({"releases": releases_of(cs)})
     if not run["secagg"]:
         codec.put(reply, "fh.message", out)
         return Message(reply, reply_to=msg)

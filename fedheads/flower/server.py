@@ -10,7 +10,10 @@ A node that fails a round (dies, errors, misses the timeout) is reported by name
 "refuse" (default) stops the run with one line naming the node and the round and writes no
 results.json: an aggregate missing a client would silently differ from the federation asked
 for. "continue" completes the round from the nodes that replied (ctx.participants = them) and
-records the dropped nodes per round in results.json (`flower.rounds[].dropped`)."""
+records the dropped nodes per round in results.json (`flower.rounds[].dropped`).
+
+With dp_* in the run config the algorithm runs under fedheads.privacy's Gaussian mechanism, split
+between the server and the nodes as fedheads/flower/dp.py describes."""
 
 from __future__ import annotations
 
@@ -92,8 +95,9 @@ def _same_backbones(desc: list[tuple[int, dict[str, Any]]]) -> None:
                             "preprocessing (or one imported its features)")
 
 
-def run_federation(grid: Grid, context: Context, cfg: FlowerRunConfig) -> dict[str, Any]:
-    """The whole run; returns {"result": RunResult, "server_state", "log": FlowerLog, ...}."""
+def run_federation(grid: Grid, context: Context, cfg: FlowerRunConfig, noise_seed: int | None = None) -> dict[str, Any]:
+    """The whole run; returns {"result": RunResult, "server_state", "log": FlowerLog, ...}.
+    `noise_seed`: the server's DP noise key (simulation only; None: a secret one from the OS)."""
     from fedheads.flower.loop import federate
     from fedheads.run import rundir
 
@@ -102,7 +106,7 @@ def run_federation(grid: Grid, context: Context, cfg: FlowerRunConfig) -> dict[s
     audit = AuditGrid(grid)
     try:
         nodes = wait_for_nodes(audit, cfg.nodes, cfg.wait)
-        out = federate(audit, context, cfg, describe_nodes(audit, nodes, cfg))
+        out = federate(audit, context, cfg, describe_nodes(audit, nodes, cfg), noise_seed)
     except UserError as e:  # reported where the run would have been, never a partial run directory
         if cfg.out:
             rundir.RunDir(cfg.out).write_text("failed.json", json.dumps({"error": str(e)}) + "\n")

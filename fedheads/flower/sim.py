@@ -174,9 +174,12 @@ def flower_logs(path: Path, echo: Callable[[str], None]) -> Iterator[None]:
         to_file.close()
 
 
-def simulate_store(cfg: Any, store: str, clients: list[str] | None = None, client_app: ClientApp | None = None) -> Any:
+def simulate_store(cfg: Any, store: str, clients: list[str] | None = None, client_app: ClientApp | None = None,
+                   noise_seed: int | None = None) -> Any:
     """One virtual node per client of `store` (each loads only its own client): the simulation
-    of `fedheads train` on the same store."""
+    of `fedheads train` on the same store. `noise_seed` (runs under DP, cfg.dp_*): reproducible
+    noise, the key given to the server and, in its node config, to every virtual node, so that the
+    run equals the engine's Private run (a deployment has none: each party draws its own secret)."""
     from embedcache.store.reader import open_store
     from fedheads.flower.server import run_federation
 
@@ -185,9 +188,11 @@ def simulate_store(cfg: Any, store: str, clients: list[str] | None = None, clien
     unknown = [c for c in names if c not in have]
     if unknown:  # before any virtual node starts: one line naming them
         raise UserError(f"clients {','.join(names)}: {', '.join(unknown)} not in {store} (has {', '.join(have)})")
-    nodes = [{"store": str(store), "client": c} for c in names]
+    seed = {} if noise_seed is None else {"dp-noise-seed": int(noise_seed)}
+    nodes = [{"store": str(store), "client": c, **seed} for c in names]
     cfg_run = cfg.to_run_config() | {"nodes": len(nodes), "clients": cfg.clients or ",".join(names)}
     from fedheads.flower.run_config import FlowerRunConfig
 
-    return simulate(lambda grid, ctx: run_federation(grid, ctx, FlowerRunConfig.from_run_config(ctx.run_config)),
+    return simulate(lambda grid, ctx: run_federation(grid, ctx, FlowerRunConfig.from_run_config(ctx.run_config),
+                                                     noise_seed),
                     nodes, cfg_run, client_app)
