@@ -208,3 +208,16 @@ def test_serve_hands_flower_the_public_mechanism_only(tmp_path, monkeypatch):
     assert lines[0].startswith("note: --dp-mode distributed without --secagg"), res.output
     assert seen["dp-epsilon"] == 2.0 and seen["dp-mode"] == "distributed" and seen["dp-noise-multiplier"] == 0.0
     assert not [k for k in seen if "seed" in k and k != "seed"]
+
+
+def test_fedpft_in_local_mode_equals_the_engines_private_run(store):
+    """Local DP (each node noises its own class statistics, FedPFT) runs over Flower unchanged."""
+    cfg = FlowerRunConfig(algorithm="fedpft", backbones="synth", rounds=1, timeout=120, seed=2, dp_noise_multiplier=0.5,
+                          dp_clip=3.0, dp_mode="local")
+    out = simulate_store(cfg, store, noise_seed=11)
+    mech = Mechanism(noise_multiplier=0.5, clip=3.0, mode="local", noise_seed=11)
+    ref = run(Private(registry.create_algorithm("fedpft"), mech), load_fed_data(store, ["synth"], "cpu"), 1, seed=2,
+              engine="loop", progress=False)
+    for got, want in zip(tree_leaves(out["server_state"]), tree_leaves(ref.server_state)):
+        assert torch.equal(got, want)
+    assert out["privacy"]["mode"] == "local" and out["privacy"]["releases_per_example"] == 1
