@@ -37,6 +37,16 @@ def test_per_seed_reads_the_last_round(tmp_path: Path) -> None:
     assert bench_feddra._per_seed(tmp_path) == {0: {"mean": 5.0, "worst": 4.0}, 1: {"mean": 2.0, "worst": 1.0}}
 
 
+def test_methods_part_runs_the_papers_fedavg_and_the_two_stage_one_beside_it() -> None:
+    """By default the methods part runs FedAvg as the paper does (one stage) and, beside it, FedAvg
+    with FedDRA's two-stage schedule: the schedule's share of FedDRA's lead is measured, not assumed."""
+    from fedheads.feddra.runner import BASELINES
+
+    default = next(p.default for p in bench_feddra.main.params if p.name == "methods").split(",")
+    assert {"feddra", "fedavg", "fedavg-two-stage"} <= set(default)
+    assert BASELINES["fedavg"]["two_stage"] is False and "two_stage" not in BASELINES["fedavg-two-stage"]
+
+
 def test_pipelines_summary_counts_shared_cells_once(tmp_path: Path) -> None:
     (tmp_path / "cells").mkdir()
     for h, alg, cpu in (("h1", "fedavg", 60.0), ("h2", "fedpcl", 30.0), ("h3", "fedavg", 30.0)):

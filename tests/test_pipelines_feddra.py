@@ -108,3 +108,48 @@ def test_a_cell_hash_follows_what_its_preset_sets(monkeypatch):
     assert now["config"]["preset"] == {"mu": 0.0, "rho": 0.0, "two_stage": False}
     monkeypatch.setitem(feddra_runner.BASELINES, "fedavg", {"mu": 0.0, "rho": 0.0})  # the old meaning
     assert plan.cells(arm, ctx)[0]["hash"] != now["hash"]
+
+
+def _fake_feddra_by_preset(calls: list[list[str]], r1: dict[str, float]) -> click.Command:
+    """Stands in for `fedheads feddra`: every client's text->image R@1 is r1[--baseline]."""
+
+    @click.command("feddra", context_settings={"ignore_unknown_options": True})
+    @click.argument("args", nargs=-1, type=click.UNPROCESSED)
+    def feddra(args: tuple[str, ...]) -> None:
+        calls.append(list(args))
+        opts = _opts(list(args))
+        out = Path(str(opts["--out"]))
+        out.mkdir(parents=True, exist_ok=True)
+        v = r1[str(opts["--baseline"])]
+        per_client = {f"c{i}": {"mean": v, "n_test": 4} for i in range(5)}
+        (out / "results.json").write_text(json.dumps({
+            "per_client": per_client, "clients": list(per_client), "domains": ["mimic"] * 5,
+            "history": [{"round": 1, "accuracy": v}]}))
+
+    return feddra
+
+
+def test_table2_compares_the_published_fedavg_with_the_one_stage_fedavg_and_shows_the_two_stage_beside(
+        monkeypatch, tmp_path):
+    """Table 2's FedAvg is the paper's one-stage FedAvg (--baseline fedavg); FedAvg with FedDRA's
+    two-stage schedule runs beside it as a row of its own that no published number is compared with."""
+    calls: list[list[str]] = []
+    r1 = {"feddra": 30.0, "fedavg": 20.0, "fedavg-two-stage": 28.0}
+    monkeypatch.setitem(fedheads_main.commands, "feddra", _fake_feddra_by_preset(calls, r1))
+    copy = pd.make_folder(tmp_path / "pairs", ("mimic",), tuple("abcde"), per_class=8)
+    res = CliRunner().invoke(main, ["run", "feddra-table2", "--scale", "smoke", "--scheduler", "serial", "--quiet",
+                                    "--plugin", "pipelines_doubles", "--source",
+                                    f"mimic-cxr=captioned:imagefolder:{copy}", "--out", str(tmp_path / "out"),
+                                    *ENCODERS])
+    assert res.exit_code == 0, res.output
+    assert sorted(str(_opts(a)["--baseline"]) for a in calls) == ["fedavg", "fedavg-two-stage", "feddra"]
+    out = tmp_path / "out" / "feddra-table2"
+    results = json.loads((out / "results.json").read_text())
+    ours = {a["method"]: a["values"]["r1"]["mean"] for a in results["arms"] if a["values"]}
+    assert ours == pytest.approx({"FedDRA (Ours)": 30.0, "FedAvg": 20.0, "FedAvg (two-stage schedule)": 28.0})
+    report = (out / "report.md").read_text()
+    # the published FedAvg R@1 (28.8) sits beside the one-stage run's 20.00, never beside the two-stage's 28.00
+    assert "| FedDRA Table 2, row 'ConVIRT FedAvg', column 'Rec.@1' | 28.80(0.00) | 20.00(0.00) |" in report
+    assert "28.00(0.00) |" not in report.split("## Published values beside ours", 1)[1].split("\n## ", 1)[0]
+    assert "| ConVIRT | FedAvg (two-stage schedule) | " in report
+    assert "compared with 'FedAvg', the paper's one-stage FedAvg" in report
