@@ -233,7 +233,7 @@ def test_flower_simulation_equals_the_engine(tmp_path):
 
 
 def test_the_engine_keeps_the_data_order_for_fedcof_whose_bank_follows_positions():
-    """FedCOF's bank slots follow client positions, which no row permutation puts back: it
+    """FedCOF's bank rows name client positions, which no row permutation puts back: it
     declares server_client_fields = None, so an engine allowed to reorder runs it as given and
     the saved bank is in the data's order (bitwise equal to an unordered run)."""
     from fedheads.core.order import stacking_order

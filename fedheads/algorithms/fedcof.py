@@ -27,9 +27,11 @@ weight in G, are known only once every holder of c has sent): the server keeps t
 class) means it has received in a bank of exactly those pairs, sorted by (client position, class),
 so the head does not depend on the order or grouping in which clients arrive, and partial
 participation works as FedNCM's: a client sends its means once, and every round that brings new
-means re-estimates G from all clients seen. The bank grows with the pairs received (one row per
-pair, not per sample or per class); G is formed from it a block of rows at a time
-(``estimated_gram``), so the server never holds a second copy of the bank or of the spread.
+means re-estimates G from all clients seen. The bank grows with the pairs received (one row each,
+nothing reserved at init; after one round of every client it is the message's own tensors), and G
+is formed from it a block of rows at a time (``estimated_gram``), so the server never holds a
+second copy of the bank or the whole spread of the means.
+
 The authors' client also builds a jittered second copy of a class's only sample, but never uses
 it (the mean and count it sends are those of the one sample): there is nothing to reproduce.
 
