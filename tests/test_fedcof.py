@@ -233,7 +233,7 @@ def test_flower_simulation_equals_the_engine(tmp_path):
 
 
 def test_the_engine_keeps_the_data_order_for_fedcof_whose_bank_follows_positions():
-    """FedCOF's bank slots follow client positions, which no row permutation puts back: it
+    """FedCOF's bank rows name client positions, which no row permutation puts back: it
     declares server_client_fields = None, so an engine allowed to reorder runs it as given and
     the saved bank is in the data's order (bitwise equal to an unordered run)."""
     from fedheads.core.order import stacking_order
@@ -348,9 +348,10 @@ def test_malformed_messages_are_refused_in_one_line():
         alg.server_aggregate(ss, msg, ctx([0, 1], 3))
 
 
-def test_the_spread_formed_in_place_and_in_blocks_is_the_same_gram(monkeypatch):
-    """estimated_gram forms μ_kc − μ_c a block of rows at a time, in the caller's copy with
-    `overwrite` (the server's bank copy): elementwise, so the Gram is the same bit for bit."""
+def test_the_spread_formed_in_blocks_is_the_same_gram_and_leaves_the_means(monkeypatch):
+    """estimated_gram forms the sums and μ_kc − μ_c a block of rows at a time, reading the bank
+    and never writing it: the sums and counts are one index_add's bit for bit, the Gram is the
+    whole product's up to the order its blocks are added in."""
     g = torch.Generator().manual_seed(0)
     means = torch.randn(50, 6, dtype=torch.float64, generator=g)
     cls = torch.randint(0, 4, (50,), generator=g)
@@ -358,7 +359,61 @@ def test_the_spread_formed_in_place_and_in_blocks_is_the_same_gram(monkeypatch):
     whole = F.estimated_gram(means, cls, n, 4, 0.5)
     monkeypatch.setattr(F, "SPREAD_ROWS", 7)
     copy = means.clone()
-    for got in (F.estimated_gram(means, cls, n, 4, 0.5), F.estimated_gram(copy, cls, n, 4, 0.5, overwrite=True)):
-        assert all(torch.equal(a, b) for a, b in zip(got, whole))
+    got = F.estimated_gram(copy, cls, n, 4, 0.5)
+    assert torch.equal(got[1], whole[1]) and torch.equal(got[2], whole[2]) and torch.equal(copy, means)
+    torch.testing.assert_close(got[0], whole[0], rtol=1e-13, atol=0)
     mu = whole[1] / whole[2].clamp(min=1).unsqueeze(1).to(torch.float64)
-    assert torch.equal(copy, means - mu[cls]) and not torch.equal(copy, means)  # overwritten with the spread
+    d = means - mu[cls]
+    w = n * (whole[2] - 1).to(torch.float64)[cls] / (torch.bincount(cls, minlength=4) - 1).clamp(min=1)[cls]
+    g_ = (d * w.unsqueeze(1)).T @ d + 0.5 * float((whole[2] - 1).clamp(min=0).sum()) * torch.eye(6, dtype=torch.float64)
+    s = whole[1].sum(0, keepdim=True)
+    torch.testing.assert_close(got[0], g_ + s.T @ s / float(n.sum()), rtol=1e-12, atol=0)
+
+
+class _Allocations(torch.utils._python_dispatch.TorchDispatchMode):
+    """The shapes of the new tensors ops return while active (not an in-place op's own input)."""
+
+    def __init__(self):
+        super().__init__()
+        self.shapes = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        given = {a.data_ptr() for a in args if isinstance(a, torch.Tensor)}
+        for t in out if isinstance(out, (tuple, list)) else [out]:
+            if isinstance(t, torch.Tensor) and t.data_ptr() not in given:
+                self.shapes.append(tuple(t.shape))
+        return out
+
+
+def test_the_server_holds_one_bank_of_the_pairs_received_and_forms_the_gram_in_blocks(monkeypatch):
+    """Memory at scale: the bank has one row per (client, class) pair received, none per sample
+    or class slot, and none at init; a round that brings every client makes no [pairs, D] tensor
+    at all (the message's means are the bank, the spread is formed SPREAD_ROWS rows at a time),
+    and a later round that brings more makes exactly one (the merged bank), never a second bank
+    or a whole spread beside it."""
+    clients, C = federation(seed=10, M=9)  # C = 5 classes, D = 4
+
+    def bank_sized(shapes):  # [rows, D] tensors of more rows than a block, a class table or a Gram
+        return [s for s in shapes if len(s) == 2 and s[0] > 5 and s[1] == 4]
+
+    data = from_arrays(clients, C)
+    alg = F.FedCOF()
+    init = alg.init(data.spec(), 0)
+    assert init.server_state.bank_means.shape == (0, 4)  # nothing held before anything is received
+    monkeypatch.setattr(F, "SPREAD_ROWS", 3)
+    _, msg = alg.client_update(init.client_state, init.broadcast, data, ctx(range(9), 9))
+    Q = msg.means.shape[0]
+    assert Q > 3 * 3 and Q < sum(len(c[1]) for c in clients)
+    with _Allocations() as seen:
+        ss, _ = alg.server_aggregate(init.server_state, msg, ctx(range(9), 9))
+    assert ss.bank_means.shape == (Q, 4) and ss.bank_means.data_ptr() == msg.means.data_ptr()
+    assert not bank_sized(seen.shapes), seen.shapes
+    ss0, first, later = init.server_state, [0, 2, 3, 7], [1, 4, 5, 6, 8]
+    ss0, _ = alg.server_aggregate(ss0, tree_index(msg, torch.tensor(first)), ctx(first, 9))
+    rest = tree_index(msg, torch.tensor(later))
+    with _Allocations() as seen:
+        ss1, _ = alg.server_aggregate(ss0, rest, ctx(later, 9))
+    assert bank_sized(seen.shapes) == [(Q, 4)]
+    for f in ("bank_means", "bank_client", "bank_class", "bank_count", "sums", "counts", "weight"):
+        assert torch.equal(getattr(ss1, f), getattr(ss, f)), f

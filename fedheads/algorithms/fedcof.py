@@ -22,11 +22,16 @@ column). The solve factorises G with Cholesky (G is positive definite when γ > 
 has two samples) and falls back to the pseudo-inverse the authors' code always uses, logging it
 and setting ``pinv`` in the server state.
 
-The estimator needs every client's means, not only their sums: the server keeps each (client,
-class) mean it has received in a bank with fixed slots per client (min(n_k, C) rows each, set
-from the federation's sizes at init), so the head does not depend on the order or grouping in
-which clients arrive (the bank is summed in slot order), and partial participation works as
-FedNCM's: a client sends its means once, and every round re-estimates G from all clients seen.
+The estimator needs every client's means, not only their sums (N_c and K_c, hence each class's
+weight in G, are known only once every holder of c has sent): the server keeps the (client,
+class) means it has received in a bank of exactly those pairs, sorted by (client position, class),
+so the head does not depend on the order or grouping in which clients arrive, and partial
+participation works as FedNCM's: a client sends its means once, and every round that brings new
+means re-estimates G from all clients seen. The bank grows with the pairs received (one row each,
+nothing reserved at init; after one round of every client it is the message's own tensors), and G
+is formed from it a block of rows at a time (``estimated_gram``), so the server never holds a
+second copy of the bank or the whole spread of the means.
+
 The authors' client also builds a jittered second copy of a class's only sample, but never uses
 it (the mean and count it sends are those of the one sample): there is nothing to reproduce.
 
@@ -45,7 +50,7 @@ from fedheads.core.config import setting
 from fedheads.core.federation import DataSpec, FedData
 from fedheads.core.protocol import AlgorithmBase, HeadArch, Init, PaperRoundComm, RoundCtx, SecureForm
 
-SPREAD_ROWS = 4096  # rows of the class-mean spread formed at a time (estimated_gram)
+SPREAD_ROWS = 2048  # bank rows whose spread estimated_gram forms at a time (two such blocks of float64)
 
 
 @dataclass(frozen=True)
@@ -68,10 +73,11 @@ class FedCOFClientState:
 
 @dataclass(frozen=True)
 class FedCOFServerState:
-    offsets: torch.Tensor  # [M] int64 first bank slot of each client (its slots: min(n_k, C))
-    bank_means: torch.Tensor  # [P, D] float64 the received client class means mu_kc
-    bank_class: torch.Tensor  # [P] int64 their class (-1: empty slot)
-    bank_count: torch.Tensor  # [P] int64 n_kc (0: empty slot)
+    cap: torch.Tensor  # [M] int64 the most classes client k can hold: min(n_k, C)
+    bank_means: torch.Tensor  # [Q, D] float64 the received client class means mu_kc, Q = pairs received
+    bank_client: torch.Tensor  # [Q] int64 their client's position k (rows sorted by (k, c))
+    bank_class: torch.Tensor  # [Q] int64 their class c
+    bank_count: torch.Tensor  # [Q] int64 n_kc (>= 1)
     sums: torch.Tensor  # [C, D] float64 N_c mu_c
     counts: torch.Tensor  # [C] int64 N_c
     weight: torch.Tensor  # [C, D] float64 normalised classifier (zero for absent classes)
@@ -137,24 +143,29 @@ def pair_stats(x: torch.Tensor, y: torch.Tensor, mask: torch.Tensor, num_classes
 
 
 def estimated_gram(means: torch.Tensor, cls: torch.Tensor, n: torch.Tensor, num_classes: int, gamma: float,
-                   between_class: bool = False, overwrite: bool = False,
-                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                   between_class: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(G [D, D], class sums [C, D], class counts [C]) from the client class means [P, D] of
     classes `cls` [P] with counts `n` [P] (float64): G = Σ_c (N_c − 1) Σ̂_c + N ḡḡᵀ (module
-    docstring), plus Σ_c N_c (μ_c − ḡ)(μ_c − ḡ)ᵀ with `between_class`. `overwrite`: `means`
-    is the caller's own copy and becomes the spread μ_kc − μ_c (one [P, D] buffer less)."""
+    docstring), plus Σ_c N_c (μ_c − ḡ)(μ_c − ḡ)ᵀ with `between_class`. `means` is read, never
+    copied whole: the sums and the spread μ_kc − μ_c are formed SPREAD_ROWS rows at a time (the
+    sums in row order, so bit for bit one index_add; the spread's Gram added block by block)."""
     C, D = num_classes, means.shape[1]
     nf = n.to(torch.float64)
     N_c = torch.zeros(C, dtype=torch.float64, device=means.device).index_add_(0, cls, nf)
     K_c = torch.bincount(cls, minlength=C).to(torch.float64)
-    sums = torch.zeros(C, D, dtype=torch.float64, device=means.device).index_add_(0, cls, nf.unsqueeze(1) * means)
+    sums = torch.zeros(C, D, dtype=torch.float64, device=means.device)
+    for a in range(0, means.shape[0], SPREAD_ROWS):  # Σ_k n_kc μ_kc, rows added in order
+        sums.index_add_(0, cls[a:a + SPREAD_ROWS], nf[a:a + SPREAD_ROWS].unsqueeze(1) * means[a:a + SPREAD_ROWS])
     present = N_c > 0
     mu = sums / N_c.clamp(min=1).unsqueeze(1)  # exact class means
-    d = means if overwrite else means.clone()  # spread of the client means around their class mean:
-    for a in range(0, d.shape[0], SPREAD_ROWS):  # in place, a block at a time (elementwise: the same values)
-        d[a:a + SPREAD_ROWS] -= mu.index_select(0, cls[a:a + SPREAD_ROWS])
     w = nf * ((N_c - 1) / (K_c - 1).clamp(min=1))[cls]  # n_kc (N_c - 1)/(K_c - 1): both factors at once
-    gram = (d * w.unsqueeze(1)).T @ d
+    gram = torch.zeros(D, D, dtype=torch.float64, device=means.device)
+    for a in range(0, means.shape[0], SPREAD_ROWS):
+        d = mu.index_select(0, cls[a:a + SPREAD_ROWS])
+        torch.sub(means[a:a + SPREAD_ROWS], d, out=d)  # the spread of the client means around their class mean
+        part = (d * w[a:a + SPREAD_ROWS].unsqueeze(1)).T @ d
+        gram = part if a == 0 else gram.add_(part)  # one block: the single product itself
+        del d, part
     shrink = float(gamma) * float(((N_c - 1) * present).sum())  # Σ_c (N_c − 1) γI
     gram.diagonal().add_(shrink)
     N = float(N_c.sum())
@@ -175,8 +186,8 @@ class FedCOF(AlgorithmBase):
                    "class means")
     config = FedCOFConfig
     global_rule = "main"
-    server_sized_fields = ("bank_means", "bank_class", "bank_count")  # min(n_k, C) rows per client
-    server_client_fields = None  # the bank's slots follow client positions: the engine keeps the data's order
+    server_sized_fields = ("bank_means", "bank_client", "bank_class", "bank_count")  # one row per pair received
+    server_client_fields = None  # the bank's rows name client positions: the engine keeps the data's order
     one_pass = True  # each client sends its statistics once
 
     def __init__(self, cfg: FedCOFConfig = FedCOFConfig()) -> None:
@@ -190,13 +201,13 @@ class FedCOF(AlgorithmBase):
     def init(self, spec: DataSpec, seed: int) -> Init:
         C, D, dev = spec.num_classes, spec.dim, spec.device
         cap = torch.tensor([min(int(n), C) for n in spec.n_train], dtype=torch.int64, device=dev)
-        offsets = torch.cumsum(cap, 0) - cap
-        P = int(cap.sum())
+
         def z(*shape: int, dtype: torch.dtype = torch.float64) -> torch.Tensor:
             return torch.zeros(shape, dtype=dtype, device=dev)
 
-        ss = FedCOFServerState(offsets, z(P, D), z(P, dtype=torch.int64) - 1, z(P, dtype=torch.int64), z(C, D),
-                               z(C, dtype=torch.int64), z(C, D), z(C, dtype=torch.bool), z(dtype=torch.bool))
+        i64 = torch.int64
+        ss = FedCOFServerState(cap, z(0, D), z(0, dtype=i64), z(0, dtype=i64), z(0, dtype=i64), z(C, D),
+                               z(C, dtype=i64), z(C, D), z(C, dtype=torch.bool), z(dtype=torch.bool))
         return Init(FedCOFClientState(torch.zeros(spec.num_clients, dtype=torch.bool, device=dev)), ss, FedCOFBroadcast())
 
     def client_update(self, cs: FedCOFClientState, bc: FedCOFBroadcast, data: FedData,
@@ -210,7 +221,7 @@ class FedCOF(AlgorithmBase):
 
     def server_aggregate(self, ss: FedCOFServerState, msg: FedCOFMessage,
                          ctx: RoundCtx) -> tuple[FedCOFServerState, FedCOFBroadcast]:
-        C, dev = int(ss.counts.shape[0]), ss.offsets.device
+        C, dev = int(ss.counts.shape[0]), ss.cap.device
         part = ctx.participants.to(dev)
         pairs, cls, cnt = msg.pairs.to(dev), msg.classes.to(dev), msg.counts.to(dev)
         if pairs.shape != part.shape or int(pairs.sum()) != cls.numel():
@@ -227,23 +238,46 @@ class FedCOF(AlgorithmBase):
         if len(bad):
             j = int(bad[0]) + 1
             raise UserError(f"fedcof: client {int(part[i[j]])} sent class {int(cls[j])} twice or out of ascending order")
-        s = ss.offsets[part][i] + torch.arange(cls.numel(), device=dev) - (torch.cumsum(pairs, 0) - pairs)[i]
-        nxt = torch.cat([ss.offsets[1:], ss.offsets.new_tensor([ss.bank_count.numel()])])
-        if bool((s >= nxt[part][i]).any()):
+        if bool((pairs > ss.cap[part]).any()):
             raise UserError("fedcof: a client sent means of more classes than it has training samples")
-        bank_means, bank_class, bank_count = ss.bank_means.clone(), ss.bank_class.clone(), ss.bank_count.clone()
-        bank_means[s] = msg.means.to(dev, torch.float64)
-        bank_class[s], bank_count[s] = cls, cnt
-        ok = bank_count > 0
-        gram, sums, counts = estimated_gram(bank_means[ok], bank_class[ok], bank_count[ok], C, self.cfg.gamma,
-                                            self.cfg.between_class, overwrite=True)  # bank_means[ok] is a copy
+        if not cls.numel():  # nothing new: the bank and the head stay as they are
+            return ss, FedCOFBroadcast()
+        means, client, cls, cnt = self._merged(ss, part[i], msg.means.to(dev, torch.float64), cls, cnt)
+        gram, sums, counts = estimated_gram(means, cls, cnt, C, self.cfg.gamma, self.cfg.between_class)
         present = counts > 0
         sol, pinv = solve_psd(gram, sums.T, "fedcof: estimated Gram",  # W = G^-1 [N_c mu_c]
                               f" (gamma={self.cfg.gamma:g}; gamma > 0 makes it definite once a class has 2 samples)")
+        del gram
         weight, _ = normalise_classes(sol.T, torch.zeros_like(sol[0]), present)
-        new = FedCOFServerState(ss.offsets, bank_means, bank_class, bank_count, sums, counts, weight, present,
-                                torch.tensor(pinv, device=gram.device))
+        new = FedCOFServerState(ss.cap, means, client, cls, cnt, sums, counts, weight, present,
+                                torch.tensor(pinv, device=sol.device))
         return new, FedCOFBroadcast()
+
+    @staticmethod
+    def _merged(ss: FedCOFServerState, client: torch.Tensor, means: torch.Tensor, cls: torch.Tensor,
+                cnt: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The bank with the new pairs (client positions `client`, class means, classes, counts)
+        in (client, class) order; a client that sends again replaces its rows. Where the bank holds
+        none of them yet and they come in order (one round of every client), the message's own
+        tensors are the bank: nothing is copied."""
+        C = int(ss.counts.shape[0])
+        keep = ~torch.isin(ss.bank_client, client.unique())
+        new_key = client * C + cls
+        if not bool(keep.any()) and not bool((new_key[1:] <= new_key[:-1]).any()):
+            return means, client, cls, cnt
+        key = torch.cat([ss.bank_client[keep] * C + ss.bank_class[keep], new_key])
+        order = torch.argsort(key)  # keys are distinct: the (client, class) pairs
+        at = torch.empty_like(order)
+        at[order] = torch.arange(len(order), device=order.device)  # each row's place in the merged bank
+        kept = keep.nonzero().squeeze(1)
+        out = means.new_empty((len(order), means.shape[1]))
+        k = len(kept)
+        for a in range(0, k, SPREAD_ROWS):  # the kept rows moved a block at a time: no copy of the bank
+            b = min(a + SPREAD_ROWS, k)
+            out.index_copy_(0, at[a:b], ss.bank_means.index_select(0, kept[a:b]))
+        out.index_copy_(0, at[k:], means)
+        return (out, torch.cat([ss.bank_client[keep], client])[order], torch.cat([ss.bank_class[keep], cls])[order],
+                torch.cat([ss.bank_count[keep], cnt])[order])
 
     def predict(self, cs: FedCOFClientState, ss: FedCOFServerState, x: torch.Tensor,
                 mask: torch.Tensor) -> dict[str, torch.Tensor]:
