@@ -133,11 +133,12 @@ class AlgorithmBase(Generic[CS, SS, Msg, Bc]):
     federation (FedPCL's prototype bank): the vectorised engine stacks clients in the order it
     computes fastest in (core/order.py) and puts these rows back with the client state. None:
     the server state depends on client positions in a way no row permutation restores (FedCOF's
-    bank of slots sized per client): the engine keeps the data's order.
+    bank of the (client, class) pairs received, sorted by client position): the engine keeps the
+    data's order.
     Per-client randomness is keyed by global ids (data.client_index, DataSpec.ids())."""
     server_sized_fields: ClassVar[tuple[str, ...]] = ()
     """Server-state tensor fields whose size depends on the training data, not only on D, C and M
-    (FedCOF's bank of client class means, sized by the clients' sample counts): a saved state
+    (FedCOF's bank of client class means, sized by the (client, class) pairs received): a saved state
     restores them at their saved size, since prediction rebuilds its template without the data."""
     one_pass: ClassVar[bool] = False
     """Every client sends its statistics once and later rounds only add zeros (FedNCM Alg. 1,
