@@ -127,6 +127,33 @@ def test_a_diverged_run_is_reported_failed_and_not_complete(store, tmp_path):
     assert not list((tmp_path / "c").rglob("results.json"))
 
 
+def test_the_diverged_check_holds_no_full_size_temporary(monkeypatch):
+    """The finiteness check of a trained state looks at bounded pieces of a large leaf (a
+    1,000-client FedPCL state's projection weights), not at the whole of it at once: torch.isfinite
+    and the sum of its mask copy their whole input. It still counts every NaN and infinity, in
+    any piece, of contiguous and strided leaves alike."""
+    import torch
+
+    from fedheads.run.checks import check_trained_state
+
+    seen: list[int] = []
+    isfinite = torch.isfinite
+
+    def spy(t: torch.Tensor) -> torch.Tensor:
+        seen.append(t.numel())
+        return isfinite(t)
+
+    monkeypatch.setattr(torch, "isfinite", spy)
+    w = torch.zeros(4, 1 << 20)  # 4 Mi values
+    check_trained_state({"client": {"w": w, "t": w.t()}, "server": {"step": torch.arange(3)}}, "fedpcl", 0)
+    assert seen and max(seen) <= (1 << 20) and sum(seen) == 2 * w.numel()
+    w[0, 0], w[2, 7], w[3, -1] = float("nan"), float("inf"), -float("inf")
+    with pytest.raises(UserError, match=r"fedpcl, seed 0: .*client\.w: 3 of 4194304 values"):
+        check_trained_state({"client": {"w": w}}, "fedpcl", 0)
+    with pytest.raises(UserError, match=r"client\.t: 3 of 4194304 values"):
+        check_trained_state({"client": {"t": w.t()}}, "fedpcl", 0)
+
+
 def test_a_diverged_finetune_is_reported_failed(tmp_path_factory, tmp_path):
     import live_doubles
 
