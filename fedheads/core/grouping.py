@@ -21,10 +21,13 @@ smallest first, into groups whose padding stays bounded:
 - a bucket that takes part whole with more than one client keeps its own call on its stored
   tensors (no copy; at full participation the grouping is the layout's own).
 
-Merging changes no client's arithmetic: each client's batches, noise and initial state are keyed
-by its global id (core/rng.py, core/batching.py), every local step gathers [clients, batch]
-rows, never the padding, and the messages reach the server in participant order whatever the
-groups (tests/test_grouping.py compares with one call per bucket, bit for bit)."""
+A client's batches, noise and initial state are keyed by its global id (core/rng.py,
+core/batching.py), every local step gathers [clients, batch] rows, and the messages reach the
+server in participant order whatever the groups. A client's numbers can still move by float
+rounding: torch's CPU kernels pick their code path by the stacked shapes (a GEMM of one row, a
+GEMM split over threads when it is the only one in the batch, row passes over the padded rows),
+so a client's result already depended, at that level, on which clients of its bucket took part.
+tests/test_grouping.py checks the merged calls against one call per bucket."""
 
 from __future__ import annotations
 
