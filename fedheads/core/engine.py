@@ -4,9 +4,10 @@ participating clients stacked in one call ("vectorized") or one client at a time
 they give the same states and accuracies up to float rounding (tests/test_engine_equivalence.py).
 
 The vectorised engine runs one call per group of the data's layout (fedheads/core/federation.py): the
-padded FedData is one group; a BucketedFedData runs each size bucket as one stacked call on its
-own FedData, writes the bucket's new client states into the federation's stacked state, and
-hands the server the messages of all buckets in participant order, as one stacked call would.
+padded FedData is one group; a BucketedFedData runs each size bucket's participants as one stacked
+call on its own FedData, or the participants of several buckets in one call where their padding
+stays bounded (core/grouping.py), writes the new client states into the federation's stacked
+state, and hands the server the messages of all calls in participant order, as one stacked call would.
 With `reorder=True` it may stack a padded federation's clients in the order it computes fastest
 in (core/order.py) and puts every result back in the data's order.
 
@@ -26,7 +27,7 @@ from typing import Any, Protocol
 import torch
 
 from embedcache.errors import UserError
-from fedheads.core import ops, rng
+from fedheads.core import grouping, ops, rng
 from fedheads.core.federation import FedData, Federation
 from fedheads.core.ops import masked_accuracy
 from fedheads.core.order import put_back, stacking_order
@@ -223,18 +224,40 @@ def _evaluate_padded(algorithm: Algorithm, client_state: Any, server_state: Any,
 
 
 def participant_groups(data: Federation, participants: torch.Tensor, size: int | None = None, views: bool = False,
-                       between_buckets: BetweenBuckets | None = None) -> Iterator[tuple[list[int], FedData]]:
+                       between_buckets: BetweenBuckets | None = None,
+                       regroup: bool = False) -> Iterator[tuple[list[int], FedData]]:
     """The walk both vectorised client steps share: per group of the layout, its participants
     (`participants`, global ids) in runs of at most `size` (None: all of the group's at once), as
     (their global ids, their FedData). The FedData is the group itself when all of it takes part,
     else a trimmed copy of their rows (FedData.select), or with `views` a view of them where they
-    are consecutive (FedData.client_range: no copy, the train padding kept). `between_buckets` is
-    called after each group holding participants, once the caller has let go of its last FedData."""
+    are consecutive (FedData.client_range: no copy, the train padding kept). `regroup` (with
+    `size` None): the groups' participant sets are merged into fewer calls within a bound on their
+    padding (core/grouping.py), a merged call's participants stacked largest first in a copy of
+    their rows (BucketedFedData.select). `between_buckets` is called after each call's group
+    holding participants, once the caller has let go of its last FedData."""
     taking = set(participants.tolist())
+    units = []  # per group holding participants: (its positions, its FedData, the participants' places in it)
     for ms, group in data.groups():
         loc = [p for p, i in enumerate(ms) if i in taking]
-        if not loc:
+        if loc:
+            units.append((ms, group, loc))
+    plan = [[u] for u in range(len(units))]
+    if regroup and size is None and len(units) > 1:
+        shapes = [(len(ms), g.x_train.shape[1] + g.x_test.shape[1]) for ms, g in data.groups()]
+        views_ = units[0][1].v_train  # stored augmented views: V more feature rows per training row
+        row_bytes = data.dim * units[0][1].x_train.element_size() * (1 + (0 if views_ is None else views_.shape[1]))
+        plan = grouping.merge_units([[ms[p] for p in loc] for ms, _, loc in units],
+                                    [len(loc) == len(ms) for ms, _, loc in units], data.n_train, data.n_test,
+                                    max(grouping.GROUP_BYTES // row_bytes, *(k * n for k, n in shapes)),
+                                    max(grouping.GROUP_CLIENTS, *(k for k, _ in shapes)), grouping.ROUND_WASTE)
+    for us in plan:
+        if len(us) > 1:  # one call for several groups' participants, largest first (core/train.py's step prefix)
+            ids = sorted((units[u][0][p] for u in us for p in units[u][2]), key=lambda i: (-data.n_train[i], i))
+            yield ids, data.select(ids)
+            if between_buckets is not None:
+                between_buckets()
             continue
+        ms, group, loc = units[us[0]]
         step = size or len(loc)
         for a in range(0, len(loc), step):
             sel = loc[a:a + step]
@@ -254,8 +277,9 @@ def client_updates(algorithm: Algorithm, client_state: Any, broadcast: Any, data
 
     Padded data: one call (the participants selected when not everyone takes part; their rows
     written back into `client_state` in place when `in_place`, the caller owning it, else into a
-    copy). Bucketed data: one call per bucket holding participants, each on
-    its bucket's FedData and its clients' rows of the state; the rows are written back IN PLACE
+    copy). Bucketed data: one call per bucket holding participants, or per merged group of several
+    buckets' participants (participant_groups' `regroup`), each on its FedData and its clients'
+    rows of the state; the rows are written back IN PLACE
     into `client_state` (the caller's own, see `owned`), so no per-round copy of a federation's
     worth of state is made; `between_buckets` is called after each bucket."""
     part, M, dev = ctx.participants, data.num_clients, data.device
@@ -276,7 +300,7 @@ def client_updates(algorithm: Algorithm, client_state: Any, broadcast: Any, data
     row = {i: r for r, i in enumerate(part.tolist())}  # a participant's row of the round's messages
     out: Any = None
     msgs, order = [], []  # RaggedRows messages (no fixed rows per client): concatenated and reordered
-    for ids, sub in participant_groups(data, part, between_buckets=between_buckets):
+    for ids, sub in participant_groups(data, part, between_buckets=between_buckets, regroup=True):
         # the bucket's rows of the state: views when they are consecutive (clients stored largest
         # first), so no bucket-sized copy is made for the call (client_update is pure)
         cs_b, msg_b = algorithm.client_update(tree_rows(client_state, ids, dev), broadcast, sub, ctx)

@@ -267,30 +267,52 @@ class BucketedFedData:
 
     def select(self, idx: Sequence[int] | torch.Tensor) -> FedData:
         """Sub-federation of clients `idx` (positions, in the order given) as one padded FedData:
-        a view-free copy of their rows, as FedData.select gives (e.g. one client for the loop)."""
+        a view-free copy of their rows, as FedData.select gives (e.g. one client for the loop, or a
+        round's participants from several buckets stacked in one call, core/grouping.py)."""
         ids = [int(i) for i in (idx.tolist() if isinstance(idx, torch.Tensor) else idx)]
         where = self._where
-        bs = {where[i][0] for i in ids}
-        if len(bs) == 1:
-            b = bs.pop()
+        rows: dict[int, list[int]] = {}  # bucket -> rows of the result its clients go to
+        for r, i in enumerate(ids):
+            rows.setdefault(where[i][0], []).append(r)
+        if len(rows) == 1:
+            b = next(iter(rows))
             return self.buckets[b].select([where[i][1] for i in ids])
-        return _concat([self.buckets[where[i][0]].select([where[i][1]]) for i in ids])
+        return _stack([(rs, self.buckets[b].select([where[ids[r]][1] for r in rs])) for b, rs in rows.items()],
+                      len(ids))
 
 
-def _concat(parts: Sequence[FedData]) -> FedData:
-    """One-client FedDatas stacked into one, padded to the largest (cross-bucket selections)."""
-    a, b = max(p.x_train.shape[1] for p in parts), max(p.x_test.shape[1] for p in parts)
-    pad = lambda t, n: torch.nn.functional.pad(t, (0, 0) * (t.dim() - 2) + (0, n - t.shape[1]))  # noqa: E731
-    cat = lambda f, n: torch.cat([pad(getattr(p, f), n) for p in parts])  # noqa: E731
-    has_v = all(p.v_train is not None for p in parts)
-    vpad = lambda v: torch.nn.functional.pad(v, (0, 0, 0, a - v.shape[2]))  # noqa: E731
+def _stack(parts: Sequence[tuple[list[int], FedData]], k: int) -> FedData:
+    """FedDatas of disjoint clients as one of `k` clients, padded to the largest: part (rows, d)'s
+    clients go to rows `rows` (one copy of each part into zeroed tensors; cross-bucket selections)."""
+    first = parts[0][1]
+    a, b = max(p.x_train.shape[1] for _, p in parts), max(p.x_test.shape[1] for _, p in parts)
+    at = [torch.tensor(rs, dtype=torch.int64, device=first.device) for rs, _ in parts]
+
+    def place(field: str, n: int, axis: int = 1) -> torch.Tensor:
+        ts = [getattr(p, field) for _, p in parts]
+        shape = list(ts[0].shape)
+        shape[0], shape[axis] = k, n
+        out = ts[0].new_zeros(shape)  # padding: zero features and labels, False masks
+        for t, r in zip(ts, at):
+            out.narrow(axis, 0, t.shape[axis]).index_copy_(0, r, t)
+        return out
+
+    def per_client(field: str) -> tuple:
+        out: list = [None] * k
+        for rs, p in parts:
+            for r, v in zip(rs, getattr(p, field)):
+                out[r] = v
+        return tuple(out)
+
+    index = first.client_index.new_empty(k)
+    for (_, p), r in zip(parts, at):
+        index.index_copy_(0, r, p.client_index)
+    has_v = all(p.v_train is not None for _, p in parts)
     return dataclasses.replace(
-        parts[0], x_train=cat("x_train", a), y_train=cat("y_train", a), m_train=cat("m_train", a),
-        x_test=cat("x_test", b), y_test=cat("y_test", b), m_test=cat("m_test", b),
-        n_train=tuple(n for p in parts for n in p.n_train), n_test=tuple(n for p in parts for n in p.n_test),
-        num_classes=parts[0].num_classes, client_names=tuple(n for p in parts for n in p.client_names),
-        domains=tuple(d for p in parts for d in p.domains), client_index=torch.cat([p.client_index for p in parts]),
-        v_train=torch.cat([vpad(p.v_train) for p in parts]) if has_v else None)  # type: ignore[arg-type]
+        first, x_train=place("x_train", a), y_train=place("y_train", a), m_train=place("m_train", a),
+        x_test=place("x_test", b), y_test=place("y_test", b), m_test=place("m_test", b),
+        n_train=per_client("n_train"), n_test=per_client("n_test"), client_names=per_client("client_names"),
+        domains=per_client("domains"), client_index=index, v_train=place("v_train", a, 2) if has_v else None)
 
 
 def to_layout(data: Federation, layout: str | LayoutConfig) -> Federation:
