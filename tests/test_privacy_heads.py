@@ -134,7 +134,7 @@ def test_fed3r_lambda_from_the_noise_keeps_the_solve_definite():
         auto = _private_fed3r(2.0, seed)
         ss = run(auto, fed, 1, progress=False).server_state
         lam = 0.01 + 2.0 * auto.noise_std["gram"] * math.sqrt(Dp)
-        assert auto.inner.lam == pytest.approx(lam)
+        assert auto.inner.lam(Dp) == pytest.approx(lam)
         assert float(torch.linalg.eigvalsh(ss.gram + lam * eye).min()) > 0 and not bool(ss.pinv)
         post = auto.report([1])["post_processing"]
         assert post["fed3r_lam"] == pytest.approx(lam) and post["gram_dim"] == Dp
@@ -247,3 +247,17 @@ def test_fedpft_local_dp_cli_run_records_the_mechanism(tmp_path):
     pred = CliRunner().invoke(main, ["predict", "--run", str(out), "--store", str(store), "--out",
                                      str(tmp_path / "p.csv")])
     assert pred.exit_code == 0, pred.output
+
+
+def test_fed3r_lambda_follows_the_noise_of_every_round_summed():
+    """Under partial participation each round adds a fresh draw to the Gram (std sigma sqrt(R) after
+    R rounds): the solve's lambda grows with sqrt(R), so the system stays definite after 6 rounds."""
+    fed = tiny_fed(D=30)
+    Dp, rounds = 31, 6
+    for seed in range(3):
+        auto = _private_fed3r(2.0, seed)
+        ss = run(auto, fed, rounds, fraction=0.5, seed=seed, progress=False).server_state
+        lam = 0.01 + 2.0 * auto.noise_std["gram"] * math.sqrt(rounds * Dp)
+        assert auto.inner.lam(Dp, rounds) == pytest.approx(lam)
+        assert float(torch.linalg.eigvalsh(ss.gram + lam * torch.eye(Dp, dtype=torch.float64)).min()) > 0
+        assert not bool(ss.pinv)

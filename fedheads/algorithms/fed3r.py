@@ -37,6 +37,8 @@ Non-asymptotic Analysis of Random Matrices", 2012, Cor. 5.35). A fixed λ = 0.01
 λI + ΣA_k + E indefinite; ``lam_noise_scale`` = κ (default 2) sets, under DP, λ = lam + κ σ √D', and
 κ >= 2 + √(2 log(2/β) / D') makes the system positive definite with probability >= 1 - β (ΣA_k
 is positive semidefinite; E's own norm is nearer √2 σ√D', a GOE's, so κ = 2 is already ample).
+Every round adds a fresh draw to the totals (fedheads.privacy), so after R rounds (partial
+participation) the noise's std per entry is σ√R and the solve uses λ = lam + κ σ √(R D').
 The λ used is in results.json's privacy block (``post_processing``). Without DP nothing changes."""
 
 from __future__ import annotations
@@ -69,8 +71,8 @@ class Fed3RConfig:
                                "as FedCOF's code runs Fed3R", source="Erosinho13/Fed3R fed3r_step; "
                                                                      "dipamgoswami/FedCOF Fed3RServer")
     dtype: str = setting("float64", "dtype of the statistics sent (they accumulate in float64): float64 | float32")
-    lam_noise_scale: float = setting(2.0, "under DP: lambda = lam + lam_noise_scale * sigma_gram * sqrt(D'), sigma_gram "
-                                     "the Gram's noise std per entry; >= 2 keeps the noisy system positive definite "
+    lam_noise_scale: float = setting(2.0, "under DP: lambda = lam + lam_noise_scale * sigma_gram * sqrt(R D'), sigma_gram "
+                                     "the Gram's noise std per entry and round, R rounds; >= 2 keeps the noisy system positive definite "
                                      "w.h.p. (module docstring); 0: lam alone (indefinite under DP); no effect without DP",
                                      source="ours (Vershynin 2012, Cor. 5.35)")
 
@@ -174,7 +176,7 @@ class Fed3R(AlgorithmBase):
             raise UserError(f"lam_noise_scale={cfg.lam_noise_scale!r}: must be a number >= 0")
         self.cfg = cfg
         self.dtype = DTYPES[cfg.dtype]
-        self.lam = float(cfg.lam)  # the ridge penalty solved with (dp_finalize raises it under DP)
+        self.gram_noise_std = 0.0  # per entry of one round's noisy Gram total, set by dp_finalize under DP
 
     def init(self, spec: DataSpec, seed: int) -> Init:
         C, D, dev = spec.num_classes, spec.dim, spec.device
@@ -216,10 +218,15 @@ class Fed3R(AlgorithmBase):
         gram = ss.gram + msg.gram.to(torch.float64).sum(0)  # sums of client contributions ...
         sums = ss.sums + msg.sums.to(torch.float64).sum(0)
         counts = ss.counts + msg.counts.sum(0)
-        weight, bias, present, pinv = self.finalize(gram, sums, counts)  # ... then finalize
+        weight, bias, present, pinv = self.finalize(gram, sums, counts, ctx.round + 1)  # ... then finalize
         return Fed3RServerState(gram, sums, counts, weight, bias, present, pinv), Fed3RBroadcast()
 
-    def finalize(self, gram: torch.Tensor, sums: torch.Tensor, counts: torch.Tensor,
+    def lam(self, dim: int, rounds: int = 1) -> float:
+        """λ: ``lam``, plus under DP κ σ √(R D') for a Gram summed over R rounds' noisy totals
+        (each round adds an independent draw: the noise's std per entry is σ √R)."""
+        return float(self.cfg.lam) + float(self.cfg.lam_noise_scale) * self.gram_noise_std * math.sqrt(rounds * dim)
+
+    def finalize(self, gram: torch.Tensor, sums: torch.Tensor, counts: torch.Tensor, rounds: int = 1,
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """(weight [C, D], bias [C], present [C], used pinv []) of the summed statistics:
         solve(λI + ΣA_k, Σb_k) (calc_ridge_params), then each class normalised (normalize_W)."""
@@ -227,8 +234,9 @@ class Fed3R(AlgorithmBase):
         b = sums.T  # [D, C]: b's feature rows
         if self.cfg.bias:
             b = torch.cat([b, counts.to(torch.float64).unsqueeze(0)], 0)  # b's bias row: onehot(y) summed
-        a = gram + self.lam * torch.eye(gram.shape[0], dtype=gram.dtype, device=gram.device)
-        hint = f" (lam={self.lam:g}; lam > 0 makes it definite, under DP lam_noise_scale >= 2)"
+        lam = self.lam(gram.shape[0], rounds)
+        a = gram + lam * torch.eye(gram.shape[0], dtype=gram.dtype, device=gram.device)
+        hint = f" (lam={lam:g}; lam > 0 makes it definite, under DP lam_noise_scale >= 2)"
         sol, pinv = solve_psd(a, b, "fed3r: lambda I + sum_k A_k", hint)
         D = sums.shape[1]
         bias = sol[D] if self.cfg.bias else torch.zeros_like(sol[0])
@@ -272,11 +280,13 @@ class Fed3R(AlgorithmBase):
         return {"gram": float(clip) ** 2 + float(self.cfg.bias), "sums": float(clip), "counts": 1.0}
 
     def dp_finalize(self, noise_std: dict[str, float], spec: DataSpec) -> dict[str, Any]:
-        """λ = lam + lam_noise_scale · σ_gram · √D' (module docstring), recorded."""
+        """Keeps σ_gram for the solve's λ = lam + lam_noise_scale · σ_gram · √(R D') (module
+        docstring); returns the rule and its one-round value, for results.json."""
         Dp = spec.dim + int(self.cfg.bias)
         sigma = float(noise_std.get("gram", 0.0))
-        self.lam = float(self.cfg.lam) + float(self.cfg.lam_noise_scale) * sigma * math.sqrt(Dp)
-        return {"fed3r_lam": self.lam, "fed3r_lam_rule": "lam + lam_noise_scale * gram_noise_std * sqrt(D')",
+        self.gram_noise_std = sigma
+        return {"fed3r_lam": self.lam(Dp), "fed3r_lam_rule": "lam + lam_noise_scale * gram_noise_std * sqrt(R * D'), "
+                "R = the rounds whose noisy totals the Gram sums (fed3r_lam: R = 1)",
                 "lam": self.cfg.lam, "lam_noise_scale": self.cfg.lam_noise_scale, "gram_noise_std": sigma,
                 "gram_dim": Dp, "gram_noise": "iid per entry, symmetrised: (G + G^T) / 2"}
 

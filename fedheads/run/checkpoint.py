@@ -172,6 +172,22 @@ def tree_values(tree: Any, plain: bool = False) -> list[Any]:
     return out
 
 
+def sized_like(like: Any, saved: list[Any], fields: tuple[str, ...] | list[str], plain: bool = False) -> Any:
+    """`like` (an init's server state) with its tensor `fields` (AlgorithmBase.server_sized_fields:
+    sized by the training data, e.g. FedCOF's bank of the pairs received) at the shapes of their
+    `saved` leaves (tree_values order, `plain` as saved), so that `restore_tree` checks every other
+    leaf's shape against the init's."""
+    if not fields or not dataclasses.is_dataclass(like):
+        return like
+    changes, i = {}, 0
+    for f in dataclasses.fields(like):
+        v = getattr(like, f.name)
+        if f.name in fields and isinstance(v, torch.Tensor) and i < len(saved) and isinstance(saved[i], torch.Tensor):
+            changes[f.name] = v.new_empty(saved[i].shape)
+        i += len(tree_values(v, plain))
+    return dataclasses.replace(like, **changes)
+
+
 def restore_tree(like: Any, leaves: list[Any], path: Path, what: str, algorithm: str, plain: bool = False) -> Any:
     """`like`'s structure with the saved `leaves` (tree_values order) as values, each tensor checked
     for shape and put on `like`'s device and dtype."""
@@ -235,8 +251,9 @@ class HeadCheckpoint:
     with each new round's record after its checkpoint is written (progress logging)."""
 
     def __init__(self, path: Path, config: dict[str, Any], algorithm: str, resume: bool,
-                 on_round: Callable[[RoundRecord], None] | None = None) -> None:
+                 on_round: Callable[[RoundRecord], None] | None = None, sized_fields: tuple[str, ...] = ()) -> None:
         self.path, self.config, self.algorithm, self.resume, self.on_round = path, config, algorithm, resume, on_round
+        self.sized_fields = sized_fields  # the algorithm's server_sized_fields
 
     def load(self, init: Init) -> RunState | None:
         if not (self.resume and self.path.is_file()):
@@ -247,7 +264,8 @@ class HeadCheckpoint:
             self.on_round.start_from(history)
         return RunState(int(blob["round"]),
                         restore_tree(init.client_state, blob["client"], self.path, "client", self.algorithm, True),
-                        restore_tree(init.server_state, blob["server"], self.path, "server", self.algorithm, True),
+                        restore_tree(sized_like(init.server_state, blob["server"], self.sized_fields, True),
+                                     blob["server"], self.path, "server", self.algorithm, True),
                         restore_tree(init.broadcast, blob["broadcast"], self.path, "broadcast", self.algorithm, True),
                         history, int(blob["upload_values_per_client"]))
 

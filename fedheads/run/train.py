@@ -15,7 +15,6 @@ features by nearest prototype with faiss (fedheads.prediction.prototypes)."""
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import os
 import platform
 from collections.abc import Sequence
@@ -102,25 +101,11 @@ def load_state(path: Path, algorithm: Any, spec: DataSpec, seed: int) -> tuple[A
         raise UserError(f"{path}: no saved state (was the run trained with this seed?)")
     saved = load_sealed(path, STATE_FORMAT, "train the run again to rewrite it")
     init = algorithm.init(spec, seed)
-    from fedheads.run.checkpoint import restore_tree
+    from fedheads.run.checkpoint import restore_tree, sized_like
 
-    ss = _sized_like(init.server_state, saved["server"], getattr(algorithm, "server_sized_fields", ()))
+    ss = sized_like(init.server_state, saved["server"], algorithm.server_sized_fields)
     return (restore_tree(init.client_state, saved["client"], path, "client", algorithm.name),
             restore_tree(ss, saved["server"], path, "server", algorithm.name))
-
-
-def _sized_like(like: Any, saved: Sequence[Any], fields: Sequence[str]) -> Any:
-    """`like` with its tensor `fields` (AlgorithmBase.server_sized_fields) at the shapes of their
-    saved leaves (`saved`: the state's tensor leaves in tree order)."""
-    if not fields or not dataclasses.is_dataclass(like):
-        return like
-    changes, i = {}, 0
-    for f in dataclasses.fields(like):
-        v = getattr(like, f.name)
-        if f.name in fields and isinstance(v, torch.Tensor) and i < len(saved) and isinstance(saved[i], torch.Tensor):
-            changes[f.name] = v.new_empty(saved[i].shape)
-        i += len(tree_leaves(v))
-    return dataclasses.replace(like, **changes)
 
 
 def store_fingerprint(info: Any, backbones: Sequence[str]) -> dict[str, Any]:
@@ -308,7 +293,8 @@ def train_data(data: Federation, backbones: Sequence[str], algorithm: str, opts:
                         "device": str(data.device), "layout": layout_info(data),
                         "store": None if record is None else record.path,
                         "backbones": list(backbones), "data": data_id}
-            ck = resume_mod.HeadCheckpoint(state_dir / f"seed{seed}.ckpt.pt", settings, algorithm, resume, log)
+            ck = resume_mod.HeadCheckpoint(state_dir / f"seed{seed}.ckpt.pt", settings, algorithm, resume, log,
+                                           alg.server_sized_fields)
         try:
             with _training(heap, data), RoundBar(f"{alg.name}[{opts.engine}]", opts.progress) as bar:
                 res = run(alg, data, rounds, seed=seed, fraction=opts.fraction, engine=opts.engine,
