@@ -1,5 +1,6 @@
 """Differential privacy for the training-free heads: per-example clipping, the Gaussian mechanism
-on the secure sums, and an accountant from Google's `dp-accounting`.
+on the secure sums (or, in local mode, on each client's own statistics), and an accountant from
+Google's `dp-accounting`.
 
 Any algorithm with a secure form (`AlgorithmBase.secure_form`: which message fields are sums
 and how the server turns totals into its state) and DP sensitivities (`dp_sensitivity(clip)`:
@@ -93,7 +94,8 @@ ACCOUNTANTS = ("rdp", "pld")
 
 @dataclass(frozen=True)
 class Mechanism:
-    """A Gaussian mechanism on an algorithm's secure sums. Give `noise_multiplier` or `epsilon`."""
+    """A Gaussian mechanism on an algorithm's secure sums (local mode: on each client's own
+    statistics). Give `noise_multiplier` or `epsilon`."""
 
     clip: float = 1.0  # C: each training feature's L2 norm bound
     transform: str = "clip"  # "clip": scale to norm <= C | "normalize": scale to norm exactly C

@@ -103,6 +103,9 @@ def test_ccvr_calibrating_a_dp_fed3r_head_records_the_mechanism(tmp_path):
     p = json.loads((out / "results.json").read_text())["privacy"]
     assert p["sensitivity"] == {"sums": 2.0, "sq": 4.0, "counts": 1.0}
     assert p["releases_per_example"] == 1 and p["epsilon"] <= 2.0
+    head = json.loads((tmp_path / "f3" / "results.json").read_text())["privacy"]
+    got = p["post_processing"]["calibrated_head_privacy"]  # the saved head's own release, beside this run's
+    assert got["epsilon"] == head["epsilon"] and got["mode"] == head["mode"]
     z = p["noise_multiplier"]  # equal split over three fields: sigma_f = z * Delta_f * sqrt(3)
     assert p["noise_std"]["sq"] == pytest.approx(z * 4.0 * math.sqrt(3))
     pred = CliRunner().invoke(main, ["predict", "--run", str(out), "--store", str(store), "--out",
@@ -261,3 +264,35 @@ def test_fed3r_lambda_follows_the_noise_of_every_round_summed():
         assert auto.inner.lam(Dp, rounds) == pytest.approx(lam)
         assert float(torch.linalg.eigvalsh(ss.gram + lam * torch.eye(Dp, dtype=torch.float64)).min()) > 0
         assert not bool(ss.pinv)
+
+
+def test_ccvr_records_a_saved_head_trained_without_dp_and_warns(tmp_path, caplog):
+    store = _write_store(tmp_path)
+    base = ["train", "--store", str(store), "--backbones", "synth", "--seeds", "0", "--device", "cpu", "--quiet"]
+    assert CliRunner().invoke(main, [*base, "--algorithm", "fed3r", "--rounds", "1", "--out", str(tmp_path / "f3")]
+                              ).exit_code == 0
+    out = tmp_path / "cal"
+    with caplog.at_level("WARNING"):
+        r = CliRunner().invoke(main, [*base, "--algorithm", "ccvr", "--rounds", "1", "--dp-epsilon", "2",
+                                      "--set", f"head={tmp_path / 'f3'}", "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    post = json.loads((out / "results.json").read_text())["privacy"]["post_processing"]
+    assert post["calibrated_head_privacy"] is None
+    assert "trained without differential privacy" in caplog.text
+
+
+@pytest.mark.parametrize("covariance", ["spherical", "diag"])
+def test_fedpft_local_dp_sends_the_diagonal_where_the_type_reads_only_it(covariance):
+    """spherical/diag noise sum x * x [M, C, D], not the [M, C, D, D] second moment (same
+    sensitivity, clip^2), and fit the same Gaussians as the full matrix's diagonal would."""
+    from fedheads.privacy import bounded
+
+    fed = tiny_fed(M=4, D=6)
+    alg = _fedpft(covariance=covariance)
+    init = alg.init(fed.spec(), 0)
+    _, stats, release = alg.local_form().stats(init.client_state, init.broadcast, bounded(fed, 1.0, "clip"), None)
+    M, C, D = stats["sums"].shape
+    assert stats["sq"].shape == (M, C, D)
+    full = _fedpft(covariance="full")
+    _, fstats, _ = full.local_form().stats(init.client_state, init.broadcast, bounded(fed, 1.0, "clip"), None)
+    torch.testing.assert_close(stats["sq"], torch.diagonal(fstats["sq"], dim1=-2, dim2=-1), rtol=1e-12, atol=1e-12)

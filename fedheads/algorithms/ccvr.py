@@ -48,19 +48,27 @@ saved head is calibrated with ``covariance="paper"``: the clients then send noth
 q_kc and n_kc, sums over examples whose sensitivities to one example with ||x|| <= C are C, C^2
 (||x x^T||_F = ||x||^2) and 1 (`dp_sensitivity`). It is refused where the FedAvg-LP head is
 trained here (its SGD deltas are no clipped sums) and for ``covariance="fl-bench"`` (no sum over
-examples). The server's steps from the noisy totals are post-processing: Private clamps each
-noisy count to >= 1 and the secure form rounds it, so a class with N_c < 2 still gets no virtual
-features; the noisy Sigma_c is symmetrised (`class_gaussians`) and may be indefinite, and
+examples). The server's steps from the noisy totals are post-processing. In central mode Private
+clamps each round's noisy count to >= 1 and the secure form rounds it; with every client in round
+0 (one collecting round) a class no client holds has N_c = 1 and gets no virtual features, but each
+further collecting round (partial participation) adds at least 1, so after two such rounds a class
+no client holds is calibrated on virtual features of pure noise (presence is itself a statistic:
+only the noisy counts may decide it). In distributed mode nothing is clamped: a noisy N_c below 2
+is unusable. The noisy Sigma_c is symmetrised (`class_gaussians`) and may be indefinite, and
 `gaussian_factor` clips its negative eigenvalues to 0, which samples from the nearest positive
 semidefinite matrix in Frobenius norm (Higham, "Computing a Nearest Symmetric Positive
 Semidefinite Matrix", Linear Algebra Appl. 1988). results.json's privacy block accounts for the
 statistics of this run; the saved head is another release of its own run's data (its own
-results.json), which composes with this one where the data are the same."""
+results.json), which composes with this one where the data are the same: `dp_finalize` records
+that run's privacy block (or that it has none) beside this run's, and warns when the saved head
+was trained without differential privacy (then the calibrated head is not private)."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 
@@ -76,6 +84,7 @@ from fedheads.core.optim import OptimizerConfig
 from fedheads.core.protocol import AlgorithmBase, Init, RoundCtx, SecureForm
 
 COVARIANCES = ("paper", "fl-bench")
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -413,6 +422,23 @@ class CCVR(AlgorithmBase):
                             "sum's per-example sensitivity does not bound it; use covariance='paper'")
         c = float(clip)
         return {"sums": c, "sq": c * c, "counts": 1.0}
+
+    def dp_finalize(self, noise_std: dict[str, float], spec: DataSpec) -> dict[str, Any]:
+        """The saved head's own privacy (its run's results.json `privacy` block, None when it was
+        trained without DP, with a warning: the calibrated head then is not private)."""
+        import json
+        from pathlib import Path
+
+        try:
+            saved = json.loads((Path(str(self.cfg.head)) / "results.json").read_text()).get("privacy")
+        except (OSError, ValueError, AttributeError):
+            saved = None
+        if not saved:
+            log.warning("ccvr: head=%s was trained without differential privacy: the calibrated head is not "
+                        "private (this run's epsilon covers the class statistics only)", self.cfg.head)
+        return {"calibrated_head": str(self.cfg.head),
+                "calibrated_head_privacy": None if not saved else
+                {k: saved.get(k) for k in ("mechanism", "mode", "epsilon", "epsilon_all_seeds", "delta")}}
 
     def trainable_params(self, cs: CCVRClientState) -> int:
         return 0 if self.cfg.head is not None else count_params(cs.lp.params)

@@ -18,7 +18,9 @@ hand). Ours is a local Gaussian mechanism on each client's class statistics, in 
 Analyze Gauss (Dwork et al., STOC 2014): with one Gaussian per class (``components=1``), a
 client's per-class count n_kc, sum s_kc and second moment q_kc = sum x x^T are its mixture's
 sufficient statistics, and one example with ||x|| <= C moves them by 1, C and C^2 (CCVR's
-sensitivities). Under ``--dp-mode local`` (fedheads.privacy) each client adds the Gaussian noise
+sensitivities). The "diag" and "spherical" types read only q's diagonal, sum x * x, which one
+example moves by ||x * x|| <= ||x||^2 <= C^2 too: they send and noise that [C, D] diagonal, not
+the [C, D, D] matrix. Under ``--dp-mode local`` (fedheads.privacy) each client adds the Gaussian noise
 to its own (n, s, q) and fits its Gaussians to the noisy ones (`local_form`: post-processing):
 ñ = round(n + noise), a class sent where ñ > 1 as FedPFT's rule, mean s/ñ and the maximum-
 likelihood covariance q/ñ - mu mu^T with scikit-learn's reg_covar 1e-6 added to its diagonal
@@ -279,10 +281,15 @@ class FedPFT(AlgorithmBase):
         def stats(cs: FedPFTClientState, bc: FedPFTBroadcast, data: FedData, ctx: RoundCtx,
                   ) -> tuple[FedPFTClientState, dict[str, torch.Tensor], torch.Tensor]:
             fresh = ~cs.sent.to(data.device)  # a client contributes exactly once
-            sums, counts = client_stats(data.x_train, data.y_train, data.m_train, data.num_classes)
-            sq = second_moments(data.x_train, data.y_train, data.m_train, data.num_classes)
+            x = data.x_train
+            sums, counts = client_stats(x, data.y_train, data.m_train, data.num_classes)
             f = fresh.to(torch.float64)
-            out = {"sums": sums.double() * f.view(-1, 1, 1), "sq": sq * f.view(-1, 1, 1, 1),
+            if self.cfg.covariance in ("full", "tied"):  # sum x x^T [M, C, D, D]
+                sq = second_moments(x, data.y_train, data.m_train, data.num_classes) * f.view(-1, 1, 1, 1)
+            else:  # spherical/diag read the diagonal only: sum x * x [M, C, D], ||x * x|| <= ||x||^2 = clip^2
+                sq = client_stats(x.double() * x.double(), data.y_train, data.m_train, data.num_classes)[0].double()
+                sq = sq * f.view(-1, 1, 1)
+            out = {"sums": sums.double() * f.view(-1, 1, 1), "sq": sq,
                    "counts": counts.double() * f.view(-1, 1)}
             return FedPFTClientState(torch.ones_like(cs.sent)), out, fresh
 
@@ -295,22 +302,24 @@ class FedPFT(AlgorithmBase):
     def gaussians_message(self, sums: torch.Tensor, sq: torch.Tensor, counts: torch.Tensor, release: torch.Tensor,
                           client: torch.Tensor) -> FedPFTMessage:
         """One Gaussian per class [M, C] from (noisy) statistics: scikit-learn's one-component fit
-        (mean, maximum-likelihood covariance + reg_covar I) in the configured covariance type."""
+        (mean, maximum-likelihood covariance + reg_covar I) in the configured covariance type.
+        `sq`: per-class sums of x x^T [M, C, D, D] ("full", "tied") or of x * x [M, C, D]
+        ("spherical", "diag": the diagonal is all they read)."""
         M, C, D = sums.shape
         n = counts.round().clamp(min=0)
         send = (n > self.cfg.components) & release.to(n.device).view(-1, 1)
         nn = n.clamp(min=1).unsqueeze(-1)
         mu = sums / nn
-        cov = sq / nn.unsqueeze(-1) - mu.unsqueeze(-1) * mu.unsqueeze(-2)
-        cov = 0.5 * (cov + cov.transpose(-1, -2)) + _REG_COVAR * torch.eye(D, dtype=cov.dtype, device=cov.device)
         kind = self.cfg.covariance
-        if kind in ("full", "tied"):
+        if sq.dim() == 3:  # the diagonal only
+            var = (sq / nn - mu * mu + _REG_COVAR).clamp(min=_REG_COVAR)
+            par = var.unsqueeze(2) if kind == "diag" else var.mean(-1, keepdim=True)
+        else:  # "full", "tied": the nearest positive semidefinite matrix (negative eigenvalues to 0)
+            cov = sq / nn.unsqueeze(-1) - mu.unsqueeze(-1) * mu.unsqueeze(-2)
+            cov = 0.5 * (cov + cov.transpose(-1, -2)) + _REG_COVAR * torch.eye(D, dtype=cov.dtype, device=cov.device)
             lam, vec = torch.linalg.eigh(cov)
             cov = (vec * lam.clamp(min=0).unsqueeze(-2)) @ vec.transpose(-1, -2)
             par = cov.unsqueeze(2) if kind == "full" else cov
-        else:
-            var = torch.diagonal(cov, dim1=-2, dim2=-1).clamp(min=_REG_COVAR)
-            par = var.unsqueeze(2) if kind == "diag" else var.mean(-1, keepdim=True)
         keep = send.to(torch.float64)
         par = par * keep.view(M, C, *([1] * (par.dim() - 2)))
         return FedPFTMessage((keep.unsqueeze(-1)).to(self.dtype), (mu * keep.unsqueeze(-1)).unsqueeze(2).to(self.dtype),

@@ -7,7 +7,9 @@ Who does what in a round:
 - "distributed": every participant adds its share N(0, sigma_f^2 / K) to its own sums, drawn
   from a key only the node holds; the server adds none;
 - "central": the server adds N(0, sigma_f^2) to the round's totals (after SecAgg+ when it is on)
-  from its own key, then finalizes.
+  from its own key, then finalizes;
+- "local" (FedPFT): every node adds N(0, sigma_f^2) to its own statistics and sends the message
+  built from them; the server adds none (no SecAgg+: the messages are no sums).
 
 What travels (fh.run, the run config): the PUBLIC parameters only (C, the transform, the mode,
 the resolved noise multiplier z, the budget split, and the per-field noise scales the node must

@@ -45,6 +45,7 @@ class FlowerRunConfig:
     dp_clip: float = 1.0  # L2 bound C of each training feature
     dp_transform: str = "clip"  # "clip" | "normalize"
     dp_mode: str = "central"  # "central": the server adds the noise | "distributed": each node adds its share
+    # | "local": each node noises its own statistics (FedPFT; no SecAgg+)
     dp_accountant: str = "rdp"  # "rdp" | "pld"
     dp_split: str = ""  # FIELD=W,... budget split over the noised sums ("" = equal)
 

@@ -140,10 +140,15 @@ def non_finite_count(t: Any) -> int:
     run's peak memory at its end."""
     import torch
 
-    flat = t.reshape(-1)  # a view of a contiguous tensor (the states' leaves); else one copy
     n = torch.zeros((), dtype=torch.int64, device=t.device)
-    for c in flat.split(FINITE_CHUNK):
-        n += c.numel() - torch.isfinite(c).sum()
+    # a contiguous tensor (the states' leaves) in views of its flat storage; another in blocks of
+    # its first axis of about FINITE_CHUNK values (each block's copy, not the whole tensor's)
+    if t.is_contiguous() or t.dim() < 2:
+        parts = t.reshape(-1).split(FINITE_CHUNK)
+    else:
+        parts = t.split(max(1, FINITE_CHUNK // max(1, t[0].numel())), dim=0)
+    for c in parts:
+        n += c.numel() - torch.isfinite(c.reshape(-1)).sum()
     return int(n)  # one device sync, not one per chunk
 
 
