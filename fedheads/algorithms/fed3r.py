@@ -72,8 +72,9 @@ class Fed3RConfig:
                                                                      "dipamgoswami/FedCOF Fed3RServer")
     dtype: str = setting("float64", "dtype of the statistics sent (they accumulate in float64): float64 | float32")
     lam_noise_scale: float = setting(2.0, "under DP: lambda = lam + lam_noise_scale * sigma_gram * sqrt(R D'), sigma_gram "
-                                     "the Gram's noise std per entry and round, R rounds; >= 2 keeps the noisy system positive definite "
-                                     "w.h.p. (module docstring); 0: lam alone (indefinite under DP); no effect without DP",
+                                     "the Gram's noise std per entry and round, R rounds; >= 2 keeps the noisy system "
+                                     "positive definite w.h.p. (module docstring); 0: lam alone (indefinite under DP); "
+                                     "no effect without DP",
                                      source="ours (Vershynin 2012, Cor. 5.35)")
 
 
