@@ -60,9 +60,13 @@ class Deployment:
         logs.mkdir(exist_ok=True)
         self.serve = self._start(_cli("serve", "--nodes", str(len(nodes)), "--port", str(self.port), "--host", "127.0.0.1",
                                       "--wait", str(READY_S), "--out", str(self.out), *serve_args), logs / "serve.log")
-        _wait_for_line(self.serve, logs / "serve.log", "SuperLink on ", READY_S)  # ready before the nodes dial
-        self.nodes = [self._start(_cli("join", "--superlink", f"127.0.0.1:{self.port}", *n), logs / f"node{i}.log")
-                      for i, n in enumerate(nodes)]
+        try:
+            _wait_for_line(self.serve, logs / "serve.log", "SuperLink on ", READY_S)  # ready before the nodes dial
+            self.nodes = [self._start(_cli("join", "--superlink", f"127.0.0.1:{self.port}", *n), logs / f"node{i}.log")
+                          for i, n in enumerate(nodes)]
+        except BaseException:  # no caller holds this object yet to close it
+            self.close()
+            raise
 
     def _start(self, cmd: list[str], log: Path) -> subprocess.Popen:
         with open(log, "wb") as f:  # SIGTERM to the child if this process dies (kept across join's execve)
