@@ -1,6 +1,6 @@
-"""Differential privacy for the training-free heads: per-example clipping, the Gaussian mechanism
-on the secure sums (or, in local mode, on each client's own statistics), and an accountant from
-Google's `dp-accounting`.
+"""Differential privacy for the training-free heads: per-example clipping and the Gaussian
+mechanism on the secure sums (or, in local mode, on each client's own statistics). How the noise
+is divided between the statistics (sigma_f) and what epsilon it buys: fedheads.privacy_accounting.
 
 Any algorithm with a secure form (`AlgorithmBase.secure_form`: which message fields are sums
 and how the server turns totals into its state) and DP sensitivities (`dp_sensitivity(clip)`:
@@ -14,38 +14,12 @@ Foundations of Differential Privacy", Sec. 3.5.3 and Appendix A, the Gaussian me
 3. Gaussian noise N(0, sigma_f^2 I) is added to the TOTAL of every field f, once per round:
    by the server ("central"), or as N(0, sigma_f^2 / K I) by each of the round's K participants
    ("distributed": the shares add up to sigma_f^2 under SecAgg+, and the server adds none);
+   sigma_f = z * Delta_f / sqrt(w_f) makes the round one Gaussian mechanism of noise
+   multiplier z (fedheads.privacy_accounting);
 4. the server finalizes from the noisy totals (the secure form's `aggregate`), which is
-   post-processing (Dwork & Roth, Prop. 2.1): the algorithm may adapt that step to the noise it
-   is told of (`AlgorithmBase.dp_finalize`: Fed3R's ridge penalty; results.json's
-   `post_processing`).
-
-Budget between the statistics (sums and counts; Grams for Fed3R): one joint Gaussian mechanism
-on the concatenation of the fields, each field divided by its own noise scale. With a split
-w_f > 0, sum_f w_f = 1 (default: equal over the fields a single example can change),
-
-    sigma_f = z * Delta_f / sqrt(w_f),
-
-so one example moves the concatenated vector (s_f / sigma_f)_f by at most
-sqrt(sum_f (Delta_f / sigma_f)^2) = sqrt(sum_f w_f) / z = 1 / z: the round is ONE Gaussian
-mechanism of noise multiplier z (sensitivity 1, std z). It plays the role of pfl-research's
-`JointMechanism` (one mechanism per group of statistics, the budget divided between them), but
-divides the budget in the Gaussian's own (mu-GDP / zCDP) currency, where composing Gaussians is
-exact, instead of dividing (epsilon, delta) between separately accounted mechanisms.
-
-Accounting: a release is one round's noisy totals. Adjacency is adding or removing one example
-(dp-accounting's ADD_OR_REMOVE_ONE). An example is in the releases of the rounds in which its
-client sent non-zero statistics, r of them; the epsilon spent for delta is that of
-``SelfComposedDpEvent(GaussianDpEvent(z), r)`` under the RDP (Mironov, "Renyi Differential
-Privacy", 2017) or PLD (Doroshenko et al., "Connect the Dots: Tighter Discrete Approximations of
-Privacy Loss Distributions", PETS 2022) accountant. A one-shot head (FedNCM, Alg. 1) sends each
-client's statistics once, also under partial participation (a client that has sent sends zeros
-afterwards), so r = 1: the run is one Gaussian mechanism, however many rounds it takes. Every
-round still adds fresh noise to its own totals, so R rounds leave R noise draws in the final
-sums; a round whose messages hold no secure sums at all (CCVR calibrating a saved head once
-every client's statistics are in) releases nothing and draws none. r is counted per client
-during the run (the client state) and the maximum is reported.
-Several seeds trained on the same data are several releases of it: results.json also gives the
-epsilon of publishing every seed's head.
+   post-processing (Dwork & Roth, Prop. 2.1): the algorithm may adapt that step to the noise
+   it is told of (`RoundCtx.noise_std`: Fed3R's ridge penalty; `AlgorithmBase.dp_finalize`
+   reports what it makes of it in results.json's `post_processing`).
 
 Noise is drawn from a secret key: `noise_seed=None` (default) takes a fresh one from the OS, as a
 deployment must (noise a reader can recompute protects nothing); an integer makes runs
@@ -57,10 +31,10 @@ Local mode ("local", for algorithms whose messages are no sums but have a local 
 N(0, sigma_f^2 I) to each field f of ITS OWN statistics, sigma_f as above, and builds its message
 from the noisy statistics (post-processing); the server receives only that. An example is in its
 client's statistics only, released once by a one-shot head: one Gaussian mechanism of multiplier
-z, accounted as above (Analyze Gauss, Dwork, Talwar, Thakurta & Zhang, "Analyze Gauss: Optimal
-Bounds for Privacy-Preserving Principal Component Analysis", STOC 2014, applies it to a second
-moment matrix). The guarantee holds against the server too, at the price of K noise draws in
-what the server combines instead of one.
+z, accounted as a round's totals are (Analyze Gauss, Dwork, Talwar, Thakurta & Zhang,
+"Analyze Gauss: Optimal Bounds for Privacy-Preserving Principal Component Analysis", STOC 2014,
+applies it to a second moment matrix). The guarantee holds against the server too, at the price
+of K noise draws in what the server combines instead of one.
 
 Not covered: the evaluation on clients' test splits (it releases accuracies, not statistics);
 distributed noise against fewer honest clients than planned (dropped-out clients, or t clients
@@ -72,7 +46,6 @@ for Differential Privacy", CCS 2012).
 from __future__ import annotations
 
 import dataclasses
-import functools
 import inspect
 import math
 import secrets
@@ -86,6 +59,7 @@ from embedcache.errors import UserError
 from fedheads.core.federation import DataSpec, FedData
 from fedheads.core.protocol import AlgorithmBase, HeadArch, Init, PaperRoundComm, RoundCtx, SecureForm
 from fedheads.core.tree import tree_cat, tree_rows
+from fedheads.privacy_accounting import calibrate, epsilon, noise_stds, pld_interval
 
 MODES = ("central", "distributed", "local")
 TRANSFORMS = ("clip", "normalize")
@@ -136,82 +110,6 @@ class Mechanism:
             return float(self.noise_multiplier)
         assert self.epsilon is not None
         return calibrate(self.epsilon, self.delta, self.releases, self.accountant)
-
-
-# ---------------------------------------------------------------------- accounting
-def _pld_interval(z: float, releases: int) -> float:
-    """PLD's value discretisation: 1e-3 (dp-accounting's default 1e-4 is ten times slower and moves
-    epsilon by < 1e-6 here), coarser where the privacy loss range, about
-    releases / (2 z^2) + 10 sqrt(releases) / z, would need more than 1e5 buckets. A coarser grid
-    still bounds epsilon from above (Doroshenko et al., Sec. 3: pessimistic rounding)."""
-    return max(1e-3, (releases / (2.0 * z * z) + 10.0 * math.sqrt(releases) / z) * 1e-5)
-
-
-def _accountant(kind: str, z: float, releases: int) -> Any:
-    import dp_accounting
-
-    if kind == "rdp":
-        return dp_accounting.rdp.RdpAccountant()
-    return dp_accounting.pld.PLDAccountant(value_discretization_interval=_pld_interval(z, releases))
-
-
-def dp_event(z: float, releases: int) -> Any:
-    """`releases` Gaussian mechanisms of noise multiplier z on the same examples."""
-    import dp_accounting
-
-    return dp_accounting.SelfComposedDpEvent(dp_accounting.GaussianDpEvent(z), int(releases))
-
-
-def epsilon(z: float, delta: float, releases: int = 1, accountant: str = "rdp") -> float:
-    """Epsilon spent at `delta` by `releases` Gaussian releases of noise multiplier z."""
-    if releases == 0:
-        return 0.0
-    acc = _accountant(accountant, z, releases)
-    acc.compose(dp_event(z, releases))
-    return float(acc.get_epsilon(delta))
-
-
-@functools.lru_cache(maxsize=64)
-def calibrate(target: float, delta: float, releases: int = 1, accountant: str = "rdp") -> float:
-    """The smallest noise multiplier (to dp-accounting's bisection tolerance) whose `releases`
-    releases spend at most `target` epsilon at `delta` under `accountant`.
-
-    Composed Gaussians are one Gaussian of multiplier z / sqrt(releases), whose exact epsilon is
-    the analytic one (Balle & Wang, "Improving the Gaussian Mechanism for Differential Privacy",
-    ICML 2018, Theorem 8): its z0 = sigma(target, delta) * sqrt(releases) is a lower bound of
-    both accountants' answer (each bounds epsilon from above), so the search starts there."""
-    import dp_accounting
-
-    z0 = dp_accounting.get_sigma_gaussian(target, delta) * math.sqrt(releases)
-    if z0 < 0.02:
-        raise UserError(f"--dp-epsilon {target}: so large that a noise multiplier below 0.02 would do "
-                        "(train without DP, or give --dp-noise-multiplier)")
-    if z0 > 1e4:
-        raise UserError(f"--dp-epsilon {target}: too small for --dp-delta {delta} (needs a noise multiplier above 1e4)")
-    lo, hi = z0 * (1 - 1e-3), z0 * 1.1
-    while epsilon(hi, delta, releases, accountant) > target:
-        lo, hi = hi, hi * 2
-    z = dp_accounting.calibrate_dp_mechanism(
-        lambda: _accountant(accountant, lo, releases), lambda s: dp_event(s, releases), target, delta,
-        dp_accounting.ExplicitBracketInterval(lo, hi), tol=1e-5 * z0)
-    while epsilon(z, delta, releases, accountant) > target:  # the bracket's end on the private side
-        z *= 1 + 1e-6
-    return float(z)
-
-
-def noise_stds(sensitivity: Mapping[str, float], z: float, split: Sequence[tuple[str, float]] = ()) -> dict[str, float]:
-    """sigma_f = z * Delta_f / sqrt(w_f) per field (module docstring); a field no example can
-    change (Delta_f = 0) gets no noise and no share of the budget."""
-    moved = [k for k, d in sensitivity.items() if d > 0]
-    weights = dict(split)
-    unknown = sorted(set(weights) - set(moved))
-    if unknown:
-        raise UserError(f"--dp-split {unknown[0]}: not a noised field (fields: {', '.join(moved)})")
-    if weights and set(weights) != set(moved):
-        raise UserError(f"--dp-split: give a weight for every field ({', '.join(moved)})")
-    total = sum(weights.values()) if weights else float(len(moved))
-    w = {k: (weights[k] / total if weights else 1.0 / total) for k in moved}
-    return {k: (z * float(d) / math.sqrt(w[k]) if d > 0 else 0.0) for k, d in sensitivity.items()}
 
 
 # ---------------------------------------------------------------------- clipping and noise
@@ -349,13 +247,8 @@ class Private(AlgorithmBase):
         clear = None if clears[0] is None else tree_cat(clears)
         if self.mech.mode == "distributed":  # each participant's share: N(0, sigma_f^2 / K)
             K = len(ctx.participants)
-            ids = data.client_index.tolist()
-            for j, (k, v) in enumerate(sorted(sums.items())):
-                s = self.noise_std[k] / math.sqrt(K)
-                if s > 0:
-                    keys = [(self._secret, ctx.seed, 1, ctx.round, c, j) for c in ids]
-                    noise = torch.stack([gaussian(v.shape[1:], key, v.device) for key in keys])
-                    sums[k] = v + s * noise
+            share = {k: s / math.sqrt(K) for k, s in self.noise_std.items()}
+            sums = self._client_noise(sums, share, 1, data, ctx)
         rel = cs.releases + sent.to(cs.releases.device, torch.int64)
         return PrivateClientState(inner_cs, rel), PrivateMessage(sums, clear)
 
@@ -366,19 +259,29 @@ class Private(AlgorithmBase):
         if set(stats) != set(self.sensitivity):
             raise UserError(f"dp: {self.name}'s local statistics ({', '.join(sorted(stats))}) do not match its "
                             f"sensitivities ({', '.join(sorted(self.sensitivity))})")
-        ids = data.client_index.tolist()
-        noisy = {}
-        for j, (k, v) in enumerate(sorted(stats.items())):
-            v = v.to(torch.float64)
-            if self.noise_std[k] > 0:
-                keys = [(self._secret, ctx.seed, 2, ctx.round, c, j) for c in ids]
-                noise = torch.stack([gaussian(v.shape[1:], key, v.device) for key in keys])
-                on = release.to(v.device, torch.float64).view(-1, *([1] * (v.dim() - 1)))
-                v = v + self.noise_std[k] * noise * on
-            noisy[k] = v
+        noisy = self._client_noise(stats, self.noise_std, 2, data, ctx, on=release)
         msg = form.message(noisy, release, data, ctx)
         rel = cs.releases + release.to(cs.releases.device, torch.int64)
         return PrivateClientState(inner_cs, rel), msg
+
+    def _client_noise(self, stats: dict[str, torch.Tensor], std: Mapping[str, float], stream: int, data: FedData,
+                      ctx: RoundCtx, on: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+        """`stats` (client axis first) in float64, each field k plus std[k] * N(0, I) on every
+        client row (`on` [M]: only on the rows where it is True), each row's draw keyed by (secret,
+        run seed, `stream`, round, the client's global id, k's place in sorted order): a client's
+        noise does not depend on which clients share its stack."""
+        ids = data.client_index.tolist()
+        out = {k: v.to(torch.float64) for k, v in stats.items()}
+        for j, k in enumerate(sorted(out)):
+            if std[k] > 0:
+                v = out[k]
+                noise = torch.stack([gaussian(v.shape[1:], (self._secret, ctx.seed, stream, ctx.round, c, j), v.device)
+                                     for c in ids])
+                noise = std[k] * noise
+                if on is not None:
+                    noise = noise * on.to(v.device, torch.float64).view(-1, *([1] * (v.dim() - 1)))
+                out[k] = v + noise
+        return out
 
     def server_aggregate(self, ss: Any, msg: Any, ctx: RoundCtx) -> tuple[Any, Any]:
         if self.mech.mode == "local":  # the clients' messages, built from their noisy statistics
@@ -398,7 +301,8 @@ class Private(AlgorithmBase):
         for k in form.integer:
             if k in totals:
                 totals[k] = totals[k].clamp_min(1)
-        return form.aggregate(ss, clear, totals, ctx)
+        noisy = dataclasses.replace(ctx, noise_std={k: self.noise_std[k] for k in totals})  # for the finalize to adapt to
+        return form.aggregate(ss, clear, totals, noisy)
 
     def secure_form(self, message: Any = None) -> SecureForm:
         """Under SecAgg+ the nodes' sums are PrivateMessage.sums (noisy in distributed mode: no
@@ -459,7 +363,7 @@ class Private(AlgorithmBase):
         if self.post_processing:
             out["post_processing"] = self.post_processing
         if m.accountant == "pld":
-            out["pld_value_discretization_interval"] = _pld_interval(self.z, max(r, 1))
+            out["pld_value_discretization_interval"] = pld_interval(self.z, max(r, 1))
         if m.mode == "distributed":
             out["noise_std_per_client"] = "noise_std / sqrt(K), K = the round's participants"
         if m.mode == "local":

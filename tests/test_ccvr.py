@@ -265,19 +265,9 @@ def test_predict_main_is_the_calibrated_head_and_options_are_checked():
 def test_cli_train_then_predict_equals_the_evaluation(tmp_path):
     """`fedheads train --algorithm ccvr` then `fedheads predict`: the saved calibrated head
     predicts what the trainer evaluated."""
-    from test_fedheads_cli import CLIENTS, _accuracy_by_client, _invoke, _read_predictions, _write_store
+    from test_fedheads_cli import train_then_predict
 
-    store, run_dir, out = _write_store(tmp_path), tmp_path / "run", tmp_path / "pred.csv"
-    r = _invoke(["train", "--store", str(store), "--backbones", "synth", "--algorithm", "ccvr", "--rounds", "2",
-                 "--seeds", "1", "--quiet", "--out", str(run_dir), "--set", "virtual_per_class=50"])
-    assert r.exit_code == 0, r.output
-    assert _invoke(["predict", "--run", str(run_dir), "--store", str(store), "--out", str(out)]).exit_code == 0
-    import json
-
-    res = json.loads((run_dir / "results.json").read_text())
-    acc = _accuracy_by_client(_read_predictions(out))
-    for c in CLIENTS:
-        assert acc[c] == pytest.approx(res["per_client"][c]["mean"], abs=1e-6), c
+    train_then_predict(tmp_path, "--algorithm", "ccvr", "--rounds", "2", "--seeds", "1", "--set", "virtual_per_class=50")
 
 
 def test_flower_secagg_gives_the_engines_head(tmp_path):

@@ -331,24 +331,9 @@ def test_train_runs_one_pass_and_results_give_accuracy_as_clients_accumulate(tmp
 def test_trains_saves_and_predicts_through_the_cli(tmp_path, name):
     """`fedheads train` then `fedheads predict` (faiss, inner product through prototype_view)
     give the trainer's per-client accuracies."""
-    import csv
-    import json
+    from tests.test_fedheads_cli import train_then_predict
 
-    from tests.test_fedheads_cli import CLIENTS, _invoke, _write_store
-
-    store = _write_store(tmp_path)
-    run = tmp_path / "run"
-    r = _invoke(["train", "--store", str(store), "--backbones", "synth", "--algorithm", name, "--rounds", "1",
-                 "--seeds", "2", "--quiet", "--out", str(run)])
-    assert r.exit_code == 0, r.output
-    out = tmp_path / "pred.csv"
-    r = _invoke(["predict", "--run", str(run), "--store", str(store), "--out", str(out)])
-    assert r.exit_code == 0, r.output
-    rows = list(csv.DictReader(out.open()))
-    res = json.loads((run / "results.json").read_text())
-    for c in CLIENTS:
-        got = [row["label"] == row["prediction"] for row in rows if row["client"] == c]
-        assert 100.0 * np.mean(got) == pytest.approx(res["per_client"][c]["mean"], abs=1e-6), c
+    train_then_predict(tmp_path, "--algorithm", name, "--rounds", "1", "--seeds", "2")
 
 
 @pytest.mark.parametrize("name", ["fed3r", "fedcof"])

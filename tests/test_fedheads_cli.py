@@ -104,6 +104,22 @@ def _accuracy_by_client(rows: list[dict[str, str]]) -> dict[str, float]:
     return {c: 100.0 * float(np.mean(v)) for c, v in out.items()}
 
 
+def train_then_predict(tmp_path: Path, *train_args: str) -> dict[str, float]:
+    """`fedheads train` on a fresh `_write_store` (backbone synth; `train_args`: the algorithm and its
+    options), then `fedheads predict` of the saved run: asserts that each client's accuracy of the
+    predictions is the trainer's (results.json) and returns them by client."""
+    store, run, out = _write_store(tmp_path), tmp_path / "run", tmp_path / "pred.csv"
+    r = _invoke(["train", "--store", str(store), "--backbones", "synth", "--quiet", "--out", str(run), *train_args])
+    assert r.exit_code == 0, r.output
+    r = _invoke(["predict", "--run", str(run), "--store", str(store), "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    res = json.loads((run / "results.json").read_text())
+    acc = _accuracy_by_client(_read_predictions(out))
+    for c in CLIENTS:
+        assert acc[c] == pytest.approx(res["per_client"][c]["mean"], abs=1e-6), c
+    return acc
+
+
 @pytest.mark.parametrize("algorithm", ["fedpcl", "fedncm", "fedproto", "fedavg"])
 def test_predictions_equal_the_trainers_evaluation(store, tmp_path, algorithm):
     run = tmp_path / algorithm

@@ -217,21 +217,6 @@ def test_authors_code_head_is_their_linear_layer_and_the_paper_head_is_unchanged
 def test_authors_code_head_trains_saves_and_predicts_through_the_cli(tmp_path):
     """`fedheads train --set bias=authors-code`: the state keeps the bias (one more leaf) and
     `fedheads predict` (faiss, inner product on [x, 1]) gives the trainer's accuracies."""
-    import csv
-    import json
+    from tests.test_fedheads_cli import train_then_predict
 
-    from tests.test_fedheads_cli import CLIENTS, _invoke, _write_store
-
-    store = _write_store(tmp_path)
-    run = tmp_path / "run"
-    r = _invoke(["train", "--store", str(store), "--backbones", "synth", "--algorithm", "fedncm", "--set",
-                 "bias=authors-code", "--rounds", "1", "--seeds", "2", "--quiet", "--out", str(run)])
-    assert r.exit_code == 0, r.output
-    out = tmp_path / "pred.csv"
-    r = _invoke(["predict", "--run", str(run), "--store", str(store), "--out", str(out)])
-    assert r.exit_code == 0, r.output
-    rows = list(csv.DictReader(out.open()))
-    res = json.loads((run / "results.json").read_text())
-    for c in CLIENTS:
-        got = [row["label"] == row["prediction"] for row in rows if row["client"] == c]
-        assert 100.0 * np.mean(got) == pytest.approx(res["per_client"][c]["mean"], abs=1e-6), c
+    train_then_predict(tmp_path, "--algorithm", "fedncm", "--set", "bias=authors-code", "--rounds", "1", "--seeds", "2")

@@ -127,17 +127,8 @@ def test_float16_as_the_baseline_sends_and_refusals():
 
 
 def test_cli_train_then_predict_equals_the_evaluation(tmp_path):
-    import json
+    from test_fedheads_cli import train_then_predict
 
-    from test_fedheads_cli import CLIENTS, _accuracy_by_client, _invoke, _read_predictions, _write_store
-
-    store, run_dir, out = _write_store(tmp_path), tmp_path / "run", tmp_path / "pred.csv"
-    r = _invoke(["train", "--store", str(store), "--backbones", "synth", "--algorithm", "fedpft", "--rounds", "1",
-                 "--seeds", "1", "--quiet", "--out", str(run_dir), "--set", "server_lr=0.01", "--set", "server_epochs=5"])
-    assert r.exit_code == 0, r.output
-    assert _invoke(["predict", "--run", str(run_dir), "--store", str(store), "--out", str(out)]).exit_code == 0
-    res = json.loads((run_dir / "results.json").read_text())
-    acc = _accuracy_by_client(_read_predictions(out))
-    for c in CLIENTS:
-        assert acc[c] == pytest.approx(res["per_client"][c]["mean"], abs=1e-6), c
+    acc = train_then_predict(tmp_path, "--algorithm", "fedpft", "--rounds", "1", "--seeds", "1", "--set", "server_lr=0.01",
+                             "--set", "server_epochs=5")
     assert min(acc.values()) > 40.0  # chance is 25

@@ -60,9 +60,13 @@ class Deployment:
         logs.mkdir(exist_ok=True)
         self.serve = self._start(_cli("serve", "--nodes", str(len(nodes)), "--port", str(self.port), "--host", "127.0.0.1",
                                       "--wait", str(READY_S), "--out", str(self.out), *serve_args), logs / "serve.log")
-        _wait_for_line(self.serve, logs / "serve.log", "SuperLink on ", READY_S)  # ready before the nodes dial
-        self.nodes = [self._start(_cli("join", "--superlink", f"127.0.0.1:{self.port}", *n), logs / f"node{i}.log")
-                      for i, n in enumerate(nodes)]
+        try:
+            _wait_for_line(self.serve, logs / "serve.log", "SuperLink on ", READY_S)  # ready before the nodes dial
+            self.nodes = [self._start(_cli("join", "--superlink", f"127.0.0.1:{self.port}", *n), logs / f"node{i}.log")
+                          for i, n in enumerate(nodes)]
+        except BaseException:  # no caller holds this object yet to close it
+            self.close()
+            raise
 
     def _start(self, cmd: list[str], log: Path) -> subprocess.Popen:
         with open(log, "wb") as f:  # SIGTERM to the child if this process dies (kept across join's execve)
@@ -104,6 +108,26 @@ def _wait_for_line(proc: subprocess.Popen, log: Path, text: str, limit: float) -
     raise AssertionError(f"{log.name}: no {text!r} within {limit:.0f} s (a loaded machine?): {first_error(log)}")
 
 
+def run_deployment(tmp: Path, serve_args: list[str], nodes: list[list[str]]) -> Path:
+    """Serve + one `join` per entry of `nodes` until serve exits (every process stopped by PID
+    whatever happens); asserts that the run succeeded and returns its --out folder."""
+    dep = Deployment(tmp, serve_args, nodes)
+    try:
+        rc, log = dep.wait()
+    finally:
+        dep.close()
+    assert rc == 0, log[-3000:]
+    return dep.out
+
+
+def run_secagg_fedncm(tmp: Path, stores: dict[str, Path], *extra: str) -> Path:
+    """`run_deployment` of one round of FedNCM under SecAgg+ (plus `extra` serve options) over one
+    node per store."""
+    return run_deployment(tmp, ["--algorithm", "fedncm", "--backbones", "synth", "--rounds", "1", "--secagg",
+                                "--timeout", "180", *extra],
+                          [["--store", str(stores[c])] for c in CLIENTS])
+
+
 @pytest.fixture
 def node_stores(tmp_path):
     """Each node's own store (its client only) and the union the engine trains on."""
@@ -117,26 +141,19 @@ def test_secagg_fedncm_over_three_nodes_gives_the_class_means_of_train(tmp_path,
     from fedheads.cli import main
 
     stores, union = node_stores
-    dep = Deployment(tmp_path, ["--algorithm", "fedncm", "--backbones", "synth", "--rounds", "1", "--secagg",
-                                "--timeout", "180"],
-                     [["--store", str(stores[c])] for c in CLIENTS])
-    try:
-        rc, log = dep.wait()
-    finally:
-        dep.close()
-    assert rc == 0, log[-3000:]
+    out = run_secagg_fedncm(tmp_path, stores)
     ref_dir = tmp_path / "ref"
     r = CliRunner().invoke(main, ["train", "--store", str(union), "--backbones", "synth", "--algorithm", "fedncm",
                                   "--rounds", "1", "--seeds", "0", "--quiet", "--out", str(ref_dir)])
     assert r.exit_code == 0, r.output
-    got = torch.load(dep.out / "state" / "seed0.server.pt", weights_only=True)["server"]
+    got = torch.load(out / "state" / "seed0.server.pt", weights_only=True)["server"]
     ref = torch.load(ref_dir / "state" / "seed0.pt", weights_only=True)["server"]
     sums, counts, means, present = got
     assert torch.equal(counts, ref[1]) and torch.equal(present, ref[3])
     assert (means - ref[2]).abs().max() < error_bound(3, 10) / counts.min()  # sums < 2^10 here
-    res = json.loads((dep.out / "results.json").read_text())
+    res = json.loads((out / "results.json").read_text())
     assert res["engine"] == "flower-secagg" and len(res["flower"]["nodes"]) == 3
-    received = [json.loads(line) for line in (dep.out / "received.jsonl").read_text().splitlines()]
+    received = [json.loads(line) for line in (out / "received.jsonl").read_text().splitlines()]
     updates = [a for a in received if a["type"] == "train.update"]
     assert len(updates) == 3 and all(a["arrays"] == {} for a in updates)  # no sum in the clear
     masked = [a for a in received if "masked_params" in a["configs"].get("secaggplus_configs", [])]
@@ -151,24 +168,16 @@ def test_distributed_dp_under_secagg_over_three_nodes_writes_the_privacy_block(t
     from fedheads.run.load import load_fed_data
 
     stores, union = node_stores
-    dep = Deployment(tmp_path, ["--algorithm", "fedncm", "--backbones", "synth", "--rounds", "1", "--secagg",
-                                "--timeout", "180", "--dp-noise-multiplier", "0.5", "--dp-clip", "3",
-                                "--dp-mode", "distributed"],
-                     [["--store", str(stores[c])] for c in CLIENTS])
-    try:
-        rc, log = dep.wait()
-    finally:
-        dep.close()
-    assert rc == 0, log[-3000:]
-    p = json.loads((dep.out / "results.json").read_text())["privacy"]
+    out = run_secagg_fedncm(tmp_path, stores, "--dp-noise-multiplier", "0.5", "--dp-clip", "3", "--dp-mode", "distributed")
+    p = json.loads((out / "results.json").read_text())["privacy"]
     assert p["mode"] == "distributed" and p["noise_seed"] == "secret" and p["releases_per_example"] == 1
     assert p["noise_multiplier"] == 0.5 and p["epsilon"] == pytest.approx(epsilon(0.5, 1e-5, 1))
-    sums = torch.load(dep.out / "state" / "seed0.server.pt", weights_only=True)["server"][0]
+    sums = torch.load(out / "state" / "seed0.server.pt", weights_only=True)["server"][0]
     data = bounded(load_fed_data(str(union), ["synth"], "cpu"), 3.0, "clip")
     clean = client_stats(data.x_train, data.y_train, data.m_train, data.num_classes)[0].sum(0)
     gap = (sums.double() - clean.double()).abs().max().item()
     assert 0.1 < gap < 10 * p["noise_std"]["sums"]  # the nodes' noise: present, and of its stated scale
-    received = [json.loads(line) for line in (dep.out / "received.jsonl").read_text().splitlines()]
+    received = [json.loads(line) for line in (out / "received.jsonl").read_text().splitlines()]
     updates = [a for a in received if a["type"] == "train.update"]
     assert len(updates) == 3 and all(a["arrays"] == {} and "fh.releases" in a["configs"] for a in updates)
 
@@ -183,15 +192,10 @@ def test_plain_fedpcl_nodes_extract_their_own_images_and_equal_the_engine(tmp_pa
     subprocess.run([sys.executable, "-m", "embedcache.cli", "partition", "builtin:digits", "--scheme", "feature-shift",
                     "--train-per-class", "2", "--test-per-class", "2", "--out", str(manifest)], check=True, timeout=120)
     names = [c["name"] for c in json.loads(manifest.read_text())["clients"]][:3]
-    dep = Deployment(tmp_path, ["--algorithm", "fedpcl", "--backbones", "digitnet-builtin", "--rounds", "2",
-                                "--eval-every", "0", "--timeout", "240"],
-                     [["--store", str(tmp_path / f"node{i}" / "s.zarr"), "--manifest", str(manifest), "--client", c]
-                      for i, c in enumerate(names)])
-    try:
-        rc, log = dep.wait()
-    finally:
-        dep.close()
-    assert rc == 0, log[-3000:]
+    out = run_deployment(tmp_path, ["--algorithm", "fedpcl", "--backbones", "digitnet-builtin", "--rounds", "2",
+                                    "--eval-every", "0", "--timeout", "240"],
+                         [["--store", str(tmp_path / f"node{i}" / "s.zarr"), "--manifest", str(manifest), "--client", c]
+                          for i, c in enumerate(names)])
     for i in range(3):
         assert (tmp_path / f"node{i}" / "s.zarr" / "digitnet-builtin" / names[i]).is_dir()
     union = tmp_path / "union.zarr"
@@ -200,10 +204,10 @@ def test_plain_fedpcl_nodes_extract_their_own_images_and_equal_the_engine(tmp_pa
     alg, _, _ = build_algorithm("fedpcl", TrainOptions(), strict=True)
     ref = run(alg, load_fed_data(str(union), ["digitnet-builtin"], "cpu", clients=names), 2, seed=0, engine="loop",
               progress=False)
-    got = json.loads((dep.out / "results.json").read_text())
+    got = json.loads((out / "results.json").read_text())
     want = {n: 100.0 * float(a) for n, a in zip(names, ref.final_accuracy().tolist())}
     assert {n: got["per_client"][n]["mean"] for n in names} == pytest.approx(want, abs=1e-9)
-    server = torch.load(dep.out / "state" / "seed0.server.pt", weights_only=True)["server"]
+    server = torch.load(out / "state" / "seed0.server.pt", weights_only=True)["server"]
     assert torch.equal(server[3], ref.server_state.global_protos)  # bit for bit
 
 

@@ -5,6 +5,7 @@ is the command line a user would type, and its results.json becomes the cell's r
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import click
@@ -50,8 +51,9 @@ def _opts(argv: list[str]) -> dict[str, str | bool]:
     return out
 
 
-def _fake_feddra(calls: list[list[str]]) -> click.Command:
-    """Stands in for `fedheads feddra`: records its arguments and writes a results.json (contract 6)."""
+def _fake_feddra(calls: list[list[str]], results: Callable[[dict[str, str | bool]], dict]) -> click.Command:
+    """Stands in for `fedheads feddra`: records its arguments and writes `results(options)` as the
+    run's results.json (contract 6)."""
 
     @click.command("feddra", context_settings={"ignore_unknown_options": True})
     @click.argument("args", nargs=-1, type=click.UNPROCESSED)
@@ -60,25 +62,40 @@ def _fake_feddra(calls: list[list[str]]) -> click.Command:
         opts = _opts(list(args))
         out = Path(str(opts["--out"]))
         out.mkdir(parents=True, exist_ok=True)
-        rho = float(str(opts["rho"]))
-        per_client = {f"c{i}": {"mean": 20.0 + 10 * rho + i, "n_test": 4} for i in range(5)}
-        (out / "results.json").write_text(json.dumps({
-            "per_client": per_client, "clients": list(per_client), "domains": ["mimic"] * 5,
-            "history": [{"round": 1, "accuracy": 22.0 + 10 * rho}],
-            "retrieval": {"t2i_r5": {"mean": {"mean": 50.0 + rho, "std": 0.0}, "worst": {"mean": 40.0, "std": 0.0}}}}))
+        (out / "results.json").write_text(json.dumps(results(opts)))
 
     return feddra
 
 
-def test_each_cell_is_a_feddra_command_line(monkeypatch, tmp_path):
+def _results(means: list[float], accuracy: float, **more: object) -> dict:
+    """A FedDRA results.json of five mimic clients with these mean R@1s (and `more` keys)."""
+    per_client = {f"c{i}": {"mean": m, "n_test": 4} for i, m in enumerate(means)}
+    return {"per_client": per_client, "clients": list(per_client), "domains": ["mimic"] * len(means),
+            "history": [{"round": 1, "accuracy": accuracy}], **more}
+
+
+def _run_with_stand_in(monkeypatch, tmp_path: Path, experiment: str,
+                       results: Callable[[dict[str, str | bool]], dict]) -> tuple[list[list[str]], Path]:
+    """`pipelines run EXPERIMENT` at smoke scale on a small captioned folder, `fedheads feddra`
+    stood in for by `_fake_feddra(results)`: (the command lines it got, the experiment's output folder)."""
     calls: list[list[str]] = []
-    monkeypatch.setitem(fedheads_main.commands, "feddra", _fake_feddra(calls))
+    monkeypatch.setitem(fedheads_main.commands, "feddra", _fake_feddra(calls, results))
     copy = pd.make_folder(tmp_path / "pairs", ("mimic",), tuple("abcde"), per_class=8)
-    res = CliRunner().invoke(main, ["run", "feddra-table8", "--scale", "smoke", "--scheduler", "serial", "--quiet",
+    res = CliRunner().invoke(main, ["run", experiment, "--scale", "smoke", "--scheduler", "serial", "--quiet",
                                     "--plugin", "pipelines_doubles", "--source",
                                     f"mimic-cxr=captioned:imagefolder:{copy}", "--out", str(tmp_path / "out"),
                                     *ENCODERS])
     assert res.exit_code == 0, res.output
+    return calls, tmp_path / "out" / experiment
+
+
+def test_each_cell_is_a_feddra_command_line(monkeypatch, tmp_path):
+    def by_rho(opts: dict[str, str | bool]) -> dict:
+        rho = float(str(opts["rho"]))
+        return _results([20.0 + 10 * rho + i for i in range(5)], 22.0 + 10 * rho, retrieval={
+            "t2i_r5": {"mean": {"mean": 50.0 + rho, "std": 0.0}, "worst": {"mean": 40.0, "std": 0.0}}})
+
+    calls, out = _run_with_stand_in(monkeypatch, tmp_path, "feddra-table8", by_rho)
     assert len(calls) == 3  # rho in {0.01, 0.1, 1.0}, one seed at smoke
     for argv in calls:
         opts = _opts(argv)
@@ -87,7 +104,7 @@ def test_each_cell_is_a_feddra_command_line(monkeypatch, tmp_path):
         assert opts["--quiet"] is True and "--resume" not in opts  # a fresh cell starts afresh
         assert json.loads(Path(str(opts["--manifest"])).read_text())["classes"] == list("abcde")
     assert sorted(float(str(_opts(a)["rho"])) for a in calls) == [0.01, 0.1, 1.0]
-    results = json.loads((tmp_path / "out" / "feddra-table8" / "results.json").read_text())
+    results = json.loads((out / "results.json").read_text())
     r1 = {a["point"]: a["values"]["r1"]["mean"] for a in results["arms"]}
     assert r1 == pytest.approx({"rho=0.01": 22.1, "rho=0.1": 23.0, "rho=1.0": 32.0})  # mean client R@1
     assert {a["point"]: a["values"]["r5"]["mean"] for a in results["arms"]} == \
@@ -110,40 +127,18 @@ def test_a_cell_hash_follows_what_its_preset_sets(monkeypatch):
     assert plan.cells(arm, ctx)[0]["hash"] != now["hash"]
 
 
-def _fake_feddra_by_preset(calls: list[list[str]], r1: dict[str, float]) -> click.Command:
-    """Stands in for `fedheads feddra`: every client's text->image R@1 is r1[--baseline]."""
-
-    @click.command("feddra", context_settings={"ignore_unknown_options": True})
-    @click.argument("args", nargs=-1, type=click.UNPROCESSED)
-    def feddra(args: tuple[str, ...]) -> None:
-        calls.append(list(args))
-        opts = _opts(list(args))
-        out = Path(str(opts["--out"]))
-        out.mkdir(parents=True, exist_ok=True)
-        v = r1[str(opts["--baseline"])]
-        per_client = {f"c{i}": {"mean": v, "n_test": 4} for i in range(5)}
-        (out / "results.json").write_text(json.dumps({
-            "per_client": per_client, "clients": list(per_client), "domains": ["mimic"] * 5,
-            "history": [{"round": 1, "accuracy": v}]}))
-
-    return feddra
-
-
 def test_table2_compares_the_published_fedavg_with_the_one_stage_fedavg_and_shows_the_two_stage_beside(
         monkeypatch, tmp_path):
     """Table 2's FedAvg is the paper's one-stage FedAvg (--baseline fedavg); FedAvg with FedDRA's
     two-stage schedule runs beside it as a row of its own that no published number is compared with."""
-    calls: list[list[str]] = []
-    r1 = {"feddra": 30.0, "fedavg": 20.0, "fedavg-two-stage": 28.0}
-    monkeypatch.setitem(fedheads_main.commands, "feddra", _fake_feddra_by_preset(calls, r1))
-    copy = pd.make_folder(tmp_path / "pairs", ("mimic",), tuple("abcde"), per_class=8)
-    res = CliRunner().invoke(main, ["run", "feddra-table2", "--scale", "smoke", "--scheduler", "serial", "--quiet",
-                                    "--plugin", "pipelines_doubles", "--source",
-                                    f"mimic-cxr=captioned:imagefolder:{copy}", "--out", str(tmp_path / "out"),
-                                    *ENCODERS])
-    assert res.exit_code == 0, res.output
+    r1 = {"feddra": 30.0, "fedavg": 20.0, "fedavg-two-stage": 28.0}  # every client's text->image R@1, by preset
+
+    def by_preset(opts: dict[str, str | bool]) -> dict:
+        v = r1[str(opts["--baseline"])]
+        return _results([v] * 5, v)
+
+    calls, out = _run_with_stand_in(monkeypatch, tmp_path, "feddra-table2", by_preset)
     assert sorted(str(_opts(a)["--baseline"]) for a in calls) == ["fedavg", "fedavg-two-stage", "feddra"]
-    out = tmp_path / "out" / "feddra-table2"
     results = json.loads((out / "results.json").read_text())
     ours = {a["method"]: a["values"]["r1"]["mean"] for a in results["arms"] if a["values"]}
     assert ours == pytest.approx({"FedDRA (Ours)": 30.0, "FedAvg": 20.0, "FedAvg (two-stage schedule)": 28.0})

@@ -137,7 +137,7 @@ def test_fed3r_lambda_from_the_noise_keeps_the_solve_definite():
         auto = _private_fed3r(2.0, seed)
         ss = run(auto, fed, 1, progress=False).server_state
         lam = 0.01 + 2.0 * auto.noise_std["gram"] * math.sqrt(Dp)
-        assert auto.inner.lam(Dp) == pytest.approx(lam)
+        assert auto.inner.lam(Dp, 1, auto.noise_std["gram"]) == pytest.approx(lam)
         assert float(torch.linalg.eigvalsh(ss.gram + lam * eye).min()) > 0 and not bool(ss.pinv)
         post = auto.report([1])["post_processing"]
         assert post["fed3r_lam"] == pytest.approx(lam) and post["gram_dim"] == Dp
@@ -261,9 +261,28 @@ def test_fed3r_lambda_follows_the_noise_of_every_round_summed():
         auto = _private_fed3r(2.0, seed)
         ss = run(auto, fed, rounds, fraction=0.5, seed=seed, progress=False).server_state
         lam = 0.01 + 2.0 * auto.noise_std["gram"] * math.sqrt(rounds * Dp)
-        assert auto.inner.lam(Dp, rounds) == pytest.approx(lam)
+        assert auto.inner.lam(Dp, rounds, auto.noise_std["gram"]) == pytest.approx(lam)
         assert float(torch.linalg.eigvalsh(ss.gram + lam * torch.eye(Dp, dtype=torch.float64)).min()) > 0
         assert not bool(ss.pinv)
+
+
+def test_one_fed3r_object_runs_private_then_plain_as_two_fresh_ones():
+    """The Gram's noise std reaches the solve with the noisy totals (RoundCtx.noise_std), not as an
+    attribute of the algorithm: a Fed3R object reused after a private run solves with the plain
+    lambda, and the private run's solve used the lambda of its noise."""
+    fed = tiny_fed(D=30)
+    Dp = 31  # the bias column
+    alg = create_algorithm("fed3r")
+    private = Private(alg, Mechanism(clip=1.0, noise_multiplier=1.0, noise_seed=0))
+    noisy = run(private, fed, 1, progress=False).server_state
+    assert alg.lam(Dp) == 0.01  # the plain lambda: nothing of the private run stays on the object
+    plain = run(alg, fed, 1, progress=False).server_state
+    fresh = run(create_algorithm("fed3r"), fed, 1, progress=False).server_state
+    assert torch.equal(plain.weight, fresh.weight) and torch.equal(plain.bias, fresh.bias)
+    sigma = private.noise_std["gram"]
+    assert sigma > 0
+    weight, bias, _, _ = alg.finalize(noisy.gram, noisy.sums, noisy.counts, 1, sigma)  # the solve under the noise
+    assert torch.equal(noisy.weight, weight) and torch.equal(noisy.bias, bias)
 
 
 def test_ccvr_records_a_saved_head_trained_without_dp_and_warns(tmp_path, caplog):

@@ -192,6 +192,20 @@ def second_moments(x: torch.Tensor, y: torch.Tensor, mask: torch.Tensor, num_cla
     return q[:-1].view(M, C, D, D)
 
 
+def class_statistics(x: torch.Tensor, y: torch.Tensor, mask: torch.Tensor, num_classes: int, diagonal: bool = False,
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-class statistics of stacked clients' rows (mask True), as sums (Sec. 4): s_kc [M, C, D]
+    float64 and n_kc [M, C] int64 (fedncm.client_stats) and q_kc = sum x x^T [M, C, D, D] float64
+    (`second_moments`), or with `diagonal` only its diagonal, sum x * x [M, C, D] (FedPFT's
+    spherical and diagonal Gaussians). A client none of whose rows is in `mask` gets zeros."""
+    sums, counts = client_stats(x, y, mask, num_classes)
+    if diagonal:
+        sq = client_stats(x.double() * x.double(), y, mask, num_classes)[0]
+    else:
+        sq = second_moments(x, y, mask, num_classes)
+    return sums, sq, counts
+
+
 def class_gaussians(sums: torch.Tensor, sq: torch.Tensor, counts: torch.Tensor,
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(mu [C, D], Sigma [C, D, D], usable [C]) from summed statistics (CCVR Sec. 4's global covariance as sums);
@@ -303,17 +317,15 @@ class CCVR(AlgorithmBase):
             delta = d
         if not bc.collect:
             return CCVRClientState(lp_cs, cs.sent), Empty() if delta is None else delta
-        fresh = ~cs.sent.to(data.device)
-        sums, counts = client_stats(data.x_train, data.y_train, data.m_train, data.num_classes)
-        sq = second_moments(data.x_train, data.y_train, data.m_train, data.num_classes)
+        fresh = ~cs.sent.to(data.device)  # a client reports once: the others' rows count for nothing
+        rows = data.m_train & fresh.to(data.m_train.device).view(-1, 1)
+        sums, sq, counts = class_statistics(data.x_train, data.y_train, rows, data.num_classes)
         if self.cfg.covariance == "fl-bench":  # (n-1)/n q + mu mu^T: FL-bench's correction=0 local covariances
             n = counts.to(sq.dtype)
             mu = sums / n.clamp(min=1).unsqueeze(-1)
             sq = ((n - 1).clamp(min=0) / n.clamp(min=1)).unsqueeze(-1).unsqueeze(-1) * sq \
                 + mu.unsqueeze(-1) * mu.unsqueeze(-2)
-        f = fresh.to(torch.float64)
-        msg = CCVRMessage(delta, sums * f.view(-1, 1, 1), sq * f.view(-1, 1, 1, 1),
-                          counts * fresh.view(-1, 1).to(counts.dtype), fresh)
+        msg = CCVRMessage(delta, sums, sq, counts, fresh)
         return CCVRClientState(lp_cs, torch.ones_like(cs.sent)), msg
 
     def server_aggregate(self, ss: CCVRServerState, msg: CCVRMessage | DeltaMessage | Empty,

@@ -39,7 +39,9 @@ Non-asymptotic Analysis of Random Matrices", 2012, Cor. 5.35). A fixed λ = 0.01
 is positive semidefinite; E's own norm is nearer √2 σ√D', a GOE's, so κ = 2 is already ample).
 Every round adds a fresh draw to the totals (fedheads.privacy), so after R rounds (partial
 participation) the noise's std per entry is σ√R and the solve uses λ = lam + κ σ √(R D').
-The λ used is in results.json's privacy block (``post_processing``). Without DP nothing changes."""
+σ comes with the totals (RoundCtx.noise_std, from the private wrapper), not from the algorithm
+object, so one Fed3R object runs with DP and then without as two fresh objects would. The λ used
+is in results.json's privacy block (``post_processing``). Without DP nothing changes."""
 
 from __future__ import annotations
 
@@ -177,7 +179,6 @@ class Fed3R(AlgorithmBase):
             raise UserError(f"lam_noise_scale={cfg.lam_noise_scale!r}: must be a number >= 0")
         self.cfg = cfg
         self.dtype = DTYPES[cfg.dtype]
-        self.gram_noise_std = 0.0  # per entry of one round's noisy Gram total, set by dp_finalize under DP
 
     def init(self, spec: DataSpec, seed: int) -> Init:
         C, D, dev = spec.num_classes, spec.dim, spec.device
@@ -219,23 +220,25 @@ class Fed3R(AlgorithmBase):
         gram = ss.gram + msg.gram.to(torch.float64).sum(0)  # sums of client contributions ...
         sums = ss.sums + msg.sums.to(torch.float64).sum(0)
         counts = ss.counts + msg.counts.sum(0)
-        weight, bias, present, pinv = self.finalize(gram, sums, counts, ctx.round + 1)  # ... then finalize
+        sigma = float((ctx.noise_std or {}).get("gram", 0.0))  # under DP: the noise std of each round's Gram total
+        weight, bias, present, pinv = self.finalize(gram, sums, counts, ctx.round + 1, sigma)  # ... then finalize
         return Fed3RServerState(gram, sums, counts, weight, bias, present, pinv), Fed3RBroadcast()
 
-    def lam(self, dim: int, rounds: int = 1) -> float:
-        """λ: ``lam``, plus under DP κ σ √(R D') for a Gram summed over R rounds' noisy totals
-        (each round adds an independent draw: the noise's std per entry is σ √R)."""
-        return float(self.cfg.lam) + float(self.cfg.lam_noise_scale) * self.gram_noise_std * math.sqrt(rounds * dim)
+    def lam(self, dim: int, rounds: int = 1, gram_noise_std: float = 0.0) -> float:
+        """λ: ``lam``, plus under DP κ σ √(R D') for a Gram summed over R rounds' noisy totals, each
+        of noise std σ = `gram_noise_std` per entry (independent draws: σ √R after R rounds)."""
+        return float(self.cfg.lam) + float(self.cfg.lam_noise_scale) * float(gram_noise_std) * math.sqrt(rounds * dim)
 
     def finalize(self, gram: torch.Tensor, sums: torch.Tensor, counts: torch.Tensor, rounds: int = 1,
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                 gram_noise_std: float = 0.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """(weight [C, D], bias [C], present [C], used pinv []) of the summed statistics:
-        solve(λI + ΣA_k, Σb_k) (calc_ridge_params), then each class normalised (normalize_W)."""
+        solve(λI + ΣA_k, Σb_k) (calc_ridge_params), then each class normalised (normalize_W); λ = `lam`'s
+        for R = `rounds` rounds of Gram totals of noise std `gram_noise_std` (0: exact totals)."""
         present = counts > 0
         b = sums.T  # [D, C]: b's feature rows
         if self.cfg.bias:
             b = torch.cat([b, counts.to(torch.float64).unsqueeze(0)], 0)  # b's bias row: onehot(y) summed
-        lam = self.lam(gram.shape[0], rounds)
+        lam = self.lam(gram.shape[0], rounds, gram_noise_std)
         a = gram + lam * torch.eye(gram.shape[0], dtype=gram.dtype, device=gram.device)
         hint = f" (lam={lam:g}; lam > 0 makes it definite, under DP lam_noise_scale >= 2)"
         sol, pinv = solve_psd(a, b, "fed3r: lambda I + sum_k A_k", hint)
@@ -281,12 +284,12 @@ class Fed3R(AlgorithmBase):
         return {"gram": float(clip) ** 2 + float(self.cfg.bias), "sums": float(clip), "counts": 1.0}
 
     def dp_finalize(self, noise_std: dict[str, float], spec: DataSpec) -> dict[str, Any]:
-        """Keeps σ_gram for the solve's λ = lam + lam_noise_scale · σ_gram · √(R D') (module
-        docstring); returns the rule and its one-round value, for results.json."""
+        """The solve's λ = lam + lam_noise_scale · σ_gram · √(R D') (module docstring; σ_gram reaches
+        `finalize` in RoundCtx.noise_std): the rule and its one-round value, for results.json."""
         Dp = spec.dim + int(self.cfg.bias)
         sigma = float(noise_std.get("gram", 0.0))
-        self.gram_noise_std = sigma
-        return {"fed3r_lam": self.lam(Dp), "fed3r_lam_rule": "lam + lam_noise_scale * gram_noise_std * sqrt(R * D'), "
+        return {"fed3r_lam": self.lam(Dp, 1, sigma),
+                "fed3r_lam_rule": "lam + lam_noise_scale * gram_noise_std * sqrt(R * D'), "
                 "R = the rounds whose noisy totals the Gram sums (fed3r_lam: R = 1)",
                 "lam": self.cfg.lam, "lam_noise_scale": self.cfg.lam_noise_scale, "gram_noise_std": sigma,
                 "gram_dim": Dp, "gram_noise": "iid per entry, symmetrised: (G + G^T) / 2"}

@@ -54,8 +54,7 @@ import numpy as np
 import torch
 
 from embedcache.errors import UserError
-from fedheads.algorithms.ccvr import fit_linear, gaussian_factor, second_moments
-from fedheads.algorithms.fedncm import client_stats
+from fedheads.algorithms.ccvr import class_statistics, fit_linear, gaussian_factor
 from fedheads.algorithms.lp import init_mlp
 from fedheads.algorithms.pfl_common import config_from_kwargs
 from fedheads.core import rng
@@ -280,17 +279,13 @@ class FedPFT(AlgorithmBase):
         message fitted to their noisy versions (module docstring)."""
         def stats(cs: FedPFTClientState, bc: FedPFTBroadcast, data: FedData, ctx: RoundCtx,
                   ) -> tuple[FedPFTClientState, dict[str, torch.Tensor], torch.Tensor]:
-            fresh = ~cs.sent.to(data.device)  # a client contributes exactly once
-            x = data.x_train
-            sums, counts = client_stats(x, data.y_train, data.m_train, data.num_classes)
-            f = fresh.to(torch.float64)
-            if self.cfg.covariance in ("full", "tied"):  # sum x x^T [M, C, D, D]
-                sq = second_moments(x, data.y_train, data.m_train, data.num_classes) * f.view(-1, 1, 1, 1)
-            else:  # spherical/diag read the diagonal only: sum x * x [M, C, D], ||x * x|| <= ||x||^2 = clip^2
-                sq = client_stats(x.double() * x.double(), data.y_train, data.m_train, data.num_classes)[0].double()
-                sq = sq * f.view(-1, 1, 1)
-            out = {"sums": sums.double() * f.view(-1, 1, 1), "sq": sq,
-                   "counts": counts.double() * f.view(-1, 1)}
+            fresh = ~cs.sent.to(data.device)  # a client contributes exactly once: the others' rows count for nothing
+            rows = data.m_train & fresh.to(data.m_train.device).view(-1, 1)
+            # full/tied: sum x x^T [M, C, D, D]; spherical/diag read the diagonal only: sum x * x [M, C, D],
+            # ||x * x|| <= ||x||^2 = clip^2
+            diagonal = self.cfg.covariance not in ("full", "tied")
+            sums, sq, counts = class_statistics(data.x_train, data.y_train, rows, data.num_classes, diagonal)
+            out = {"sums": sums, "sq": sq, "counts": counts.double()}
             return FedPFTClientState(torch.ones_like(cs.sent)), out, fresh
 
         def message(noisy: dict[str, torch.Tensor], release: torch.Tensor, data: FedData,

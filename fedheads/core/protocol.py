@@ -31,7 +31,7 @@ run. Conventions:
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar, Generic, TypeVar
 
@@ -56,6 +56,9 @@ class RoundCtx:
     participants: torch.Tensor  # [P] int64 positions in the stacked federation of this round's participants
     # (sorted; global ids only where the engine keeps the data's order: data.client_index holds them)
     num_clients: int  # M of the whole federation
+    noise_std: Mapping[str, float] | None = None  # differential privacy: the Gaussian noise std per entry of each
+    # secure-sum field in the totals this server step receives (fedheads.privacy passes it to the secure form's
+    # aggregate, so a finalize can adapt to it: Fed3R's ridge penalty); None: exact totals
 
 
 @dataclass(frozen=True)
@@ -219,11 +222,12 @@ class AlgorithmBase(Generic[CS, SS, Msg, Bc]):
                         "which it does not send); use --dp-mode central or distributed")
 
     def dp_finalize(self, noise_std: dict[str, float], spec: DataSpec) -> dict[str, Any]:
-        """Adapt the server's finalize to secure-sum totals that carry Gaussian noise of std
+        """What the server's finalize makes of secure-sum totals that carry Gaussian noise of std
         noise_std[f] per entry (differential privacy; a function of the noisy totals is
-        post-processing, of no privacy cost: e.g. Fed3R's ridge penalty from the Gram's noise).
-        Called by the private wrapper before each `init`; returns what it set, for results.json's
-        privacy block. The default changes nothing and returns {}."""
+        post-processing, of no privacy cost: e.g. Fed3R's ridge penalty from the Gram's noise), for
+        results.json's privacy block. The finalize reads the noise from `RoundCtx.noise_std`; this
+        hook only reports, and leaves the algorithm object as it is (one instance may run with DP,
+        then without). Called by the private wrapper before each `init`; the default returns {}."""
         return {}
 
     def linear_head(self, server_state: SS) -> dict[str, torch.Tensor] | None:
