@@ -13,6 +13,7 @@ public `fedheads feddra` command (when this build has it) with the options a use
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import socket
@@ -68,9 +69,46 @@ def _paper_units(alg: str, data: Any, rounds: int, fraction: float, cfg: Any) ->
     return None
 
 
-def run_head(cfg: dict[str, Any], paths: dict[str, Any], heap: Any = None) -> dict[str, Any]:
+def _saved_head(algorithm: str, data: Any, backbones: list[str], opts: Any, out: Path) -> tuple[Path, dict[str, Any]]:
+    """`algorithm` trained as `fedheads train --out OUT` trains it (one seed, the cell's options,
+    its common settings, its mechanism), for a cell that calibrates a saved head (CCVR's
+    head=RUN_DIR). Under DP the head's noise is drawn from another key than the cell's (noise_seed
+    + 1): the two releases' noises must be independent for their epsilons to compose."""
+    from fedheads.run.train import train_run
+
+    if opts.dp is not None and opts.dp.noise_seed is not None:
+        opts = dataclasses.replace(opts, dp=dataclasses.replace(opts.dp, noise_seed=opts.dp.noise_seed + 1))
+    res = train_run(None, backbones, algorithm, opts, out, strict=False, data=data, overwrite=True)
+    return out, res
+
+
+def composed_epsilon(blocks: list[dict[str, Any]]) -> float:
+    """Epsilon at the blocks' common delta of the releases the privacy `blocks` (results.json's,
+    each with noise_multiplier and releases_per_example) made of the same examples, composed as
+    dp-accounting composes Gaussian mechanisms (its accountant, RDP or PLD, as the blocks')."""
+    import dp_accounting
+
+    from fedheads import privacy
+
+    deltas, accs = {b["delta"] for b in blocks}, {b["accountant"] for b in blocks}
+    if len(deltas) != 1 or len(accs) != 1:
+        raise ValueError(f"privacy blocks at different deltas {sorted(deltas)} or accountants {sorted(accs)}")
+    zs = {float(b["noise_multiplier"]) for b in blocks}
+    releases = sum(int(b["releases_per_example"]) for b in blocks)
+    delta, acc = deltas.pop(), accs.pop()
+    if len(zs) == 1:  # one Gaussian mechanism released `releases` times
+        return privacy.epsilon(zs.pop(), delta, releases, acc)
+    event = dp_accounting.ComposedDpEvent([privacy.dp_event(b["noise_multiplier"], b["releases_per_example"])
+                                           for b in blocks])
+    accountant = dp_accounting.rdp.RdpAccountant() if acc == "rdp" else dp_accounting.pld.PLDAccountant()
+    return float(accountant.compose(event).get_epsilon(delta))
+
+
+def run_head(cfg: dict[str, Any], paths: dict[str, Any], heap: Any = None, out: Path | None = None) -> dict[str, Any]:
     """A head cell on the store's features, as `fedheads train` trains one seed (`heap`: the
-    process's heap policy, fedheads.run.allocator; None: none)."""
+    process's heap policy, fedheads.run.allocator; None: none). With the option `head_from`, the
+    cell first trains that algorithm's head into OUT/head as `fedheads train` would and the cell's
+    algorithm calibrates it (head=OUT/head: CCVR); under DP both releases are accounted together."""
     from fedheads.core.engine import run
     from fedheads.privacy import mechanism
     from fedheads.report import results as report
@@ -82,8 +120,17 @@ def run_head(cfg: dict[str, Any], paths: dict[str, Any], heap: Any = None) -> di
     opts = TrainOptions(rounds=o["rounds"], seeds=(cfg["seed"],), fraction=o["fraction"],
                         engine=o.get("engine", "vectorized"), device=o["device"], eval_every=o["eval_every"],
                         binarize=bool(o.get("binarize", False)), settings=_settings(cfg), progress=False, dp=dp)
-    alg, used, ignored = build_algorithm(cfg["algorithm"], opts, strict=False)
     data = _fed_data(paths["store"], tuple(cfg["backbones"]), o["device"], bool(o.get("binarize", False)), heap)
+    head: dict[str, Any] | None = None
+    if o.get("head_from"):
+        if out is None:
+            raise ValueError("head_from: the cell has no directory to save the head in")
+        head_opts = dataclasses.replace(opts, settings=tuple(cfg["settings"]["common"].items()))
+        head_dir, head_res = _saved_head(o["head_from"], data, list(cfg["backbones"]), head_opts, out / "head")
+        head = {"algorithm": o["head_from"], "run_dir": str(head_dir),
+                "accuracy": (head_res.get("accuracy") or {}).get("mean"), "privacy": head_res.get("privacy")}
+        opts = dataclasses.replace(opts, settings=opts.settings + ((f"{cfg['algorithm']}.head", str(head_dir)),))
+    alg, used, ignored = build_algorithm(cfg["algorithm"], opts, strict=False)
     # as fedheads train: the engine may stack the clients in its fastest order (results in the store's)
     res = run(alg, data, opts.rounds, seed=cfg["seed"], fraction=opts.fraction, engine=opts.engine,
               eval_every=opts.eval_every, progress=False, reorder=True,
@@ -95,7 +142,15 @@ def run_head(cfg: dict[str, Any], paths: dict[str, Any], heap: Any = None) -> di
         if rule != "main":
             other[rule] = 100.0 * float(acc[~acc.isnan()].mean())
     privacy = alg.report([alg.releases(res.client_state)]) if dp is not None else None
-    return {"seed_result": seed_res, "clients": names, "domains": domains, "privacy": privacy,
+    extra: dict[str, Any] = {}
+    if head is not None:
+        extra["saved_head"] = head
+        if privacy is not None and head["privacy"] is not None:  # the head's release and this run's, same examples
+            extra["privacy_end_to_end"] = {"epsilon": composed_epsilon([head["privacy"], privacy]),
+                                           "delta": privacy["delta"], "accountant": privacy["accountant"],
+                                           "releases": head["privacy"]["releases_per_example"]
+                                           + privacy["releases_per_example"]}
+    return {**extra, "seed_result": seed_res, "clients": names, "domains": domains, "privacy": privacy,
             "num_classes": data.num_classes, "feature_dims": [cfg["features"]["backbones"][b]["dim"]
                                                               for b in cfg["backbones"]],
             "training_rounds": opts.rounds - int(getattr(alg, "collect_rounds", 0)), "other_rules": other,
@@ -220,7 +275,7 @@ def run_cell(cell: dict[str, Any], cells_dir: str, heap: Any = None) -> dict[str
         torch.set_num_threads(int(cfg.get("threads", 1)))
         out = Path(cells_dir) / cell["hash"]
         if cfg["kind"] == "head":
-            result = run_head(cfg, paths, heap)
+            result = run_head(cfg, paths, heap, out)
         elif cfg["kind"] == "finetune":
             result = run_finetune(cfg, paths, out / "run")
         else:

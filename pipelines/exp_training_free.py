@@ -1,5 +1,6 @@
 """Training-free heads on real frozen features: FedNCM, Fed3R, FedCOF, CCVR and FedPFT, each
-also as the start of 10 rounds of further training, and FedNCM / Fed3R under differential privacy.
+also as the start of 10 rounds of further training, and FedNCM, Fed3R, CCVR and FedPFT under differential
+privacy.
 
 The claims come from FedCOF (Goswami et al., "Covariances for Free: Exploiting Mean Distributions
 for Training-free Federated Learning", NeurIPS 2025, abstract): FedCOF improves on
@@ -130,8 +131,8 @@ TABLE = Experiment(
     notes=NOTES,
 )
 
-# privacy-utility: FedNCM and Fed3R under the Gaussian mechanism (fedheads.privacy), central noise,
-# features normalised to unit norm, delta 1e-5, one release per client (one-shot heads)
+# privacy-utility: FedNCM, Fed3R, CCVR and FedPFT under the Gaussian mechanism (fedheads.privacy), central
+# noise (FedPFT: local), features normalised to unit norm, delta 1e-5, one release per client (one-shot heads)
 EPSILONS = (0.5, 1.0, 2.0, 4.0, 8.0)
 
 
@@ -144,14 +145,30 @@ def _dp(eps: float) -> tuple:
 # 2 sigma sqrt(D'), the spectral scale of the noise); the fixed lambda = 0.01 row shows why it must
 FED3R_FIXED = Method("Fed3R (lambda 0.01)", "fed3r", settings=(("lam_noise_scale", 0.0),), paper_rounds=1,
                      note="the paper's lambda = 0.01 kept fixed under DP")
-_DP_POINTS = tuple(Point((("partition", k), ("epsilon", e)), PARTITIONS[k], LITE0, settings=_dp(e))
-                   for k in PARTITIONS for e in EPSILONS)
+# CCVR under DP calibrates a saved linear head (head=RUN_DIR; its FedAvg-LP deltas are no clipped sums):
+# Fed3R's, trained in the same cell under the same mechanism (FedNCM's cosine rule is no linear head).
+# Both releases are calibrated for two (releases=2): the calibrated head is (epsilon, 1e-5)-DP end to
+# end at the point's epsilon (the cell's privacy_end_to_end; its privacy block is the calibration's own)
+CCVR_DP = Method("CCVR (on DP Fed3R)", "ccvr", settings=(("head_from", "fed3r"), ("covariance", "paper"),
+                                                         ("dp", (("releases", 2),))), paper_rounds=1,
+                 note="Fed3R's head trained under DP in the same cell, then calibrated on virtual features from the "
+                      "noisy class means and covariances (CCVR Sec. 4); the two releases share the point's epsilon")
+# FedPFT's mixtures are no sums: each client noises its own class statistics (local DP, fedheads.privacy)
+FEDPFT_DP = Method("FedPFT (local DP)", "fedpft", settings=(("dp", (("mode", "local"),)),), paper_rounds=1,
+                   note="each client adds the Gaussian noise to its own per-class count, sum and sum of squares and "
+                        "fits its spherical Gaussians to them (local DP: the server sees only noisy statistics)")
+_DP_METHODS = HEADS[:2] + (FED3R_FIXED, CCVR_DP, FEDPFT_DP)
+# CCVR runs under feature shift only, as in the table above (its [clients, C, D, D] second moments)
+_DP_POINTS = tuple(Point((("partition", k), ("epsilon", e)), PARTITIONS[k], LITE0, settings=_dp(e),
+                         methods=None if r.clients is None else tuple(m.label for m in _DP_METHODS if m is not CCVR_DP))
+                   for k, r in PARTITIONS.items() for e in EPSILONS)
 DP = Experiment(
     name="training-free-dp", title="Privacy-utility of the training-free heads", paper="FedCOF",
     source="(ours: no paper figure)",
-    summary="FedNCM and Fed3R under (epsilon, 1e-5)-DP: unit-norm features, Gaussian noise on the summed "
-            "statistics, RDP accounting (fedheads.privacy); accuracy against epsilon.",
-    methods=HEADS[:2] + (FED3R_FIXED,), points=_DP_POINTS, axes=(("partition", tuple(PARTITIONS)), ("epsilon", EPSILONS)),
+    summary="FedNCM, Fed3R, CCVR (calibrating a DP Fed3R head) and FedPFT (local DP) under (epsilon, 1e-5)-DP: "
+            "unit-norm features, Gaussian noise on the summed statistics (FedPFT: on each client's own), RDP "
+            "accounting (fedheads.privacy); accuracy against epsilon.",
+    methods=_DP_METHODS, points=_DP_POINTS, axes=(("partition", tuple(PARTITIONS)), ("epsilon", EPSILONS)),
     rounds=1, scales=SCALES,
     layout=Layout(rows=("partition", "method"), columns=("epsilon",), metrics=("acc",), figure="vs:epsilon"),
     notes=("Each point is one Gaussian mechanism per seed (a one-shot head releases its statistics once); the noise "
@@ -160,7 +177,15 @@ DP = Experiment(
            "Fed3R sets its ridge penalty from the noise under DP (lambda = 0.01 + 2 sigma sqrt(D'), sigma the noise std "
            "per entry of the 1281 x 1281 Gram, whose spectral norm is about 2 sigma sqrt(D)); 'Fed3R (lambda 0.01)' keeps "
            "the paper's penalty, with which the noisy system is indefinite (the solve falls back to the pseudo-inverse "
-           "and says so).") + NOTES[1:2],
+           "and says so).",
+           "CCVR (on DP Fed3R): each cell trains Fed3R under the mechanism (saved as `fedheads train` saves it, its noise "
+           "from another key) and calibrates that head with CCVR's class statistics under the same mechanism; both "
+           "noise multipliers are calibrated for two releases, so the two compose to the point's epsilon (the cell's "
+           "privacy_end_to_end; its privacy block is the calibration's alone, with the head's beside it). The head is "
+           "noisier than the 'Fed3R' row's, which spends the whole epsilon. Under feature shift only (4 clients).",
+           "FedPFT (local DP): each client noises its own statistics with the whole mechanism's noise (--dp-mode "
+           "local), so the server combines one noise draw per client instead of one in all: the private guarantee "
+           "holds against the server too, at that price.") + NOTES[1:2],
 )
 
 EXPERIMENTS = (TABLE, DP)

@@ -28,8 +28,9 @@ CELL_FORMAT = "pipelines-cell/1"
 # FedPCL, FedProto and Solo seed each client's head by its global id (core/heads.client_seeds),
 # no longer by its place in the largest-first stack of a full-participation cell
 RESEEDED = ("fedpcl", "fedproto", "solo")
-OPTION_KEYS = ("fraction", "engine", "binarize", "dp")  # TrainOptions / FinetuneOptions fields set by settings
-# (dp: the fields of a fedheads.privacy.Mechanism as (name, value) pairs)
+OPTION_KEYS = ("fraction", "engine", "binarize", "dp", "head_from")  # cell options set by settings
+# (dp: the fields of a fedheads.privacy.Mechanism as (name, value) pairs; a method's dp refines its
+# point's field by field. head_from: an algorithm whose head the cell trains first and calibrates, cells.run_head)
 # FinetuneOptions fields a setting may name (ft.* goes to FTConfig)
 FINETUNE_KEYS = ("head_rounds", "trainable", "bn", "live_prefix", "pretrained", "augment", "ncm_bias", "fraction")
 
@@ -205,6 +206,8 @@ def arms(exp: Experiment, ctx: RunContext) -> list[Arm]:
                 continue
             rounds = sc.rounds or dict(p.rounds).get(m.label) or m.paper_rounds or exp.rounds
             settings = {**dict(sc.settings), **dict(p.settings), **dict(m.settings)}
+            if "dp" in dict(m.settings):
+                settings["dp"] = merged_dp(dict(p.settings).get("dp", dict(sc.settings).get("dp")), dict(m.settings)["dp"])
             arm = Arm(p, m, rounds, sc.seeds or exp.seeds, sc.eval_every, settings, tuple(dict(m.settings)))
             arm.unavailable = missing_requirement(m.requires) or missing_requirement(p.requires)
             if not arm.unavailable:
@@ -218,6 +221,12 @@ def arms(exp: Experiment, ctx: RunContext) -> list[Arm]:
                 arm.unavailable = "" if req else f"data unavailable: {arm.data_note}"
             out.append(arm)
     return out
+
+
+def merged_dp(outer: Any, method: Any) -> tuple[tuple[str, Any], ...]:
+    """A method's mechanism fields over its point's (or scale's): FedPFT's ("mode", "local") keeps
+    the point's epsilon. Pairs in the point's order, the method's new fields after."""
+    return tuple({**dict(outer or ()), **dict(method)}.items())
 
 
 def _fill_cut(arm: Arm) -> None:

@@ -1,6 +1,7 @@
 """The `training-free` experiments: declared consistently (claims name its methods, the +FT rows say
-which form ran), DP cells run under the Gaussian mechanism and record the epsilon spent, and both
-experiments run end to end at smoke scale on the test doubles (a fake Office-10 copy, a tiny backbone)."""
+which form ran), DP cells run under the Gaussian mechanism and record the epsilon spent (CCVR's with
+the DP head it calibrates, composed; FedPFT's in local mode), and both experiments run end to end at
+smoke scale on the test doubles (a fake Office-10 copy, a tiny backbone)."""
 
 from __future__ import annotations
 
@@ -84,6 +85,94 @@ def test_a_dp_cell_trains_under_the_mechanism_and_reports_its_epsilon(monkeypatc
     assert not torch.equal(a, b)  # the noise reached the head
 
 
+def _dp_cells(label: str, scale: str = "ci") -> list[dict]:
+    exp = registry.get("training-free-dp")
+    ctx = plan.RunContext(scale=scale)
+    arms = [a for a in plan.arms(exp, ctx) if a.method.label == label]
+    for a in arms:  # the configuration needs no data
+        a.prepared = _Prepared()
+    return [(a.point, plan.cells(a, ctx)[0]["config"]) for a in arms]
+
+
+def test_ccvr_and_fedpft_refine_the_points_mechanism_and_fedncm_cells_are_unchanged():
+    from pipelines.exp_training_free import EPSILONS, _dp
+
+    ccvr = _dp_cells("CCVR (on DP Fed3R)")
+    assert {p.coord("partition") for p, _ in ccvr} == {"feature shift, 4 domains"}  # [clients, C, D, D] moments
+    for p, c in ccvr:  # the point's epsilon, both releases (head and calibration) planned for
+        dp = dict(c["options"]["dp"])
+        assert dp["epsilon"] == p.coord("epsilon") and dp["releases"] == 2 and dp["transform"] == "normalize"
+        assert c["options"]["head_from"] == "fed3r" and c["settings"]["method"] == {"covariance": "paper"}
+    pft = _dp_cells("FedPFT (local DP)")
+    assert len(pft) == 2 * len(EPSILONS)
+    for p, c in pft:
+        dp = dict(c["options"]["dp"])
+        assert dp["mode"] == "local" and dp["epsilon"] == p.coord("epsilon") and "releases" not in dp
+    for p, c in _dp_cells("FedNCM"):  # no method refinement: the point's mechanism as it was (same hashes)
+        assert c["options"]["dp"] == _dp(p.coord("epsilon"))[0][1] and "head_from" not in c["options"]
+
+
+def _head_cell(algorithm: str, data, dp=None, options=None) -> dict:
+    return {"algorithm": algorithm, "seed": 0, "backbones": ["b"],
+            "features": {"backbones": {"b": {"dim": data.dim}}}, "settings": {"common": {}, "method": {}},
+            "options": {"rounds": 1, "fraction": 1.0, "device": "cpu", "eval_every": 0,
+                        **({"dp": dp} if dp else {}), **(options or {})}}
+
+
+def test_ccvr_cell_calibrates_a_dp_fed3r_head_and_accounts_both_releases(monkeypatch, tmp_path):
+    import fedheads.run.load as fd
+    import pipelines.cells as cells
+    from fedheads import privacy
+
+    data = tiny_fed(M=4, seed=2)
+    monkeypatch.setattr(fd, "load_fed_data", lambda *a, **k: data)
+    monkeypatch.setattr(cells, "_DATA", collections.OrderedDict())
+    dp = [["epsilon", 2.0], ["delta", 1e-5], ["clip", 1.0], ["transform", "normalize"], ["noise_seed", 0],
+          ["releases", 2]]
+    cfg = _head_cell("ccvr", data, dp, {"head_from": "fed3r"})
+    out = cells.run_head(cfg, {"store": "unused"}, out=tmp_path / "cell")
+    head, own = out["saved_head"], out["privacy"]
+    assert head["algorithm"] == "fed3r" and (tmp_path / "cell" / "head" / "results.json").is_file()
+    hp = head["privacy"]
+    # the same mechanism (z planned for two releases), the head's noise from another key
+    assert hp["noise_multiplier"] == own["noise_multiplier"] and hp["noise_seed"] == 1 and own["noise_seed"] == 0
+    assert hp["releases_per_example"] == own["releases_per_example"] == 1
+    assert own["post_processing"]["calibrated_head_privacy"]["epsilon"] == hp["epsilon"]
+    e2e = out["privacy_end_to_end"]
+    z = own["noise_multiplier"]
+    assert e2e["releases"] == 2 and e2e["epsilon"] == pytest.approx(privacy.epsilon(z, 1e-5, 2, "rdp"))
+    assert own["epsilon"] < e2e["epsilon"] <= 2.0 + 1e-6  # one release each; the two compose to the target
+    with pytest.raises(ValueError, match="no directory"):
+        cells.run_head(cfg, {"store": "unused"})
+
+
+def test_composed_epsilon_of_different_mechanisms_lies_between_their_self_compositions():
+    from fedheads import privacy
+    from pipelines.cells import composed_epsilon
+
+    def block(z):
+        return {"noise_multiplier": z, "releases_per_example": 1, "delta": 1e-5, "accountant": "rdp"}
+
+    e = composed_epsilon([block(2.0), block(4.0)])
+    assert privacy.epsilon(4.0, 1e-5, 2) < e < privacy.epsilon(2.0, 1e-5, 2)
+    assert composed_epsilon([block(3.0), block(3.0)]) == pytest.approx(privacy.epsilon(3.0, 1e-5, 2))
+    with pytest.raises(ValueError, match="different deltas"):
+        composed_epsilon([block(2.0), {**block(2.0), "delta": 1e-6}])
+
+
+def test_a_fedpft_cell_runs_under_local_dp(monkeypatch):
+    import fedheads.run.load as fd
+    import pipelines.cells as cells
+
+    data = tiny_fed(M=5, seed=2)
+    monkeypatch.setattr(fd, "load_fed_data", lambda *a, **k: data)
+    monkeypatch.setattr(cells, "_DATA", collections.OrderedDict())
+    dp = [["epsilon", 8.0], ["delta", 1e-5], ["clip", 1.0], ["transform", "normalize"], ["noise_seed", 0],
+          ["mode", "local"]]
+    p = cells.run_head(_head_cell("fedpft", data, dp), {"store": "unused"})["privacy"]
+    assert p["mode"] == "local" and p["releases_per_example"] == 1 and p["epsilon"] <= 8.0 + 1e-6
+
+
 def test_both_experiments_run_at_smoke_scale_on_the_doubles(tmp_path):
     copy = pd.make_folder(tmp_path / "office", ("amazon", "caltech10", "dslr", "webcam"), tuple("abcde"), per_class=6)
     args = ["run", "training-free", "training-free-dp", "--scale", "smoke", "--plugin", "pipelines_doubles",
@@ -102,6 +191,12 @@ def test_both_experiments_run_at_smoke_scale_on_the_doubles(tmp_path):
     eps = {json.loads(p.read_text())["result"]["privacy"]["target_epsilon"] for p in cells_dir.glob("*.json")
            if json.loads(p.read_text())["config"]["options"].get("dp")}
     assert eps == {0.5, 1.0, 2.0, 4.0, 8.0}
+    recs = [json.loads(p.read_text()) for p in cells_dir.glob("*.json")]
+    ccvr = [r["result"] for r in recs if r["labels"]["method"] == "CCVR (on DP Fed3R)"]
+    assert len(ccvr) == 5 and all(r["privacy_end_to_end"]["epsilon"] <= r["privacy"]["target_epsilon"] + 1e-6
+                                  for r in ccvr)
+    pft = [r["result"]["privacy"] for r in recs if r["labels"]["method"] == "FedPFT (local DP)"]
+    assert len(pft) == 10 and {p["mode"] for p in pft} == {"local"}
 
 
 def test_pooled_accuracy_weights_clients_by_their_test_size():

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import math
 
+import numpy as np
 import pytest
 import torch
 from click.testing import CliRunner
@@ -20,7 +21,9 @@ from fedheads.algorithms import create_algorithm
 from fedheads.algorithms.ccvr import CCVR, CCVRConfig, class_gaussians, gaussian_factor
 from fedheads.cli import main
 from fedheads.core.engine import run
+from fedheads.core.federation import FedData
 from fedheads.privacy import Mechanism, Private
+from fedheads.run.load import from_arrays
 
 
 def _saved_ccvr(**kw) -> CCVR:
@@ -74,13 +77,55 @@ def test_ccvr_under_vanishing_noise_calibrates_as_the_plain_run(mode, fraction):
     assert alg.report([1])["sensitivity"] == {"sums": big, "sq": big * big, "counts": 1.0}
 
 
+def _fed_without(absent: int, M: int = 6, D: int = 6, C: int = 3) -> FedData:
+    """A federation in which no client holds class `absent` (in training or test)."""
+    rs = np.random.default_rng(1)
+    centers = rs.normal(size=(C, D)) * 2
+    held = [c for c in range(C) if c != absent]
+    clients = []
+    for i in range(M):
+        y, yt = rs.choice(held, size=8 + 3 * i), rs.choice(held, size=6)
+        clients.append(((centers[y] + rs.normal(size=(len(y), D))).astype("f4"), y,
+                        (centers[yt] + rs.normal(size=(6, D))).astype("f4"), yt))
+    return from_arrays(clients, C)
+
+
+@pytest.mark.parametrize("mode", ["central", "distributed"])
+@pytest.mark.parametrize("fraction", [1.0, 1 / 3])
+def test_ccvr_class_no_client_holds_stays_unusable_over_collecting_rounds(mode, fraction):
+    """Presence is decided on the running total of the noisy counts, not clamped to >= 1 per round:
+    over several collecting rounds (partial participation) a class no client holds keeps a count
+    of (here vanishing) noise and gets no virtual features, as with one collecting round."""
+    fed = _fed_without(absent=2)
+    rounds = 1 if fraction == 1 else 10
+    if fraction < 1:  # the statistics take several collecting rounds to arrive
+        assert not bool(run(_saved_ccvr(), fed, 1, seed=0, fraction=fraction, progress=False).server_state.reported.all())
+    plain = run(_saved_ccvr(), fed, rounds, seed=0, fraction=fraction, progress=False).server_state
+    big = float(fed.x_train.norm(dim=-1).max()) * 2  # no feature is clipped
+    alg = Private(_saved_ccvr(), Mechanism(clip=big, noise_multiplier=1e-9, mode=mode, noise_seed=0))
+    ss = run(alg, fed, rounds, seed=0, fraction=fraction, progress=False).server_state
+    assert bool(ss.reported.all()) and ss.counts.tolist() == plain.counts.tolist()
+    assert int(ss.counts[2]) == 0 and ss.usable.tolist() == [True, True, False]
+    for k in plain.calibrated:  # no virtual features of noise for class 2: the plain calibration
+        torch.testing.assert_close(ss.calibrated[k], plain.calibrated[k], rtol=1e-5, atol=1e-5)
+
+
+def test_ccvr_counts_are_clamped_only_without_noise():
+    """Without DP the counts are an integer field of the secure form (SecAgg+ rounds them back);
+    under DP noise they are not, so the private wrapper leaves their totals unclamped."""
+    assert _saved_ccvr().secure_form().integer == ("counts",)
+    alg = Private(_saved_ccvr(), Mechanism(clip=1.0, noise_multiplier=1.0, noise_seed=0))
+    alg.init(tiny_fed(M=2).spec(), 0)
+    assert alg.inner.secure_form().integer == () and alg.secure_form().integer == ()
+
+
 def test_ccvr_noisy_covariance_is_sampled_from_its_psd_part():
-    """Strong noise: counts clamped >= 1 (classes with N_c < 2 get no virtual features), the noisy
+    """Strong noise: counts unclamped (classes with N_c < 2 get no virtual features), the noisy
     Sigma_c indefinite, its factor that of Sigma_c with negative eigenvalues set to 0."""
     fed = tiny_fed(M=6)
     alg = Private(_saved_ccvr(), Mechanism(clip=1.0, noise_multiplier=5.0, noise_seed=1))
     ss = run(alg, fed, 1, seed=0, progress=False).server_state
-    assert int(ss.counts.min()) >= 1 and torch.equal(ss.usable, ss.counts >= 2)
+    assert torch.equal(ss.usable, ss.counts >= 2)
     _, cov, usable = class_gaussians(ss.sums, ss.sq, ss.counts)
     lam, vec = torch.linalg.eigh(cov[usable])
     assert bool((lam.min(-1).values < 0).any())  # the noise made some Sigma_c indefinite

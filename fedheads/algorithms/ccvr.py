@@ -44,24 +44,27 @@ statistics, and the server, in its first round, reads that head and calibrates i
 states this run saves hold it, and predicting from them does not read the other run).
 
 Differential privacy (fedheads.privacy's Gaussian mechanism on the secure sums) applies when a
-saved head is calibrated with ``covariance="paper"``: the clients then send nothing but s_kc,
-q_kc and n_kc, sums over examples whose sensitivities to one example with ||x|| <= C are C, C^2
-(||x x^T||_F = ||x||^2) and 1 (`dp_sensitivity`). It is refused where the FedAvg-LP head is
+saved head is calibrated with ``covariance="paper"``: the clients then send nothing but s_kc, q_kc
+and n_kc, sums over examples whose sensitivities to one example with ||x|| <= C are C,
+C^2 (||x x^T||_F = ||x||^2) and 1 (`dp_sensitivity`). It is refused where the FedAvg-LP head is
 trained here (its SGD deltas are no clipped sums) and for ``covariance="fl-bench"`` (no sum over
-examples). The server's steps from the noisy totals are post-processing. In central mode Private
-clamps each round's noisy count to >= 1 and the secure form rounds it; with every client in round
-0 (one collecting round) a class no client holds has N_c = 1 and gets no virtual features, but each
-further collecting round (partial participation) adds at least 1, so after two such rounds a class
-no client holds is calibrated on virtual features of pure noise (presence is itself a statistic:
-only the noisy counts may decide it). In distributed mode nothing is clamped: a noisy N_c below 2
-is unusable. The noisy Sigma_c is symmetrised (`class_gaussians`) and may be indefinite, and
+examples). The server's steps from the noisy totals are post-processing. Presence is itself a
+statistic of the data, so only the noisy counts decide it, on their running total: N_c is the sum
+of every collecting round's noisy count (each rounded to an integer) and a class is usable where
+N_c >= 2. The private wrapper clamps the totals of a secure form's integer fields to >= 1 in every
+round (FedNCM's positive divisor); per round, that would add at least 1 for each further collecting
+round (partial participation), calibrating a class no client holds on virtual features of pure
+noise after two. Under noise (`dp_finalize`) the counts are therefore no integer field of the
+secure form, in every mode: a class no client holds has a running total of zero-mean noise, of
+variance R sigma_n^2 after R collecting rounds, usable only where its rounded draws add up to 2 or
+more. The noisy Sigma_c is symmetrised (`class_gaussians`) and may be indefinite, and
 `gaussian_factor` clips its negative eigenvalues to 0, which samples from the nearest positive
-semidefinite matrix in Frobenius norm (Higham, "Computing a Nearest Symmetric Positive
-Semidefinite Matrix", Linear Algebra Appl. 1988). results.json's privacy block accounts for the
-statistics of this run; the saved head is another release of its own run's data (its own
-results.json), which composes with this one where the data are the same: `dp_finalize` records
-that run's privacy block (or that it has none) beside this run's, and warns when the saved head
-was trained without differential privacy (then the calibrated head is not private)."""
+semidefinite matrix in Frobenius norm (Higham, "Computing a Nearest Symmetric Positive Semidefinite
+Matrix", Linear Algebra Appl. 1988). results.json's privacy block accounts for the statistics of
+this run; the saved head is another release of its own run's data (its own results.json), which
+composes with this one where the data are the same: `dp_finalize` records that run's privacy block
+(or that it has none) beside this run's, and warns when the saved head was trained without
+differential privacy (then the calibrated head is not private)."""
 
 from __future__ import annotations
 
@@ -293,6 +296,7 @@ class CCVR(AlgorithmBase):
         self.calib_lr = cfg.calib_lr if cfg.calib_lr is not None else cfg.optimizer.lr
         self.calib_bs = cfg.calib_batch_size if cfg.calib_batch_size is not None else cfg.batch_size
         self._saved: tuple[torch.Tensor, torch.Tensor] | None = None  # head=RUN_DIR's (W, b), once read
+        self.noisy_counts = False  # the count totals carry DP noise (set by dp_finalize): never clamped per round
 
     def init(self, spec: DataSpec, seed: int) -> Init:
         lp = self.lp.init(spec, seed)
@@ -388,7 +392,10 @@ class CCVR(AlgorithmBase):
     def secure_form(self, message: object = None) -> SecureForm:
         """Under SecAgg+ the server sees the sums of the class statistics (CCVR Sec. 4, as sums) and
         of the n_k-weighted FedAvg deltas with their weights; only the flags saying whose
-        statistics are new travel in the clear (the server learns who has reported, not what)."""
+        statistics are new travel in the clear (the server learns who has reported, not what).
+        Counts are an integer field (rounded back after SecAgg+'s dequantisation) unless they carry
+        DP noise: the private wrapper clamps integer totals to >= 1 per round, and the presence of a
+        class is decided on the running total of the noisy counts (module docstring)."""
         def sums(m: CCVRMessage | DeltaMessage | Empty) -> dict[str, torch.Tensor]:
             if isinstance(m, Empty):  # a saved head, every statistic in: nothing is sent
                 return {}
@@ -417,7 +424,7 @@ class CCVR(AlgorithmBase):
                 ss = self._collect(ss, tot["sums"], tot["sq"], tot["counts"].round().to(torch.int64), flags.fresh, ctx)
             return self._step(ss, d, ctx)
 
-        return SecureForm(sums, ("counts",), clear, aggregate)
+        return SecureForm(sums, () if self.noisy_counts else ("counts",), clear, aggregate)
 
     def dp_sensitivity(self, clip: float) -> dict[str, float]:
         """One example, its feature x clipped to ||x|| <= clip, moves one class's sum s_c by x
@@ -437,9 +444,12 @@ class CCVR(AlgorithmBase):
 
     def dp_finalize(self, noise_std: dict[str, float], spec: DataSpec) -> dict[str, Any]:
         """The saved head's own privacy (its run's results.json `privacy` block, None when it was
-        trained without DP, with a warning: the calibrated head then is not private)."""
+        trained without DP, with a warning: the calibrated head then is not private). Notes that
+        the count totals carry noise, which `secure_form` then leaves unclamped."""
         import json
         from pathlib import Path
+
+        self.noisy_counts = float(noise_std.get("counts", 0.0)) > 0
 
         try:
             saved = json.loads((Path(str(self.cfg.head)) / "results.json").read_text()).get("privacy")
@@ -450,7 +460,8 @@ class CCVR(AlgorithmBase):
                         "private (this run's epsilon covers the class statistics only)", self.cfg.head)
         return {"calibrated_head": str(self.cfg.head),
                 "calibrated_head_privacy": None if not saved else
-                {k: saved.get(k) for k in ("mechanism", "mode", "epsilon", "epsilon_all_seeds", "delta")}}
+                {k: saved.get(k) for k in ("mechanism", "mode", "epsilon", "epsilon_all_seeds", "delta",
+                                           "noise_multiplier", "releases_per_example", "accountant")}}
 
     def trainable_params(self, cs: CCVRClientState) -> int:
         return 0 if self.cfg.head is not None else count_params(cs.lp.params)
