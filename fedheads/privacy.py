@@ -190,6 +190,7 @@ class Private(AlgorithmBase):
     may decide it). With no noise the head is the plain one, except for such a class. The clamp
     is per round: under partial participation over R rounds a class no fresh client holds in a
     round still gains a count of 1 there (up to R in all; FedNCM's cosine rule ignores counts).
+    An algorithm that declares `clamp_noisy_counts = False` gets the raw noisy counts (CCVR).
 
     Features are bounded for training only: the head is evaluated, and served by `fedheads
     predict`, on the features as stored."""
@@ -298,7 +299,7 @@ class Private(AlgorithmBase):
                 if self.noise_std[k] > 0:
                     t = t + self.noise_std[k] * gaussian(t.shape, (self._secret, ctx.seed, 0, ctx.round, j), t.device)
                 totals[k] = t
-        for k in form.integer:
+        for k in form.integer if self.inner.clamp_noisy_counts else ():
             if k in totals:
                 totals[k] = totals[k].clamp_min(1)
         noisy = dataclasses.replace(ctx, noise_std={k: self.noise_std[k] for k in totals})  # for the finalize to adapt to

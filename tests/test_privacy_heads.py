@@ -19,6 +19,7 @@ from test_fedheads_cli import _write_store
 from embedcache.errors import UserError
 from fedheads.algorithms import create_algorithm
 from fedheads.algorithms.ccvr import CCVR, CCVRConfig, class_gaussians, gaussian_factor
+from fedheads.algorithms.fedncm import FedNCM
 from fedheads.cli import main
 from fedheads.core.engine import run
 from fedheads.core.federation import FedData
@@ -110,13 +111,16 @@ def test_ccvr_class_no_client_holds_stays_unusable_over_collecting_rounds(mode, 
         torch.testing.assert_close(ss.calibrated[k], plain.calibrated[k], rtol=1e-5, atol=1e-5)
 
 
-def test_ccvr_counts_are_clamped_only_without_noise():
-    """Without DP the counts are an integer field of the secure form (SecAgg+ rounds them back);
-    under DP noise they are not, so the private wrapper leaves their totals unclamped."""
+def test_ccvr_declares_its_noisy_counts_unclamped():
+    """CCVR's counts stay an integer field of the secure form (SecAgg+ rounds the sums back, before
+    the server's noise in central mode); it declares that the private wrapper must not clamp their
+    noisy totals per round, where FedNCM keeps the clamp. The declaration is the class's, so one
+    object runs private and plain alike."""
     assert _saved_ccvr().secure_form().integer == ("counts",)
+    assert CCVR.clamp_noisy_counts is False and FedNCM.clamp_noisy_counts is True
     alg = Private(_saved_ccvr(), Mechanism(clip=1.0, noise_multiplier=1.0, noise_seed=0))
     alg.init(tiny_fed(M=2).spec(), 0)
-    assert alg.inner.secure_form().integer == () and alg.secure_form().integer == ()
+    assert alg.inner.secure_form().integer == ("counts",) and alg.secure_form().integer == ("counts",)
 
 
 def test_ccvr_noisy_covariance_is_sampled_from_its_psd_part():

@@ -54,8 +54,8 @@ of every collecting round's noisy count (each rounded to an integer) and a class
 N_c >= 2. The private wrapper clamps the totals of a secure form's integer fields to >= 1 in every
 round (FedNCM's positive divisor); per round, that would add at least 1 for each further collecting
 round (partial participation), calibrating a class no client holds on virtual features of pure
-noise after two. Under noise (`dp_finalize`) the counts are therefore no integer field of the
-secure form, in every mode: a class no client holds has a running total of zero-mean noise, of
+noise after two. CCVR therefore declares `clamp_noisy_counts = False` and takes the raw noisy
+totals, in every mode: a class no client holds has a running total of zero-mean noise, of
 variance R sigma_n^2 after R collecting rounds, usable only where its rounded draws add up to 2 or
 more. The noisy Sigma_c is symmetrised (`class_gaussians`) and may be indefinite, and
 `gaussian_factor` clips its negative eigenvalues to 0, which samples from the nearest positive
@@ -289,6 +289,7 @@ class CCVR(AlgorithmBase):
     config = CCVRConfig
     global_rule = "main"  # the calibrated head is the server's
     server_client_fields = ("reported",)
+    clamp_noisy_counts = False  # presence is decided on the running total of the noisy counts
 
     def __init__(self, cfg: CCVRConfig = CCVRConfig()) -> None:
         self.cfg = cfg
@@ -296,7 +297,6 @@ class CCVR(AlgorithmBase):
         self.calib_lr = cfg.calib_lr if cfg.calib_lr is not None else cfg.optimizer.lr
         self.calib_bs = cfg.calib_batch_size if cfg.calib_batch_size is not None else cfg.batch_size
         self._saved: tuple[torch.Tensor, torch.Tensor] | None = None  # head=RUN_DIR's (W, b), once read
-        self.noisy_counts = False  # the count totals carry DP noise (set by dp_finalize): never clamped per round
 
     def init(self, spec: DataSpec, seed: int) -> Init:
         lp = self.lp.init(spec, seed)
@@ -393,9 +393,9 @@ class CCVR(AlgorithmBase):
         """Under SecAgg+ the server sees the sums of the class statistics (CCVR Sec. 4, as sums) and
         of the n_k-weighted FedAvg deltas with their weights; only the flags saying whose
         statistics are new travel in the clear (the server learns who has reported, not what).
-        Counts are an integer field (rounded back after SecAgg+'s dequantisation) unless they carry
-        DP noise: the private wrapper clamps integer totals to >= 1 per round, and the presence of a
-        class is decided on the running total of the noisy counts (module docstring)."""
+        Counts are an integer field (rounded back after SecAgg+'s dequantisation); under DP the
+        private wrapper leaves their noisy totals unclamped (`clamp_noisy_counts`) and the presence
+        of a class is decided on the running total of the noisy counts (module docstring)."""
         def sums(m: CCVRMessage | DeltaMessage | Empty) -> dict[str, torch.Tensor]:
             if isinstance(m, Empty):  # a saved head, every statistic in: nothing is sent
                 return {}
@@ -424,7 +424,7 @@ class CCVR(AlgorithmBase):
                 ss = self._collect(ss, tot["sums"], tot["sq"], tot["counts"].round().to(torch.int64), flags.fresh, ctx)
             return self._step(ss, d, ctx)
 
-        return SecureForm(sums, () if self.noisy_counts else ("counts",), clear, aggregate)
+        return SecureForm(sums, ("counts",), clear, aggregate)
 
     def dp_sensitivity(self, clip: float) -> dict[str, float]:
         """One example, its feature x clipped to ||x|| <= clip, moves one class's sum s_c by x
@@ -444,12 +444,10 @@ class CCVR(AlgorithmBase):
 
     def dp_finalize(self, noise_std: dict[str, float], spec: DataSpec) -> dict[str, Any]:
         """The saved head's own privacy (its run's results.json `privacy` block, None when it was
-        trained without DP, with a warning: the calibrated head then is not private). Notes that
-        the count totals carry noise, which `secure_form` then leaves unclamped."""
+        trained without DP, with a warning: the calibrated head then is not private). The noisy counts
+        reach `secure_form`'s aggregate unclamped (`clamp_noisy_counts`)."""
         import json
         from pathlib import Path
-
-        self.noisy_counts = float(noise_std.get("counts", 0.0)) > 0
 
         try:
             saved = json.loads((Path(str(self.cfg.head)) / "results.json").read_text()).get("privacy")

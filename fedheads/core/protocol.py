@@ -151,6 +151,11 @@ class AlgorithmBase(Generic[CS, SS, Msg, Bc]):
     axis (FedNCM Alg. 1 line 5, Fed3R's summed Grams): when holding every participant's message
     would pass the engine's memory budget, the vectorised engine adds them group by group
     (`summed_update`) and hands `server_aggregate` one row holding the sum."""
+    clamp_noisy_counts: ClassVar[bool] = True
+    """Under DP the private wrapper clamps each round's noisy totals of the secure form's integer
+    fields (counts) to >= 1, so FedNCM divides by a positive count (fedheads.privacy.Private). False:
+    the algorithm takes the raw noisy counts and decides presence itself (CCVR, on their running
+    total)."""
     collect_rounds: int = 0
     """Leading rounds that only collect statistics (FedPCL's round 0, LP's FedNCM round): R
     rounds train R - collect_rounds."""
