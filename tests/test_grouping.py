@@ -128,3 +128,70 @@ def test_a_whole_bucket_of_several_clients_keeps_its_own_call() -> None:
     assert merge_units([[0], [1]], [True, True], [8, 10], [1, 1], 22, 2, waste=1.0) == [[0, 1]]
     with pytest.raises(ValueError, match="waste"):
         merge_units([[0], [1]], [False, False], [1, 1], [1, 1], 10, 10, waste=-1.0)
+
+
+class _StateCopies(torch.utils._python_dispatch.TorchDispatchMode):
+    """Bytes that copy kernels write into tensors whose trailing shape is `tail` (a client's rows
+    of one state leaf): gathers and clones (their output), index / slice writes (their source)."""
+
+    WRITTEN = {"index_copy_": 3, "index_put_": 2, "copy_": 1}  # op -> the argument holding what is written
+    MADE = ("index_select", "clone", "cat", "gather")
+
+    def __init__(self, tail: tuple[int, ...]) -> None:
+        super().__init__()
+        self.tail, self.bytes = tail, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        out = func(*args, **(kwargs or {}))
+        name = func.overloadpacket.__name__
+        t = args[self.WRITTEN[name]] if name in self.WRITTEN else out if name in self.MADE else None
+        if isinstance(t, torch.Tensor) and tuple(t.shape[1:]) == self.tail:
+            self.bytes += t.numel() * t.element_size()
+        return out
+
+
+def _round_copies(data: BucketedFedData, algorithm, waste: float | None, monkeypatch) -> tuple[int, int, int]:  # noqa: ANN001
+    """(bytes copied into or out of [*, D, H] tensors in a round's client updates, the
+    participants, one client's bytes of that leaf), with grouping.ROUND_WASTE = `waste`."""
+    from fedheads.core.engine import client_updates, owned
+    from fedheads.core.protocol import RoundCtx
+
+    monkeypatch.setattr(grouping, "ROUND_WASTE", waste)
+    init = algorithm.init(data.spec(), 0)
+    cs = owned(init.client_state, init.server_state, init.broadcast)
+    part = select_participants(data.num_clients, 0.3, 5, 1)
+    w = cs.params["proj.weight"]
+    with _StateCopies(tuple(w.shape[1:])) as seen:
+        client_updates(algorithm, cs, init.broadcast, data, RoundCtx(1, 5, part, data.num_clients), in_place=True)
+    return seen.bytes, len(part), w[0].numel() * w.element_size()
+
+
+def test_a_merged_round_copies_each_participants_model_no_more_than_per_bucket_calls(monkeypatch) -> None:
+    """FedAvg trains from the broadcast and never reads a participant's stored model: a merged
+    call gathers none of them (update_replaces), so a round copies each participant's model once
+    into local training, once into its message and once back into the state, as one call per
+    bucket does at best (there a single participant's rows are a view)."""
+    data = skewed_fed(D=6)
+    # one step per client (a batch over the largest client): no call reorders its clients' models
+    fedavg = lambda: FedAvg(FedAvgConfig(hidden=16, batch_size=128, batch_norm=False, normalize=False))  # noqa: E731
+    merged, P, row = _round_copies(data, fedavg(), 1.0, monkeypatch)
+    per_bucket, _, _ = _round_copies(data, fedavg(), None, monkeypatch)
+    assert merged == 3 * P * row and merged <= per_bucket
+
+
+def test_a_merged_group_holds_at_most_group_state_bytes_of_client_state(monkeypatch) -> None:
+    """Merged calls allocate tensors of their clients' state size (local training's private copy,
+    the messages): a merged group holds at most GROUP_STATE_BYTES of client state; a bucket's
+    participants over it keep their own call, as in the per-bucket grouping."""
+    data = skewed_fed(M=60, seed=1)
+    part = select_participants(data.num_clients, 0.5, 0, 0)
+    bucket = {i: b for b, ms in enumerate(data.members) for i in ms}
+    assert grouping.max_clients([3, 64, 70], 0) == 70 and grouping.max_clients([3], 1 << 40) == 1
+    assert grouping.max_clients([3], grouping.GROUP_STATE_BYTES // 16) == 16
+    free = list(participant_groups(data, part, regroup=True, state_bytes=1000))
+    monkeypatch.setattr(grouping, "GROUP_STATE_BYTES", 4000)
+    capped = list(participant_groups(data, part, regroup=True, state_bytes=1000))
+    assert max(len(ids) for ids, _ in free) > 4 and len(capped) > len(free)
+    assert sorted(i for ids, _ in capped for i in ids) == part.tolist()
+    for ids, _ in capped:
+        assert len(ids) <= 4 or len({bucket[i] for i in ids}) == 1

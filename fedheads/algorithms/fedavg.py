@@ -75,6 +75,7 @@ class FedAvg(AlgorithmBase):
 
     name = "fedavg"
     global_rule = "global_model"  # predict's key for the server model alone
+    update_replaces = ("params", "buffers")  # local training starts from the broadcast theta
 
     def __init__(self, cfg: FedAvgConfig = FedAvgConfig(), server_opt: ServerOptimizer | None = None,
                  name: str | None = None) -> None:

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, is_dataclass, replace
 from typing import Any, Protocol
 
 import torch
@@ -225,16 +225,17 @@ def _evaluate_padded(algorithm: Algorithm, client_state: Any, server_state: Any,
 
 def participant_groups(data: Federation, participants: torch.Tensor, size: int | None = None, views: bool = False,
                        between_buckets: BetweenBuckets | None = None,
-                       regroup: bool = False) -> Iterator[tuple[list[int], FedData]]:
+                       regroup: bool = False, state_bytes: int = 0) -> Iterator[tuple[list[int], FedData]]:
     """The walk both vectorised client steps share: per group of the layout, its participants
     (`participants`, global ids) in runs of at most `size` (None: all of the group's at once), as
     (their global ids, their FedData). The FedData is the group itself when all of it takes part,
     else a trimmed copy of their rows (FedData.select), or with `views` a view of them where they
     are consecutive (FedData.client_range: no copy, the train padding kept). `regroup` (with
     `size` None): the groups' participant sets are merged into fewer calls within a bound on their
-    padding (core/grouping.py), a merged call's participants stacked largest first in a copy of
-    their rows (BucketedFedData.select). `between_buckets` is called after each call's group
-    holding participants, once the caller has let go of its last FedData."""
+    padding and on their client state, at `state_bytes` per client (core/grouping.py), a merged
+    call's participants stacked largest first in a copy of their rows (BucketedFedData.select).
+    `between_buckets` is called after each call's group holding participants, once the caller has
+    let go of its last FedData."""
     taking = set(participants.tolist())
     units = []  # per group holding participants: (its positions, its FedData, the participants' places in it)
     for ms, group in data.groups():
@@ -249,7 +250,7 @@ def participant_groups(data: Federation, participants: torch.Tensor, size: int |
         plan = grouping.merge_units([[ms[p] for p in loc] for ms, _, loc in units],
                                     [len(loc) == len(ms) for ms, _, loc in units], data.n_train, data.n_test,
                                     max(grouping.GROUP_BYTES // row_bytes, *(k * n for k, n in shapes)),
-                                    max(grouping.GROUP_CLIENTS, *(k for k, _ in shapes)), grouping.ROUND_WASTE)
+                                    grouping.max_clients([k for k, _ in shapes], state_bytes), grouping.ROUND_WASTE)
     for us in plan:
         if len(us) > 1:  # one call for several groups' participants, largest first (core/train.py's step prefix)
             ids = sorted((units[u][0][p] for u in us for p in units[u][2]), key=lambda i: (-data.n_train[i], i))
@@ -269,6 +270,25 @@ def participant_groups(data: Federation, participants: torch.Tensor, size: int |
             between_buckets()
 
 
+def update_rows(algorithm: Algorithm, client_state: Any, ids: Sequence[int], device: torch.device,
+                views: bool = True) -> Any:
+    """Rows `ids` of the client state that `client_update` is given: views where they are
+    consecutive (with `views`), else a copy (tree_rows / tree_index); a field the algorithm
+    replaces unread (`update_replaces`, e.g. FedAvg's model per client) is the first
+    participant's row seen by all of them, nothing copied: gathered, it was one more copy of
+    every participant's model per round, never read (a merged call's participants, from several
+    buckets, seldom are consecutive rows; a bucket's single participant always is)."""
+    gather = ((lambda t: tree_rows(t, ids, device)) if views else
+              (lambda t: tree_index(t, torch.tensor(list(ids), dtype=torch.int64, device=device))))
+    skip = algorithm.update_replaces
+    if not skip or not is_dataclass(client_state) or isinstance(client_state, type):
+        return gather(client_state)
+    k, i = len(ids), ids[0]
+    seen = lambda t: t[i:i + 1].expand(k, *t.shape[1:])  # noqa: E731
+    return replace(client_state, **{f.name: tree_map(seen, getattr(client_state, f.name)) if f.name in skip
+                                    else gather(getattr(client_state, f.name)) for f in fields(client_state)})
+
+
 def client_updates(algorithm: Algorithm, client_state: Any, broadcast: Any, data: Federation, ctx: RoundCtx,
                    between_buckets: BetweenBuckets | None = None, in_place: bool = False) -> tuple[Any, Any]:
     """The vectorised engine's client step: `client_update` of the participants `ctx.participants`
@@ -279,9 +299,9 @@ def client_updates(algorithm: Algorithm, client_state: Any, broadcast: Any, data
     written back into `client_state` in place when `in_place`, the caller owning it, else into a
     copy). Bucketed data: one call per bucket holding participants, or per merged group of several
     buckets' participants (participant_groups' `regroup`), each on its FedData and its clients'
-    rows of the state; the rows are written back IN PLACE
-    into `client_state` (the caller's own, see `owned`), so no per-round copy of a federation's
-    worth of state is made; `between_buckets` is called after each bucket."""
+    rows of the state (`update_rows`: none of a field the algorithm replaces unread); the rows are
+    written back IN PLACE into `client_state` (the caller's own, see `owned`), so no per-round copy
+    of a federation's worth of state is made; `between_buckets` is called after each bucket."""
     part, M, dev = ctx.participants, data.num_clients, data.device
     groups = data.groups()
     if len(groups) == 1:
@@ -289,7 +309,7 @@ def client_updates(algorithm: Algorithm, client_state: Any, broadcast: Any, data
         pidx = part.to(dev)
         everyone = len(part) == M
         sub = data if everyone else data.select(part)
-        cs_sub = client_state if everyone else tree_index(client_state, pidx)
+        cs_sub = client_state if everyone else update_rows(algorithm, client_state, part.tolist(), dev, views=False)
         cs_sub, msg = algorithm.client_update(cs_sub, broadcast, sub, ctx)
         if everyone:
             return cs_sub, msg
@@ -300,10 +320,11 @@ def client_updates(algorithm: Algorithm, client_state: Any, broadcast: Any, data
     row = {i: r for r, i in enumerate(part.tolist())}  # a participant's row of the round's messages
     out: Any = None
     msgs, order = [], []  # RaggedRows messages (no fixed rows per client): concatenated and reordered
-    for ids, sub in participant_groups(data, part, between_buckets=between_buckets, regroup=True):
+    state_bytes = payload_size(client_state, per_client=True)[1]  # one client's rows (merged groups bound them)
+    for ids, sub in participant_groups(data, part, between_buckets=between_buckets, regroup=True, state_bytes=state_bytes):
         # the bucket's rows of the state: views when they are consecutive (clients stored largest
         # first), so no bucket-sized copy is made for the call (client_update is pure)
-        cs_b, msg_b = algorithm.client_update(tree_rows(client_state, ids, dev), broadcast, sub, ctx)
+        cs_b, msg_b = algorithm.client_update(update_rows(algorithm, client_state, ids, dev), broadcast, sub, ctx)
         if isinstance(msg_b, RaggedRows):  # runs of items per client: kept whole, reordered at the end
             msgs.append(unshared(msg_b, client_state))  # a message viewing the state would change with the write
             order += ids

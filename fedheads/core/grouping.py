@@ -18,6 +18,14 @@ smallest first, into groups whose padding stays bounded:
 - no group holds more padded feature bytes than GROUP_BYTES or more clients than GROUP_CLIENTS
   (LayoutConfig's default bucket limits), or than the layout's largest bucket where that is
   larger: a call's temporaries stay those of a bucket the layout could have made;
+- no group holds more than GROUP_STATE_BYTES of client state (its clients x one client's rows
+  of the state): a call holds a few blocks of that size at once (its clients' rows of the state,
+  local training's private copy of their models, their messages), and glibc maps every block
+  over 32 MiB afresh and unmaps it when freed, and hands freed heap over 64 MiB back to the OS, so
+  the kernel zero-fills such blocks page by page in every call (fedheads/run/allocator.py); at
+  16 MiB, three of them stay within both and are reused from the heap, as the small calls of one
+  bucket's participants are. At MLP-sized heads those page faults cost more than the calls
+  merging saves. A unit over the bound alone keeps its own call;
 - a bucket that takes part whole with more than one client keeps its own call on its stored
   tensors (no copy; at full participation the grouping is the layout's own).
 
@@ -38,6 +46,7 @@ from collections.abc import Sequence
 ROUND_WASTE: float | None = 1.0
 GROUP_BYTES = 64 << 20  # padded train + test feature bytes of a merged group at most (or the largest bucket's)
 GROUP_CLIENTS = 64  # clients of a merged group at most (or the largest bucket's)
+GROUP_STATE_BYTES = 16 << 20  # bytes of a merged group's rows of the client state at most (a unit over it: its own call)
 
 
 def merge_units(units: Sequence[Sequence[int]], whole: Sequence[bool], n_train: Sequence[int],
@@ -74,3 +83,10 @@ def merge_units(units: Sequence[Sequence[int]], whole: Sequence[bool], n_train: 
         cur, k, a, b, real, closed = [u], uk, ua, ub, ureal, fixed
     out.append(cur)
     return out
+
+
+def max_clients(bucket_clients: Sequence[int], client_bytes: int) -> int:
+    """Clients of a merged group at most: GROUP_CLIENTS (or the largest bucket's), and no more
+    than hold GROUP_STATE_BYTES of client state at `client_bytes` per client."""
+    most = max(GROUP_CLIENTS, *bucket_clients)
+    return most if client_bytes <= 0 else min(most, max(1, GROUP_STATE_BYTES // client_bytes))

@@ -23,8 +23,9 @@ run. Conventions:
 - Every optional behaviour is a typed default of :class:`AlgorithmBase` (evaluation-time
   adaptation, global rule, prototype view, secure-aggregation form, differential-privacy
   sensitivities, the linear head fine-tuning starts from, the papers' communication convention,
-  per-client server rows, data-sized server fields, one-pass statistics, collection rounds). An algorithm overrides what
-  it has, in its own file; no other module switches on algorithm names.
+  per-client server rows, data-sized server fields, one-pass statistics, collection rounds, state
+  fields an update replaces unread). An algorithm overrides what it has, in its own file; no other
+  module switches on algorithm names.
 - The per-run specification (dimensions, seeds) lives in the states, never on `self`: one
   algorithm object may run several federations, and a state alone is enough to predict.
 """
@@ -159,6 +160,12 @@ class AlgorithmBase(Generic[CS, SS, Msg, Bc]):
     collect_rounds: int = 0
     """Leading rounds that only collect statistics (FedPCL's round 0, LP's FedNCM round): R
     rounds train R - collect_rounds."""
+    update_replaces: ClassVar[tuple[str, ...]] = ()
+    """Client-state fields that `client_update` replaces without reading them (FedAvg's model
+    per client: local training starts from the broadcast). The vectorised engine hands the call
+    one participant's row of these seen by all (their shape, nothing copied) instead of a copy
+    of every participant's rows; the loop engine hands the real rows, so the engines'
+    equivalence tests catch a field that is read after all."""
 
     def __init__(self, cfg: Any = None) -> None:
         self.cfg = cfg
