@@ -164,9 +164,9 @@ def plain_client_state(cs: Any) -> Any:
     return cs.inner if isinstance(cs, PrivateClientState) else cs
 
 
-# AlgorithmBase declarations that describe the message, which Private replaces with its secure-sum
-# form (PrivateMessage): they stay Private's own, not the inner algorithm's
-OWN_ATTRIBUTES = ("sums_messages",)
+# AlgorithmBase declarations that describe the message or the client state's layout, which Private
+# replaces with its secure-sum form (PrivateMessage) and PrivateClientState: they stay Private's own
+OWN_ATTRIBUTES = ("sums_messages", "update_replaces")
 
 
 def delegated_attributes() -> tuple[str, ...]:

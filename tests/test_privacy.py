@@ -301,9 +301,11 @@ def test_private_passes_on_every_declaration_of_the_protocol(monkeypatch):
     alg = Private(inner, Mechanism(noise_multiplier=1.0))
     assert alg.new_hook == "the inner's"
     for k in AlgorithmBase.__annotations__:
-        if k != "sums_messages":  # the message is Private's own secure-sum form
+        if k not in ("sums_messages", "update_replaces"):  # Private's own message and client state
             assert getattr(alg, k) == getattr(inner, k), k
     assert inner.sums_messages and not alg.sums_messages
+    fedavg = create_algorithm("fedavg")
+    assert fedavg.update_replaces and Private.update_replaces == ()  # fields of FedAvg's state, not Private's
 
 
 def test_private_handles_every_optional_hook_of_the_protocol():
