@@ -417,3 +417,35 @@ def test_the_server_holds_one_bank_of_the_pairs_received_and_forms_the_gram_in_b
     assert bank_sized(seen.shapes) == [(Q, 4)]
     for f in ("bank_means", "bank_client", "bank_class", "bank_count", "sums", "counts", "weight"):
         assert torch.equal(getattr(ss1, f), getattr(ss, f)), f
+
+
+def test_float32_means_stay_float32_in_the_bank_and_give_the_widened_head_bit_for_bit(monkeypatch):
+    """dtype="float32": the server keeps the means in the dtype they are sent in (half a float64
+    bank; a one-round run holds the message's own tensor, no float64 copy of it), and forms the
+    sums, spread and Gram in float64 a block at a time, so the head is bit for bit the one from
+    the same means widened to float64 first; a later round merges float32 rows alike."""
+    clients, C = federation(seed=11, M=9)
+    data = from_arrays(clients, C)
+    alg32, alg64 = F.FedCOF(F.FedCOFConfig(dtype="float32")), F.FedCOF()
+    init32, init64 = alg32.init(data.spec(), 0), alg64.init(data.spec(), 0)
+    assert init32.server_state.bank_means.dtype == torch.float32
+    _, msg = alg32.client_update(init32.client_state, init32.broadcast, data, ctx(range(9), 9))
+    assert msg.means.dtype == torch.float32
+    wide = dataclasses.replace(msg, means=msg.means.to(torch.float64))
+    monkeypatch.setattr(F, "SPREAD_ROWS", 3)
+    with _Allocations() as seen:
+        ss32, _ = alg32.server_aggregate(init32.server_state, msg, ctx(range(9), 9))
+    Q = msg.means.shape[0]
+    assert ss32.bank_means.dtype == torch.float32 and ss32.bank_means.data_ptr() == msg.means.data_ptr()
+    assert (Q, 4) not in seen.shapes, seen.shapes
+    ss64, _ = alg64.server_aggregate(init64.server_state, wide, ctx(range(9), 9))
+    for f in ("sums", "counts", "weight", "present"):
+        assert torch.equal(getattr(ss32, f), getattr(ss64, f)), f
+    first, later = [0, 2, 3, 7], [1, 4, 5, 6, 8]
+    a32, _ = alg32.server_aggregate(init32.server_state, tree_index(msg, torch.tensor(first)), ctx(first, 9))
+    a32, _ = alg32.server_aggregate(a32, tree_index(msg, torch.tensor(later)), ctx(later, 9))
+    a64, _ = alg64.server_aggregate(init64.server_state, tree_index(wide, torch.tensor(first)), ctx(first, 9))
+    a64, _ = alg64.server_aggregate(a64, tree_index(wide, torch.tensor(later)), ctx(later, 9))
+    assert a32.bank_means.dtype == torch.float32 and torch.equal(a32.bank_means.to(torch.float64), a64.bank_means)
+    for f in ("sums", "counts", "weight"):
+        assert torch.equal(getattr(a32, f), getattr(a64, f)), f

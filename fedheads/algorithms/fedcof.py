@@ -63,7 +63,8 @@ class FedCOFConfig:
     between_class: bool = setting(False, "add the between-class scatter to the estimated Gram (the paper's "
                                          "ablation); False: within-class covariances and the global mean only",
                                   source="FedCOF classifier initialisation with within-class covariances")
-    dtype: str = setting("float64", "dtype of the class means sent (the server works in float64): float64 | float32")
+    dtype: str = setting("float64", "dtype of the class means sent and of the server's bank of them (its sums, "
+                                    "spread and Gram accumulate in float64): float64 | float32")
 
 
 @dataclass(frozen=True)
@@ -74,7 +75,7 @@ class FedCOFClientState:
 @dataclass(frozen=True)
 class FedCOFServerState:
     cap: torch.Tensor  # [M] int64 the most classes client k can hold: min(n_k, C)
-    bank_means: torch.Tensor  # [Q, D] float64 the received client class means mu_kc, Q = pairs received
+    bank_means: torch.Tensor  # [Q, D] the received client class means mu_kc (in `dtype`), Q = pairs received
     bank_client: torch.Tensor  # [Q] int64 their client's position k (rows sorted by (k, c))
     bank_class: torch.Tensor  # [Q] int64 their class c
     bank_count: torch.Tensor  # [Q] int64 n_kc (>= 1)
@@ -145,10 +146,11 @@ def pair_stats(x: torch.Tensor, y: torch.Tensor, mask: torch.Tensor, num_classes
 def estimated_gram(means: torch.Tensor, cls: torch.Tensor, n: torch.Tensor, num_classes: int, gamma: float,
                    between_class: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(G [D, D], class sums [C, D], class counts [C]) from the client class means [P, D] of
-    classes `cls` [P] with counts `n` [P] (float64): G = Σ_c (N_c − 1) Σ̂_c + N ḡḡᵀ (module
-    docstring), plus Σ_c N_c (μ_c − ḡ)(μ_c − ḡ)ᵀ with `between_class`. `means` is read, never
-    copied whole: the sums and the spread μ_kc − μ_c are formed SPREAD_ROWS rows at a time (the
-    sums in row order, so bit for bit one index_add; the spread's Gram added block by block)."""
+    classes `cls` [P] with counts `n` [P], all in float64 (float32 means are widened a block at a
+    time, exactly): G = Σ_c (N_c − 1) Σ̂_c + N ḡḡᵀ (module docstring), plus
+    Σ_c N_c (μ_c − ḡ)(μ_c − ḡ)ᵀ with `between_class`. `means` is read, never copied whole: the
+    sums and the spread μ_kc − μ_c are formed SPREAD_ROWS rows at a time (the sums in row order,
+    so bit for bit one index_add; the spread's Gram added block by block)."""
     C, D = num_classes, means.shape[1]
     nf = n.to(torch.float64)
     N_c = torch.zeros(C, dtype=torch.float64, device=means.device).index_add_(0, cls, nf)
@@ -206,7 +208,7 @@ class FedCOF(AlgorithmBase):
             return torch.zeros(shape, dtype=dtype, device=dev)
 
         i64 = torch.int64
-        ss = FedCOFServerState(cap, z(0, D), z(0, dtype=i64), z(0, dtype=i64), z(0, dtype=i64), z(C, D),
+        ss = FedCOFServerState(cap, z(0, D, dtype=self.dtype), z(0, dtype=i64), z(0, dtype=i64), z(0, dtype=i64), z(C, D),
                                z(C, dtype=i64), z(C, D), z(C, dtype=torch.bool), z(dtype=torch.bool))
         return Init(FedCOFClientState(torch.zeros(spec.num_clients, dtype=torch.bool, device=dev)), ss, FedCOFBroadcast())
 
@@ -242,7 +244,8 @@ class FedCOF(AlgorithmBase):
             raise UserError("fedcof: a client sent means of more classes than it has training samples")
         if not cls.numel():  # nothing new: the bank and the head stay as they are
             return ss, FedCOFBroadcast()
-        means, client, cls, cnt = self._merged(ss, part[i], msg.means.to(dev, torch.float64), cls, cnt)
+        # the bank keeps the means in the dtype they are sent in; estimated_gram widens each block
+        means, client, cls, cnt = self._merged(ss, part[i], msg.means.to(dev, ss.bank_means.dtype), cls, cnt)
         gram, sums, counts = estimated_gram(means, cls, cnt, C, self.cfg.gamma, self.cfg.between_class)
         present = counts > 0
         sol, pinv = solve_psd(gram, sums.T, "fedcof: estimated Gram",  # W = G^-1 [N_c mu_c]

@@ -30,7 +30,7 @@ from embedcache.errors import UserError
 from fedheads.core import grouping, ops, rng
 from fedheads.core.federation import FedData, Federation
 from fedheads.core.ops import masked_accuracy
-from fedheads.core.order import put_back, stacking_order
+from fedheads.core.order import cat_put_back, put_back, stacking_order
 from fedheads.core.protocol import Algorithm, AlgorithmBase, Init, RoundCtx
 from fedheads.core.tree import (
     RaggedRows,
@@ -318,13 +318,20 @@ def client_updates(algorithm: Algorithm, client_state: Any, broadcast: Any, data
         # whose clients keep a model each), else into a copy
         return (tree_scatter_ if in_place else tree_scatter)(client_state, pidx, cs_sub), msg
     row = {i: r for r, i in enumerate(part.tolist())}  # a participant's row of the round's messages
+    # a partial round's calls may stack several buckets' participants (grouping.py), so its first,
+    # largest call can need far more scratch than the rest: kept in the pool, it would sit beside
+    # the round's messages as they are copied and collected (at full participation every bucket
+    # is its own call, and the pool is shared by them as ops.scratch says)
+    partial = len(part) < M
     out: Any = None
-    msgs, order = [], []  # RaggedRows messages (no fixed rows per client): concatenated and reordered
+    msgs, order = [], []  # RaggedRows messages (no fixed rows per client): put in order at the end
     state_bytes = payload_size(client_state, per_client=True)[1]  # one client's rows (merged groups bound them)
     for ids, sub in participant_groups(data, part, between_buckets=between_buckets, regroup=True, state_bytes=state_bytes):
         # the bucket's rows of the state: views when they are consecutive (clients stored largest
         # first), so no bucket-sized copy is made for the call (client_update is pure)
         cs_b, msg_b = algorithm.client_update(update_rows(algorithm, client_state, ids, dev), broadcast, sub, ctx)
+        if partial:  # the call's scratch (local training's pooled buffers) freed before its messages are copied
+            ops.release_scratch()
         if isinstance(msg_b, RaggedRows):  # runs of items per client: kept whole, reordered at the end
             msgs.append(unshared(msg_b, client_state))  # a message viewing the state would change with the write
             order += ids
@@ -340,10 +347,8 @@ def client_updates(algorithm: Algorithm, client_state: Any, broadcast: Any, data
         tree_map(lambda o, t: o.index_copy_(0, at.to(o.device), t), out, msg_b)  # noqa: B023 (used at once)
         tree_put_rows_(client_state, ids, cs_b)
         del cs_b, sub, msg_b
-    if msgs:
-        msg = tree_cat(msgs)
-        msgs.clear()  # the parts live on in `msg`: drop them before put_back's copy of it
-        return client_state, put_back(msg, order, dev)
+    if msgs:  # in participant order, each part's rows copied to their place and the part dropped
+        return client_state, cat_put_back(msgs, order, dev, between_buckets)
     return client_state, out
 
 

@@ -47,6 +47,16 @@ def scratch(name: str, like: torch.Tensor) -> torch.Tensor:
     return buf[: like.shape[0]]
 
 
+def release_scratch() -> None:
+    """Empty the open pool (`buffer_pool`): its buffers are freed once their last user lets go,
+    and the next `scratch` call allocates afresh. For a caller whose next work needs less scratch
+    than the last (the engine between the calls of a partial round), so that the largest call's
+    buffers are not held beside what comes next."""
+    pool = getattr(_ws, "pool", None)
+    if pool is not None:
+        pool.clear()
+
+
 @contextlib.contextmanager
 def grad_workspace() -> Iterator[None]:
     """Inside, `linear` writes each weight's gradient into a scratch buffer reused at every step

@@ -26,7 +26,9 @@ class RaggedRows(Protocol):
     """A tree whose leaves are not all [M, ...]: runs of items per client (module docstring)."""
 
     def client_rows(self, idx: torch.Tensor) -> Any:
-        """The tree of clients `idx` (rows of its client axis, in that order)."""
+        """The tree of clients `idx` (rows of its client axis, in that order). It only takes
+        rows of its leaves of two or more dimensions, never computes on them (the vectorised
+        engine finds where those rows go on their row numbers: core/order.py cat_put_back)."""
         ...
 
     def comm_size(self) -> tuple[int, int]:
