@@ -40,7 +40,7 @@ _cls.save = _save
 """
 
 
-def run_script(code: str, timeout: float = 600) -> subprocess.CompletedProcess:
+def run_script(code: str, timeout: float = 1200) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", code], env=subprocess_env(), capture_output=True, text=True,
                           timeout=timeout)
 
