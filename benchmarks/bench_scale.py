@@ -74,7 +74,8 @@ def spread(xs: list[float]) -> dict:
 
 
 def measure(store: Path, out: Path, algorithm: str, layout: str, threads: int) -> dict:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(HERE)])}
+    path = [str(REPO), str(HERE), *filter(None, [os.environ.get("PYTHONPATH")])]  # the caller's kept (an A/B's sitecustomize)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(path)}
     args = json.dumps({"store": str(store), "out": str(out), "algorithm": algorithm, "layout": layout,
                        "rounds": ROUNDS[algorithm], "threads": threads})
     load0 = os.getloadavg()

@@ -103,7 +103,8 @@ def main() -> None:
     fed = json.loads(fed_file.read_text())
     args = json.dumps({"store": str(store), "out": str(work / "run"), "algorithm": a.algorithm, "layout": a.layout,
                        "rounds": a.rounds, "threads": a.threads})
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(HERE)])}
+    path = [str(REPO), str(HERE), *filter(None, [os.environ.get("PYTHONPATH")])]  # the caller's kept (an A/B's sitecustomize)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(path)}
     subprocess.run(["rm", "-rf", str(work / "run")], check=True)
     p = subprocess.run([sys.executable, "-c", CHILD, args], env=env, capture_output=True, text=True, timeout=6 * 3600)
     if p.returncode != 0:

@@ -148,7 +148,8 @@ def spread(xs: list[float]) -> dict:
 def child(args: dict, limit: int, timeout: float) -> dict:
     """Run CHILD with `args`; kill it when its RSS passes `limit` bytes. The parsed RESULT, or
     {"failed": why}."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(HERE)])}
+    path = [str(REPO), str(HERE), *filter(None, [os.environ.get("PYTHONPATH")])]  # the caller's kept (an A/B's sitecustomize)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(path)}
     load0 = os.getloadavg()
     t = time.perf_counter()
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
