@@ -174,6 +174,10 @@ def test_a_partial_rounds_call_frees_its_scratch_before_its_messages_are_copied(
     with ops.buffer_pool() as pool, _PoolAtCopies(pool, (P, 7, 3)) as spy:  # the engine's run shares this pool
         res = engine.run(lp(), data, rounds=1, fraction=fraction, progress=False)
     assert spy.most > 0 and len(spy.at_copies) == len(calls)
+    assert all(h > 0 for h in spy.at_copies), spy.at_copies  # a pool this small is kept
+    monkeypatch.setattr(ops, "SCRATCH_KEEP_BYTES", 0)  # as if it were large
+    with ops.buffer_pool() as pool, _PoolAtCopies(pool, (P, 7, 3)) as spy:
+        res = engine.run(lp(), data, rounds=1, fraction=fraction, progress=False)
     assert spy.at_copies == [0] * len(calls), spy.at_copies
     monkeypatch.setattr(ops, "release_scratch", lambda: None)  # the pool kept through the round, as before
     ref = engine.run(lp(), data, rounds=1, fraction=fraction, progress=False)

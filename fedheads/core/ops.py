@@ -47,13 +47,17 @@ def scratch(name: str, like: torch.Tensor) -> torch.Tensor:
     return buf[: like.shape[0]]
 
 
+SCRATCH_KEEP_BYTES = 64 << 20  # release_scratch keeps a pool holding at most this much
+
+
 def release_scratch() -> None:
-    """Empty the open pool (`buffer_pool`): its buffers are freed once their last user lets go,
-    and the next `scratch` call allocates afresh. For a caller whose next work needs less scratch
-    than the last (the engine between the calls of a partial round), so that the largest call's
-    buffers are not held beside what comes next."""
+    """Empty the open pool (`buffer_pool`) when it holds more than SCRATCH_KEEP_BYTES: its buffers
+    are freed once their last user lets go, and the next `scratch` call allocates afresh. For a
+    caller whose next work needs less scratch than the last (the engine between the calls of a
+    partial round), so that the largest call's buffers are not held beside what comes next; a
+    small pool is kept, as re-faulting it in every call would cost more than it holds."""
     pool = getattr(_ws, "pool", None)
-    if pool is not None:
+    if pool is not None and sum(b.numel() * b.element_size() for b in pool.values()) > SCRATCH_KEEP_BYTES:
         pool.clear()
 
 
