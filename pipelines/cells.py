@@ -88,7 +88,7 @@ def composed_epsilon(blocks: list[dict[str, Any]]) -> float:
     dp-accounting composes Gaussian mechanisms (its accountant, RDP or PLD, as the blocks')."""
     import dp_accounting
 
-    from fedheads import privacy
+    from fedheads import privacy_accounting as privacy
 
     deltas, accs = {b["delta"] for b in blocks}, {b["accountant"] for b in blocks}
     if len(deltas) != 1 or len(accs) != 1:
