@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+from test_fedcof import _Allocations
 
 from fedheads.algorithms.fedcof import FedCOF, FedCOFClientState, FedCOFConfig
 from fedheads.algorithms.lp import HeadTuning, LPConfig
@@ -82,22 +83,6 @@ def test_cat_put_back_equals_put_back_of_the_concatenation_and_drops_the_parts(m
     assert all(torch.equal(got[k], want[k]) for k in want)
 
 
-class _NewTensors(torch.utils._python_dispatch.TorchDispatchMode):
-    """The shapes of the new tensors ops return while active (not an in-place op's own input)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.shapes: list[tuple[int, ...]] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
-        out = func(*args, **(kwargs or {}))
-        given = {a.data_ptr() for a in args if isinstance(a, torch.Tensor)}
-        for t in out if isinstance(out, (tuple, list)) else [out]:
-            if isinstance(t, torch.Tensor) and t.data_ptr() not in given:
-                self.shapes.append(tuple(t.shape))
-        return out
-
-
 def skewed(M: int = 48, D: int = 5, C: int = 4, seed: int = 0) -> BucketedFedData:
     rs = np.random.default_rng(seed)
     clients = []
@@ -129,7 +114,7 @@ def test_a_round_of_fedcof_on_buckets_holds_its_class_means_once() -> None:
     assert order != sorted(order)
     want = put_back(tree_cat(parts), order, data.device)
     Q, D = want.means.shape
-    with _NewTensors() as seen:
+    with _Allocations() as seen:
         _, msg = client_updates(alg, FedCOFClientState(init.client_state.sent.clone()), init.broadcast, data, ctx)
     for a, b in zip(tree_leaves(msg), tree_leaves(want), strict=True):
         assert a.dtype == b.dtype and torch.equal(a, b)
