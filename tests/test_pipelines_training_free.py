@@ -14,6 +14,10 @@ import torch
 from click.testing import CliRunner
 from fed_tiny import tiny_fed
 
+# imported before any test here patches `fedheads.run.load.load_fed_data`: a module first imported
+# while the patch is on would keep the stand-in (`from ... import load_fed_data`) for later tests
+import fedheads.finetuning.heads  # noqa: F401
+import fedheads.run.train  # noqa: F401
 from pipelines import plan, registry
 from pipelines.cli import main
 
