@@ -190,7 +190,7 @@ class Private(AlgorithmBase):
     may decide it). With no noise the head is the plain one, except for such a class. The clamp
     is per round: under partial participation over R rounds a class no fresh client holds in a
     round still gains a count of 1 there (up to R in all; FedNCM's cosine rule ignores counts).
-    An algorithm that declares `clamp_noisy_counts = False` gets the raw noisy counts (CCVR).
+    An algorithm that declares `clamp_noisy_counts = False` gets the raw noisy counts (CCVR, Fed3R).
 
     Features are bounded for training only: the head is evaluated, and served by `fedheads
     predict`, on the features as stored."""

@@ -18,11 +18,13 @@ from test_fedheads_cli import _write_store
 
 from embedcache.errors import UserError
 from fedheads.algorithms import create_algorithm
-from fedheads.algorithms.ccvr import CCVR, CCVRConfig, class_gaussians, gaussian_factor
+from fedheads.algorithms.ccvr import CCVR, CCVRConfig, class_gaussians, gaussian_factor, saved_linear_head
+from fedheads.algorithms.fed3r import Fed3R
 from fedheads.algorithms.fedncm import FedNCM
 from fedheads.cli import main
 from fedheads.core.engine import run
 from fedheads.core.federation import FedData
+from fedheads.prediction.predict import open_run
 from fedheads.privacy import Mechanism, Private
 from fedheads.run.load import from_arrays
 
@@ -162,10 +164,69 @@ def test_ccvr_calibrating_a_dp_fed3r_head_records_the_mechanism(tmp_path):
     assert pred.exit_code == 0, pred.output
 
 
+def test_ccvr_calibrates_a_dp_fed3r_head_that_lost_a_class_to_noise(tmp_path):
+    """Strong noise: the saved Fed3R head's noisy count of class 2 is below 1, so Fed3R never
+    predicts it (-inf). CCVR reads that class as a zero column and bias (as `linear_head` hands an
+    absent class to fine-tuning) instead of refusing the head as not linear."""
+    store = _write_store(tmp_path)
+    base = ["train", "--store", str(store), "--backbones", "synth", "--seeds", "0", "--device", "cpu", "--quiet"]
+    r = CliRunner().invoke(main, [*base, "--algorithm", "fed3r", "--rounds", "1", "--dp-noise-multiplier", "30",
+                                  "--dp-noise-seed", "4", "--out", str(tmp_path / "f3")])
+    assert r.exit_code == 0, r.output
+    assert open_run(str(tmp_path / "f3"), 0).server_state.present.tolist() == [True, True, False, True]
+    w, b = saved_linear_head(str(tmp_path / "f3"), 0, w_dim := 12, 4)
+    assert w.shape == (w_dim, 4) and not bool(w[:, 2].any()) and float(b[2]) == 0.0
+    assert bool(w[:, [0, 1, 3]].any(0).all())
+    r = CliRunner().invoke(main, [*base, "--algorithm", "ccvr", "--rounds", "1", "--set", f"head={tmp_path / 'f3'}",
+                                  "--out", str(tmp_path / "cal")])
+    assert r.exit_code == 0, r.output
+    assert math.isfinite(json.loads((tmp_path / "cal" / "results.json").read_text())["accuracy"]["mean"])
+
+
+def test_fed3r_says_when_noise_left_no_class():
+    """Every noisy count below 1: one line that says so, not "no statistics yet"."""
+    fed = tiny_fed(M=2)
+    alg = Private(create_algorithm("fed3r"), Mechanism(noise_multiplier=1e4, noise_seed=1))
+    with pytest.raises(UserError, match="no statistics yet"):
+        alg.predict(alg.init(fed.spec(), 0).client_state, alg.init(fed.spec(), 0).server_state, fed.x_test, fed.m_test)
+    for seed in range(20):  # the run's own evaluation meets the head of no class
+        alg = Private(create_algorithm("fed3r"), Mechanism(noise_multiplier=1e4, noise_seed=seed))
+        try:
+            run(alg, fed, 1, seed=0, progress=False)
+        except UserError as e:
+            assert "no class has a count >= 1" in str(e)
+            return
+    pytest.fail("no noise key left every class below a count of 1")
+
+
 # ---------------------------------------------------------------------- Fed3R
 def _private_fed3r(scale: float, seed: int, mode: str = "central") -> Private:
     return Private(create_algorithm("fed3r", lam_noise_scale=scale),
                    Mechanism(clip=1.0, noise_multiplier=1.0, mode=mode, noise_seed=seed))
+
+
+@pytest.mark.parametrize("mode", ["central", "distributed"])
+@pytest.mark.parametrize("fraction", [1.0, 1 / 3])
+def test_fed3r_class_no_client_holds_stays_absent_under_dp(mode, fraction):
+    """Fed3R's presence is decided on the running total of the noisy counts, not on counts clamped
+    to >= 1 per round: a class no client holds keeps a count of (here vanishing) noise, is absent
+    and never predicted, and the head is the plain one, over one or several collecting rounds."""
+    fed = _fed_without(absent=2)
+    rounds = 1 if fraction == 1 else 10
+    plain = run(create_algorithm("fed3r"), fed, rounds, seed=0, fraction=fraction, progress=False)
+    big = float(fed.x_train.norm(dim=-1).max()) * 2  # no feature is clipped
+    alg = Private(create_algorithm("fed3r"), Mechanism(clip=big, noise_multiplier=1e-9, mode=mode, noise_seed=0))
+    res = run(alg, fed, rounds, seed=0, fraction=fraction, progress=False)
+    ss, ps = res.server_state, plain.server_state
+    assert bool(res.client_state.inner.sent.all())  # every client's statistics arrived
+    assert ss.counts.tolist() == ps.counts.tolist() and int(ss.counts[2]) == 0
+    assert ss.present.tolist() == [True, True, False]
+    torch.testing.assert_close(ss.weight, ps.weight, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(ss.bias, ps.bias, rtol=1e-5, atol=1e-6)
+    assert Fed3R.clamp_noisy_counts is False
+    scores = alg.predict(res.client_state, ss, fed.x_test, fed.m_test)["main"]
+    assert bool(torch.isinf(scores[..., 2]).all())
+    assert torch.equal(res.final_accuracy(), plain.final_accuracy())
 
 
 @pytest.mark.parametrize("mode", ["central", "distributed"])

@@ -41,7 +41,16 @@ Every round adds a fresh draw to the totals (fedheads.privacy), so after R round
 participation) the noise's std per entry is σ√R and the solve uses λ = lam + κ σ √(R D').
 σ comes with the totals (RoundCtx.noise_std, from the private wrapper), not from the algorithm
 object, so one Fed3R object runs with DP and then without as two fresh objects would. The λ used
-is in results.json's privacy block (``post_processing``). Without DP nothing changes."""
+is in results.json's privacy block (``post_processing``). Without DP nothing changes.
+
+Under DP, whether a class is present is itself a statistic of the data, so only the noisy counts
+decide it, on their running total as without DP: counts (each round's noisy total rounded to an
+integer) summed over the collecting rounds, a class present where the total is >= 1. Fed3R
+declares `clamp_noisy_counts = False`: the private wrapper's per-round clamp to >= 1 would make
+every class present (with a weight column of pure noise where no client holds it) and, under
+partial participation, add up to one count per round to b's bias row. The unclamped counts are
+unbiased; a class whose true count is small against the count noise's std (σ√R) may be lost,
+as one that no client holds may be kept with a noise column."""
 
 from __future__ import annotations
 
@@ -92,7 +101,7 @@ class Fed3RServerState:
     counts: torch.Tensor  # [C] int64 samples per class (b's bias row)
     weight: torch.Tensor  # [C, D] float64 normalised ridge weights w_c (zero for absent classes)
     bias: torch.Tensor  # [C] float64 normalised bias (zeros with bias=False)
-    present: torch.Tensor  # [C] bool: some client holds class c
+    present: torch.Tensor  # [C] bool: counts >= 1 (some client holds class c; under DP the noisy total)
     pinv: torch.Tensor  # [] bool: the last solve fell back to the pseudo-inverse
 
 
@@ -169,6 +178,7 @@ class Fed3R(AlgorithmBase):
     global_rule = "main"
     one_pass = True  # each client sends its statistics once
     sums_messages = True  # the server reads only the summed Grams, class sums and counts
+    clamp_noisy_counts = False  # presence is decided on the running total of the noisy counts
 
     def __init__(self, cfg: Fed3RConfig = Fed3RConfig()) -> None:
         if cfg.dtype not in DTYPES:
@@ -250,7 +260,10 @@ class Fed3R(AlgorithmBase):
     def predict(self, cs: Fed3RClientState, ss: Fed3RServerState, x: torch.Tensor,
                 mask: torch.Tensor) -> dict[str, torch.Tensor]:
         if not bool(ss.present.any()):
-            raise UserError("fed3r: no statistics yet (run at least one round)")
+            if not bool(ss.gram.any()):
+                raise UserError("fed3r: no statistics yet (run at least one round)")
+            raise UserError("fed3r: no class has a count >= 1, so the head predicts nothing (under DP the counts are "
+                            "noisy: the noise swamps them at this privacy level; raise the epsilon)")
         return {"main": linear_scores(ss.weight, ss.bias, ss.present, x)}
 
     def linear_head(self, ss: Fed3RServerState) -> dict[str, torch.Tensor]:
