@@ -1,8 +1,14 @@
 """Cached features vs a live backbone pass: FedPCL on Office-Caltech-10 feature shift.
 
 (a) cached: `embedcache extract` (cold, into a fresh store) + `fedheads train --algorithm fedpcl`
-    on the cache, each timed as a separate command (process start-up included), plus an
-    in-process engine run on the same store for the per-round time (RunResult history/wall time).
+    on the cache, each timed as a separate command (process start-up included), plus the same
+    training in process through the Python API (`fedheads.train`, which runs what the command
+    runs: its loading, layout and client order) for the per-round time (results' "timing").
+    The two are one run: "accuracy_command" equals "accuracy_final", and
+    "states_equal_to_command" says whether the final states are the command's bit for bit. They
+    must be: a single seed's FedPCL accuracy after many rounds moves by points with float
+    rounding alone, e.g. with the order the engine stacks the clients in (largest first, so the
+    order its sums over clients take), so a run stacked differently is not the same run.
 (b) live: benchmarks/live_fedpcl.py, the FedPCL authors' loop (every round, every client
     re-decodes its images and runs every frozen backbone on every training batch, again for the
     prototypes, again over its test set), on the same head, loss, optimiser and batch size.
@@ -83,8 +89,9 @@ def partition(source: str, manifest: Path, train_per_class: int, seed: int,
 def cached_phase(manifest: Path, backbones: Sequence[str], work: Path, rounds: int, seed: int,
                  weights_dir: str | None, plugins: Sequence[str] = (), env: dict[str, str] | None = None,
                  settings: Sequence[str] = ()) -> dict[str, Any]:
-    """Cold extract + `fedheads train` (timed separately), then an in-process engine run on the
-    same store for per-round timing. Returns the "cached" JSON section."""
+    """Cold extract + `fedheads train` (timed separately), then the same training in process
+    (`fedheads.train`) for per-round timing, checked against the command's saved states.
+    Returns the "cached" JSON section."""
     store, run_dir = work / "store", work / "run"
     shutil.rmtree(store, ignore_errors=True)  # cold: a fresh store, nothing to hit
     argv = _tool("embedcache") + ["extract", "--manifest", str(manifest), "--backbones", ",".join(backbones),
@@ -101,39 +108,63 @@ def cached_phase(manifest: Path, backbones: Sequence[str], work: Path, rounds: i
                                 "--out", str(run_dir)]
     for s in settings:
         argv += ["--set", s]
-    train_s = timed_command(argv, env)
+    train_cmd_s = timed_command(argv, env)
     results = json.loads((run_dir / "results.json").read_text())
-    _log(f"fedheads train: {train_s:.1f}s, accuracy {results.get('accuracy_cell')}")
+    _log(f"fedheads train: {train_cmd_s:.1f}s, accuracy {results.get('accuracy_cell')}")
 
-    # Per-round time of the same run, in process (no start-up, imports or run-dir writing).
-    from fedheads.core.engine import run as engine_run
-    from fedheads.run.load import load_fed_data
-    from fedheads.run.train import TrainOptions, build_algorithm, parse_settings
+    # The same run in process, through the Python API: exactly what the command trains (its
+    # loading, layout and client order), without process start-up, imports or run-directory
+    # writing, for the per-round time. Its final states must be the command's bit for bit.
+    import fedheads
+    from fedheads.run.train import parse_settings
 
-    data = load_fed_data(str(store), list(backbones), "cpu")
-    alg, _, _ = build_algorithm("fedpcl", TrainOptions(settings=parse_settings(settings)))
-    res = engine_run(alg, data, rounds, seed=seed, progress=False)
-    steady = [r.seconds for r in res.history[1:]] or [res.history[0].seconds]
-    history = [{"round": r.round + 1, "accuracy": 100.0 * float(r.accuracy["main"].nanmean())}
-               for r in res.history if r.accuracy is not None]
-    per_client = {n: 100.0 * float(a) for n, a in zip(data.client_names, res.final_accuracy().tolist())}
+    res = fedheads.train(str(store), "fedpcl", backbones=list(backbones), rounds=rounds, seeds=seed, device="cpu",
+                         settings=dict(parse_settings(settings)))
+    timing = res.timing["per_seed"][0]
+    train_s = timing["rounds"]["train_wall_seconds"]  # per round, training + aggregation (no evaluation)
+    steady = train_s[1:] or train_s[:1]
+    same = same_states(run_dir / "state" / f"seed{seed}.pt", res.states[seed])
+    if not same:
+        _log("WARNING: the in-process run's final states differ from the command's: not the same run")
     return {
         "extract_seconds": extract_s,
-        "train_command_seconds": train_s,
-        "total_seconds": extract_s + train_s,
-        "engine_wall_seconds": res.wall_seconds,
-        "round_seconds": res.wall_seconds / rounds,  # train + aggregate + evaluation, per round
+        "train_command_seconds": train_cmd_s,
+        "total_seconds": extract_s + train_cmd_s,
+        "engine_wall_seconds": timing["wall_seconds"],
+        "round_seconds": timing["wall_seconds"] / rounds,  # train + aggregate + evaluation, per round
         "round_train_seconds_median": statistics.median(steady),  # train + aggregate only (rounds >= 2)
         "accuracy_command": results["accuracy"]["mean"],
-        "accuracy_final": 100.0 * float(res.final_accuracy().nanmean()),
-        "per_client_final": per_client,
-        "history": history,
-        "clients": list(data.client_names),
-        "n_train": list(data.n_train),
-        "n_test": list(data.n_test),
-        "feature_dim": data.dim,
+        "accuracy_final": res.accuracy["mean"],
+        "states_equal_to_command": same,
+        "per_client_final": {n: v["mean"] for n, v in res.per_client.items()},
+        "history": [{"round": h["round"], "accuracy": h["accuracy"]} for h in res.history],
+        "clients": list(res.clients),
+        "n_train": split_sizes(store, backbones[0], res.clients, "train"),
+        "n_test": split_sizes(store, backbones[0], res.clients, "test"),
+        "feature_dim": res.feature_dim,
         "store_bytes": sum(f.stat().st_size for f in store.rglob("*") if f.is_file()),
     }
+
+
+def same_states(saved: Path, state: Any) -> bool:
+    """Whether a run's final states (an engine RunResult) are, leaf for leaf and bit for bit,
+    those a `fedheads train` run directory saved (its state/seed<S>.pt)."""
+    from fedheads.core.tree import tree_leaves
+    from fedheads.run.checkpoint import load_sealed
+    from fedheads.run.train import STATE_FORMAT
+
+    blob = load_sealed(saved, STATE_FORMAT, "train the run again")
+    ours = {"client": tree_leaves(state.client_state), "server": tree_leaves(state.server_state)}
+    return all(len(blob[k]) == len(v) and all(a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b.cpu())
+                                              for a, b in zip(blob[k], v)) for k, v in ours.items())
+
+
+def split_sizes(store: Path, backbone: str, clients: Sequence[str], split: str) -> list[int]:
+    """Rows of each client's `split` in the store (0 where it has none)."""
+    from embedcache.store.reader import open_store
+
+    info = open_store(store)
+    return [0 if (sh := info.shard(backbone, c, split)) is None else int(sh.n) for c in clients]
 
 
 def live_phase(manifest: Any, source: Any, backbones: Sequence[Any], rounds: int, live_rounds: int, seed: int,
@@ -192,7 +223,11 @@ def summarise(cached: dict[str, Any], live: dict[str, Any]) -> dict[str, Any]:
             "round 1": "collects prototypes only (no training), in both runs"},
         "accuracy": {"cached_final": cached["accuracy_final"], "cached_at_live_rounds": at_n,
                      "live_at_live_rounds": live["accuracy_final"], "rounds_compared": n,
-                     "note": "not bitwise equal: the live run shuffles batches DataLoader-style, the engine "
+                     "cached_note": "cached_final is the `fedheads train` command's run, also trained in process "
+                                    "through fedheads.train for the per-round time (cached.accuracy_command = "
+                                    "cached.accuracy_final; cached.states_equal_to_command: the final states bit "
+                                    "for bit)",
+                     "note": "live vs cached, not bitwise equal: the live run shuffles batches DataLoader-style, the engine "
                              "uses its own seeded schedule; features come from differently sized conv batches"},
     }
 

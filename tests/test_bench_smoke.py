@@ -4,6 +4,7 @@ contract-3 backbones (tests/store_doubles.py). Whole file: a few seconds."""
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from dataclasses import dataclass
@@ -125,17 +126,47 @@ def test_live_phase_with_workers_extrapolates_and_reports(tiny):
     assert summ["accuracy"]["cached_at_live_rounds"] == 40.0
 
 
+def test_same_states_tells_the_commands_run_from_one_stacked_otherwise(tmp_path):
+    """The benchmark's check that its in-process run is the command's: the Python API's run
+    equals the saved run directory bit for bit; a plain engine call, which stacks clients of
+    unequal sizes in the data's order instead of largest first, differs in the last bits (its
+    accuracies here are still equal: only the states show it)."""
+    import numpy as np
+
+    import fedheads
+
+    rng = np.random.default_rng(0)
+
+    def client(n: int) -> tuple:
+        return (rng.normal(size=(n, 8)).astype(np.float32), rng.integers(0, 3, n),
+                rng.normal(size=(4, 8)).astype(np.float32), rng.integers(0, 3, 4))
+
+    data = from_arrays([client(9), client(6), client(12)], 3, ["a", "b", "c"])  # largest first: c, a, b
+    kw = {"rounds": 3, "seeds": 0, "device": "cpu", "settings": {"batch_size": 4}}
+    fedheads.train(data, "fedpcl", out=tmp_path / "run", **kw)
+    saved = tmp_path / "run" / "state" / "seed0.pt"
+    assert bench.same_states(saved, fedheads.train(data, "fedpcl", **kw).states[0])
+    assert not bench.same_states(saved, run(FedPCL(CFG), data, 3, seed=0))
+
+
 @pytest.mark.slow  # three subprocesses, each importing torch: ~10 s apiece on a loaded 2-core machine
-def test_cached_phase_runs_the_real_commands(tiny, tmp_path):
+def test_cached_phase_runs_the_real_commands(tmp_path):
     """partition -> extract (tiny backbones via --plugin) -> fedheads train, timed, plus the
-    in-process engine run, whose final accuracy must equal the command's."""
-    root, _ = tiny
+    in-process run, which must be the command's run: the same states bit for bit, history and
+    accuracy, with clients of unequal sizes (the engine stacks them largest first)."""
+    root = d.make_imagefolder(tmp_path / "img", domains=("a", "b", "c"), per_class=8)
+    for k in range(6):  # b/cat keeps 2 images: b trains 8 samples, a and c 9
+        (root / "b" / "cat" / f"img_{k}.png").unlink()
     env = {"PYTHONPATH": os.pathsep.join([str(REPO / "tests"), str(REPO), os.environ.get("PYTHONPATH", "")])}
     manifest = tmp_path / "m.json"
     assert bench.partition(f"imagefolder:{root}", manifest, train_per_class=3, seed=0, env=env) > 0
     out = bench.cached_phase(manifest, ("tiny", "tiny2"), tmp_path, rounds=3, seed=0, weights_dir=None,
                              plugins=("store_doubles",), env=env)
     assert out["extract_seconds"] > 0 and out["train_command_seconds"] > 0
-    assert out["feature_dim"] == 8 and out["n_train"] == [9, 9, 9]
-    assert out["accuracy_final"] == pytest.approx(out["accuracy_command"], abs=1e-6)
+    assert out["feature_dim"] == 8 and out["n_train"] == [9, 8, 9]
+    assert out["states_equal_to_command"] is True
+    assert out["accuracy_final"] == out["accuracy_command"]
+    command = json.loads((tmp_path / "run" / "results.json").read_text())
+    assert out["history"] == [{"round": h["round"], "accuracy": h["accuracy"]} for h in command["history"]]
     assert [h["round"] for h in out["history"]] == [1, 2, 3]
+    assert out["round_seconds"] > 0 and out["round_train_seconds_median"] >= 0

@@ -422,7 +422,7 @@ def run(algorithm: Algorithm, data: Federation, rounds: int, seed: int = 0, frac
     `reorder=True`: the engine may stack the clients in the order it computes fastest in
     (core/order.py: largest first, one copy of a padded federation's rows); the result is in
     `data`'s client order either way, and a client's own result does not depend on its place
-    (only the order in which the server sums the messages does). `between_buckets`: called after
+    (only the order of sums over clients does: core/order.py). `between_buckets`: called after
     each size bucket's client updates and evaluation (e.g. to hand freed memory back).
     `message_budget`: bytes of participants' messages the vectorised engine holds at once for an
     algorithm that declares `sums_messages` (beyond it they are added group by group; the sum's

@@ -7,7 +7,9 @@ federation largest first where that is safe, and hands back every per-client res
 state, accuracies, the server-state rows the algorithm declares in `server_client_fields`) in the
 caller's order. A client's own result does not depend on its place in the stack: its
 initialisation, batches and noise are keyed by its global id (data.client_index); only the order
-in which the server sums the clients' messages follows the stack.
+of sums over clients follows the stack: the server's over their messages, and any a client takes
+over per-client rows of the broadcast (FedPCL's Eq. 9 over every client's local set). So the
+states differ from a run in the data's order in the last bits, and a long run's accuracy with them.
 
 Safe means: every client in every round (the seeded draw of participants is by position), the
 vectorised engine (the loop computes one client at a time, nothing to skip), a padded federation
