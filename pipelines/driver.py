@@ -65,7 +65,7 @@ def _plan_json(exp: Experiment, ctx: plan.RunContext, arms: list[plan.Arm], sche
     return {
         "format": PLAN_FORMAT, "experiment": exp.name, "scale": ctx.scale, "scheduler": scheduler,
         "context": {"sources": dict(ctx.sources), "originals": ctx.originals, "device": ctx.device,
-                    "threads": ctx.threads},
+                    "threads": ctx.threads, "backbone_map": dict(ctx.backbone_map)},
         "arms": [{"coords": [list(c) for c in a.point.coords], "point": a.point.key(), "method": a.method.label,
                   "kind": a.method.kind, "algorithm": a.method.algorithm, "rounds": a.rounds, "seeds": list(a.seeds),
                   "settings": a.settings, "backbones": list(a.backbones), "backbone_note": a.backbone_note,

@@ -96,7 +96,8 @@ NOTES = (
     "the split, hence their std of 0.",
     "CCVR runs under feature shift only: its clients send full per-class second moments, which the engine stacks "
     "as [clients, C, D, D] float64, 13 GB at 100 clients x 10 classes x 1280-d features.",
-    "Other backbones (EfficientNet-Lite1/Lite2 once registered, or any other): `--backbone efficientnet-lite0=NAME`.",
+    "Other backbones (e.g. efficientnet-lite1 or efficientnet-lite2, registered with their ImageNet weights, or your "
+    "own): `--backbone efficientnet-lite0=NAME`; docs/papers/training_free.md has the table on Lite1 and Lite2.",
 )
 
 # CCVR's clients send full per-class second moments, [clients, C, D, D] float64 stacked by the engine:

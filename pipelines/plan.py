@@ -137,19 +137,24 @@ def choose_backbones(bs: BackboneSet, originals: bool, mapping: dict[str, str] |
                      weights_dir: str | None = None) -> tuple[tuple[str, ...], str, str]:
     """(names, note, problem): the originals with --originals, else the stand-ins, else the fallback;
     `mapping` (--backbone NAME=OTHER) renames any of them first."""
-    if mapping:
-        ren = lambda names: tuple(mapping.get(n, n) for n in names)  # noqa: E731
-        bs = dataclasses.replace(bs, paper=ren(bs.paper), standin=ren(bs.standin), fallback=ren(bs.fallback))
+    mapping = mapping or {}
+    ren = lambda names: tuple(mapping.get(n, n) for n in names)  # noqa: E731
     problems = lambda names: [p for p in (backbone_problem(n, weights_dir) for n in names) if p]  # noqa: E731
+
+    def chosen(names: tuple[str, ...], note: str) -> tuple[tuple[str, ...], str, str]:
+        swapped = [f"{mapping[n]} in place of {n}" for n in names if mapping.get(n, n) != n]
+        return ren(names), (f"--backbone {', '.join(swapped)} ({note})" if swapped else note), ""
+
     if originals:
-        return bs.paper, "the paper's backbones", "; ".join(problems(bs.paper))
+        names, note, _ = chosen(bs.paper, "the paper's backbones")
+        return names, note, "; ".join(problems(names))
     if not bs.standin:
         return (), "", f"no offline stand-in for {bs.label}: {bs.note}"
-    probs = problems(bs.standin)
+    probs = problems(ren(bs.standin))
     if not probs:
-        return bs.standin, f"stand-ins for {bs.label}", ""
-    if bs.fallback and not problems(bs.fallback):
-        return bs.fallback, f"fallback ({probs[0]})", ""
+        return chosen(bs.standin, f"stand-ins for {bs.label}")
+    if bs.fallback and not problems(ren(bs.fallback)):
+        return chosen(bs.fallback, f"fallback ({probs[0]})")
     return (), "", "; ".join(probs)
 
 

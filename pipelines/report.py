@@ -211,13 +211,17 @@ def _header_lines(exp: Experiment, plan: dict[str, Any], views: Sequence[dict[st
     t = plan.get("timing", {})
     sc = exp.scale(plan["scale"])
     scale = (f"**{plan['scale']}** scale" + ("" if plan["scale"] == "paper" else
-             f" ({sc.rounds} rounds, seeds {list(sc.seeds or exp.seeds)}"
+             f" ({f'{sc.rounds} rounds' if sc.rounds else 'each method its paper rounds'}, seeds {list(sc.seeds or exp.seeds)}"
              + (f", at most {sc.test_per_class} test images per class" if sc.test_per_class else "") + ")"))
     lines = [f"# {exp.paper} {exp.source}: {exp.title}", "", f"*{compare.citation(exp)}.* {exp.summary}", "",
              f"- {scale}; paper protocol: {exp.rounds} rounds unless a method says otherwise, seeds {list(exp.seeds)}; "
              f"scheduler {plan.get('scheduler')}.",
              f"- cells: {n['done']} done, {n['failed']} failed, {n['pending']} pending; "
              f"{sum(1 for v in views if v['unavailable'])} of {len(views)} arms not available."]
+    swapped = (plan.get("context") or {}).get("backbone_map") or {}
+    if swapped:
+        lines.append(f"- backbones replaced (--backbone): {', '.join(f'{a} -> {b}' for a, b in swapped.items())}; "
+                     "the summary above names the experiment's own.")
     if t.get("sweep_seconds") is not None:
         lines.append(f"- time: prepare {t['prepare_seconds']:.1f} s, sweep {t['sweep_seconds']:.1f} s "
                      f"({t['cells_to_run']} of {t['cells']} cells run; the rest were already complete).")

@@ -191,6 +191,9 @@ def test_both_experiments_run_at_smoke_scale_on_the_doubles(tmp_path):
         assert (edir / "figure.png").stat().st_size > 0
     report = (tmp_path / "out" / "training-free" / "report.md").read_text()
     assert "FedCOF above FedNCM" in report and "lp init=fedpft" in report  # claims, and why a row cannot run
+    # the backbone that ran is named as the user's replacement, not as the experiment's stand-in
+    assert "backbones replaced (--backbone): efficientnet-lite0 -> pl-tiny-a" in report
+    assert "pl-tiny-a, --backbone pl-tiny-a in place of efficientnet-lite0" in report
     cells_dir = tmp_path / "out" / "cells"
     eps = {json.loads(p.read_text())["result"]["privacy"]["target_epsilon"] for p in cells_dir.glob("*.json")
            if json.loads(p.read_text())["config"]["options"].get("dp")}
@@ -241,3 +244,12 @@ def test_a_curve_over_epsilon_is_one_line_per_method_and_partition(monkeypatch, 
     assert drawn["axis"] == "epsilon"
     assert drawn["series"] == {"FedNCM (label skew)": [(1.0, 90.0, 0.5), (2.0, 91.0, 0.5)],
                                "FedNCM (feature shift)": [(1.0, 80.0, 0.5), (2.0, 81.0, 0.5)]}
+
+
+def test_report_header_says_each_method_runs_its_paper_rounds_where_the_scale_sets_none():
+    from pipelines.report import _header_lines
+
+    exp = registry.get("training-free")
+    assert exp.scale("ci").rounds is None
+    head = "\n".join(_header_lines(exp, {"scale": "ci", "scheduler": "serial"}, []))
+    assert "None rounds" not in head and "each method its paper rounds" in head
