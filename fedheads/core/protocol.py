@@ -155,8 +155,8 @@ class AlgorithmBase(Generic[CS, SS, Msg, Bc]):
     clamp_noisy_counts: ClassVar[bool] = True
     """Under DP the private wrapper clamps each round's noisy totals of the secure form's integer
     fields (counts) to >= 1, so FedNCM divides by a positive count (fedheads.privacy.Private). False:
-    the algorithm takes the raw noisy counts and decides presence itself (CCVR, on their running
-    total)."""
+    the algorithm takes the raw noisy counts and decides presence itself (CCVR and Fed3R, on their
+    running total)."""
     collect_rounds: int = 0
     """Leading rounds that only collect statistics (FedPCL's round 0, LP's FedNCM round): R
     rounds train R - collect_rounds."""
