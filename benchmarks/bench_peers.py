@@ -62,7 +62,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from assets import data_dir  # sibling modules (benchmarks/ is on sys.path)
-from machine_info import machine, write_json
+from machine_info import child_env, machine, write_json
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
@@ -175,11 +175,6 @@ def write_case(folder: Path, data: tuple[np.ndarray, ...], proto: dict, hidden: 
             "batch": batch, "classes": classes,
             "hidden": hidden, "train_rows": int(sizes.sum()), "client_rows_min": int(sizes.min()),
             "client_rows_max": int(sizes.max()), "samples_per_round_mean": float(np.mean(per_round)), "keep_rounds": keep}
-
-
-def child_env(sites: list[str]) -> dict:
-    path = [str(REPO), str(HERE), *(str(Path(s).resolve()) for s in sites), *filter(None, [os.environ.get("PYTHONPATH")])]
-    return {**os.environ, "PYTHONPATH": os.pathsep.join(path)}
 
 
 def peer_status(env: dict) -> dict:
@@ -392,7 +387,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--out", default=str(HERE / "results" / "peers.json"))
     a = ap.parse_args(argv)
     rounds_override = parse_rounds(a.rounds, list(PROTOCOLS))
-    env = child_env(a.site or [p for p in [os.environ.get("BENCH_PEERS_SITE")] if p])
+    env = child_env(*(Path(s).resolve() for s in a.site or [p for p in [os.environ.get("BENCH_PEERS_SITE")] if p]))
     repeats = 1 if a.quick else a.repeats
     peers = peer_status(env)
     fws = [fw for fw in a.frameworks.split(",") if fw and "missing" not in peers[fw]]

@@ -39,7 +39,7 @@ from pathlib import Path
 
 import numpy as np
 from bench_memory import CHILD_PRELUDE, write_store  # sibling module: the same measured process and store
-from machine_info import machine, write_json
+from machine_info import child_env, machine, write_json
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
@@ -74,8 +74,7 @@ def spread(xs: list[float]) -> dict:
 
 
 def measure(store: Path, out: Path, algorithm: str, layout: str, threads: int) -> dict:
-    path = [str(REPO), str(HERE), *filter(None, [os.environ.get("PYTHONPATH")])]  # the caller's kept (an A/B's sitecustomize)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(path)}
+    env = child_env()
     args = json.dumps({"store": str(store), "out": str(out), "algorithm": algorithm, "layout": layout,
                        "rounds": ROUNDS[algorithm], "threads": threads})
     load0 = os.getloadavg()

@@ -24,7 +24,7 @@ from pathlib import Path
 
 from bench_memory import CHILD_PRELUDE, write_store  # sibling modules: the same measured process and store
 from bench_scale import pareto_sizes
-from machine_info import machine, write_json
+from machine_info import child_env, machine, write_json
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
@@ -103,8 +103,7 @@ def main() -> None:
     fed = json.loads(fed_file.read_text())
     args = json.dumps({"store": str(store), "out": str(work / "run"), "algorithm": a.algorithm, "layout": a.layout,
                        "rounds": a.rounds, "threads": a.threads})
-    path = [str(REPO), str(HERE), *filter(None, [os.environ.get("PYTHONPATH")])]  # the caller's kept (an A/B's sitecustomize)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(path)}
+    env = child_env()
     subprocess.run(["rm", "-rf", str(work / "run")], check=True)
     p = subprocess.run([sys.executable, "-c", CHILD, args], env=env, capture_output=True, text=True, timeout=6 * 3600)
     if p.returncode != 0:

@@ -51,7 +51,7 @@ from pathlib import Path
 
 from bench_memory import CHILD_PRELUDE  # sibling modules: the same measured process
 from inat_store import InatConfig, build
-from machine_info import machine, provenance, write_json
+from machine_info import child_env, machine, provenance, write_json
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
@@ -148,8 +148,7 @@ def spread(xs: list[float]) -> dict:
 def child(args: dict, limit: int, timeout: float) -> dict:
     """Run CHILD with `args`; kill it when its RSS passes `limit` bytes. The parsed RESULT, or
     {"failed": why}."""
-    path = [str(REPO), str(HERE), *filter(None, [os.environ.get("PYTHONPATH")])]  # the caller's kept (an A/B's sitecustomize)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(path)}
+    env = child_env()
     load0 = os.getloadavg()
     t = time.perf_counter()
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:

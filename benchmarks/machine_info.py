@@ -1,4 +1,5 @@
-"""The machine facts every benchmark JSON records (imported by the sibling scripts)."""
+"""The machine facts every benchmark JSON records, and the environment of a benchmark's child
+processes (imported by the sibling scripts)."""
 
 from __future__ import annotations
 
@@ -11,9 +12,16 @@ from pathlib import Path
 
 from fedheads.run.environment import cpu_model, machine
 
-__all__ = ["cpu_model", "machine", "machine_facts", "provenance", "write_json"]
+__all__ = ["child_env", "cpu_model", "machine", "machine_facts", "provenance", "write_json"]
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+def child_env(*extra: str | Path) -> dict[str, str]:
+    """os.environ with PYTHONPATH = the repository, benchmarks/, `extra`, then the caller's own
+    PYTHONPATH, kept (e.g. an A/B's sitecustomize)."""
+    path = [str(REPO), str(REPO / "benchmarks"), *map(str, extra), *filter(None, [os.environ.get("PYTHONPATH")])]
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(path)}
 
 
 def machine_facts() -> dict:

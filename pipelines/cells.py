@@ -88,7 +88,7 @@ def composed_epsilon(blocks: list[dict[str, Any]]) -> float:
     dp-accounting composes Gaussian mechanisms (its accountant, RDP or PLD, as the blocks')."""
     import dp_accounting
 
-    from fedheads import privacy_accounting as privacy
+    from fedheads import privacy_accounting
 
     deltas, accs = {b["delta"] for b in blocks}, {b["accountant"] for b in blocks}
     if len(deltas) != 1 or len(accs) != 1:
@@ -97,8 +97,8 @@ def composed_epsilon(blocks: list[dict[str, Any]]) -> float:
     releases = sum(int(b["releases_per_example"]) for b in blocks)
     delta, acc = deltas.pop(), accs.pop()
     if len(zs) == 1:  # one Gaussian mechanism released `releases` times
-        return privacy.epsilon(zs.pop(), delta, releases, acc)
-    event = dp_accounting.ComposedDpEvent([privacy.dp_event(b["noise_multiplier"], b["releases_per_example"])
+        return privacy_accounting.epsilon(zs.pop(), delta, releases, acc)
+    event = dp_accounting.ComposedDpEvent([privacy_accounting.dp_event(b["noise_multiplier"], b["releases_per_example"])
                                            for b in blocks])
     accountant = dp_accounting.rdp.RdpAccountant() if acc == "rdp" else dp_accounting.pld.PLDAccountant()
     return float(accountant.compose(event).get_epsilon(delta))

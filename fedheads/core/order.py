@@ -18,6 +18,7 @@ row per client, so that all of its state can be put back."""
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from typing import Any
 
@@ -103,10 +104,9 @@ def cat_put_back(parts: list[Any], order: list[int] | tuple[int, ...], device: t
 
 def _with_leaves(tree: Any, new: dict[int, torch.Tensor]) -> Any:
     """`tree` with its tensor leaves numbered j (tree_leaves order) in `new` replaced by new[j]."""
-    count = iter(range(1 << 62))
+    count = itertools.count()
 
     def swap(t: torch.Tensor) -> torch.Tensor:
-        j = next(count)
-        return new.get(j, t)
+        return new.get(next(count), t)
 
     return tree_map(swap, tree)
