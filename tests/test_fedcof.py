@@ -449,3 +449,33 @@ def test_float32_means_stay_float32_in_the_bank_and_give_the_widened_head_bit_fo
     assert a32.bank_means.dtype == torch.float32 and torch.equal(a32.bank_means.to(torch.float64), a64.bank_means)
     for f in ("sums", "counts", "weight"):
         assert torch.equal(getattr(a32, f), getattr(a64, f)), f
+
+
+def test_the_client_step_makes_its_class_means_as_one_tensor():
+    """The means are the float64 sums divided in place: one [pairs, D] tensor per client step,
+    where dividing into a new tensor held the sums and the means side by side (at 9,275 clients,
+    two copies of every client's means). Same values as the plain division."""
+    clients, C = federation(seed=12, M=9)
+    data = from_arrays(clients, C)
+    alg = F.FedCOF()
+    init = alg.init(data.spec(), 0)
+    with _Allocations() as seen:
+        _, msg = alg.client_update(init.client_state, init.broadcast, data, ctx(range(9), 9))
+    Q, D = msg.means.shape
+    assert seen.shapes.count((Q, D)) == 1, seen.shapes
+    pairs, sums, _, counts = F.pair_stats(data.x_train, data.y_train, data.m_train, C)
+    assert torch.equal(msg.means, sums / counts.unsqueeze(-1).to(sums.dtype))
+
+
+def test_scores_are_one_tensor_of_classes_per_prediction():
+    """linear_scores (Fed3R, FedCOF, FedNCM's linear rule) adds the bias and masks absent classes
+    in place: one [rows, C] tensor is made, not three (at 1,203 classes a group's scores are
+    larger than its features); the values are those of the out-of-place expression."""
+    g = torch.Generator().manual_seed(0)
+    x, w, b = torch.randn(2, 7, 4, generator=g), torch.randn(5, 4, dtype=torch.float64, generator=g), torch.randn(5)
+    present = torch.tensor([True, False, True, True, False])
+    with _Allocations() as seen:
+        s = F.linear_scores(w, b, present, x)
+    assert len([sh for sh in seen.shapes if sh[-1] == 5 and np.prod(sh) == 70]) == 1, seen.shapes  # [14, 5] or [2, 7, 5]
+    want = (x.double() @ w.T + b.double()).masked_fill(~present, float("-inf"))
+    assert torch.equal(s, want)

@@ -160,8 +160,8 @@ def normalise_classes(w: torch.Tensor, bias: torch.Tensor, present: torch.Tensor
 def linear_scores(weight: torch.Tensor, bias: torch.Tensor, present: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """x·w_c + bias_c [..., C] of features x [..., D]; absent classes -inf."""
     dt = torch.promote_types(x.dtype, weight.dtype)
-    s = x.to(dt) @ weight.to(dt).T + bias.to(device=x.device, dtype=dt)
-    return s.masked_fill(~present.to(s.device), float("-inf"))
+    s = x.to(dt) @ weight.to(dt).T  # the one [..., C] tensor made: the bias and the mask are applied in place
+    return s.add_(bias.to(device=x.device, dtype=dt)).masked_fill_(~present.to(s.device), float("-inf"))
 
 
 def linear_head(weight: torch.Tensor, bias: torch.Tensor) -> dict[str, torch.Tensor]:

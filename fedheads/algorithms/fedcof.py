@@ -217,7 +217,7 @@ class FedCOF(AlgorithmBase):
         fresh = ~cs.sent.to(data.m_train.device)  # a client contributes exactly once
         pairs, sums, classes, counts = pair_stats(data.x_train, data.y_train, data.m_train & fresh.view(-1, 1),
                                                   data.num_classes)
-        means = sums / counts.unsqueeze(-1).to(sums.dtype)  # mu_kc (FedCOFClient)
+        means = sums.div_(counts.unsqueeze(-1).to(sums.dtype))  # mu_kc (FedCOFClient), in place: one [Q, D] held
         del sums
         return FedCOFClientState(torch.ones_like(cs.sent)), FedCOFMessage(pairs, means.to(self.dtype), classes, counts)
 

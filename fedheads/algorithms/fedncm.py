@@ -121,11 +121,11 @@ def ncm_scores(means: torch.Tensor, present: torch.Tensor, x: torch.Tensor, rule
     x, m = x.to(dt), means.to(dt)
     if rule == "cosine":
         s = torch.nn.functional.normalize(x, dim=-1) @ torch.nn.functional.normalize(m, dim=-1).T
-    elif rule == "sqeuclidean":
-        s = -((x * x).sum(-1, keepdim=True) - 2 * x @ m.T + (m * m).sum(-1))
+    elif rule == "sqeuclidean":  # -(|x|² - 2 x·m + |m|²), in place on the one [..., C] tensor made
+        s = (x @ m.T).mul_(-2).add_((x * x).sum(-1, keepdim=True)).add_((m * m).sum(-1)).neg_()
     else:
         raise UserError(f"rule={rule!r}: must be one of {', '.join(RULES)}")
-    return s.masked_fill(~present.to(s.device), float("-inf"))
+    return s.masked_fill_(~present.to(s.device), float("-inf"))
 
 
 def head_bias(name: str) -> str:
@@ -165,8 +165,8 @@ def linear_scores(means: torch.Tensor, present: torch.Tensor, bias: torch.Tensor
     classes -inf (never predicted, as under the paper's rule)."""
     dt = torch.promote_types(x.dtype, means.dtype)
     w = torch.nn.functional.normalize(means.to(dt), dim=-1)
-    s = x.to(dt) @ w.T + bias.to(device=x.device, dtype=dt)
-    return s.masked_fill(~present.to(s.device), float("-inf"))
+    s = x.to(dt) @ w.T  # the one [..., C] tensor made: the bias and the mask are applied in place
+    return s.add_(bias.to(device=x.device, dtype=dt)).masked_fill_(~present.to(s.device), float("-inf"))
 
 
 def fedncm_secure_form(dtype: torch.dtype, aggregate: Callable) -> SecureForm:
