@@ -8,7 +8,9 @@
 - in a partial round, whose calls may stack several buckets' participants (core/grouping.py), a
   call's pooled scratch (local training's gradient buffers) is freed before its messages are
   copied into the round's, instead of sitting beside them (ops.release_scratch): LP's merged call
-  of 64 clients kept 64 heads' gradients beside the round's 100 messages."""
+  of 64 clients kept 64 heads' gradients beside the round's 100 messages;
+- the state a bucketed federation is evaluated in (adapt_for_eval, per bucket) is put in order
+  the same way, one copy of every client's personalised head."""
 
 from __future__ import annotations
 
@@ -26,7 +28,7 @@ from fedheads.core.engine import client_updates, participant_groups
 from fedheads.core.federation import BucketedFedData, LayoutConfig, to_layout
 from fedheads.core.order import cat_put_back, put_back
 from fedheads.core.protocol import RoundCtx
-from fedheads.core.tree import tree_cat, tree_leaves
+from fedheads.core.tree import tree_cat, tree_leaves, tree_rows
 from fedheads.run.load import from_arrays
 
 
@@ -170,3 +172,28 @@ def test_a_partial_rounds_call_frees_its_scratch_before_its_messages_are_copied(
                     strict=True):
         assert torch.equal(a, b)
     assert grouping.ROUND_WASTE is not None  # the merged calls, not the per-bucket grouping
+
+
+def test_the_evaluated_state_of_a_bucketed_federation_is_made_once() -> None:
+    """Per-FedAvg personalises every client for evaluation (adapt_for_eval), bucket by bucket:
+    the buckets' personal heads go straight to their places in one [M, ...] state (cat_put_back),
+    where concatenating them and reordering the concatenation held every client's head twice.
+    Bit for bit the state put_back(tree_cat(...)) gave."""
+    from fedheads.algorithms.perfedavg import PerFedAvg, PerFedAvgConfig
+
+    data = skewed(D=7, C=3)
+    alg = PerFedAvg(PerFedAvgConfig())
+    res = engine.run(alg, data, rounds=1, progress=False)
+    parts, order = [], []
+    for ms, bucket in data.groups():
+        parts.append(alg.adapt_for_eval(tree_rows(res.client_state, ms, data.device), res.server_state, bucket))
+        order += ms
+    assert order != sorted(order)
+    want = put_back(tree_cat(parts), order, data.device)
+    leaf = max(tree_leaves(want), key=lambda t: t.numel())
+    with _Allocations() as seen:
+        got = engine.eval_client_state(alg, res.client_state, res.server_state, data)
+    for a, b in zip(tree_leaves(got), tree_leaves(want), strict=True):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+    assert seen.shapes.count(tuple(leaf.shape)) == 1, seen.shapes.count(tuple(leaf.shape))
+

@@ -172,7 +172,7 @@ def eval_client_state(algorithm: Algorithm, client_state: Any, server_state: Any
         for ms, bucket in groups:
             parts.append(adapt(tree_rows(client_state, ms, data.device), server_state, bucket))
             order += ms
-        return put_back(tree_cat(parts), order, data.device)
+        return cat_put_back(parts, order, data.device)  # each bucket's rows to their place: one whole copy
     parts = [adapt(tree_index(client_state, torch.tensor([i], device=data.device)), server_state, data.select([i]))
              for i in range(data.num_clients)]
     return tree_cat(parts)
