@@ -13,7 +13,8 @@ same torch threads, `--repeats` times interleaved:
     .iter_split_chunks, as `fedheads train` reads them): the floor of any one-pass head; the
     time of opening the store (embedcache.store.reader.open_store: its metadata) is given apart;
   * each of `--algorithms` (default fedncm, fed3r, fedcof; a name `fedheads algorithms` does not
-    list is skipped with a note): `fedheads train --rounds 1 --fraction 1 --eval-every 1`, one
+    list is skipped with a note; NAME:KEY=VALUE[,KEY=VALUE] runs NAME with those settings, e.g.
+    fedcof:dtype=float32): `fedheads train --rounds 1 --fraction 1 --eval-every 1`, one
     pass over all clients: the command's wall time (goal < 60 s), its one pass (loading plus the
     round, from results.json; goal for Fed3R: within 3x of `read`) and evaluation apart, and peak
     memory above the baseline as a multiple of the feature bytes (goal <= 1.5x);
@@ -177,11 +178,18 @@ def child(args: dict, limit: int, timeout: float) -> dict:
 
 
 def run_case(name: str, store: Path, tmp: Path, k: int, a: argparse.Namespace, clients: int, profile: bool = False) -> dict:
+    """One measurement of case `name`: "read", "lp", or a head as `--algorithms` names it
+    ("fedcof", or "fedcof:dtype=float32" for that setting: `--set fedcof.dtype=float32`)."""
     lp = name == "lp"
-    args = {"mode": name, "store": str(store), "out": str(tmp / f"{name}-{k}{'-prof' if profile else ''}"),
+    mode, _, variant = name.partition(":")
+    settings = [f"{mode}.{kv}" for kv in variant.split(",") if kv]
+    if lp and not a.lp_local_models:
+        settings.append("lp.local_models=false")
+    label = re.sub(r"[^\w.-]", "_", name)
+    args = {"mode": mode, "store": str(store), "out": str(tmp / f"{label}-{k}{'-prof' if profile else ''}"),
             "threads": a.threads, "profile": profile, "rounds": a.lp_rounds if lp else 1,
             "fraction": min(1.0, a.lp_clients / clients) if lp else 1.0, "eval_every": 0 if lp else 1,
-            "settings": [] if not lp or a.lp_local_models else ["lp.local_models=false"]}
+            "settings": settings}
     r = child(args, a.limit, a.timeout)
     if "failed" in r or name == "read":
         return r
@@ -225,7 +233,8 @@ def registered() -> set[str]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--algorithms", default="fedncm,fed3r,fedcof", help="one-pass heads (unregistered: skipped)")
+    ap.add_argument("--algorithms", default="fedncm,fed3r,fedcof",
+                    help="one-pass heads, NAME or NAME:KEY=VALUE[,KEY=VALUE] (unregistered: skipped)")
     ap.add_argument("--lp-clients", type=int, default=100)
     ap.add_argument("--lp-rounds", type=int, default=50)
     ap.add_argument("--no-lp", action="store_true", help="skip the LP run")
@@ -249,8 +258,9 @@ def main() -> None:
     a.limit = int(a.mem_limit_gb * 1e9) if a.mem_limit_gb else int(0.8 * mem_available())
     known = registered()
     heads = [h for h in a.algorithms.split(",") if h]
-    notes = [f"{h}: not a registered algorithm here (fedheads algorithms), skipped" for h in heads if h not in known]
-    heads = [h for h in heads if h in known]
+    notes = [f"{h}: not a registered algorithm here (fedheads algorithms), skipped" for h in heads
+             if h.partition(":")[0] not in known]
+    heads = [h for h in heads if h.partition(":")[0] in known]
     cases = ["read", *heads, *([] if a.no_lp else ["lp"])]
     store, facts = build(InatConfig(seed=a.seed, clients=a.clients), a.cache_dir, progress=True)
     fb = facts["feature_bytes"]
