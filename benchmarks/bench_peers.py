@@ -18,7 +18,8 @@ dealt to clients at random (seeded), each client's rows in a random order.
 
 Method: every framework gets the same features, initial head (fedheads' init), client lists
 per round (fedheads' seeded sampler), learning rate, batch size and epochs
-(peers_frameworks.py says how each framework is driven). Each (case, framework) runs
+(peers_frameworks.py says how each framework is driven); no framework keeps a client's local
+model between rounds (fedheads: FedAvg's local_models=False). Each (case, framework) runs
 --repeats times in a fresh interpreter, frameworks interleaved and their order alternated
 between repeats; a run's wall and CPU seconds are timed inside it from the features in memory
 to the last global model (setup included, imports and file reading not), its peak RSS is the

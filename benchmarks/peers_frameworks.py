@@ -110,7 +110,10 @@ class Case:
 
 
 def run_fedheads(case: Case, engine: str) -> list[float]:
-    """fedheads' FedAvg on a linear or MLP head (no BatchNorm, no L2 normalisation), either engine."""
+    """fedheads' FedAvg on a linear or MLP head (no BatchNorm, no L2 normalisation), either engine.
+    No client keeps its local model between rounds (local_models=False): no peer does, and the
+    global model is the same bit for bit (fedheads' default keeps one per client for its
+    "local_model" evaluation rule, a head per client of the federation)."""
     from fedheads.algorithms.fedavg import FedAvg, FedAvgConfig
     from fedheads.core.engine import run
     from fedheads.core.optim import OptimizerConfig
@@ -120,7 +123,8 @@ def run_fedheads(case: Case, engine: str) -> list[float]:
     data = from_arrays([(case.x[case.rows(i)], case.y[case.rows(i)], *empty) for i in range(case.num_clients)],
                                case.classes, layout="auto")
     cfg = FedAvgConfig(hidden=case.hidden, batch_norm=False, normalize=False, batch_size=case.batch,
-                       local_epochs=case.epochs, optimizer=OptimizerConfig("sgd", lr=case.lr, weight_decay=0.0))
+                       local_epochs=case.epochs, optimizer=OptimizerConfig("sgd", lr=case.lr, weight_decay=0.0),
+                       local_models=False)
 
     class Keep:  # engine.Checkpointer: never resumes, keeps the global head after the chosen rounds
         def load(self, init):  # noqa: ANN001, ANN202

@@ -246,6 +246,35 @@ def test_lp_without_local_models_keeps_no_head_per_client_and_trains_the_same(la
         LPConfig(local_models="false")  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize("layout", [None, LayoutConfig("bucketed", waste=1.0, bucket_clients=2)])
+@pytest.mark.parametrize("reset", [True, False])
+def test_fedavg_without_local_models_keeps_no_model_per_client_and_trains_the_same(layout, reset) -> None:
+    """FedAvg's local_models=False, as LP's: the client state holds no model (only the step
+    counter, or the carried moments with reset_optimizer=False), and the global model (its BN
+    statistics too) and its accuracies are those with local models, bit for bit, with partial
+    participation and size buckets."""
+    data = tiny_fed(M=6) if layout is None else to_layout(tiny_fed(M=6), layout)
+    keep, drop = (run(FedAvg(FedAvgConfig(hidden=8, batch_size=4, reset_optimizer=reset, local_models=lm)),
+                      data, rounds=3, seed=5, fraction=0.5, progress=False) for lm in (True, False))
+    for part in ("params", "buffers"):
+        for k, v in getattr(keep.server_state, part).items():
+            assert torch.equal(v, getattr(drop.server_state, part)[k]), k
+    for a, b in zip(keep.history, drop.history):
+        assert a.comm == b.comm and set(a.accuracy) == {"main", "global_model", "local_model"}
+        assert set(b.accuracy) == {"main", "global_model"}
+        for rule in b.accuracy:
+            torch.testing.assert_close(a.accuracy[rule], b.accuracy[rule], rtol=0, atol=0, equal_nan=True)
+    assert keep.trainable_params_per_client == drop.trainable_params_per_client > 0
+    assert drop.client_state.params == {} == drop.client_state.buffers
+    if reset:  # nothing per client but the [M] step counter
+        assert [t.shape for t in tree_leaves(drop.client_state)] == [(6,)]
+    else:  # the carried moments are per client by nature, and the same either way
+        for a, b in zip(tree_leaves(keep.client_state.opt), tree_leaves(drop.client_state.opt), strict=True):
+            assert torch.equal(a, b)
+    with pytest.raises(UserError, match="local_models 'false'"):
+        FedAvg(FedAvgConfig(local_models="false"))  # type: ignore[arg-type]
+
+
 def test_lp_predict_reads_the_global_head_without_a_copy_per_client() -> None:
     """Evaluation groups hold thousands of small clients at a real federation's scale: predict
     must not copy the C x (D+1) global head once per client (it allocates only the scores)."""

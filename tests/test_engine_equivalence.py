@@ -55,6 +55,9 @@ ALGOS = {
     "lp-no-local-carry": lambda: HeadTuning(LPConfig(batch_size=4, local_models=False, reset_optimizer=False,
                                                      optimizer=OptimizerConfig("sgd", lr=0.05, momentum=0.5))),
     "mlp-fedcof": lambda: MLP(MLPConfig(hidden=(8, 8), batch_size=4, init="fedcof")),
+    "fedavg-no-local": lambda: FedAvg(FedAvgConfig(hidden=8, batch_size=4, local_models=False)),
+    "fedavg-no-local-carry": lambda: FedAvg(FedAvgConfig(hidden=8, batch_size=4, local_models=False,
+                                                         reset_optimizer=False)),
 }
 
 

@@ -9,7 +9,10 @@ averaged the same way. `proximal_mu` > 0 adds the FedProx term mu/2 ||theta_i - 
 (Li et al., MLSys 2020, Eq. 2) to the client loss.
 
 Inference: "main" = the global model on each client's test split (= "global_model");
-"local_model" = each participant's model after its last local training."""
+"local_model" = each participant's model after its last local training, which makes the client
+state one head per client of the federation (``local_models=False`` drops it, as LP's setting
+does: a client then keeps nothing between rounds, memory follows the round's participants, and
+the global model is the same bit for bit)."""
 
 from __future__ import annotations
 
@@ -41,13 +44,17 @@ class FedAvgConfig:
     local_epochs: int = setting(1, "E")
     proximal_mu: float = setting(0.0, "FedProx proximal weight mu (0 = plain FedAvg)")
     reset_optimizer: bool = setting(True, "fresh client optimiser state every round (as the papers' code)")
+    local_models: bool = setting(True, 'keep every client\'s last local model for the "local_model" rule (one head per '
+                                 'client of the federation); False: a client keeps no model between rounds, so memory '
+                                 'follows the round\'s participants and only "main" = "global_model" is evaluated')
 
 
 @dataclass(frozen=True)
 class FedAvgClientState:
-    params: Params  # [M, ...] each client's model after its last local training
-    buffers: Params  # [M, ...] BN running statistics of that model
+    params: Params  # [M, ...] each client's model after its last local training ({} with local_models=False)
+    buffers: Params  # [M, ...] BN running statistics of that model ({} with local_models=False)
     opt: OptState  # client optimiser state (only the step counter when reset every round)
+    trains: int = 0  # values each client trains, for trainable_params where `params` is {} (else 0)
 
 
 @dataclass(frozen=True)
@@ -83,6 +90,8 @@ class FedAvg(AlgorithmBase):
             raise UserError(f"batch_size {cfg.batch_size} / local_epochs {cfg.local_epochs}: must be >= 1")
         if cfg.proximal_mu < 0:
             raise UserError(f"proximal_mu {cfg.proximal_mu}: must be >= 0")
+        if not isinstance(cfg.local_models, bool):
+            raise UserError(f"local_models {cfg.local_models!r}: must be true or false")
         self.cfg = cfg
         self.server_opt: ServerOptimizer = server_opt if server_opt is not None else ServerSGD(lr=1.0)
         if name is not None:
@@ -96,8 +105,12 @@ class FedAvg(AlgorithmBase):
         head = self._spec(spec)
         g, b = heads.init_global(head, seed, spec.device)  # one global init
         M = spec.num_clients
-        cp, cb = expand(g, M), expand(b, M)
-        cs = FedAvgClientState(cp, cb, opt_initial(self.cfg.optimizer, cp, self.cfg.reset_optimizer))
+        if self.cfg.local_models:
+            cp, cb = expand(g, M), expand(b, M)
+            cs = FedAvgClientState(cp, cb, opt_initial(self.cfg.optimizer, cp, self.cfg.reset_optimizer))
+        else:  # no model per client: every round starts from the broadcast
+            opt = opt_initial(self.cfg.optimizer, expand_view(g, M), self.cfg.reset_optimizer)
+            cs = FedAvgClientState({}, {}, opt, heads.count_params(expand_view(g, 1)))
         ss = FedAvgServerState(g, b, self.server_opt.init(g))
         return Init(cs, ss, FedAvgBroadcast(g, b))
 
@@ -123,8 +136,12 @@ class FedAvg(AlgorithmBase):
         p, b, opt = local_train(start_p, start_b, opt, self.cfg.optimizer, loss_fn, data, ctx,
                                 self.cfg.batch_size, self.cfg.local_epochs, keep_opt=not reset, rowwise=True)
         w = torch.tensor(data.n_train, dtype=torch.float32, device=data.device)
+        opt = cs.opt if reset else opt
+        if not self.cfg.local_models:  # nothing kept: the trained copy becomes Delta_i in place
+            msg = FedAvgMessage({k: p[k].sub_(start_p[k]) for k in p}, {k: b[k] - start_b[k] for k in b}, w)
+            return FedAvgClientState({}, {}, opt, cs.trains), msg
         msg = FedAvgMessage({k: p[k] - start_p[k] for k in p}, {k: b[k] - start_b[k] for k in b}, w)
-        return FedAvgClientState(p, b, cs.opt if reset else opt), msg
+        return FedAvgClientState(p, b, opt), msg
 
     def server_aggregate(self, ss: FedAvgServerState, msg: FedAvgMessage,
                          ctx: RoundCtx) -> tuple[FedAvgServerState, FedAvgBroadcast]:
@@ -140,8 +157,10 @@ class FedAvg(AlgorithmBase):
         gp, gb = expand_view(ss.params, M), expand_view(ss.buffers, M)
         spec = heads.spec_of(ss.params, self.cfg.normalize)
         zg, _ = heads.embed(spec, gp, gb, x, mask, train=False)
-        zl, _ = heads.embed(spec, cs.params, cs.buffers, x, mask, train=False)
         glob = heads.classify(gp, zg)
+        if not cs.params:  # local_models=False: no local model was kept
+            return {"main": glob, "global_model": glob}
+        zl, _ = heads.embed(spec, cs.params, cs.buffers, x, mask, train=False)
         return {"main": glob, "global_model": glob, "local_model": heads.classify(cs.params, zl)}
 
     def paper_round_comm(self, arch: HeadArch, clients: int) -> PaperRoundComm:
@@ -152,7 +171,7 @@ class FedAvg(AlgorithmBase):
         return PaperRoundComm(up, up)
 
     def trainable_params(self, cs: FedAvgClientState) -> int:
-        return heads.count_params(cs.params)
+        return heads.count_params(cs.params) if cs.params else cs.trains
 
 
 def _factory(**kw: object) -> FedAvg:
