@@ -19,6 +19,7 @@ times the number of participants."""
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, fields, is_dataclass, replace
@@ -289,8 +290,43 @@ def update_rows(algorithm: Algorithm, client_state: Any, ids: Sequence[int], dev
                                     else gather(getattr(client_state, f.name)) for f in fields(client_state)})
 
 
+class MessagePool:
+    """The buffers a run's rounds stack their participants' messages in, kept from round to round
+    (the engine's run holds one): a fresh [P, ...] stack per round is page-faulted anew, since
+    glibc hands blocks above 32 MB back to the OS on free, and at 100 clients of a 1,280 x 256
+    head (131 MB) that cost as much as a fifth of the round. A stack is handed out only after the
+    previous round's server step is done with it (`release_held_by`), and a buffer that the new
+    server state or broadcast still views is dropped from the pool, never written again."""
+
+    def __init__(self) -> None:
+        self.buffers: dict[tuple, torch.Tensor] = {}
+
+    def stack(self, like: Any, rows: int) -> Any:
+        """`like`'s tree with every leaf an uninitialised [rows, ...] view of a pooled buffer."""
+        count = itertools.count()
+
+        def take(t: torch.Tensor) -> torch.Tensor:
+            key = (next(count), tuple(t.shape[1:]), t.dtype, t.device)
+            buf = self.buffers.get(key)
+            if buf is None or buf.shape[0] < rows:
+                buf = self.buffers[key] = t.new_empty((rows, *t.shape[1:]))
+            return buf[:rows]
+
+        return tree_map(take, like)
+
+    def release_held_by(self, *trees: Any) -> None:
+        """Drop every buffer whose memory a leaf of `trees` shares (a server state that keeps a
+        view of its message): it is theirs now."""
+        if not self.buffers:
+            return
+        held = {t.untyped_storage().data_ptr() for tree in trees for t in tree_leaves(tree)}
+        for key in [k for k, b in self.buffers.items() if b.untyped_storage().data_ptr() in held]:
+            del self.buffers[key]
+
+
 def client_updates(algorithm: Algorithm, client_state: Any, broadcast: Any, data: Federation, ctx: RoundCtx,
-                   between_buckets: BetweenBuckets | None = None, in_place: bool = False) -> tuple[Any, Any]:
+                   between_buckets: BetweenBuckets | None = None, in_place: bool = False,
+                   message_pool: MessagePool | None = None) -> tuple[Any, Any]:
     """The vectorised engine's client step: `client_update` of the participants `ctx.participants`
     in one stacked call per group of the layout; returns (the federation's client state, the
     participants' stacked messages in participant order).
@@ -301,7 +337,9 @@ def client_updates(algorithm: Algorithm, client_state: Any, broadcast: Any, data
     buckets' participants (participant_groups' `regroup`), each on its FedData and its clients'
     rows of the state (`update_rows`: none of a field the algorithm replaces unread); the rows are
     written back IN PLACE into `client_state` (the caller's own, see `owned`), so no per-round copy
-    of a federation's worth of state is made; `between_buckets` is called after each bucket."""
+    of a federation's worth of state is made; `between_buckets` is called after each bucket. With
+    `message_pool` (the engine's run), the stack the buckets' messages are copied into is the
+    pool's, reused from round to round (MessagePool)."""
     part, M, dev = ctx.participants, data.num_clients, data.device
     groups = data.groups()
     if len(groups) == 1:
@@ -342,7 +380,8 @@ def client_updates(algorithm: Algorithm, client_state: Any, broadcast: Any, data
         # state's rows are written (a message may view them), and dropped: the round holds the
         # messages once, not the buckets' parts, their concatenation and its reordering
         if out is None:
-            out = tree_map(lambda t: t.new_empty((len(part), *t.shape[1:])), msg_b)
+            out = (tree_map(lambda t: t.new_empty((len(part), *t.shape[1:])), msg_b) if message_pool is None
+                   else message_pool.stack(msg_b, len(part)))
         at = torch.tensor([row[i] for i in ids], dtype=torch.int64)
         tree_map(lambda o, t: o.index_copy_(0, at.to(o.device), t), out, msg_b)  # noqa: B023 (used at once)
         tree_put_rows_(client_state, ids, cs_b)
@@ -475,6 +514,7 @@ def _run(algorithm: Algorithm, data: Federation, rounds: int, seed: int, fractio
         res.resumed_from = start.round
     first = 0 if start is None else start.round
     per_client: int | None = None  # one participant's message bytes (measured once, for sums_messages)
+    messages = MessagePool()  # the rounds' message stacks, reused (vectorised engine)
     if first == rounds:  # every round was done: the final evaluated state again (a pure function)
         evaluated = eval_client_state(algorithm, cstate, sstate, data, engine)
     report = progress if callable(progress) else None
@@ -492,7 +532,8 @@ def _run(algorithm: Algorithm, data: Federation, rounds: int, seed: int, fractio
         if group is not None:
             cstate, msg = summed_updates(algorithm, cstate, bc, data, ctx, group, between_buckets)
         elif engine == "vectorized":
-            cstate, msg = client_updates(algorithm, cstate, bc, data, ctx, between_buckets, in_place=True)
+            cstate, msg = client_updates(algorithm, cstate, bc, data, ctx, between_buckets, in_place=True,
+                                         message_pool=messages)
         else:
             msgs = []
             # one private copy per round, then in-place row writes (no O(M) copy per client)
@@ -509,6 +550,7 @@ def _run(algorithm: Algorithm, data: Federation, rounds: int, seed: int, fractio
         comm = CommRecord(up_v * P, up_b * P, down_v * P, down_b * P)
         res.upload_values_per_client = up_v
         sstate, bc = algorithm.server_aggregate(sstate, msg, ctx)
+        messages.release_held_by(sstate, bc)  # a stack the new states view is theirs, not reused
         del msg  # spent: not held through the evaluation and the next round's client updates
         t1 = clock(data.device)
         last = r == rounds - 1

@@ -180,7 +180,10 @@ class AlgorithmBase(Generic[CS, SS, Msg, Bc]):
         raise NotImplementedError
 
     def server_aggregate(self, server_state: SS, messages: Msg, ctx: RoundCtx) -> tuple[SS, Bc]:
-        """Combine the participants' stacked messages (rows ordered as ctx.participants)."""
+        """Combine the participants' stacked messages (rows ordered as ctx.participants). The
+        vectorised engine may stack them in buffers it reuses next round: a state that keeps a
+        view of a message keeps its memory (the engine then stops reusing it), anything else is
+        read here and not after."""
         raise NotImplementedError
 
     def predict(self, client_state: CS, server_state: SS, x: torch.Tensor, mask: torch.Tensor) -> dict[str, torch.Tensor]:
