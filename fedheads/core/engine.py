@@ -293,8 +293,8 @@ def update_rows(algorithm: Algorithm, client_state: Any, ids: Sequence[int], dev
 class MessagePool:
     """The buffers a run's rounds stack their participants' messages in, kept from round to round
     (the engine's run holds one): a fresh [P, ...] stack per round is page-faulted anew, since
-    glibc hands blocks above 32 MB back to the OS on free, and at 100 clients of a 1,280 x 256
-    head (131 MB) that cost as much as a fifth of the round. A stack is handed out only after the
+    glibc hands blocks above 32 MB back to the OS on free (100 clients of a 1,280 x 256 head:
+    131 MB per round; docs/benchmarks.md has the measured cost). A stack is handed out only after the
     previous round's server step is done with it (`release_held_by`), and a buffer that the new
     server state or broadcast still views is dropped from the pool, never written again."""
 
