@@ -18,6 +18,7 @@ import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
+import pytest
 import torch
 from test_fedcof import _Allocations
 
@@ -205,8 +206,10 @@ def test_the_rounds_message_stacks_are_reused_and_never_under_a_state_that_views
     """A partial round on a bucketed federation copies its calls' messages into one [P, ...]
     stack per leaf; the run's rounds reuse those stacks (made once per run, not per round: a
     fresh 100 x 1.3 MB stack was page-faulted anew every round), and the run is the one without
-    the pool, bit for bit. A server state that keeps a view of its message keeps that memory: the
-    engine stops reusing it, so an earlier round's state is never overwritten."""
+    the pool, bit for bit; stacks above MESSAGE_KEEP_BYTES are made afresh each round (they would
+    sit beside the evaluation and the next round's first call). A server state that keeps a view of
+    its message keeps that memory: the engine stops reusing it, so an earlier round's state is
+    never overwritten."""
     data = skewed(D=7, C=3)
     fraction = 0.5
     P = len(select_participants(data.num_clients, fraction, 0, 0))
@@ -217,6 +220,12 @@ def test_the_rounds_message_stacks_are_reused_and_never_under_a_state_that_views
     with _Allocations() as seen:
         res = engine.run(fedavg(), data, rounds=4, fraction=fraction, progress=False)
     assert seen.shapes.count((P, 7, 4)) == 1, seen.shapes.count((P, 7, 4))  # the projection's delta stack
+    with pytest.MonkeyPatch.context() as mp, _Allocations() as seen:  # stacks above the bound: freed each round
+        mp.setattr(engine, "MESSAGE_KEEP_BYTES", 100)
+        big = engine.run(fedavg(), data, rounds=4, fraction=fraction, progress=False)
+    assert seen.shapes.count((P, 7, 4)) == 4, seen.shapes.count((P, 7, 4))
+    assert all(torch.equal(a, b) for a, b in zip(tree_leaves(res.server_state), tree_leaves(big.server_state),
+                                                 strict=True))
     init = fedavg().init(data.spec(), 0)
     ss, bc = init.server_state, init.broadcast
     cs = init.client_state

@@ -290,13 +290,18 @@ def update_rows(algorithm: Algorithm, client_state: Any, ids: Sequence[int], dev
                                     else gather(getattr(client_state, f.name)) for f in fields(client_state)})
 
 
+MESSAGE_KEEP_BYTES = 256 << 20  # message stacks a run keeps for its next round (MessagePool)
+
+
 class MessagePool:
     """The buffers a run's rounds stack their participants' messages in, kept from round to round
     (the engine's run holds one): a fresh [P, ...] stack per round is page-faulted anew, since
     glibc hands blocks above 32 MB back to the OS on free (100 clients of a 1,280 x 256 head:
     131 MB per round; docs/benchmarks.md has the measured cost). A stack is handed out only after the
     previous round's server step is done with it (`release_held_by`), and a buffer that the new
-    server state or broadcast still views is dropped from the pool, never written again."""
+    server state or broadcast still views is dropped from the pool, never written again. Kept
+    stacks are held through the evaluation and the next round's first call too, so the pool keeps
+    at most MESSAGE_KEEP_BYTES: larger stacks are freed after each server step, as without it."""
 
     def __init__(self) -> None:
         self.buffers: dict[tuple, torch.Tensor] = {}
@@ -315,9 +320,13 @@ class MessagePool:
         return tree_map(take, like)
 
     def release_held_by(self, *trees: Any) -> None:
-        """Drop every buffer whose memory a leaf of `trees` shares (a server state that keeps a
-        view of its message): it is theirs now."""
+        """After a server step: drop every buffer whose memory a leaf of `trees` shares (a server
+        state that keeps a view of its message: it is theirs now), and all of them when they hold
+        more than MESSAGE_KEEP_BYTES."""
         if not self.buffers:
+            return
+        if sum(b.numel() * b.element_size() for b in self.buffers.values()) > MESSAGE_KEEP_BYTES:
+            self.buffers.clear()
             return
         held = {t.untyped_storage().data_ptr() for tree in trees for t in tree_leaves(tree)}
         for key in [k for k, b in self.buffers.items() if b.untyped_storage().data_ptr() in held]:
