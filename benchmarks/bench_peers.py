@@ -63,7 +63,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from assets import data_dir  # sibling modules (benchmarks/ is on sys.path)
-from machine_info import child_env, machine, write_json
+from machine_info import child_env, machine, shown, write_json
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
@@ -412,11 +412,11 @@ def main(argv: list[str] | None = None) -> dict:
                 data, source = fashion_mnist(Path(a.fashion_mnist)), f"Fashion-MNIST pixels from {a.fashion_mnist}"
             else:
                 if a.store:
-                    data, source = store_features(a.store, a.backbone), f"{a.backbone} features from {a.store}"
+                    data, source = store_features(a.store, a.backbone), f"{a.backbone} features from {shown(a.store)}"
                 else:
                     data = (tuple(np.load(a.features)[k] for k in ("x_train", "y_train", "x_test", "y_test"))
                             if a.features else None)
-                    source = f"features from {a.features}"
+                    source = f"features from {shown(a.features)}"
             if data is None:
                 data = synthetic(proto["dim"], 6_000 if a.quick else 60_000, n_test, a.seed)
                 source = f"synthetic: {CLASSES} Gaussian class clusters, {proto['dim']}-d (real data absent)"

@@ -32,11 +32,19 @@ def machine_facts() -> dict:
             "torch_threads": torch.get_num_threads()}
 
 
+def shown(text: str) -> str:
+    """`text` with this user's home directory written as ~ (a cache path in a committed command
+    names no machine)."""
+    home = str(Path.home())
+    return text.replace(home + os.sep, "~" + os.sep) if home not in ("", os.sep) else text
+
+
 def provenance() -> dict:
     """The command line that is running and the commit it runs ("+dirty" when the checkout has
     uncommitted changes to tracked files, so a figure is never attributed to code it did not run)."""
     cmd = shlex.join([Path(sys.executable).name, *(
-        [os.path.relpath(sys.argv[0], REPO)] if sys.argv and sys.argv[0].endswith(".py") else sys.argv[:1]), *sys.argv[1:]])
+        [os.path.relpath(sys.argv[0], REPO)] if sys.argv and sys.argv[0].endswith(".py") else sys.argv[:1]),
+        *map(shown, sys.argv[1:])])
 
     def git(*args: str) -> str:
         try:

@@ -35,6 +35,9 @@ def test_write_json_records_command_and_commit(tmp_path, monkeypatch):
     d = json.loads((tmp_path / "x.json").read_text())
     assert d["command"].endswith("benchmarks/bench_x.py --flag 'a b'") and d["figure"] == 1.0
     assert re.fullmatch(r"[0-9a-f]{12}(\+dirty)?|unknown", d["commit"])
+    monkeypatch.setattr(sys, "argv", [str(BENCH / "bench_x.py"), "--store", str(Path.home() / ".cache" / "s")])
+    write_json({}, tmp_path / "h.json")  # a path under the home directory is written with ~
+    assert json.loads((tmp_path / "h.json").read_text())["command"].endswith("bench_x.py --store ~/.cache/s")
     write_json({"command": "mine", "commit": "abc"}, tmp_path / "y.json")  # a benchmark's own wins
     assert json.loads((tmp_path / "y.json").read_text())["command"] == "mine"
 
