@@ -42,9 +42,9 @@ def shown(text: str) -> str:
 def provenance() -> dict:
     """The command line that is running and the commit it runs ("+dirty" when the checkout has
     uncommitted changes to tracked files, so a figure is never attributed to code it did not run)."""
-    cmd = shlex.join([Path(sys.executable).name, *(
+    cmd = shown(shlex.join([Path(sys.executable).name, *(
         [os.path.relpath(sys.argv[0], REPO)] if sys.argv and sys.argv[0].endswith(".py") else sys.argv[:1]),
-        *map(shown, sys.argv[1:])])
+        *sys.argv[1:]]))
 
     def git(*args: str) -> str:
         try:
