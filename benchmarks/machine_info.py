@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shlex
 import subprocess
 import sys
@@ -36,7 +37,10 @@ def shown(text: str) -> str:
     """`text` with this user's home directory written as ~ (a cache path in a committed command
     names no machine)."""
     home = str(Path.home())
-    return text.replace(home + os.sep, "~" + os.sep) if home not in ("", os.sep) else text
+    if home in ("", os.sep):
+        return text
+    # only where a path starts (a word, an option's value): /tmp/x/root/... is not the home /root
+    return re.sub(r"(?:^|(?<=[\s='\":]))" + re.escape(home + os.sep), lambda _: "~" + os.sep, text)
 
 
 def provenance() -> dict:

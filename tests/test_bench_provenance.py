@@ -38,6 +38,10 @@ def test_write_json_records_command_and_commit(tmp_path, monkeypatch):
     monkeypatch.setattr(sys, "argv", [str(BENCH / "bench_x.py"), "--store", str(Path.home() / ".cache" / "s")])
     write_json({}, tmp_path / "h.json")  # a path under the home directory is written with ~
     assert json.loads((tmp_path / "h.json").read_text())["command"].endswith("bench_x.py --store ~/.cache/s")
+    inner = f"/tmp/x{Path.home()}/y"  # the home's name inside another path is left alone
+    monkeypatch.setattr(sys, "argv", [str(BENCH / "bench_x.py"), f"--data={inner}"])
+    write_json({}, tmp_path / "i.json")
+    assert json.loads((tmp_path / "i.json").read_text())["command"].endswith(f"bench_x.py --data={inner}")
     write_json({"command": "mine", "commit": "abc"}, tmp_path / "y.json")  # a benchmark's own wins
     assert json.loads((tmp_path / "y.json").read_text())["command"] == "mine"
 
