@@ -10,7 +10,9 @@
   copied into the round's, instead of sitting beside them (ops.release_scratch): LP's merged call
   of 64 clients kept 64 heads' gradients beside the round's 100 messages;
 - the state a bucketed federation is evaluated in (adapt_for_eval, per bucket) is put in order
-  the same way, one copy of every client's personalised head."""
+  the same way, one copy of every client's personalised head;
+- a run's rounds copy their messages into stacks the engine reuses (engine.MessagePool), never
+  into one a server state still views."""
 
 from __future__ import annotations
 
@@ -199,7 +201,6 @@ def test_the_evaluated_state_of_a_bucketed_federation_is_made_once() -> None:
     for a, b in zip(tree_leaves(got), tree_leaves(want), strict=True):
         assert a.dtype == b.dtype and torch.equal(a, b)
     assert seen.shapes.count(tuple(leaf.shape)) == 1, seen.shapes.count(tuple(leaf.shape))
-
 
 
 def test_the_rounds_message_stacks_are_reused_and_never_under_a_state_that_views_them() -> None:
