@@ -37,6 +37,7 @@ from fedheads.core.tree import (
     RaggedRows,
     payload_size,
     row_range,
+    shares_memory,
     tree_cat,
     tree_index,
     tree_leaves,
@@ -310,14 +311,7 @@ class MessagePool:
         """`like`'s tree with every leaf an uninitialised [rows, ...] view of a pooled buffer."""
         count = itertools.count()
 
-        def take(t: torch.Tensor) -> torch.Tensor:
-            key = (next(count), tuple(t.shape[1:]), t.dtype, t.device)
-            buf = self.buffers.get(key)
-            if buf is None or buf.shape[0] < rows:
-                buf = self.buffers[key] = t.new_empty((rows, *t.shape[1:]))
-            return buf[:rows]
-
-        return tree_map(take, like)
+        return tree_map(lambda t: ops.pooled_rows(self.buffers, next(count), rows, t), like)
 
     def release_held_by(self, *trees: Any) -> None:
         """After a server step: drop every buffer whose memory a leaf of `trees` shares (a server
@@ -328,8 +322,7 @@ class MessagePool:
         if sum(b.numel() * b.element_size() for b in self.buffers.values()) > MESSAGE_KEEP_BYTES:
             self.buffers.clear()
             return
-        held = {t.untyped_storage().data_ptr() for tree in trees for t in tree_leaves(tree)}
-        for key in [k for k, b in self.buffers.items() if b.untyped_storage().data_ptr() in held]:
+        for key in [k for k, b in self.buffers.items() if shares_memory(b, trees)]:
             del self.buffers[key]
 
 

@@ -40,11 +40,17 @@ def scratch(name: str, like: torch.Tensor) -> torch.Tensor:
     pool = getattr(_ws, "pool", None)
     if pool is None or like.dim() == 0:
         return torch.empty(like.shape, dtype=like.dtype, device=like.device)
+    return pooled_rows(pool, name, like.shape[0], like)
+
+
+def pooled_rows(pool: dict, name: object, rows: int, like: torch.Tensor) -> torch.Tensor:
+    """The first `rows` rows of `pool`'s UNINITIALISED buffer for `name` and `like`'s trailing
+    shape, dtype and device, made (or remade larger) when it has fewer rows."""
     key = (name, tuple(like.shape[1:]), like.dtype, like.device)
     buf = pool.get(key)
-    if buf is None or buf.shape[0] < like.shape[0]:
-        buf = pool[key] = torch.empty(like.shape, dtype=like.dtype, device=like.device)
-    return buf[: like.shape[0]]
+    if buf is None or buf.shape[0] < rows:
+        buf = pool[key] = torch.empty((rows, *like.shape[1:]), dtype=like.dtype, device=like.device)
+    return buf[:rows]
 
 
 SCRATCH_KEEP_BYTES = 64 << 20  # release_scratch keeps a pool holding at most this much
