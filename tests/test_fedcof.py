@@ -468,14 +468,14 @@ def test_the_client_step_makes_its_class_means_as_one_tensor():
 
 
 def test_scores_are_one_tensor_of_classes_per_prediction():
-    """linear_scores (Fed3R, FedCOF, FedNCM's linear rule) adds the bias and masks absent classes
+    """class_scores (Fed3R, FedCOF, FedNCM's linear rule) adds the bias and masks absent classes
     in place: one [rows, C] tensor is made, not three (at 1,203 classes a group's scores are
     larger than its features); the values are those of the out-of-place expression."""
     g = torch.Generator().manual_seed(0)
     x, w, b = torch.randn(2, 7, 4, generator=g), torch.randn(5, 4, dtype=torch.float64, generator=g), torch.randn(5)
     present = torch.tensor([True, False, True, True, False])
     with _Allocations() as seen:
-        s = F.linear_scores(w, b, present, x)
+        s = F.class_scores(w, b, present, x)
     assert len([sh for sh in seen.shapes if sh[-1] == 5 and np.prod(sh) == 70]) == 1, seen.shapes  # [14, 5] or [2, 7, 5]
     want = (x.double() @ w.T + b.double()).masked_fill(~present, float("-inf"))
     assert torch.equal(s, want)

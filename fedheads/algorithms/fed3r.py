@@ -62,7 +62,7 @@ from typing import Any
 import torch
 
 from embedcache.errors import UserError
-from fedheads.algorithms.fedncm import client_stats
+from fedheads.algorithms.fedncm import class_scores, client_stats
 from fedheads.core.config import setting
 from fedheads.core.federation import DataSpec, FedData
 from fedheads.core.protocol import AlgorithmBase, HeadArch, Init, PaperRoundComm, RoundCtx, SecureForm
@@ -155,13 +155,6 @@ def normalise_classes(w: torch.Tensor, bias: torch.Tensor, present: torch.Tensor
     denom = torch.where(ok, norm, torch.ones_like(norm))
     return (torch.where(ok.unsqueeze(-1), w / denom.unsqueeze(-1), torch.zeros_like(w)),
             torch.where(ok, bias / denom, torch.zeros_like(bias)))
-
-
-def linear_scores(weight: torch.Tensor, bias: torch.Tensor, present: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """x·w_c + bias_c [..., C] of features x [..., D]; absent classes -inf."""
-    dt = torch.promote_types(x.dtype, weight.dtype)
-    s = x.to(dt) @ weight.to(dt).T  # the one [..., C] tensor made: the bias and the mask are applied in place
-    return s.add_(bias.to(device=x.device, dtype=dt)).masked_fill_(~present.to(s.device), float("-inf"))
 
 
 def linear_head(weight: torch.Tensor, bias: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -264,7 +257,7 @@ class Fed3R(AlgorithmBase):
                 raise UserError("fed3r: no statistics yet (run at least one round)")
             raise UserError("fed3r: no class has a count >= 1, so the head predicts nothing (under DP the counts are "
                             "noisy: the noise swamps them at this privacy level; raise the epsilon)")
-        return {"main": linear_scores(ss.weight, ss.bias, ss.present, x)}
+        return {"main": class_scores(ss.weight, ss.bias, ss.present, x)}
 
     def linear_head(self, ss: Fed3RServerState) -> dict[str, torch.Tensor]:
         """The ridge classifier itself as the fine-tuning head (Fed3R+FT: W and its bias)."""

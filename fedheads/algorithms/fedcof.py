@@ -45,7 +45,8 @@ from dataclasses import dataclass
 import torch
 
 from embedcache.errors import UserError
-from fedheads.algorithms.fed3r import DTYPES, linear_head, linear_scores, normalise_classes, solve_psd
+from fedheads.algorithms.fed3r import DTYPES, linear_head, normalise_classes, solve_psd
+from fedheads.algorithms.fedncm import class_scores
 from fedheads.core.config import setting
 from fedheads.core.federation import DataSpec, FedData
 from fedheads.core.protocol import AlgorithmBase, HeadArch, Init, PaperRoundComm, RoundCtx, SecureForm
@@ -286,7 +287,7 @@ class FedCOF(AlgorithmBase):
                 mask: torch.Tensor) -> dict[str, torch.Tensor]:
         if not bool(ss.present.any()):
             raise UserError("fedcof: no class means yet (run at least one round)")
-        return {"main": linear_scores(ss.weight, torch.zeros_like(ss.weight[:, 0]), ss.present, x)}
+        return {"main": class_scores(ss.weight, torch.zeros_like(ss.weight[:, 0]), ss.present, x)}
 
     def linear_head(self, ss: FedCOFServerState) -> dict[str, torch.Tensor]:
         """The FedCOF classifier as the fine-tuning head (FedCOF+FT), bias 0 as the authors' head."""

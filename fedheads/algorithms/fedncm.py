@@ -160,13 +160,19 @@ def linear_head_init(means: torch.Tensor, present: torch.Tensor, bias: str = "pa
     return {"cls.weight": w.T.contiguous(), "cls.bias": b.to(w.device)}
 
 
+def class_scores(weight: torch.Tensor, bias: torch.Tensor, present: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """x·w_c + bias_c [..., C] of features x [..., D] (in the wider of their dtypes); absent
+    classes -inf. The linear heads' scores (this file's, Fed3R's, FedCOF's)."""
+    dt = torch.promote_types(x.dtype, weight.dtype)
+    s = x.to(dt) @ weight.to(dt).T  # the one [..., C] tensor made: the bias and the mask are applied in place
+    return s.add_(bias.to(device=x.device, dtype=dt)).masked_fill_(~present.to(s.device), float("-inf"))
+
+
 def linear_scores(means: torch.Tensor, present: torch.Tensor, bias: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """The authors' head, x . l_c/||l_c|| + b_c on unnormalised x [..., D] -> [..., C]; absent
     classes -inf (never predicted, as under the paper's rule)."""
     dt = torch.promote_types(x.dtype, means.dtype)
-    w = torch.nn.functional.normalize(means.to(dt), dim=-1)
-    s = x.to(dt) @ w.T  # the one [..., C] tensor made: the bias and the mask are applied in place
-    return s.add_(bias.to(device=x.device, dtype=dt)).masked_fill_(~present.to(s.device), float("-inf"))
+    return class_scores(torch.nn.functional.normalize(means.to(dt), dim=-1), bias, present, x)
 
 
 def fedncm_secure_form(dtype: torch.dtype, aggregate: Callable) -> SecureForm:
