@@ -14,7 +14,9 @@ same torch threads, `--repeats` times interleaved:
     time of opening the store (embedcache.store.reader.open_store: its metadata) is given apart;
   * each of `--algorithms` (default fedncm, fed3r, fedcof; a name `fedheads algorithms` does not
     list is skipped with a note; NAME:KEY=VALUE[,KEY=VALUE] runs NAME with those settings, e.g.
-    fedcof:dtype=float32): `fedheads train --rounds 1 --fraction 1 --eval-every 1`, one
+    fedcof:dtype=float32; the key `layout` sets the command's --layout, e.g. fedcof:layout=streamed,
+    which reads each bucket from the store when the round or the evaluation needs it instead of
+    loading the features first): `fedheads train --rounds 1 --fraction 1 --eval-every 1`, one
     pass over all clients: the command's wall time (goal < 60 s), its one pass (loading plus the
     round, from results.json; goal for Fed3R: within 3x of `read`) and evaluation apart, and peak
     memory above the baseline as a multiple of the feature bytes (goal <= 1.5x);
@@ -97,7 +99,8 @@ def work():
         return out
     fedheads.cli.main(["train", "--store", a["store"], "--backbones", "synthetic", "--algorithm", m,
                        "--rounds", str(a["rounds"]), "--fraction", repr(a["fraction"]), "--seeds", "0",
-                       "--device", "cpu", "--eval-every", str(a["eval_every"]), "--quiet", "--out", a["out"],
+                       "--device", "cpu", "--eval-every", str(a["eval_every"]), "--layout", a.get("layout", "auto"),
+                       "--quiet", "--out", a["out"],
                        *[x for kv in a.get("settings", []) for x in ("--set", kv)]],
                       standalone_mode=False)
     return {}
@@ -179,17 +182,15 @@ def child(args: dict, limit: int, timeout: float) -> dict:
 
 def run_case(name: str, store: Path, tmp: Path, k: int, a: argparse.Namespace, clients: int, profile: bool = False) -> dict:
     """One measurement of case `name`: "read", "lp", or a head as `--algorithms` names it
-    ("fedcof", or "fedcof:dtype=float32" for that setting: `--set fedcof.dtype=float32`)."""
+    ("fedcof", or "fedcof:dtype=float32" for that setting: `--set fedcof.dtype=float32`; the key
+    `layout` is the command's --layout: "fedcof:layout=streamed")."""
     lp = name == "lp"
-    mode, _, variant = name.partition(":")
-    settings = [f"{mode}.{kv}" for kv in variant.split(",") if kv]
-    if lp and not a.lp_local_models:
-        settings.append("lp.local_models=false")
+    mode, settings, layout = case_args(name, a.lp_local_models)
     label = re.sub(r"[^\w.-]", "_", name)
     args = {"mode": mode, "store": str(store), "out": str(tmp / f"{label}-{k}{'-prof' if profile else ''}"),
             "threads": a.threads, "profile": profile, "rounds": a.lp_rounds if lp else 1,
             "fraction": min(1.0, a.lp_clients / clients) if lp else 1.0, "eval_every": 0 if lp else 1,
-            "settings": settings}
+            "settings": settings, "layout": layout}
     r = child(args, a.limit, a.timeout)
     if "failed" in r or name == "read":
         return r
@@ -225,6 +226,28 @@ def summarise(name: str, reps: list[dict], feature_bytes: int) -> dict:
     return out
 
 
+def parse_heads(text: str) -> list[str]:
+    """`--algorithms` as cases: NAME[:KEY=VALUE[,KEY=VALUE]], a bare KEY=VALUE belonging to the head before it."""
+    heads: list[str] = []
+    for h in (x for x in text.split(",") if x):
+        if heads and "=" in h and ":" not in h and ":" in heads[-1]:
+            heads[-1] += "," + h
+        else:
+            heads.append(h)
+    return heads
+
+
+def case_args(name: str, lp_local_models: bool = False) -> tuple[str, list[str], str]:
+    """(the algorithm, its --set settings, the --layout) of case `name` (run_case)."""
+    mode, _, variant = name.partition(":")
+    pairs = [kv for kv in variant.split(",") if kv]
+    layout = next((kv.partition("=")[2] for kv in pairs if kv.startswith("layout=")), "auto")
+    settings = [f"{mode}.{kv}" for kv in pairs if not kv.startswith("layout=")]
+    if name == "lp" and not lp_local_models:
+        settings.append("lp.local_models=false")
+    return mode, settings, layout
+
+
 def registered() -> set[str]:
     from fedheads.algorithms import list_algorithms
 
@@ -257,7 +280,7 @@ def main() -> None:
         a.clients, a.repeats, a.lp_rounds, a.lp_clients = a.clients or 100, 1, 3, 20
     a.limit = int(a.mem_limit_gb * 1e9) if a.mem_limit_gb else int(0.8 * mem_available())
     known = registered()
-    heads = [h for h in a.algorithms.split(",") if h]
+    heads = parse_heads(a.algorithms)
     notes = [f"{h}: not a registered algorithm here (fedheads algorithms), skipped" for h in heads
              if h.partition(":")[0] not in known]
     heads = [h for h in heads if h.partition(":")[0] in known]

@@ -49,3 +49,11 @@ def test_profile_text_names_no_machine_directory():
     assert B.sanitized(text).splitlines() == ["1 0.1 0.1 fedheads/core/engine.py:240(client_updates)",
                                               "2 0.2 0.2 <site-packages>/zarr/core/sync.py:124(sync)",
                                               "3 0.3 0.3 <lib/python3.11>/threading.py:295(wait)"]
+
+
+def test_cases_take_settings_and_a_layout():
+    assert B.parse_heads("fedncm,fedcof:dtype=float32,layout=streamed,fed3r:layout=streamed") == [
+        "fedncm", "fedcof:dtype=float32,layout=streamed", "fed3r:layout=streamed"]
+    assert B.case_args("fedcof:dtype=float32,layout=streamed") == ("fedcof", ["fedcof.dtype=float32"], "streamed")
+    assert B.case_args("fedncm") == ("fedncm", [], "auto")
+    assert B.case_args("lp") == ("lp", ["lp.local_models=false"], "auto")

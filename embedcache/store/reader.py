@@ -20,6 +20,7 @@ image cut map holds rows C-major ([C, H, W] flattened: H*W tokens of C channels)
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -258,6 +259,19 @@ def _servable_shard(info: StoreInfo, name: str, client: str, split: str) -> Shar
     return sh
 
 
+def check_servable(info: StoreInfo, backbones: Sequence[str], clients: Sequence[str]) -> None:
+    """The refusals a read of these clients' train and test splits would make (unknown backbone,
+    missing, incomplete or stale shard), made now, without reading: a run that reads as it goes
+    (fedheads' streamed layout) fails before its first round, not in it."""
+    for split in SPLITS:
+        names = _names(info, backbones, split)
+        for c in clients:
+            for name in names:
+                sh = info.shard(name, c, split)
+                if sh is None or not sh.complete or sh.stale == OLDER:
+                    _servable_shard(info, name, c, split)  # its one line
+
+
 def _token_layout(shards: Sequence[ShardInfo]) -> tuple[tuple[int, int] | None, bool]:
     """(token_shape, channels_first) of one backbone's features; (None, False) otherwise."""
     if len(shards) != 1:
@@ -364,6 +378,24 @@ def iter_split_chunks(
                 _same_rows(client, split, shards[0].backbone, sh.backbone, (ids, s), (labels, y))
             feats.append(f)
         yield (feats[0] if len(feats) == 1 else np.concatenate(feats, axis=1)), labels, ids  # one backbone: no copy
+
+
+def features_identity(info: StoreInfo, backbones: Sequence[str], clients: Sequence[str]) -> str:
+    """sha256 naming the features `iter_split_chunks` serves for these clients' train and test
+    splits, without reading them: each shard's cache key and the digests of its chunks and rows
+    recorded when it was finalised (every checked read compares the bytes with those digests)."""
+    h = hashlib.sha256()
+    nodes = info.nodes()
+    for client in clients:
+        for split in SPLITS:
+            for name in _names(info, backbones, split):
+                sh = info.shard(name, client, split)
+                if sh is None:
+                    continue
+                a = nodes.attributes(sh.path) or {}
+                h.update(json.dumps([sh.path, sh.cache_key, sh.n, a.get("chunk_sha256"), a.get("rows_sha256")],
+                                    separators=(",", ":")).encode())
+    return h.hexdigest()
 
 
 def shard_attributes(store: str | Path | StoreInfo, shard: ShardInfo) -> dict:

@@ -168,7 +168,7 @@ def eval_client_state(algorithm: Algorithm, client_state: Any, server_state: Any
     if engine == "vectorized":
         groups = data.groups()
         if len(groups) == 1:
-            return adapt(client_state, server_state, data)
+            return adapt(client_state, server_state, groups[0][1])
         parts: list[Any] = []
         order: list[int] = []
         for ms, bucket in groups:
@@ -239,28 +239,29 @@ def participant_groups(data: Federation, participants: torch.Tensor, size: int |
     `between_buckets` is called after each call's group holding participants, once the caller has
     let go of its last FedData."""
     taking = set(participants.tolist())
-    units = []  # per group holding participants: (its positions, its FedData, the participants' places in it)
-    for ms, group in data.groups():
+    groups = data.groups()  # a streamed federation's are read only when indexed, below
+    units = []  # per group holding participants: (the group's index, its positions, the participants' places in it)
+    for g, ms in enumerate(data.members):
         loc = [p for p, i in enumerate(ms) if i in taking]
         if loc:
-            units.append((ms, group, loc))
+            units.append((g, ms, loc))
     plan = [[u] for u in range(len(units))]
     if regroup and size is None and len(units) > 1:
-        shapes = [(len(ms), g.x_train.shape[1] + g.x_test.shape[1]) for ms, g in data.groups()]
-        views_ = units[0][1].v_train  # stored augmented views: V more feature rows per training row
-        row_bytes = data.dim * units[0][1].x_train.element_size() * (1 + (0 if views_ is None else views_.shape[1]))
-        plan = grouping.merge_units([[ms[p] for p in loc] for ms, _, loc in units],
-                                    [len(loc) == len(ms) for ms, _, loc in units], data.n_train, data.n_test,
+        shapes = [(len(ms), a + t) for ms, (a, t) in zip(data.members, data.shapes)]
+        row_bytes = data.dim * 4 * (1 + data.views_per_row)  # stored augmented views: V more rows per training row
+        plan = grouping.merge_units([[ms[p] for p in loc] for _, ms, loc in units],
+                                    [len(loc) == len(ms) for _, ms, loc in units], data.n_train, data.n_test,
                                     max(grouping.GROUP_BYTES // row_bytes, *(k * n for k, n in shapes)),
                                     grouping.max_clients([k for k, _ in shapes], state_bytes), grouping.ROUND_WASTE)
     for us in plan:
         if len(us) > 1:  # one call for several groups' participants, largest first (core/train.py's step prefix)
-            ids = sorted((units[u][0][p] for u in us for p in units[u][2]), key=lambda i: (-data.n_train[i], i))
+            ids = sorted((units[u][1][p] for u in us for p in units[u][2]), key=lambda i: (-data.n_train[i], i))
             yield ids, data.select(ids)
             if between_buckets is not None:
                 between_buckets()
             continue
-        ms, group, loc = units[us[0]]
+        g, ms, loc = units[us[0]]
+        group = groups[g][1]
         step = size or len(loc)
         for a in range(0, len(loc), step):
             sel = loc[a:a + step]
@@ -268,6 +269,7 @@ def participant_groups(data: Federation, participants: torch.Tensor, size: int |
             # yielded unnamed: the caller holds the only reference, so dropping it frees the copy
             yield [ms[p] for p in sel], (group if len(sel) == len(ms) else
                                          group.client_range(*span) if span is not None else group.select(sel))
+        del group  # a streamed bucket is freed before the next is read
         if between_buckets is not None:
             between_buckets()
 
@@ -343,9 +345,7 @@ def client_updates(algorithm: Algorithm, client_state: Any, broadcast: Any, data
     `message_pool` (the engine's run), the stack the buckets' messages are copied into is the
     pool's, reused from round to round (MessagePool)."""
     part, M, dev = ctx.participants, data.num_clients, data.device
-    groups = data.groups()
-    if len(groups) == 1:
-        assert isinstance(data, FedData), "a one-group federation is a padded FedData (layout.to_layout)"
+    if isinstance(data, FedData):
         pidx = part.to(dev)
         everyone = len(part) == M
         sub = data if everyone else data.select(part)
@@ -400,10 +400,10 @@ def message_bytes(algorithm: Algorithm, client_state: Any, broadcast: Any, data:
     """Bytes of one participant's message: a dry run of `client_update` on the round's first
     participant alone (pure, so nothing of it is kept)."""
     i = int(ctx.participants[0])
-    for ms, group in data.groups():
+    for g, ms in enumerate(data.members):
         if i in ms:
             _, msg = algorithm.client_update(tree_rows(client_state, [i], data.device), broadcast,
-                                             group.select([ms.index(i)]), ctx)
+                                             data.groups()[g][1].select([ms.index(i)]), ctx)
             return payload_size(msg, per_client=True)[1]
     raise ValueError(f"participant {i} is in no group of the federation")
 
@@ -499,6 +499,9 @@ def _run(algorithm: Algorithm, data: Federation, rounds: int, seed: int, fractio
         raise UserError(f"engine {engine!r}: must be one of {', '.join(ENGINES)}")
     if rounds < 1:
         raise UserError(f"rounds {rounds}: must be >= 1")
+    if data.layout == "streamed" and engine != "vectorized":
+        raise UserError(f"layout streamed: the {engine} engine takes one client per call and would read a whole "
+                        "bucket for each; use layout bucketed (or the vectorized engine)")
     if eval_every < 0:
         raise UserError(f"eval_every {eval_every}: must be >= 0 (0 = only after the last round)")
     M = data.num_clients
@@ -593,7 +596,7 @@ def count_parameters(algorithm: Algorithm, data: Federation, seed: int = 0) -> P
     (with all of `data`'s clients: FedPCL's download grows with the number of clients)."""
     init = algorithm.init(data.spec(), seed)
     cs, ss, bc = init.client_state, init.server_state, init.broadcast
-    if len(data.groups()) > 1:
+    if not isinstance(data, FedData):  # client_updates writes the buckets' rows in place
         cs = owned(cs, ss, bc)
     everyone = torch.arange(data.num_clients)
     for r in range(int(algorithm.collect_rounds) + 1):

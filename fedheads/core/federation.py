@@ -2,10 +2,12 @@
 tensors [M, Nmax, D] on one device, so an algorithm step touches all clients in one kernel call.
 Torch only: reading a store or arrays into these is fedheads.run.load's work.
 
-Two layouts: `FedData` pads every client to the largest ("padded"); `BucketedFedData` holds size
+Three layouts: `FedData` pads every client to the largest ("padded"); `BucketedFedData` holds size
 buckets, each an ordinary FedData padded to its own largest client ("bucketed"), so skewed client
-sizes cost at most `waste` in padding. `Federation` is either; the engines run both
-(core/engine.py) and an algorithm only ever sees a FedData.
+sizes cost at most `waste` in padding; `StreamedFedData` holds only the bucketed plan and reads a
+bucket when a call needs it ("streamed": a run's memory is then its states plus a bucket, whatever
+the federation's size). `Federation` is any of them; the engines run all three (core/engine.py)
+and an algorithm only ever sees a FedData.
 
 Padding to the largest client costs M * Nmax rows where the clients hold sum_i N_i: with skewed
 (power-law) client sizes that is 10-20x the features at 1,000 clients, and the vectorised step
@@ -24,7 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -86,6 +88,21 @@ class FedData:
 
     layout = "padded"
 
+    @property
+    def members(self) -> tuple[tuple[int, ...], ...]:
+        """Client positions per vectorised call (`groups()` without their features): all in one."""
+        return (tuple(range(self.num_clients)),)
+
+    @property
+    def shapes(self) -> tuple[tuple[int, int], ...]:
+        """Padded (train, test) rows per group."""
+        return ((int(self.x_train.shape[1]), int(self.x_test.shape[1])),)
+
+    @property
+    def views_per_row(self) -> int:
+        """Stored augmented views held per training row (0: none loaded)."""
+        return 0 if self.v_train is None else int(self.v_train.shape[1])
+
     def groups(self) -> tuple[tuple[tuple[int, ...], FedData], ...]:
         """(client positions, FedData) per vectorised call: here all clients in one."""
         return ((tuple(range(self.num_clients)), self),)
@@ -132,7 +149,7 @@ class FedData:
             v_train=None if self.v_train is None else self.v_train[a:b])
 
 
-LAYOUTS = ("auto", "padded", "bucketed")
+LAYOUTS = ("auto", "padded", "bucketed", "streamed")
 
 
 @dataclass(frozen=True)
@@ -140,7 +157,9 @@ class LayoutConfig:
     """The layout and the limits of its buckets. The defaults (10 % waste, 64 MiB, 64 clients per bucket) bound
     the padding by construction; they were chosen, not tuned: benchmarks/bench_scale.py measures what they give."""
 
-    layout: str = "padded"  # "padded" (one dense tensor), "bucketed", or "auto" (bucketed when padding would cost, below)
+    # "padded" (one dense tensor), "bucketed", "auto" (bucketed when padding would cost, below) or
+    # "streamed" (the bucketed plan, each bucket read when a call needs it: StreamedFedData)
+    layout: str = "padded"
     waste: float = 0.1  # bucketed: a bucket's padding rows are at most this fraction of its real rows
     bucket_bytes: int = 64 << 20  # bucketed: padded train+test feature bytes of a bucket at most (a bigger client gets its own)
     bucket_clients: int = 64  # bucketed: clients per bucket at most
@@ -250,6 +269,15 @@ class BucketedFedData:
         return dataclasses.replace(self.buckets[0].spec(), num_clients=self.num_clients, n_train=self.n_train,
                                    client_ids=tuple(ids))
 
+    @property
+    def shapes(self) -> tuple[tuple[int, int], ...]:
+        """Padded (train, test) rows per bucket."""
+        return tuple((int(b.x_train.shape[1]), int(b.x_test.shape[1])) for b in self.buckets)
+
+    @property
+    def views_per_row(self) -> int:
+        return self.buckets[0].views_per_row
+
     def groups(self) -> tuple[tuple[tuple[int, ...], FedData], ...]:
         return tuple(zip(self.members, self.buckets))
 
@@ -279,6 +307,89 @@ class BucketedFedData:
             return self.buckets[b].select([where[i][1] for i in ids])
         return _stack([(rs, self.buckets[b].select([where[ids[r]][1] for r in rs])) for b, rs in rows.items()],
                       len(ids))
+
+
+class StreamedGroups(Sequence):
+    """A StreamedFedData's groups: item b is (bucket b's positions, its FedData read now). Nothing is
+    kept: iterating reads one bucket after another, and a bucket is freed once its caller lets go."""
+
+    def __init__(self, data: StreamedFedData) -> None:
+        self.data = data
+
+    def __len__(self) -> int:
+        return len(self.data.members)
+
+    def __getitem__(self, b: Any) -> Any:
+        if not isinstance(b, int):
+            raise TypeError("streamed groups are read one at a time: index them with an int")
+        return self.data.members[b], self.data.read_bucket(b % len(self))
+
+
+@dataclass(frozen=True, eq=False)
+class StreamedFedData:
+    """A federation that holds only its bucket plan (plan_buckets) and reads a bucket when a
+    vectorised call needs it: `read_bucket(b)` gives bucket b as the FedData a BucketedFedData
+    would hold (its clients' global ids in `client_index`), read afresh each time (e.g. from the
+    feature store: fedheads.run.load). The engine then holds at most two buckets of features at
+    once (the one a call uses and the next being read), so a run's memory is its states plus a
+    bucket, and its results are the bucketed layout's bit for bit (the same buckets, calls and
+    sums). Every pass over the clients reads them again: a one-pass head reads the store twice
+    (its round and its evaluation). The loop engine, one client per call, refuses it."""
+
+    read_bucket: Callable[[int], FedData]  # bucket b's FedData, read when called
+    members: tuple[tuple[int, ...], ...]  # positions of each bucket's clients, ascending
+    shapes: tuple[tuple[int, int], ...]  # each bucket's padded (train, test) rows
+    n_train: tuple[int, ...]  # real training rows per client
+    n_test: tuple[int, ...]  # real test rows per client
+    num_classes: int  # C
+    client_names: tuple[str, ...]  # names of all clients
+    domains: tuple[str, ...]  # domain of each client
+    dim: int  # D
+    device: torch.device  # where read buckets are put
+    identity: str | None = None  # what names the features (e.g. the store's fingerprint) without reading them
+    ids: tuple[int, ...] | None = None  # each position's global client id, as its bucket's client_index; None: positions
+
+    layout = "streamed"
+    views_per_row = 0  # stored augmented views are not streamed
+
+    @property
+    def num_clients(self) -> int:
+        return len(self.client_names)
+
+    def global_ids(self) -> tuple[int, ...]:
+        return tuple(range(self.num_clients)) if self.ids is None else self.ids
+
+    @property
+    def client_index(self) -> torch.Tensor:
+        """[M] global client ids in federation order."""
+        return torch.tensor(self.global_ids(), dtype=torch.int64, device=self.device)
+
+    def spec(self) -> DataSpec:
+        return DataSpec(self.dim, self.num_classes, self.num_clients, self.n_train, self.device, self.global_ids())
+
+    def groups(self) -> StreamedGroups:
+        return StreamedGroups(self)
+
+    @functools.cached_property
+    def _where(self) -> dict[int, tuple[int, int]]:
+        return {i: (b, p) for b, ms in enumerate(self.members) for p, i in enumerate(ms)}
+
+    def class_counts(self) -> torch.Tensor:
+        """[M, C] training samples per class (one read of every bucket)."""
+        out = torch.zeros(self.num_clients, self.num_classes, dtype=torch.int64, device=self.device)
+        for ms, b in self.groups():
+            out[list(ms)] = b.class_counts()
+        return out
+
+    def select(self, idx: Sequence[int] | torch.Tensor) -> FedData:
+        """Clients `idx` (positions, in the order given) as one padded FedData, as
+        BucketedFedData.select gives: each bucket they are in read once, in turn."""
+        ids = [int(i) for i in (idx.tolist() if isinstance(idx, torch.Tensor) else idx)]
+        rows: dict[int, list[int]] = {}
+        for r, i in enumerate(ids):
+            rows.setdefault(self._where[i][0], []).append(r)
+        parts = [(rs, self.read_bucket(b).select([self._where[ids[r]][1] for r in rs])) for b, rs in rows.items()]
+        return parts[0][1] if len(parts) == 1 else _stack(parts, len(ids))
 
 
 def _stack(parts: Sequence[tuple[list[int], FedData]], k: int) -> FedData:
@@ -316,9 +427,15 @@ def _stack(parts: Sequence[tuple[list[int], FedData]], k: int) -> FedData:
 
 
 def to_layout(data: Federation, layout: str | LayoutConfig) -> Federation:
-    """`data` in another layout (a copy of the rows; the same clients, order and global ids)."""
+    """`data` in another layout (a copy of the rows; the same clients, order and global ids).
+    "streamed" reads each bucket out of `data` when it is needed (a copy of its rows then)."""
     cfg = as_layout(layout)
     plan = plan_buckets(data.n_train, data.n_test, 4 * data.dim, cfg)
+    if cfg.layout == "streamed":
+        rows = [(max(data.n_train[i] for i in ms), max(max(data.n_test[i] for i in ms), 1)) for ms in plan]
+        return StreamedFedData(lambda b: data.select(list(plan[b])), tuple(plan), tuple(rows), tuple(data.n_train),
+                               tuple(data.n_test), data.num_classes, tuple(data.client_names), tuple(data.domains),
+                               data.dim, data.device, ids=tuple(data.client_index.tolist()))
     if len(plan) == 1:
         return data if data.layout == "padded" else data.select(range(data.num_clients))
     return BucketedFedData(tuple(data.select(list(ms)) for ms in plan), tuple(plan), tuple(data.n_train),
@@ -328,9 +445,10 @@ def to_layout(data: Federation, layout: str | LayoutConfig) -> Federation:
 def layout_info(data: Federation) -> dict[str, Any]:
     """What results.json records about the layout that ran (docs/contracts.md section 6)."""
     real = (sum(data.n_train) + sum(data.n_test)) * data.dim * 4
-    held = sum(b.x_train.numel() + b.x_test.numel() for _, b in data.groups()) * 4
+    per_group = [len(ms) * (a + t) * data.dim * 4 for ms, (a, t) in zip(data.members, data.shapes)]
+    held = max(per_group) if data.layout == "streamed" else sum(per_group)  # streamed: one bucket at a time
     return {"name": data.layout, "buckets": len(data.groups()), "feature_bytes": int(real),
-            "held_feature_bytes": int(held), "padding_multiple": round(held / max(real, 1), 4)}
+            "held_feature_bytes": int(held), "padding_multiple": round(sum(per_group) / max(real, 1), 4)}
 
 
-Federation = FedData | BucketedFedData  # the two layouts
+Federation = FedData | BucketedFedData | StreamedFedData  # the three layouts

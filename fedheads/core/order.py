@@ -33,7 +33,7 @@ def stacking_order(algorithm: Any, data: Any, fraction: float, engine: str) -> t
     for when; also when `data` is in that order already)."""
     if algorithm.server_client_fields is None:  # AlgorithmBase: positions it cannot put back
         return None
-    if engine != "vectorized" or fraction < 1.0 or len(data.groups()) != 1:
+    if engine != "vectorized" or fraction < 1.0 or data.layout != "padded":
         return None
     order = tuple(sorted(range(data.num_clients), key=lambda i: -data.n_train[i]))
     return None if order == tuple(range(data.num_clients)) else order

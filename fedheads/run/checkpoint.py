@@ -235,14 +235,17 @@ def _sum64(t: torch.Tensor, chunk: int = 1 << 20) -> torch.Tensor:
 
 def data_settings(data: Any) -> dict[str, Any]:
     """What identifies the features a run trained on: clients, sizes, classes, dimension and a
-    float64 checksum of every feature and label (one pass over the data, no copy)."""
+    float64 checksum of every feature and label (one pass over the data, no copy); for a streamed
+    federation with an identity (the store's fingerprint), that identity instead of a read of it."""
+    out = {"clients": list(data.client_names), "n_train": [int(n) for n in data.n_train],
+           "n_test": [int(n) for n in data.n_test], "num_classes": int(data.num_classes), "dim": int(data.dim)}
+    if data.layout == "streamed" and data.identity is not None:
+        return {**out, "identity": data.identity}
     xs, ys = torch.zeros((), dtype=torch.float64), torch.zeros((), dtype=torch.float64)
     for _, g in data.groups():
         xs = xs + _sum64(g.x_train) + _sum64(g.x_test)
         ys = ys + _sum64(g.y_train * g.m_train) + _sum64(g.y_test * g.m_test)
-    return {"clients": list(data.client_names), "n_train": [int(n) for n in data.n_train],
-            "n_test": [int(n) for n in data.n_test], "num_classes": int(data.num_classes), "dim": int(data.dim),
-            "checksum": [float(xs), float(ys)]}
+    return {**out, "checksum": [float(xs), float(ys)]}
 
 
 class HeadCheckpoint:

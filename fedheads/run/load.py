@@ -9,6 +9,7 @@ arrays, through the same writer."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -17,7 +18,15 @@ import numpy as np
 import torch
 
 from embedcache.errors import UserError
-from fedheads.core.federation import BucketedFedData, FedData, Federation, LayoutConfig, as_layout, plan_buckets
+from fedheads.core.federation import (
+    BucketedFedData,
+    FedData,
+    Federation,
+    LayoutConfig,
+    StreamedFedData,
+    as_layout,
+    plan_buckets,
+)
 
 if TYPE_CHECKING:
     from embedcache.store.reader import StoreInfo
@@ -38,7 +47,8 @@ def from_arrays(clients: Sequence[tuple[np.ndarray, np.ndarray, np.ndarray, np.n
                 layout: str | LayoutConfig = "padded") -> Federation:
     """Stack per-client (x_train, y_train, x_test, y_test) numpy arrays (and optionally each
     client's augmented train views [V, N, D], same V for all clients). The default layout
-    gives a FedData; `layout` "bucketed" / "auto" may give a BucketedFedData (fedheads.core.federation).
+    gives a FedData; `layout` "bucketed" / "auto" may give a BucketedFedData, "streamed" a
+    StreamedFedData that copies each bucket out of `clients` when it is read (fedheads.core.federation).
 
     `binarize` reproduces the FedPCL code's L2-normalisation over a size-1 axis, which maps
     every feature to 0/1 (= x > 0 for non-negative pooled features; sign(x) in general)."""
@@ -75,7 +85,22 @@ def from_arrays(clients: Sequence[tuple[np.ndarray, np.ndarray, np.ndarray, np.n
         for name, v, n in zip(names, vs, ntr):
             if v.shape[1:] != (n, D) or not np.isfinite(v).all():
                 raise UserError(f"{name}/train views: expected finite [V, {n}, {D}], got {v.shape}")
-    build = _Builder(ntr, nte, D, dev, as_layout(layout), views=None if vs is None else vs[0].shape[0])
+    cfg = as_layout(layout)
+    if cfg.layout == "streamed":
+        if vs is not None:
+            raise UserError("layout streamed: stored augmented views are not streamed; use layout bucketed")
+        plan = plan_buckets(ntr, nte, 4 * D, cfg)
+
+        def read_bucket(b: int) -> FedData:  # the bucket's rows copied out of the caller's arrays
+            part = from_arrays([clients[i] for i in plan[b]], num_classes, [names[i] for i in plan[b]],
+                               [doms[i] for i in plan[b]], dev, binarize)
+            assert isinstance(part, FedData)
+            return dataclasses.replace(part, client_index=torch.tensor(plan[b], dtype=torch.int64, device=dev))
+
+        rows = tuple((max(ntr[i] for i in ms), max(max(nte[i] for i in ms), 1)) for ms in plan)
+        return StreamedFedData(read_bucket, tuple(plan), rows, tuple(ntr), tuple(nte), int(num_classes), names,
+                               doms, D, dev)
+    build = _Builder(ntr, nte, D, dev, cfg, views=None if vs is None else vs[0].shape[0])
     for i, (xtr, ytr, xte, yte) in enumerate(clients):
         build.put("train", i, 0, np.asarray(xtr), np.asarray(ytr))
         build.put("test", i, 0, np.asarray(xte), np.asarray(yte))
@@ -188,7 +213,8 @@ def load_fed_data(store: str | Path | StoreInfo, backbones: Sequence[str], devic
                   binarize: bool = False, views: bool = False,
                   clients: Sequence[str] | None = None, chunk_rows: int = 4096,
                   layout: str | LayoutConfig = "padded") -> Federation:
-    """FedData (or, with `layout` "bucketed" / "auto", possibly a BucketedFedData: fedheads.core.federation)
+    """FedData (or, with `layout` "bucketed" / "auto", possibly a BucketedFedData; with "streamed" a
+    StreamedFedData, which reads each bucket from the store when the engine needs it: fedheads.core.federation)
     from a feature store (embedcache contract 4), backbones concatenated in order, its clients in
     the store's order. `store`: its path, or the store a run opened (embedcache.store.reader.open_store),
     read as it is (not opened again).
@@ -199,13 +225,15 @@ def load_fed_data(store: str | Path | StoreInfo, backbones: Sequence[str], devic
     sizes in the store's metadata decide the buckets before a feature is read). `views=True` also loads the
     stored augmented views of the train split (extracted with --views V > 1) into `v_train`
     (through `load_split`: per-client copies); FedPCL's code variant contrasts them."""
-    from embedcache.store.reader import StoreInfo, check_backbone_identity, iter_split_chunks, load_split, open_store
+    from embedcache.store.reader import StoreInfo, check_backbone_identity, check_servable, load_split, open_store
 
     info = store if isinstance(store, StoreInfo) else open_store(store)
     classes = list(info.classes)
     bbs = list(backbones)
     names = list(clients) if clients is not None else list(info.clients)
     if views:
+        if as_layout(layout).layout == "streamed":
+            raise UserError("layout streamed: stored augmented views are not streamed; use layout bucketed")
         return _load_with_views(info, bbs, device, binarize, names, len(classes), load_split, layout)
     if not bbs:
         raise UserError("backbones: at least one is needed")
@@ -225,19 +253,64 @@ def load_fed_data(store: str | Path | StoreInfo, backbones: Sequence[str], devic
     M, D = len(names), sum(dims)
     if M == 0:
         raise UserError("clients: empty federation")
-    build = _Builder([max(n, 1) for n in sizes["train"]], sizes["test"], D, dev, as_layout(layout))
+    cfg = as_layout(layout)
+    if cfg.layout == "streamed":
+        check_servable(info, bbs, names)  # what the reads would refuse, refused before the run
+        doms = tuple(info.shard(bbs[0], c, "train").domain for c in names)  # type: ignore[union-attr]
+        return _streamed(info, bbs, dev, binarize, names, doms, len(classes), sizes, D, chunk_rows, cfg)
+    build = _Builder([max(n, 1) for n in sizes["train"]], sizes["test"], D, dev, cfg)
+    _read_into(build, info, bbs, names, range(M), sizes, len(classes), D, chunk_rows)
+    doms = tuple(info.shard(bbs[0], c, "train").domain for c in names)  # type: ignore[union-attr]
+    return build.finish(sizes["train"], sizes["test"], len(classes), tuple(names), doms, binarize)
+
+
+def _read_into(build: _Builder, info: StoreInfo, bbs: list[str], names: Sequence[str], which: Sequence[int],
+               sizes: dict[str, list[int]], num_classes: int, D: int, chunk_rows: int) -> None:
+    """Clients `which` (positions in `names`) read into `build` at positions 0, 1, ... chunk by
+    chunk (iter_split_chunks: checked reads), `sizes[split]` set to the rows each really holds."""
+    from embedcache.store.reader import iter_split_chunks
+
     for split in ("train", "test"):
-        for i, c in enumerate(names):
-            row, cap = 0, build.capacity(split, i)
+        for p, i in enumerate(which):
+            row, cap, c = 0, build.capacity(split, p), names[i]
             for x, y, _ in iter_split_chunks(info, bbs, split, c, chunk_rows):
                 if row + len(y) > cap or x.shape[1] != D:
                     raise UserError(f"{c}/{split}: shard sizes differ from the store's metadata")
-                _check_labels(y, len(classes), f"{c}/{split}")
-                build.put(split, i, row, x, y)
+                _check_labels(y, num_classes, f"{c}/{split}")
+                build.put(split, p, row, x, y)
                 row += len(y)
             sizes[split][i] = row
-    doms = tuple(info.shard(bbs[0], c, "train").domain for c in names)  # type: ignore[union-attr]
-    return build.finish(sizes["train"], sizes["test"], len(classes), tuple(names), doms, binarize)
+
+
+def _streamed(info: StoreInfo, bbs: list[str], dev: torch.device, binarize: bool, names: list[str],
+              doms: tuple[str, ...], num_classes: int, sizes: dict[str, list[int]], D: int, chunk_rows: int,
+              cfg: LayoutConfig) -> StreamedFedData:
+    """The store's clients as a StreamedFedData: the bucketed plan from the metadata's sizes, each
+    bucket read (checked, as above) when the engine asks for it. The store stays open for the run.
+    A bucket whose shards no longer hold the sizes the plan was made from is one UserError."""
+    from embedcache.store.reader import features_identity
+
+    ntr, nte = [max(n, 1) for n in sizes["train"]], list(sizes["test"])
+    plan = plan_buckets(ntr, nte, 4 * D, cfg)
+    rows = tuple((max(ntr[i] for i in ms), max(max(nte[i] for i in ms), 1)) for ms in plan)
+
+    def read_bucket(b: int) -> FedData:
+        ms = plan[b]
+        build = _Builder([ntr[i] for i in ms], [nte[i] for i in ms], D, dev, LayoutConfig("padded"))
+        got: dict[str, list[int]] = {"train": list(ntr), "test": list(nte)}
+        _read_into(build, info, bbs, names, ms, got, num_classes, D, chunk_rows)
+        for split, want in (("train", ntr), ("test", nte)):
+            bad = next((names[i] for i in ms if got[split][i] != want[i]), None)
+            if bad is not None:
+                raise UserError(f"{bad}/{split}: shard sizes differ from the store's metadata (changed during the run?)")
+        part = build.finish([ntr[i] for i in ms], [nte[i] for i in ms], num_classes,
+                            tuple(names[i] for i in ms), tuple(doms[i] for i in ms), binarize)
+        assert isinstance(part, FedData)
+        return dataclasses.replace(part, client_index=torch.tensor(ms, dtype=torch.int64, device=dev))
+
+    identity = features_identity(info, bbs, names) + (":sign" if binarize else "")
+    return StreamedFedData(read_bucket, tuple(plan), rows, tuple(ntr), tuple(nte), num_classes, tuple(names),
+                           doms, D, dev, identity)
 
 
 def _backbone_dims(info: Any, bbs: list[str], names: list[str]) -> list[int]:

@@ -63,7 +63,9 @@ class TrainOptions:
     seeds: tuple[int, ...] = (0, 1, 2)  # the papers report mean (std) over 3 seeds
     fraction: float = 1.0  # client participation per round
     engine: str = "vectorized"  # "vectorized" (all clients stacked) or "loop" (reference)
-    layout: str = "auto"  # "padded" | "bucketed" | "auto" (bucketed when padding would cost; fedheads/core/federation.py)
+    # "padded" | "bucketed" | "auto" (bucketed when padding would cost) | "streamed" (buckets read when
+    # a call needs them: memory for the states and a bucket; fedheads/core/federation.py)
+    layout: str = "auto"
     device: str = "auto"  # auto | cpu | cuda
     eval_every: int = 1  # evaluate every k rounds (0 = only after the last)
     binarize: bool = False  # FedPCL authors' binarised backbone features
@@ -189,7 +191,8 @@ def load_store(store: str | Path | StoreInfo, backbones: Sequence[str], opts: Tr
     one open of the store. `heap`: the process's heap policy (fedheads.run.allocator), None for none."""
     info, record = open_run_store(store, backbones)
     data = load_fed_data(info, backbones, resolve_device(opts.device), binarize=opts.binarize, layout=opts.layout)
-    info.release_root()  # everything the run reads from the store is read: its metadata need not stay
+    if data.layout != "streamed":  # a streamed run reads its buckets as it goes
+        info.release_root()  # everything the run reads from the store is read: its metadata need not stay
     del info
     if heap is not None:
         heap.after_load()
