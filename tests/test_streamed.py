@@ -37,12 +37,14 @@ class Reads:
     """Wraps a StreamedFedData's bucket reader: counts reads and the most buckets alive at once."""
 
     def __init__(self, data: StreamedFedData) -> None:
-        self.inner, self.reads, self.alive, self.most = data.read_bucket, 0, [], 0
+        self.inner, self.reads, self.test_only, self.alive, self.most = data.read_bucket, 0, 0, [], 0
 
-    def __call__(self, b: int) -> FedData:
-        out = self.inner(b)
-        self.alive = [r for r in self.alive if r() is not None] + [weakref.ref(out.x_train)]
+    def __call__(self, b: int, train: bool) -> FedData:
+        out = self.inner(b, train)
+        assert (out.x_train.shape[1] == 0) == (not train)
+        self.alive = [r for r in self.alive if r() is not None] + [weakref.ref(out.x_test)]
         self.reads, self.most = self.reads + 1, max(self.most, len(self.alive))
+        self.test_only += not train
         return out
 
 
@@ -84,8 +86,10 @@ def test_every_registered_algorithm_streams_as_it_runs_bucketed(name: str, fract
 
 
 def test_a_one_pass_head_reads_each_bucket_for_its_round_and_its_evaluation() -> None:
+    """The round reads every bucket whole, the evaluation only their test splits."""
     s, reads = streamed(tiny_fed(M=6))
     run(create_algorithm("fed3r"), s, rounds=1, progress=False)
+    assert reads.test_only == len(s.members)
     assert reads.reads <= 2 * len(s.members) + 1  # the round, the evaluation, and one message-size probe
 
 
@@ -144,6 +148,10 @@ def test_store_buckets_are_the_bucketed_loads(tmp_path) -> None:
     assert isinstance(s, StreamedFedData) and isinstance(b, BucketedFedData) and s.members == b.members
     for (_, got), want in zip(s.groups(), b.buckets):
         assert torch.equal(got.x_train, want.x_train) and torch.equal(got.client_index, want.client_index)
+    for (_, got), want in zip(s.groups(train=False), b.buckets):  # the evaluation's reads: the test split only
+        assert got.x_train.shape == (want.num_clients, 0, 6) and got.n_train == want.n_train
+        for f in ("x_test", "y_test", "m_test", "client_index"):
+            assert torch.equal(getattr(got, f), getattr(want, f)), f
     assert s.identity and s.identity.endswith(":sign")
     with pytest.raises(UserError, match="views are not streamed"):
         load_fed_data(str(store), ["bb"], device="cpu", views=True, layout="streamed")

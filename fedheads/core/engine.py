@@ -195,7 +195,7 @@ def evaluate(algorithm: Algorithm, client_state: Any, server_state: Any, data: F
     state only where they are not consecutive)."""
     if adapt:
         client_state = eval_client_state(algorithm, client_state, server_state, data, engine)
-    groups = data.groups()
+    groups = data.groups(train=False)  # predict reads the test split only (a streamed bucket: only it is read)
     if len(groups) == 1:
         return _evaluate_padded(algorithm, client_state, server_state, groups[0][1], engine)
     out: dict[str, torch.Tensor] = {}

@@ -103,8 +103,9 @@ class FedData:
         """Stored augmented views held per training row (0: none loaded)."""
         return 0 if self.v_train is None else int(self.v_train.shape[1])
 
-    def groups(self) -> tuple[tuple[tuple[int, ...], FedData], ...]:
-        """(client positions, FedData) per vectorised call: here all clients in one."""
+    def groups(self, train: bool = True) -> tuple[tuple[tuple[int, ...], FedData], ...]:
+        """(client positions, FedData) per vectorised call: here all clients in one. `train=False`:
+        the caller reads only the test split (a streamed layout then reads no training rows)."""
         return ((tuple(range(self.num_clients)), self),)
 
     def class_counts(self) -> torch.Tensor:
@@ -278,7 +279,7 @@ class BucketedFedData:
     def views_per_row(self) -> int:
         return self.buckets[0].views_per_row
 
-    def groups(self) -> tuple[tuple[tuple[int, ...], FedData], ...]:
+    def groups(self, train: bool = True) -> tuple[tuple[tuple[int, ...], FedData], ...]:
         return tuple(zip(self.members, self.buckets))
 
     @functools.cached_property
@@ -313,8 +314,8 @@ class StreamedGroups(Sequence):
     """A StreamedFedData's groups: item b is (bucket b's positions, its FedData read now). Nothing is
     kept: iterating reads one bucket after another, and a bucket is freed once its caller lets go."""
 
-    def __init__(self, data: StreamedFedData) -> None:
-        self.data = data
+    def __init__(self, data: StreamedFedData, train: bool = True) -> None:
+        self.data, self.train = data, train
 
     def __len__(self) -> int:
         return len(self.data.members)
@@ -322,21 +323,23 @@ class StreamedGroups(Sequence):
     def __getitem__(self, b: Any) -> Any:
         if not isinstance(b, int):
             raise TypeError("streamed groups are read one at a time: index them with an int")
-        return self.data.members[b], self.data.read_bucket(b % len(self))
+        return self.data.members[b], self.data.read_bucket(b % len(self), self.train)
 
 
 @dataclass(frozen=True, eq=False)
 class StreamedFedData:
     """A federation that holds only its bucket plan (plan_buckets) and reads a bucket when a
-    vectorised call needs it: `read_bucket(b)` gives bucket b as the FedData a BucketedFedData
-    would hold (its clients' global ids in `client_index`), read afresh each time (e.g. from the
-    feature store: fedheads.run.load). The engine then holds at most two buckets of features at
-    once (the one a call uses and the next being read), so a run's memory is its states plus a
-    bucket, and its results are the bucketed layout's bit for bit (the same buckets, calls and
-    sums). Every pass over the clients reads them again: a one-pass head reads the store twice
-    (its round and its evaluation). The loop engine, one client per call, refuses it."""
+    vectorised call needs it: `read_bucket(b, train)` gives bucket b as the FedData a
+    BucketedFedData would hold (its clients' global ids in `client_index`), read afresh each time
+    (e.g. from the feature store: fedheads.run.load); with `train` False its training arrays are
+    empty ([k, 0, D]: `groups(train=False)`, for the evaluation, which reads only the test split).
+    The engine holds at most two buckets of features at once (the one a call uses and the next
+    being read), so a run's memory is its states plus a bucket, and its results are the bucketed
+    layout's bit for bit (the same buckets, calls and sums). Every pass over the clients reads them
+    again: a one-pass head reads the store once for its round and the test split again for its
+    evaluation. The loop engine, one client per call, refuses it."""
 
-    read_bucket: Callable[[int], FedData]  # bucket b's FedData, read when called
+    read_bucket: Callable[[int, bool], FedData]  # (b, train): bucket b's FedData, read when called
     members: tuple[tuple[int, ...], ...]  # positions of each bucket's clients, ascending
     shapes: tuple[tuple[int, int], ...]  # each bucket's padded (train, test) rows
     n_train: tuple[int, ...]  # real training rows per client
@@ -367,8 +370,8 @@ class StreamedFedData:
     def spec(self) -> DataSpec:
         return DataSpec(self.dim, self.num_classes, self.num_clients, self.n_train, self.device, self.global_ids())
 
-    def groups(self) -> StreamedGroups:
-        return StreamedGroups(self)
+    def groups(self, train: bool = True) -> StreamedGroups:
+        return StreamedGroups(self, train)
 
     @functools.cached_property
     def _where(self) -> dict[int, tuple[int, int]]:
@@ -388,7 +391,7 @@ class StreamedFedData:
         rows: dict[int, list[int]] = {}
         for r, i in enumerate(ids):
             rows.setdefault(self._where[i][0], []).append(r)
-        parts = [(rs, self.read_bucket(b).select([self._where[ids[r]][1] for r in rs])) for b, rs in rows.items()]
+        parts = [(rs, self.read_bucket(b, True).select([self._where[ids[r]][1] for r in rs])) for b, rs in rows.items()]
         return parts[0][1] if len(parts) == 1 else _stack(parts, len(ids))
 
 
@@ -433,13 +436,23 @@ def to_layout(data: Federation, layout: str | LayoutConfig) -> Federation:
     plan = plan_buckets(data.n_train, data.n_test, 4 * data.dim, cfg)
     if cfg.layout == "streamed":
         rows = [(max(data.n_train[i] for i in ms), max(max(data.n_test[i] for i in ms), 1)) for ms in plan]
-        return StreamedFedData(lambda b: data.select(list(plan[b])), tuple(plan), tuple(rows), tuple(data.n_train),
-                               tuple(data.n_test), data.num_classes, tuple(data.client_names), tuple(data.domains),
-                               data.dim, data.device, ids=tuple(data.client_index.tolist()))
+        return StreamedFedData(lambda b, train: test_only(data.select(list(plan[b])), train), tuple(plan),
+                               tuple(rows), tuple(data.n_train), tuple(data.n_test), data.num_classes,
+                               tuple(data.client_names), tuple(data.domains), data.dim, data.device,
+                               ids=tuple(data.client_index.tolist()))
     if len(plan) == 1:
         return data if data.layout == "padded" else data.select(range(data.num_clients))
     return BucketedFedData(tuple(data.select(list(ms)) for ms in plan), tuple(plan), tuple(data.n_train),
                            tuple(data.n_test), data.num_classes, tuple(data.client_names), tuple(data.domains))
+
+
+def test_only(data: FedData, train: bool = False) -> FedData:
+    """`data` with no training rows (x_train [M, 0, D]; n_train kept), unless `train`: what a
+    streamed bucket read for the evaluation holds."""
+    if train:
+        return data
+    return dataclasses.replace(data, x_train=data.x_train[:, :0], y_train=data.y_train[:, :0],
+                               m_train=data.m_train[:, :0], v_train=None)
 
 
 def layout_info(data: Federation) -> dict[str, Any]:

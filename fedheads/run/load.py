@@ -26,6 +26,7 @@ from fedheads.core.federation import (
     StreamedFedData,
     as_layout,
     plan_buckets,
+    test_only,
 )
 
 if TYPE_CHECKING:
@@ -91,11 +92,12 @@ def from_arrays(clients: Sequence[tuple[np.ndarray, np.ndarray, np.ndarray, np.n
             raise UserError("layout streamed: stored augmented views are not streamed; use layout bucketed")
         plan = plan_buckets(ntr, nte, 4 * D, cfg)
 
-        def read_bucket(b: int) -> FedData:  # the bucket's rows copied out of the caller's arrays
+        def read_bucket(b: int, train: bool) -> FedData:  # the bucket's rows copied out of the caller's arrays
             part = from_arrays([clients[i] for i in plan[b]], num_classes, [names[i] for i in plan[b]],
                                [doms[i] for i in plan[b]], dev, binarize)
             assert isinstance(part, FedData)
-            return dataclasses.replace(part, client_index=torch.tensor(plan[b], dtype=torch.int64, device=dev))
+            part = dataclasses.replace(part, client_index=torch.tensor(plan[b], dtype=torch.int64, device=dev))
+            return test_only(part, train)
 
         rows = tuple((max(ntr[i] for i in ms), max(max(nte[i] for i in ms), 1)) for ms in plan)
         return StreamedFedData(read_bucket, tuple(plan), rows, tuple(ntr), tuple(nte), int(num_classes), names,
@@ -265,12 +267,13 @@ def load_fed_data(store: str | Path | StoreInfo, backbones: Sequence[str], devic
 
 
 def _read_into(build: _Builder, info: StoreInfo, bbs: list[str], names: Sequence[str], which: Sequence[int],
-               sizes: dict[str, list[int]], num_classes: int, D: int, chunk_rows: int) -> None:
+               sizes: dict[str, list[int]], num_classes: int, D: int, chunk_rows: int,
+               splits: Sequence[str] = ("train", "test")) -> None:
     """Clients `which` (positions in `names`) read into `build` at positions 0, 1, ... chunk by
     chunk (iter_split_chunks: checked reads), `sizes[split]` set to the rows each really holds."""
     from embedcache.store.reader import iter_split_chunks
 
-    for split in ("train", "test"):
+    for split in splits:
         for p, i in enumerate(which):
             row, cap, c = 0, build.capacity(split, p), names[i]
             for x, y, _ in iter_split_chunks(info, bbs, split, c, chunk_rows):
@@ -294,11 +297,12 @@ def _streamed(info: StoreInfo, bbs: list[str], dev: torch.device, binarize: bool
     plan = plan_buckets(ntr, nte, 4 * D, cfg)
     rows = tuple((max(ntr[i] for i in ms), max(max(nte[i] for i in ms), 1)) for ms in plan)
 
-    def read_bucket(b: int) -> FedData:
-        ms = plan[b]
-        build = _Builder([ntr[i] for i in ms], [nte[i] for i in ms], D, dev, LayoutConfig("padded"))
+    def read_bucket(b: int, train: bool) -> FedData:
+        ms = plan[b]  # without `train`, the training arrays are empty: the evaluation reads only the test split
+        build = _Builder([ntr[i] if train else 0 for i in ms], [nte[i] for i in ms], D, dev, LayoutConfig("padded"))
         got: dict[str, list[int]] = {"train": list(ntr), "test": list(nte)}
-        _read_into(build, info, bbs, names, ms, got, num_classes, D, chunk_rows)
+        splits = ("train", "test") if train else ("test",)
+        _read_into(build, info, bbs, names, ms, got, num_classes, D, chunk_rows, splits)
         for split, want in (("train", ntr), ("test", nte)):
             bad = next((names[i] for i in ms if got[split][i] != want[i]), None)
             if bad is not None:
