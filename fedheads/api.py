@@ -190,7 +190,8 @@ def train(data: Data, algorithm: str, *, backbones: Sequence[str] | str | None =
     data: a feature store path (with `backbones`, concatenated in order) or per-client numpy
         arrays {client: (x_train, y_train, x_test, y_test)}; labels 0..C-1 (`num_classes`
         defaults to the largest label + 1).
-    layout: how clients are stacked ("padded" | "bucketed" | "auto": bucketed when padding would cost |
+    layout: how clients are stacked ("padded" | "bucketed" | "auto": bucketed when padding would cost,
+        streamed when a store's features would take more than half the memory available |
         "streamed": the buckets read as each round needs them, so a run holds one bucket, not the features).
     settings: algorithm config fields, e.g. {"variant": "code"} (see `fedheads algorithms NAME`);
         local_epochs / batch_size / lr: the generic ones (None: the paper's default).

@@ -103,8 +103,9 @@ def _train_options(f):
         click.option("--engine", type=click.Choice(["vectorized", "loop"]), default="vectorized", show_default=True),
         click.option("--layout", type=click.Choice(["auto", "padded", "bucketed", "streamed"]), default="auto",
                      show_default=True,
-                     help="Features padded to the largest client, or in size buckets (auto: when padding would cost); "
-                          "streamed: buckets read from the store as each round needs them (memory for one bucket)."),
+                     help="Features padded to the largest client, or in size buckets (auto: when padding would cost; "
+                          "streamed when they would take over half the memory available); streamed: buckets read "
+                          "from the store as each round needs them (memory for one bucket)."),
         click.option("--device", default="auto", show_default=True, help="auto | cpu | cuda"),
         click.option("--eval-every", default=1, show_default=True, help="Evaluate every k rounds (0: last only)."),
         click.option("--binarize", is_flag=True, help="FedPCL authors' 0/1 binarised backbone features."),

@@ -206,3 +206,24 @@ def test_a_streamed_load_refuses_what_its_reads_would_before_the_run(tmp_path) -
     for layout in ("bucketed", "streamed"):
         with pytest.raises(UserError, match="c3"):
             load_fed_data(str(store), ["bb"], device="cpu", layout=layout)
+
+
+def test_auto_streams_when_the_features_would_not_fit(tmp_path, monkeypatch, capsys) -> None:
+    """`auto` holds the features while they take at most half the memory available, and streams
+    them (one note line) when they would take more: a store larger than memory still trains."""
+    import fedheads.run.load as load
+
+    store = _store(tmp_path)
+    monkeypatch.setattr(load, "available_memory", lambda device: 1 << 40)
+    assert not isinstance(load_fed_data(str(store), ["bb"], device="cpu", layout="auto"), StreamedFedData)
+    assert "note:" not in capsys.readouterr().err
+    monkeypatch.setattr(load, "available_memory", lambda device: 4096)
+    s = load_fed_data(str(store), ["bb"], device="cpu", layout="auto")
+    assert isinstance(s, StreamedFedData)
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "note: the features" in err and "--layout streamed" in err
+    monkeypatch.setattr(load, "available_memory", lambda device: None)  # cannot be told: held as before
+    assert not isinstance(load_fed_data(str(store), ["bb"], device="cpu", layout="auto"), StreamedFedData)
+    b = load_fed_data(str(store), ["bb"], device="cpu", layout="bucketed")  # an explicit layout is kept
+    assert isinstance(b, BucketedFedData)
+    assert load.available_memory(torch.device("cpu")) is None or load.available_memory(torch.device("cpu")) > 0

@@ -10,6 +10,7 @@ arrays, through the same writer."""
 from __future__ import annotations
 
 import dataclasses
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -214,9 +215,11 @@ class _Builder:
 def load_fed_data(store: str | Path | StoreInfo, backbones: Sequence[str], device: str | torch.device = "auto",
                   binarize: bool = False, views: bool = False,
                   clients: Sequence[str] | None = None, chunk_rows: int = 4096,
-                  layout: str | LayoutConfig = "padded") -> Federation:
+                  layout: str | LayoutConfig = "padded", may_stream: bool = True) -> Federation:
     """FedData (or, with `layout` "bucketed" / "auto", possibly a BucketedFedData; with "streamed" a
-    StreamedFedData, which reads each bucket from the store when the engine needs it: fedheads.core.federation)
+    StreamedFedData, which reads each bucket from the store when the engine needs it: fedheads.core.federation;
+    "auto" streams too when the layout it would hold takes more than FEATURES_SHARE of the memory
+    available on the device, `_fits`, unless not `may_stream`: the loop engine, which streaming refuses)
     from a feature store (embedcache contract 4), backbones concatenated in order, its clients in
     the store's order. `store`: its path, or the store a run opened (embedcache.store.reader.open_store),
     read as it is (not opened again).
@@ -256,6 +259,8 @@ def load_fed_data(store: str | Path | StoreInfo, backbones: Sequence[str], devic
     if M == 0:
         raise UserError("clients: empty federation")
     cfg = as_layout(layout)
+    if cfg.layout == "auto" and may_stream and not _fits(sizes["train"], sizes["test"], D, dev, cfg):
+        cfg = dataclasses.replace(cfg, layout="streamed")
     if cfg.layout == "streamed":
         check_servable(info, bbs, names)  # what the reads would refuse, refused before the run
         doms = tuple(info.shard(bbs[0], c, "train").domain for c in names)  # type: ignore[union-attr]
@@ -264,6 +269,37 @@ def load_fed_data(store: str | Path | StoreInfo, backbones: Sequence[str], devic
     _read_into(build, info, bbs, names, range(M), sizes, len(classes), D, chunk_rows)
     doms = tuple(info.shard(bbs[0], c, "train").domain for c in names)  # type: ignore[union-attr]
     return build.finish(sizes["train"], sizes["test"], len(classes), tuple(names), doms, binarize)
+
+
+FEATURES_SHARE = 0.5  # `auto` holds the features when they take at most this share of the memory available
+
+
+def available_memory(device: torch.device) -> int | None:
+    """Bytes a run could still allocate on `device`: MemAvailable (Linux) for the CPU, the free
+    memory of a CUDA device; None where it cannot be told."""
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    try:
+        with open("/proc/meminfo") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError, IndexError):
+        return None
+
+
+def _fits(ntr: Sequence[int], nte: Sequence[int], dim: int, device: torch.device, cfg: LayoutConfig) -> bool:
+    """`auto`'s memory rule: the layout it would hold (padded or bucketed: plan_buckets) takes at most
+    FEATURES_SHARE of the memory available; otherwise the run streams its buckets from the store,
+    with one note saying so (the results are the bucketed layout's, bit for bit)."""
+    ntr = [max(n, 1) for n in ntr]
+    plan = plan_buckets(ntr, nte, 4 * dim, cfg)
+    held = 4 * dim * sum(len(ms) * (max(ntr[i] for i in ms) + max(max(nte[i] for i in ms), 1)) for ms in plan)
+    free = available_memory(device)
+    if free is None or held <= FEATURES_SHARE * free:
+        return True
+    print(f"note: the features ({held / 1e9:.2f} GB held) would take more than {FEATURES_SHARE:.0%} of the "
+          f"{free / 1e9:.2f} GB available on {device}: reading them from the store bucket by bucket as the "
+          "rounds need them (--layout streamed; --layout bucketed holds them)", file=sys.stderr, flush=True)
+    return False
 
 
 def _read_into(build: _Builder, info: StoreInfo, bbs: list[str], names: Sequence[str], which: Sequence[int],

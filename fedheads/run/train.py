@@ -190,7 +190,8 @@ def load_store(store: str | Path | StoreInfo, backbones: Sequence[str], opts: Tr
     """The store's features in `opts.layout` (clients in the store's order) and its record, from
     one open of the store. `heap`: the process's heap policy (fedheads.run.allocator), None for none."""
     info, record = open_run_store(store, backbones)
-    data = load_fed_data(info, backbones, resolve_device(opts.device), binarize=opts.binarize, layout=opts.layout)
+    data = load_fed_data(info, backbones, resolve_device(opts.device), binarize=opts.binarize, layout=opts.layout,
+                         may_stream=opts.engine == "vectorized")
     if data.layout != "streamed":  # a streamed run reads its buckets as it goes
         info.release_root()  # everything the run reads from the store is read: its metadata need not stay
     del info
