@@ -70,6 +70,10 @@ REPO = HERE.parent
 FMNIST = Path("/usr/share/datasets/fashion-mnist")
 FRAMEWORKS = ("fedheads", "fedheads-loop", "pfl", "flower", "fedlab")
 IMPORT = {"pfl": "pfl.version", "flower": "flwr", "fedlab": "fedlab"}  # module whose __version__ is recorded
+# peers the issue names that cannot run beside the project: framework -> (the check, the one-line reason)
+UNRUNNABLE = {"blazefl": (lambda: sys.version_info >= (3, 12),
+                          "every BlazeFL release on PyPI requires Python >= 3.12 (3.0: >= 3.14); the project runs on "
+                          f"Python {sys.version_info.major}.{sys.version_info.minor}, and its torch wheels are for it")}
 PROTOCOLS = {  # clients, per round, rounds, feature dim, heads, client sizes
     "lr_mnist": dict(clients=1000, per_round=10, rounds=100, dim=784, heads=("linear",), sizes="equal"),
     "crossdevice": dict(clients=1000, per_round=50, rounds=100, dim=1280, heads=("linear", "mlp"), sizes="equal"),
@@ -186,6 +190,8 @@ def peer_status(env: dict) -> dict:
                            capture_output=True, text=True, timeout=300)
         last = (p.stderr.strip().splitlines() or [f"exit status {p.returncode}"])[-1]
         out[fw] = {"version": p.stdout.strip()} if p.returncode == 0 else {"missing": last}
+    for fw, (runs_here, reason) in UNRUNNABLE.items():
+        out[fw] = {"missing": reason if not runs_here() else "its Python allows it, but no protocol is written for it here"}
     return out
 
 
