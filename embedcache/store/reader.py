@@ -140,6 +140,8 @@ def _walk(nodes: StoreNodes, paths: Iterable[str], root_attrs: dict[str, Any]) -
     """Every shard among the `<backbone>/<client>/<split>` groups `paths`, sorted by
     (backbone key, client, split); a group without a cache key is a shard being created."""
     shards = []
+    if isinstance(root_attrs.get("clients"), list):  # stale_reason asks it per shard: a set, not a list scan
+        root_attrs = {**root_attrs, "clients": frozenset(root_attrs["clients"])}
     for path in sorted(paths, key=lambda p: p.split("/")):
         a = nodes.attributes(path)
         if a is not None and path.rsplit("/", 1)[1] in SPLITS and "cache_key" in a:

@@ -355,9 +355,9 @@ def _streamed(info: StoreInfo, bbs: list[str], dev: torch.device, binarize: bool
 
 def _backbone_dims(info: Any, bbs: list[str], names: list[str]) -> list[int]:
     """Feature dimension of each backbone, the same for every client (else UserError)."""
-    dims = []
+    dims, wanted = [], set(names)  # a set: at 1,000s of clients a list made this scan quadratic
     for b in bbs:
-        ds = sorted({sh.dim for sh in info.shards if sh.backbone == b and sh.client in names})
+        ds = sorted({sh.dim for sh in info.shards if sh.backbone == b and sh.client in wanted})
         if len(ds) > 1:
             raise UserError(f"features: dimension differs across clients {ds} (backbone {b})")
         dims.append(ds[0] if ds else 0)

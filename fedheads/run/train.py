@@ -115,7 +115,7 @@ def store_fingerprint(info: Any, backbones: Sequence[str]) -> dict[str, Any]:
     per backbone, its feature dimension, weights sha256 and preprocessing (shard attributes);
     also how it was extracted (batch size, chunk rows, dtype), so that `predict` extracts new
     images the same way (docs/contracts.md, 6)."""
-    from embedcache.store.reader import shard_attributes
+    from embedcache.store.reader import shard_attributes, shard_chunk_rows
 
     out: dict[str, Any] = {"classes": list(info.classes), "backbones": {}}
     for b in backbones:
@@ -123,7 +123,7 @@ def store_fingerprint(info: Any, backbones: Sequence[str]) -> dict[str, Any]:
         if sh is None:
             raise UserError(f"backbone {b!r}: not in store {info.path} (has: {', '.join(info.backbones)})")
         a = shard_attributes(info, sh)
-        chunk_rows = int(info.root()[sh.path]["features"].chunks[0])
+        chunk_rows = shard_chunk_rows(info, sh)  # from its metadata: opening the zarr hierarchy took seconds at 1,000s of shards
         out["backbones"][b] = {"dim": sh.dim, "weights_sha256": a.get("weights_sha256"),
                                "preprocess": a.get("preprocess"), "batch_size": a.get("batch_size", 64),
                                "chunk_rows": chunk_rows, "dtype": sh.dtype}
