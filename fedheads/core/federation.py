@@ -436,7 +436,7 @@ def to_layout(data: Federation, layout: str | LayoutConfig) -> Federation:
     plan = plan_buckets(data.n_train, data.n_test, 4 * data.dim, cfg)
     if cfg.layout == "streamed":
         rows = [(max(data.n_train[i] for i in ms), max(max(data.n_test[i] for i in ms), 1)) for ms in plan]
-        return StreamedFedData(lambda b, train: test_only(data.select(list(plan[b])), train), tuple(plan),
+        return StreamedFedData(lambda b, train: without_train(data.select(list(plan[b])), train), tuple(plan),
                                tuple(rows), tuple(data.n_train), tuple(data.n_test), data.num_classes,
                                tuple(data.client_names), tuple(data.domains), data.dim, data.device,
                                ids=tuple(data.client_index.tolist()))
@@ -446,7 +446,7 @@ def to_layout(data: Federation, layout: str | LayoutConfig) -> Federation:
                            tuple(data.n_test), data.num_classes, tuple(data.client_names), tuple(data.domains))
 
 
-def test_only(data: FedData, train: bool = False) -> FedData:
+def without_train(data: FedData, train: bool = False) -> FedData:
     """`data` with no training rows (x_train [M, 0, D]; n_train kept), unless `train`: what a
     streamed bucket read for the evaluation holds."""
     if train:

@@ -27,7 +27,7 @@ from fedheads.core.federation import (
     StreamedFedData,
     as_layout,
     plan_buckets,
-    test_only,
+    without_train,
 )
 
 if TYPE_CHECKING:
@@ -98,7 +98,7 @@ def from_arrays(clients: Sequence[tuple[np.ndarray, np.ndarray, np.ndarray, np.n
                                [doms[i] for i in plan[b]], dev, binarize)
             assert isinstance(part, FedData)
             part = dataclasses.replace(part, client_index=torch.tensor(plan[b], dtype=torch.int64, device=dev))
-            return test_only(part, train)
+            return without_train(part, train)
 
         rows = tuple((max(ntr[i] for i in ms), max(max(nte[i] for i in ms), 1)) for ms in plan)
         return StreamedFedData(read_bucket, tuple(plan), rows, tuple(ntr), tuple(nte), int(num_classes), names,
