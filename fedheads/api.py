@@ -107,8 +107,9 @@ class Result(Mapping[str, Any]):
                           default=lambda o: o._fields if isinstance(o, Result) else str(o))
 
 
-def _federation(data: Any, num_classes: int | None, device: str, binarize: bool) -> FedData:
-    """FedData from numpy arrays per client (or a FedData as it is)."""
+def _federation(data: Any, num_classes: int | None, device: str, binarize: bool, layout: str = "padded") -> Any:
+    """A federation from numpy arrays per client in `layout` (a FedData given is used as it is).
+    "auto" stacks arrays padded, as before layouts existed: their padding is the caller's arrays'."""
     import numpy as np
 
     from embedcache.errors import UserError
@@ -128,7 +129,8 @@ def _federation(data: Any, num_classes: int | None, device: str, binarize: bool)
     if num_classes is None:  # labels are 0..C-1
         tops = [int(np.max(y)) for c in clients for y in (c[1], c[3]) if len(y)]
         num_classes = max(tops) + 1 if tops else 0
-    return from_arrays([tuple(c) for c in clients], num_classes, names, device=device, binarize=binarize)
+    return from_arrays([tuple(c) for c in clients], num_classes, names, device=device, binarize=binarize,
+                       layout="padded" if layout == "auto" else layout)
 
 
 def _options(rounds: int, seeds: Sequence[int] | int, local_epochs: int | None, batch_size: int | None,
@@ -175,7 +177,8 @@ def _prepare(data: Data, backbones: Sequence[str] | str | None, num_classes: int
             return str(data), list(backbones), None
         fed, record = runner.load_store(str(data), list(backbones), opts)
         return record, list(backbones), fed
-    return None, list(backbones or ["features"]), _federation(data, num_classes, opts.device, opts.binarize)
+    return None, list(backbones or ["features"]), _federation(data, num_classes, opts.device, opts.binarize,
+                                                              opts.layout)
 
 
 def train(data: Data, algorithm: str, *, backbones: Sequence[str] | str | None = None,

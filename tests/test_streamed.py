@@ -227,3 +227,74 @@ def test_auto_streams_when_the_features_would_not_fit(tmp_path, monkeypatch, cap
     b = load_fed_data(str(store), ["bb"], device="cpu", layout="bucketed")  # an explicit layout is kept
     assert isinstance(b, BucketedFedData)
     assert load.available_memory(torch.device("cpu")) is None or load.available_memory(torch.device("cpu")) > 0
+
+
+def _arrays() -> dict[str, tuple]:
+    rs = np.random.default_rng(0)
+    return {f"c{i}": (rs.normal(size=(n, 4)).astype("f4"), rs.integers(0, 3, n), rs.normal(size=(3, 4)).astype("f4"),
+                      rs.integers(0, 3, 3)) for i, n in enumerate(SKEWED)}
+
+
+def test_api_train_on_arrays_runs_the_layout_it_is_given() -> None:
+    import fedheads.api as api
+
+    for layout in ("bucketed", "streamed"):
+        r = api.train(_arrays(), "fedncm", layout=layout, rounds=1, seeds=[0], device="cpu")
+        assert r["layout"]["name"] == layout, (layout, r["layout"])
+
+
+def test_an_auto_run_resumes_when_auto_would_now_stream(tmp_path, monkeypatch) -> None:
+    """auto's choice depends on the memory available: a resumed run keeps the layout its checkpoints name."""
+    import fedheads.run.load as load
+    from fedheads.cli import main
+
+    store, out = _store(tmp_path), tmp_path / "run"
+    args = ["train", "--store", str(store), "--backbones", "bb", "--algorithm", "lp", "--rounds", "2",
+            "--seeds", "0", "--quiet", "--out", str(out)]
+    monkeypatch.setattr(load, "available_memory", lambda device: 1 << 40)  # held
+    r = CliRunner().invoke(main, args)
+    assert r.exit_code == 0, r.output
+    first = json.loads((out / "results.json").read_text())
+    monkeypatch.setattr(load, "available_memory", lambda device: 4096)  # auto would stream now
+    r = CliRunner().invoke(main, [*args, "--resume"])
+    assert r.exit_code == 0, r.output  # the checkpoint's layout is kept, not chosen again
+    assert json.loads((out / "results.json").read_text())["per_client"] == first["per_client"]
+    streamed_out = tmp_path / "streamed-run"  # and the other way: a run auto streamed, resumed with memory to spare
+    args = [*args[:-1], str(streamed_out)]
+    r = CliRunner().invoke(main, args)
+    assert r.exit_code == 0, r.output
+    assert json.loads((streamed_out / "results.json").read_text())["layout"]["name"] == "streamed"
+    monkeypatch.setattr(load, "available_memory", lambda device: 1 << 40)
+    r = CliRunner().invoke(main, [*args, "--resume"])
+    assert r.exit_code == 0, r.output
+    assert json.loads((streamed_out / "results.json").read_text())["layout"]["name"] == "streamed"
+
+
+def test_a_one_bucket_plan_streams_as_it_runs_bucketed_with_reorder() -> None:
+    """A plan of one bucket is a padded FedData in the bucketed layout, which the engine stacks
+    largest first under reorder=True (as `fedheads train/compare` run it): streamed, that bucket is
+    read whole and stacked the same way, so the sums over clients run in the same order."""
+    data = tiny_fed(M=6)  # clients not stored largest first
+    plan = {"waste": 100.0, "bucket_clients": 64}
+    bucketed = to_layout(data, LayoutConfig("bucketed", **plan))
+    s = to_layout(data, LayoutConfig("streamed", **plan))
+    assert isinstance(bucketed, FedData) and isinstance(s, StreamedFedData) and len(s.members) == 1
+    for name in ("fedavg", "fed3r"):
+        a = run(create_algorithm(name), s, rounds=2, seed=3, progress=False, reorder=True)
+        b = run(create_algorithm(name), bucketed, rounds=2, seed=3, progress=False, reorder=True)
+        assert_same_run(a, b)
+
+
+def test_streamed_with_the_loop_engine_is_refused_before_the_old_run_is_touched(tmp_path) -> None:
+    """`--layout streamed --engine loop` is refused in one line before `--overwrite` removes the old run."""
+    from fedheads.cli import main
+
+    store = _store(tmp_path)
+    for cmd, alg in (("train", ["--algorithm", "lp"]), ("compare", ["--algorithms", "lp,fedncm"])):
+        out = tmp_path / cmd
+        base = [cmd, "--store", str(store), "--backbones", "bb", *alg, "--rounds", "1", "--seeds", "0", "--quiet",
+                "--out", str(out)]
+        assert CliRunner().invoke(main, base).exit_code == 0
+        r = CliRunner().invoke(main, [*base, "--overwrite", "--layout", "streamed", "--engine", "loop"])
+        assert r.exit_code != 0 and "layout streamed: the loop engine" in r.output
+        assert (out / "results.json").exists(), cmd

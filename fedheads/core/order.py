@@ -33,7 +33,8 @@ def stacking_order(algorithm: Any, data: Any, fraction: float, engine: str) -> t
     for when; also when `data` is in that order already)."""
     if algorithm.server_client_fields is None:  # AlgorithmBase: positions it cannot put back
         return None
-    if engine != "vectorized" or fraction < 1.0 or data.layout != "padded":
+    if engine != "vectorized" or fraction < 1.0 or len(data.members) != 1:  # one group: padded, or a streamed
+        # plan of one bucket, which data.select reads whole into a padded FedData (as bucketed gives it)
         return None
     order = tuple(sorted(range(data.num_clients), key=lambda i: -data.n_train[i]))
     return None if order == tuple(range(data.num_clients)) else order

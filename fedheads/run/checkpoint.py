@@ -149,6 +149,21 @@ def load_checkpoint(path: Path, fmt: str, config: dict[str, Any]) -> dict[str, A
 CKPT_FORMAT = "fedheads-train-ckpt/1"
 
 
+def recorded_layout(run_dir: Path) -> str | None:
+    """The feature layout (padded | bucketed | streamed) the checkpoints in `run_dir` (a run or a
+    comparison) were written with, from the first readable one; None when there is none. A resumed
+    `--layout auto` run keeps it: auto's choice may depend on the memory available, and a
+    checkpoint is only resumed with the layout and features it names."""
+    for path in sorted(Path(run_dir).glob("**/state/seed*.ckpt.pt")):
+        try:
+            blob = load_sealed(path, CKPT_FORMAT, "")
+            name = json.loads(blob["config"])["layout"]["name"]
+        except (UserError, KeyError, TypeError, ValueError):
+            continue  # unreadable here: the run's own resume says why, in one line
+        return str(name)
+    return None
+
+
 def _walk(tree: Any, fn: Callable[[Any], Any], plain: bool) -> Any:
     """`tree` with `fn` applied to every tensor leaf (and with `plain`, to every other leaf too:
     a flag like FedPCL's `collect_only` changes between rounds and must be restored as well)."""

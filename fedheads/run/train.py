@@ -82,6 +82,9 @@ class TrainOptions:
     def __post_init__(self) -> None:
         check_seeds(self.seeds)
         check_finite(self)
+        if self.layout == "streamed" and self.engine != "vectorized":  # refused before a run directory is touched
+            raise UserError(f"layout streamed: the {self.engine} engine takes one client per call and would read a "
+                            "whole bucket for each; use layout bucketed (or the vectorized engine)")
 
     def generic(self) -> dict[str, Any]:
         g = {"local_epochs": self.local_epochs, "batch_size": self.batch_size, "lr": self.lr}
@@ -186,12 +189,17 @@ def _store_record(store: str | Path | StoreRecord | None, backbones: Sequence[st
 
 
 def load_store(store: str | Path | StoreInfo, backbones: Sequence[str], opts: TrainOptions,
-               heap: GlibcHeap | None = None) -> tuple[Federation, StoreRecord]:
+               heap: GlibcHeap | None = None, recorded: str | None = None) -> tuple[Federation, StoreRecord]:
     """The store's features in `opts.layout` (clients in the store's order) and its record, from
-    one open of the store. `heap`: the process's heap policy (fedheads.run.allocator), None for none."""
+    one open of the store. `heap`: the process's heap policy (fedheads.run.allocator), None for none.
+    `recorded`: the layout a resumed run's checkpoints name (checkpoint.recorded_layout), which
+    `auto` keeps instead of choosing again."""
     info, record = open_run_store(store, backbones)
-    data = load_fed_data(info, backbones, resolve_device(opts.device), binarize=opts.binarize, layout=opts.layout,
-                         may_stream=opts.engine == "vectorized")
+    layout, may_stream = opts.layout, opts.engine == "vectorized"
+    if opts.layout == "auto" and recorded is not None:
+        layout, may_stream = ("streamed", True) if recorded == "streamed" else ("auto", False)
+    data = load_fed_data(info, backbones, resolve_device(opts.device), binarize=opts.binarize, layout=layout,
+                         may_stream=may_stream)
     if data.layout != "streamed":  # a streamed run reads its buckets as it goes
         info.release_root()  # everything the run reads from the store is read: its metadata need not stay
     del info
@@ -202,15 +210,17 @@ def load_store(store: str | Path | StoreInfo, backbones: Sequence[str], opts: Tr
 
 def _features(store: str | Path | StoreInfo | None, data: Federation | None, backbones: Sequence[str],
               opts: TrainOptions, t_start: tuple[float, float], what: str, heap: GlibcHeap | None,
-              ) -> tuple[Federation, StoreRecord | None, tuple[float, float] | None]:
+              resumed: Path | None = None) -> tuple[Federation, StoreRecord | None, tuple[float, float] | None]:
     """(the features a run trains on, its store's record, the (wall, CPU) seconds their load took
-    since t_start: None when `data` was given), from one open of `store`."""
+    since t_start: None when `data` was given), from one open of `store`. `resumed`: the run
+    directory a --resume continues (its checkpoints' layout is kept under `auto`)."""
     if data is not None:
         record = None if store is None else open_run_store(store, backbones)[1]
         return data, record, None
     if store is None:
         raise UserError(f"{what}: needs a store or the features as data")
-    data, record = load_store(store, backbones, opts, heap)
+    recorded = None if resumed is None or opts.layout != "auto" else resume_mod.recorded_layout(resumed)
+    data, record = load_store(store, backbones, opts, heap, recorded)
     return data, record, _since(t_start, data.device)
 
 
@@ -366,7 +376,7 @@ def train_run(store: str | Path | StoreInfo | None, backbones: Sequence[str], al
 
         require()
     t_start = clock(torch.device("cpu"))  # nothing queued on a device yet
-    data, record, load = _features(store, data, backbones, opts, t_start, "train", heap)
+    data, record, load = _features(store, data, backbones, opts, t_start, "train", heap, rd.path if resume else None)
     require_test_samples(data)
     rd.begin(overwrite)  # results.json marks a complete run: no old file may sit beside the new ones
     trained = train_data(data, backbones, algorithm, opts, store=record, strict=strict,
@@ -476,7 +486,8 @@ def compare_runs(store: str | Path | StoreInfo | None, backbones: Sequence[str],
 
         require()
     t_start = clock(torch.device("cpu"))  # nothing queued on a device yet
-    data, record, load = _features(store, data, backbones, opts, t_start, "compare", heap)
+    data, record, load = _features(store, data, backbones, opts, t_start, "compare", heap,
+                                   rd.path if resume else None)
     require_test_samples(data)
     rd.begin(overwrite)  # resumed: complete again only when rewritten
     runs, combined = compare_data(data, backbones, algorithms, opts, store=record,
