@@ -298,3 +298,35 @@ def test_streamed_with_the_loop_engine_is_refused_before_the_old_run_is_touched(
         r = CliRunner().invoke(main, [*base, "--overwrite", "--layout", "streamed", "--engine", "loop"])
         assert r.exit_code != 0 and "layout streamed: the loop engine" in r.output
         assert (out / "results.json").exists(), cmd
+
+
+def test_a_shard_reimported_during_a_streamed_run_is_named_as_changed_not_damaged(tmp_path) -> None:
+    """A shard imported again (same rows, new features) after the plan was made: the bucket's read
+    is refused as a store changed during the run, not as damage (`embedcache verify` finds the store
+    healthy, so its advice would mislead)."""
+    from embedcache.store.importer import import_features
+
+    store = _store(tmp_path)
+    s = load_fed_data(str(store), ["bb"], device="cpu", layout="streamed")
+    rs = np.random.default_rng(9)
+    np.savez(tmp_path / "new.npz", features=rs.normal(size=(SKEWED[3], 6)).astype("f4"),
+             labels=rs.integers(0, 3, SKEWED[3]))
+    import_features(store, tmp_path / "new.npz", backbone="bb", client="c3", split="train", domain="d",
+                    classes=["a", "b", "c"])
+    with pytest.raises(UserError, match="bb/c3/train: extracted or imported again since this run opened the store"):
+        for _ in s.groups():
+            pass
+
+
+def test_damage_found_during_a_streamed_run_is_named_as_damage(tmp_path) -> None:
+    """Bytes changed under a shard whose metadata did not change: the reader's damage line."""
+    store = _store(tmp_path)
+    s = load_fed_data(str(store), ["bb"], device="cpu", layout="streamed")
+    chunk = next(p for p in sorted((store / "bb" / "c8" / "train" / "features").rglob("*")) if p.is_file()
+                 and p.name != "zarr.json")
+    raw = bytearray(chunk.read_bytes())
+    raw[-3] ^= 0x01
+    chunk.write_bytes(bytes(raw))
+    with pytest.raises(UserError, match="bb/c8/train chunk 0: data missing or changed since it was written"):
+        for _ in s.groups():
+            pass

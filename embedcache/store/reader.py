@@ -274,6 +274,24 @@ def check_servable(info: StoreInfo, backbones: Sequence[str], clients: Sequence[
                     _servable_shard(info, name, c, split)  # its one line
 
 
+def changed_since_open(info: StoreInfo, backbones: Sequence[str], client: str, split: str) -> str | None:
+    """The path of a shard of `client`'s `split` whose metadata on disk is no longer what `info`
+    read when the store was opened (extracted or imported again since: another cache key or other
+    digests), else None. A reader that holds a store open tells that apart from damage with it."""
+    for name in _names(info, backbones, split):
+        sh = info.shard(name, client, split)
+        if sh is None:
+            continue
+        then = info.nodes().attributes(sh.path) or {}
+        try:
+            now = json.loads((Path(info.path) / sh.path / "zarr.json").read_text()).get("attributes", {})
+        except (OSError, ValueError, AttributeError):
+            return sh.path  # gone or rewritten past reading
+        if any(now.get(k) != then.get(k) for k in ("cache_key", "chunk_sha256", "rows_sha256")):
+            return sh.path
+    return None
+
+
 def _token_layout(shards: Sequence[ShardInfo]) -> tuple[tuple[int, int] | None, bool]:
     """(token_shape, channels_first) of one backbone's features; (None, False) otherwise."""
     if len(shards) != 1:

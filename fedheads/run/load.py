@@ -338,7 +338,18 @@ def _streamed(info: StoreInfo, bbs: list[str], dev: torch.device, binarize: bool
         build = _Builder([ntr[i] if train else 0 for i in ms], [nte[i] for i in ms], D, dev, LayoutConfig("padded"))
         got: dict[str, list[int]] = {"train": list(ntr), "test": list(nte)}
         splits = ("train", "test") if train else ("test",)
-        _read_into(build, info, bbs, names, ms, got, num_classes, D, chunk_rows, splits)
+        try:
+            _read_into(build, info, bbs, names, ms, got, num_classes, D, chunk_rows, splits)
+        except UserError:  # a shard written again since the run opened the store is not damage: say so
+            from embedcache.store.reader import changed_since_open
+
+            for i in ms:
+                for split in splits:
+                    path = changed_since_open(info, bbs, names[i], split)
+                    if path is not None:
+                        raise UserError(f"{path}: extracted or imported again since this run opened the store "
+                                        "(changed during the run); start the run again") from None
+            raise
         for split, want in (("train", ntr), ("test", nte)):
             bad = next((names[i] for i in ms if got[split][i] != want[i]), None)
             if bad is not None:
