@@ -225,8 +225,62 @@ def plan_buckets(n_train: Sequence[int], n_test: Sequence[int], row_bytes: int,
     return [tuple(sorted(bk)) for bk in buckets]
 
 
+def plan_shapes(plan: Sequence[Sequence[int]], n_train: Sequence[int], n_test: Sequence[int]) -> tuple[tuple[int, int], ...]:
+    """Padded (train, test) rows of each bucket of `plan`: its largest client's (a test split keeps
+    at least one row)."""
+    return tuple((max(n_train[i] for i in ms), max(max(n_test[i] for i in ms), 1)) for ms in plan)
+
+
+class _Buckets:
+    """What a federation of size buckets does the same however it holds them (BucketedFedData
+    in memory, StreamedFedData read when asked): `_bucket(b)` gives bucket b's FedData."""
+
+    members: tuple[tuple[int, ...], ...]
+    num_classes: int
+    client_names: tuple[str, ...]
+
+    def _bucket(self, b: int) -> FedData:
+        raise NotImplementedError
+
+    def groups(self, train: bool = True) -> Sequence[tuple[tuple[int, ...], FedData]]:
+        raise NotImplementedError
+
+    @property
+    def num_clients(self) -> int:
+        return len(self.client_names)
+
+    @functools.cached_property
+    def _where(self) -> dict[int, tuple[int, int]]:
+        """client position -> (bucket, position in the bucket)"""
+        return {i: (b, p) for b, ms in enumerate(self.members) for p, i in enumerate(ms)}
+
+    def class_counts(self) -> torch.Tensor:
+        """[M, C] training samples per class (a streamed federation reads every bucket for it)."""
+        out: torch.Tensor | None = None
+        for ms, b in self.groups():
+            counts = b.class_counts()  # [k, C] int64 on the federation's device
+            if out is None:
+                out = counts.new_zeros((self.num_clients, self.num_classes))
+            out[list(ms)] = counts
+        assert out is not None, "a federation has at least one bucket"
+        return out
+
+    def select(self, idx: Sequence[int] | torch.Tensor) -> FedData:
+        """Sub-federation of clients `idx` (positions, in the order given) as one padded FedData:
+        a view-free copy of their rows, as FedData.select gives (e.g. one client for the loop, or a
+        round's participants from several buckets stacked in one call, core/grouping.py); each
+        bucket they are in is taken (a streamed one read) once."""
+        ids = [int(i) for i in (idx.tolist() if isinstance(idx, torch.Tensor) else idx)]
+        where = self._where
+        rows: dict[int, list[int]] = {}  # bucket -> rows of the result its clients go to
+        for r, i in enumerate(ids):
+            rows.setdefault(where[i][0], []).append(r)
+        parts = [(rs, self._bucket(b).select([where[ids[r]][1] for r in rs])) for b, rs in rows.items()]
+        return parts[0][1] if len(parts) == 1 else _stack(parts, len(ids))
+
+
 @dataclass(frozen=True)
-class BucketedFedData:
+class BucketedFedData(_Buckets):
     """A federation held as size buckets (see above): each bucket an ordinary FedData padded to
     its own largest client, whose `client_index` holds its clients' global ids, so batches and
     noise are those of the padded layout and of the loop. Per-client fields are in federation
@@ -241,10 +295,6 @@ class BucketedFedData:
     domains: tuple[str, ...]  # domain of each client
 
     layout = "bucketed"
-
-    @property
-    def num_clients(self) -> int:
-        return len(self.client_names)
 
     @property
     def dim(self) -> int:
@@ -282,32 +332,8 @@ class BucketedFedData:
     def groups(self, train: bool = True) -> tuple[tuple[tuple[int, ...], FedData], ...]:
         return tuple(zip(self.members, self.buckets))
 
-    @functools.cached_property
-    def _where(self) -> dict[int, tuple[int, int]]:
-        """client position -> (bucket, position in the bucket)"""
-        return {i: (b, p) for b, ms in enumerate(self.members) for p, i in enumerate(ms)}
-
-    def class_counts(self) -> torch.Tensor:
-        """[M, C] training samples per class."""
-        out = torch.zeros(self.num_clients, self.num_classes, dtype=torch.int64, device=self.device)
-        for ms, b in self.groups():
-            out[list(ms)] = b.class_counts()
-        return out
-
-    def select(self, idx: Sequence[int] | torch.Tensor) -> FedData:
-        """Sub-federation of clients `idx` (positions, in the order given) as one padded FedData:
-        a view-free copy of their rows, as FedData.select gives (e.g. one client for the loop, or a
-        round's participants from several buckets stacked in one call, core/grouping.py)."""
-        ids = [int(i) for i in (idx.tolist() if isinstance(idx, torch.Tensor) else idx)]
-        where = self._where
-        rows: dict[int, list[int]] = {}  # bucket -> rows of the result its clients go to
-        for r, i in enumerate(ids):
-            rows.setdefault(where[i][0], []).append(r)
-        if len(rows) == 1:
-            b = next(iter(rows))
-            return self.buckets[b].select([where[i][1] for i in ids])
-        return _stack([(rs, self.buckets[b].select([where[ids[r]][1] for r in rs])) for b, rs in rows.items()],
-                      len(ids))
+    def _bucket(self, b: int) -> FedData:
+        return self.buckets[b]
 
 
 class StreamedGroups(Sequence):
@@ -327,7 +353,7 @@ class StreamedGroups(Sequence):
 
 
 @dataclass(frozen=True, eq=False)
-class StreamedFedData:
+class StreamedFedData(_Buckets):
     """A federation that holds only its bucket plan (plan_buckets) and reads a bucket when a
     vectorised call needs it: `read_bucket(b, train)` gives bucket b as the FedData a
     BucketedFedData would hold (its clients' global ids in `client_index`), read afresh each time
@@ -355,10 +381,6 @@ class StreamedFedData:
     layout = "streamed"
     views_per_row = 0  # stored augmented views are not streamed
 
-    @property
-    def num_clients(self) -> int:
-        return len(self.client_names)
-
     def global_ids(self) -> tuple[int, ...]:
         return tuple(range(self.num_clients)) if self.ids is None else self.ids
 
@@ -373,26 +395,8 @@ class StreamedFedData:
     def groups(self, train: bool = True) -> StreamedGroups:
         return StreamedGroups(self, train)
 
-    @functools.cached_property
-    def _where(self) -> dict[int, tuple[int, int]]:
-        return {i: (b, p) for b, ms in enumerate(self.members) for p, i in enumerate(ms)}
-
-    def class_counts(self) -> torch.Tensor:
-        """[M, C] training samples per class (one read of every bucket)."""
-        out = torch.zeros(self.num_clients, self.num_classes, dtype=torch.int64, device=self.device)
-        for ms, b in self.groups():
-            out[list(ms)] = b.class_counts()
-        return out
-
-    def select(self, idx: Sequence[int] | torch.Tensor) -> FedData:
-        """Clients `idx` (positions, in the order given) as one padded FedData, as
-        BucketedFedData.select gives: each bucket they are in read once, in turn."""
-        ids = [int(i) for i in (idx.tolist() if isinstance(idx, torch.Tensor) else idx)]
-        rows: dict[int, list[int]] = {}
-        for r, i in enumerate(ids):
-            rows.setdefault(self._where[i][0], []).append(r)
-        parts = [(rs, self.read_bucket(b, True).select([self._where[ids[r]][1] for r in rs])) for b, rs in rows.items()]
-        return parts[0][1] if len(parts) == 1 else _stack(parts, len(ids))
+    def _bucket(self, b: int) -> FedData:
+        return self.read_bucket(b, True)
 
 
 def _stack(parts: Sequence[tuple[list[int], FedData]], k: int) -> FedData:
@@ -435,11 +439,10 @@ def to_layout(data: Federation, layout: str | LayoutConfig) -> Federation:
     cfg = as_layout(layout)
     plan = plan_buckets(data.n_train, data.n_test, 4 * data.dim, cfg)
     if cfg.layout == "streamed":
-        rows = [(max(data.n_train[i] for i in ms), max(max(data.n_test[i] for i in ms), 1)) for ms in plan]
         return StreamedFedData(lambda b, train: without_train(data.select(list(plan[b])), train), tuple(plan),
-                               tuple(rows), tuple(data.n_train), tuple(data.n_test), data.num_classes,
-                               tuple(data.client_names), tuple(data.domains), data.dim, data.device,
-                               ids=tuple(data.client_index.tolist()))
+                               plan_shapes(plan, data.n_train, data.n_test), tuple(data.n_train),
+                               tuple(data.n_test), data.num_classes, tuple(data.client_names), tuple(data.domains),
+                               data.dim, data.device, ids=tuple(data.client_index.tolist()))
     if len(plan) == 1:
         return data if data.layout == "padded" else data.select(range(data.num_clients))
     return BucketedFedData(tuple(data.select(list(ms)) for ms in plan), tuple(plan), tuple(data.n_train),

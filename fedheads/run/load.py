@@ -27,6 +27,7 @@ from fedheads.core.federation import (
     StreamedFedData,
     as_layout,
     plan_buckets,
+    plan_shapes,
     without_train,
 )
 
@@ -100,9 +101,8 @@ def from_arrays(clients: Sequence[tuple[np.ndarray, np.ndarray, np.ndarray, np.n
             part = dataclasses.replace(part, client_index=torch.tensor(plan[b], dtype=torch.int64, device=dev))
             return without_train(part, train)
 
-        rows = tuple((max(ntr[i] for i in ms), max(max(nte[i] for i in ms), 1)) for ms in plan)
-        return StreamedFedData(read_bucket, tuple(plan), rows, tuple(ntr), tuple(nte), int(num_classes), names,
-                               doms, D, dev)
+        return StreamedFedData(read_bucket, tuple(plan), plan_shapes(plan, ntr, nte), tuple(ntr), tuple(nte),
+                               int(num_classes), names, doms, D, dev)
     build = _Builder(ntr, nte, D, dev, cfg, views=None if vs is None else vs[0].shape[0])
     for i, (xtr, ytr, xte, yte) in enumerate(clients):
         build.put("train", i, 0, np.asarray(xtr), np.asarray(ytr))
@@ -292,7 +292,7 @@ def _fits(ntr: Sequence[int], nte: Sequence[int], dim: int, device: torch.device
     with one note saying so (the results are the bucketed layout's, bit for bit)."""
     ntr = [max(n, 1) for n in ntr]
     plan = plan_buckets(ntr, nte, 4 * dim, cfg)
-    held = 4 * dim * sum(len(ms) * (max(ntr[i] for i in ms) + max(max(nte[i] for i in ms), 1)) for ms in plan)
+    held = 4 * dim * sum(len(ms) * (a + t) for ms, (a, t) in zip(plan, plan_shapes(plan, ntr, nte)))
     free = available_memory(device)
     if free is None or held <= FEATURES_SHARE * free:
         return True
@@ -331,7 +331,6 @@ def _streamed(info: StoreInfo, bbs: list[str], dev: torch.device, binarize: bool
 
     ntr, nte = [max(n, 1) for n in sizes["train"]], list(sizes["test"])
     plan = plan_buckets(ntr, nte, 4 * D, cfg)
-    rows = tuple((max(ntr[i] for i in ms), max(max(nte[i] for i in ms), 1)) for ms in plan)
 
     def read_bucket(b: int, train: bool) -> FedData:
         ms = plan[b]  # without `train`, the training arrays are empty: the evaluation reads only the test split
@@ -360,8 +359,8 @@ def _streamed(info: StoreInfo, bbs: list[str], dev: torch.device, binarize: bool
         return dataclasses.replace(part, client_index=torch.tensor(ms, dtype=torch.int64, device=dev))
 
     identity = features_identity(info, bbs, names) + (":sign" if binarize else "")
-    return StreamedFedData(read_bucket, tuple(plan), rows, tuple(ntr), tuple(nte), num_classes, tuple(names),
-                           doms, D, dev, identity)
+    return StreamedFedData(read_bucket, tuple(plan), plan_shapes(plan, ntr, nte), tuple(ntr), tuple(nte), num_classes,
+                           tuple(names), doms, D, dev, identity)
 
 
 def _backbone_dims(info: Any, bbs: list[str], names: list[str]) -> list[int]:
