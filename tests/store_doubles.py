@@ -137,3 +137,24 @@ def assert_one_line(res, code: int, *needles: str) -> None:
 
 
 _register()
+
+
+SKEWED = [3, 40, 5, 6, 41, 90, 4, 7, 300, 8]  # train rows per client: a few large, many small
+
+
+def skewed_store(tmp_path: Path, seed: int = 2) -> Path:
+    """A feature store (backbone "bb", 6-d, 3 classes around separated centres) of ten clients of
+    SKEWED training rows and 6 test rows each, imported into tmp_path/s.zarr (layout tests)."""
+    from embedcache.store.importer import import_features
+
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    store = tmp_path / "s.zarr"
+    rs = np.random.default_rng(seed)
+    centers = rs.normal(size=(3, 6)) * 3
+    for k, n in enumerate(SKEWED):
+        for split, m in (("train", n), ("test", 6)):
+            y = rs.integers(0, 3, m)
+            f = tmp_path / f"c{k}-{split}.npz"
+            np.savez(f, features=(centers[y] + rs.normal(size=(m, 6))).astype("f4"), labels=y)
+            import_features(store, f, backbone="bb", client=f"c{k}", split=split, domain="d", classes=["a", "b", "c"])
+    return store

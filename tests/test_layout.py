@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 from click.testing import CliRunner
+from store_doubles import SKEWED, skewed_store
 
 from embedcache.errors import UserError
 from fedheads.algorithms.fedpcl import FedPCL, FedPCLConfig
@@ -20,8 +21,6 @@ from fedheads.core.engine import count_parameters, owned, run
 from fedheads.core.federation import BucketedFedData, FedData, LayoutConfig, bucketing_pays, layout_info, plan_buckets, to_layout
 from fedheads.core.tree import row_range, tree_cat, tree_cat_chunks, tree_put_rows_, tree_rows, tree_scatter_
 from fedheads.run.load import from_arrays, load_fed_data
-
-SKEWED = [3, 40, 5, 6, 41, 90, 4, 7, 300, 8]  # train rows per client: a few large, many small
 
 
 def _clients(ntr, nte=None, d=4, seed=0, views=False):
@@ -241,18 +240,9 @@ def test_scratch_pool_serves_every_bucket_from_one_buffer():
 
 
 def test_train_records_the_layout_and_agrees_with_padded(tmp_path):
-    from embedcache.store.importer import import_features
     from fedheads.cli import main
 
-    store = tmp_path / "s.zarr"
-    rs = np.random.default_rng(2)
-    centers = rs.normal(size=(3, 6)) * 3
-    for k, n in enumerate(SKEWED):
-        for split, m in (("train", n), ("test", 6)):
-            y = rs.integers(0, 3, m)
-            f = tmp_path / f"c{k}-{split}.npz"
-            np.savez(f, features=(centers[y] + rs.normal(size=(m, 6))).astype("f4"), labels=y)
-            import_features(store, f, backbone="bb", client=f"c{k}", split=split, domain="d", classes=["a", "b", "c"])
+    store = skewed_store(tmp_path)
     res = {}
     for layout in ("padded", "bucketed"):
         out = tmp_path / layout

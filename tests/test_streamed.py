@@ -13,6 +13,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 from fed_tiny import tiny_fed
+from store_doubles import SKEWED, skewed_store
 
 from embedcache.errors import UserError
 from fedheads.algorithms import create_algorithm, list_algorithms
@@ -30,7 +31,6 @@ from fedheads.run.load import from_arrays, load_fed_data
 
 # as tests/test_engine_equivalence.py: buckets of at most 2 clients that interleave the client order
 PLAN = {"waste": 1.0, "bucket_clients": 2}
-SKEWED = [3, 40, 5, 6, 41, 90, 4, 7, 300, 8]
 
 
 class Reads:
@@ -124,24 +124,8 @@ def test_what_streaming_cannot_do_is_refused_in_one_line() -> None:
         from_arrays(arrs, 3, train_views=[rs.normal(size=(2, 3, 4)).astype("f4")] * 2, layout="streamed")
 
 
-def _store(tmp_path, seed=2):
-    from embedcache.store.importer import import_features
-
-    tmp_path.mkdir(parents=True, exist_ok=True)
-    store = tmp_path / "s.zarr"
-    rs = np.random.default_rng(seed)
-    centers = rs.normal(size=(3, 6)) * 3
-    for k, n in enumerate(SKEWED):
-        for split, m in (("train", n), ("test", 6)):
-            y = rs.integers(0, 3, m)
-            f = tmp_path / f"c{k}-{split}.npz"
-            np.savez(f, features=(centers[y] + rs.normal(size=(m, 6))).astype("f4"), labels=y)
-            import_features(store, f, backbone="bb", client=f"c{k}", split=split, domain="d", classes=["a", "b", "c"])
-    return store
-
-
 def test_store_buckets_are_the_bucketed_loads(tmp_path) -> None:
-    store = _store(tmp_path)
+    store = skewed_store(tmp_path)
     s = load_fed_data(str(store), ["bb"], device="cpu", chunk_rows=7, layout=LayoutConfig("streamed", waste=0.1),
                       binarize=True)
     b = load_fed_data(str(store), ["bb"], device="cpu", layout=LayoutConfig("bucketed", waste=0.1), binarize=True)
@@ -160,7 +144,7 @@ def test_store_buckets_are_the_bucketed_loads(tmp_path) -> None:
 def test_identity_names_the_features(tmp_path) -> None:
     """Two stores of the same shape and different features have different identities (a resume
     compares them), and the same store read twice has the same."""
-    a, b = _store(tmp_path / "a", seed=2), _store(tmp_path / "b", seed=3)
+    a, b = skewed_store(tmp_path / "a", seed=2), skewed_store(tmp_path / "b", seed=3)
     ia = load_fed_data(str(a), ["bb"], device="cpu", layout="streamed").identity
     assert ia == load_fed_data(str(a), ["bb"], device="cpu", layout="streamed").identity
     assert ia != load_fed_data(str(b), ["bb"], device="cpu", layout="streamed").identity
@@ -169,7 +153,7 @@ def test_identity_names_the_features(tmp_path) -> None:
 def test_train_streamed_equals_bucketed_and_resumes(tmp_path) -> None:
     from fedheads.cli import main
 
-    store = _store(tmp_path)
+    store = skewed_store(tmp_path)
     res = {}
     for layout in ("bucketed", "streamed"):
         out = tmp_path / layout
@@ -196,7 +180,7 @@ def test_a_streamed_load_refuses_what_its_reads_would_before_the_run(tmp_path) -
     refuses them, not at the first bucket read inside a round."""
     import shutil
 
-    store = _store(tmp_path)
+    store = skewed_store(tmp_path)
     with pytest.raises(UserError, match="nosuch"):
         load_fed_data(str(store), ["nosuch"], device="cpu", layout="streamed")
     from embedcache.store.reader import open_store
@@ -213,7 +197,7 @@ def test_auto_streams_when_the_features_would_not_fit(tmp_path, monkeypatch, cap
     them (one note line) when they would take more: a store larger than memory still trains."""
     import fedheads.run.load as load
 
-    store = _store(tmp_path)
+    store = skewed_store(tmp_path)
     monkeypatch.setattr(load, "available_memory", lambda device: 1 << 40)
     assert not isinstance(load_fed_data(str(store), ["bb"], device="cpu", layout="auto"), StreamedFedData)
     assert "note:" not in capsys.readouterr().err
@@ -248,7 +232,7 @@ def test_an_auto_run_resumes_when_auto_would_now_stream(tmp_path, monkeypatch) -
     import fedheads.run.load as load
     from fedheads.cli import main
 
-    store, out = _store(tmp_path), tmp_path / "run"
+    store, out = skewed_store(tmp_path), tmp_path / "run"
     args = ["train", "--store", str(store), "--backbones", "bb", "--algorithm", "lp", "--rounds", "2",
             "--seeds", "0", "--quiet", "--out", str(out)]
     monkeypatch.setattr(load, "available_memory", lambda device: 1 << 40)  # held
@@ -289,7 +273,7 @@ def test_streamed_with_the_loop_engine_is_refused_before_the_old_run_is_touched(
     """`--layout streamed --engine loop` is refused in one line before `--overwrite` removes the old run."""
     from fedheads.cli import main
 
-    store = _store(tmp_path)
+    store = skewed_store(tmp_path)
     for cmd, alg in (("train", ["--algorithm", "lp"]), ("compare", ["--algorithms", "lp,fedncm"])):
         out = tmp_path / cmd
         base = [cmd, "--store", str(store), "--backbones", "bb", *alg, "--rounds", "1", "--seeds", "0", "--quiet",
@@ -306,7 +290,7 @@ def test_a_shard_reimported_during_a_streamed_run_is_named_as_changed_not_damage
     healthy, so its advice would mislead)."""
     from embedcache.store.importer import import_features
 
-    store = _store(tmp_path)
+    store = skewed_store(tmp_path)
     s = load_fed_data(str(store), ["bb"], device="cpu", layout="streamed")
     rs = np.random.default_rng(9)
     np.savez(tmp_path / "new.npz", features=rs.normal(size=(SKEWED[3], 6)).astype("f4"),
@@ -320,7 +304,7 @@ def test_a_shard_reimported_during_a_streamed_run_is_named_as_changed_not_damage
 
 def test_damage_found_during_a_streamed_run_is_named_as_damage(tmp_path) -> None:
     """Bytes changed under a shard whose metadata did not change: the reader's damage line."""
-    store = _store(tmp_path)
+    store = skewed_store(tmp_path)
     s = load_fed_data(str(store), ["bb"], device="cpu", layout="streamed")
     chunk = next(p for p in sorted((store / "bb" / "c8" / "train" / "features").rglob("*")) if p.is_file()
                  and p.name != "zarr.json")
