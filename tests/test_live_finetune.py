@@ -55,6 +55,9 @@ def test_fedncm_ft_round0_equals_fedncm_on_the_store(setup, tmp_path):
     assert res["algorithm"] == "fedncm+ft"
     assert res["stages"][0]["method"] == "fedncm" and res["figure1"][0]["round"] == 0
     assert (tmp_path / "ft" / "figure1.png").is_file() and (tmp_path / "ft" / "results.json").is_file()
+    # results.json's per_client carries each client's test size, as `fedheads train`'s (contract 6)
+    assert {c: v["n_test"] for c, v in res["per_client"].items()} == \
+        {c: v["n_test"] for c, v in ncm["per_client"].items()} and all(v["n_test"] > 0 for v in ncm["per_client"].values())
     # FedNCM App. A for this run's own sizes, counted here from the network, not through fedheads.report.communication:
     # Eq. 4: 2 (LL_out LL_in + P) K R x 32 bit; Eq. 5: 3 R E N_s F; FedNCM's head: one Eq. 3 round.
     from embedcache.backbones import create_backbone

@@ -248,7 +248,9 @@ def _seed_result(run: FTRun, hr: HeadResult, net: LiveNet, clients: list, seed: 
         "download_bytes_total": down_b + int(hc.get("download_bytes_total", 0)),
     }
     return {"seed": seed, "per_client": per_client, "history": history, "communication": commsum,
-            "trainable_params_per_client": count_values(net.trained_state(), net.parameter_keys())}
+            "trainable_params_per_client": count_values(net.trained_state(), net.parameter_keys()),
+            "clients_without_test": [c.name for c in clients if c.n_test == 0],
+            "n_test": {c.name: c.n_test for c in clients}}
 
 
 def _nanmean(v: Sequence[float] | None) -> float:
