@@ -218,8 +218,9 @@ def arms(exp: Experiment, ctx: RunContext) -> list[Arm]:
             if not arm.unavailable:
                 arm.backbones, arm.backbone_note, prob = choose_backbones(p.backbones, ctx.originals,
                                                                           dict(ctx.backbone_map), ctx.weights_dir)
-                _fill_cut(arm)
                 arm.unavailable = f"backbones unavailable: {prob}" if prob else ""
+                if not arm.unavailable:
+                    _fill_cut(arm)  # may say why the backbone cannot fine-tune from the cache
             if not arm.unavailable:
                 req, arm.data_note = data_request(p, ctx)
                 arm.data = _apply_scale_data(req, sc.test_per_class) if req else None
@@ -247,7 +248,11 @@ def _fill_cut(arm: Arm) -> None:
                 from embedcache.backbones import create_backbone
 
                 try:
-                    cuts = tuple(create_backbone(base).trainable().cut_points())
+                    bb = create_backbone(base)
+                    if not callable(getattr(bb, "trainable", None)):  # a duck-typed plugin backbone
+                        arm.unavailable = f"{base}: cannot be fine-tuned (it has no trainable()) ({k}={v})"
+                        return
+                    cuts = tuple(bb.trainable().cut_points())
                 except UserError:
                     cuts = ()
             if len(cuts) < 2:

@@ -32,13 +32,18 @@ def test_claims_and_rows_name_methods_the_experiment_declares():
     labels = {m.label: m for m in exp.methods}
     for head in ("FedNCM", "Fed3R", "FedCOF", "CCVR (FedAvg-LP)", "FedPFT"):
         assert head in labels
-    # the full fine-tuning rows run at paper scale; ci/smoke run the cached-feature form, labelled so
+    # the full fine-tuning rows run at paper scale; ci/smoke fine-tune the last stage cache-first, labelled so
     ft = [m for m in exp.methods if m.kind == "finetune"]
-    assert ft and all(m.scales == ("paper",) and "+FT (10 rounds)" in m.label for m in ft)
+    full = [m for m in ft if m.scales == ("paper",)]
+    cached = [m for m in ft if m.scales == ("smoke", "ci")]
+    assert len(full) + len(cached) == len(ft) and all("+FT (10 rounds)" in m.label for m in full)
+    assert all("+FT (10 rounds, last stage, cache-first)" in m.label and "trainable" not in dict(m.settings)
+               or dict(m.settings)["trainable"] == "after:{cut}" for m in cached)
     from fedheads.run.checks import check_finetune_heads
 
-    check_finetune_heads([m.algorithm for m in ft if not m.requires])  # `fedheads finetune --head` takes them
-    assert {m.algorithm for m in ft if not m.requires} == {"fedncm", "fed3r", "fedcof"}
+    for rows in (full, cached):
+        check_finetune_heads([m.algorithm for m in rows if not m.requires])  # `fedheads finetune --head` takes them
+        assert {m.algorithm for m in rows if not m.requires} == {"fedncm", "fed3r", "fedcof"}
     lp = [m for m in exp.methods if "+LP (10 rounds, cached)" in m.label]
     assert {dict(m.settings).get("init") for m in lp} == {"fedncm", "fed3r", "fedcof", "fedpft"}
     assert all(m.paper_rounds == 11 for m in lp)  # round 0 is the head, then 10 rounds of tuning
@@ -191,6 +196,8 @@ def test_both_experiments_run_at_smoke_scale_on_the_doubles(tmp_path):
         assert (edir / "figure.png").stat().st_size > 0
     report = (tmp_path / "out" / "training-free" / "report.md").read_text()
     assert "FedCOF above FedNCM" in report and "lp init=fedpft" in report  # claims, and why a row cannot run
+    # the cache-first +FT rows on a backbone without trainable() are 'not run', with the reason, not an internal error
+    assert "pl-tiny-a: cannot be fine-tuned (it has no trainable()) (trainable=after:{cut})" in report
     # the backbone that ran is named as the user's replacement, not as the experiment's stand-in
     assert "backbones replaced (--backbone): efficientnet-lite0 -> pl-tiny-a" in report
     assert "pl-tiny-a, --backbone pl-tiny-a in place of efficientnet-lite0" in report
