@@ -148,3 +148,20 @@ def test_table2_compares_the_published_fedavg_with_the_one_stage_fedavg_and_show
     assert "28.00(0.00) |" not in report.split("## Published values beside ours", 1)[1].split("\n## ", 1)[0]
     assert "| ConVIRT | FedAvg (two-stage schedule) | " in report
     assert "compared with 'FedAvg', the paper's one-stage FedAvg" in report
+
+
+def test_ci_and_smoke_run_the_quick_presets_local_work_and_paper_scale_the_papers(monkeypatch, tmp_path):
+    """A ci cell of the paper's local work (E = 50, both encoders trained) took hours on 2 CPU cores;
+    ci and smoke run the `quick` preset's (E = 5 at B = 32, text frozen in stage 2), as --set options
+    each cell's command line carries, and paper scale adds none."""
+    from fedheads.feddra.runner import PRESETS
+    from pipelines.exp_feddra import CPU_LOCAL_WORK
+
+    quick = {k: v for k, v in PRESETS["quick"].items() if k != "rounds"}
+    assert dict(CPU_LOCAL_WORK) == quick
+    exp = registry.get("feddra-table2")
+    assert exp.scale("ci").rounds == PRESETS["quick"]["rounds"] and dict(exp.scale("ci").settings) == quick
+    paper = [a for a in plan.arms(exp, plan.RunContext(scale="paper")) if a.method.algorithm == "feddra"]
+    assert paper and not set(quick) & set(paper[0].settings)
+    calls, _ = _run_with_stand_in(monkeypatch, tmp_path, "feddra-table2", lambda opts: _results([10.0] * 5, 10.0))
+    assert calls and all({k: _opts(a)[k] for k in quick} == {k: str(v) for k, v in quick.items()} for a in calls)
