@@ -28,8 +28,8 @@ DATA = DataRecipe("mimic-cxr", "label-shift", clients=5, alpha=1.0, train_fracti
                        "per-class Dirichlet(1) shares of amazon + caltech10 (FedDRA design notes, section 3)")
 # smoke and ci cut the local work to the `quick` preset's (fedheads.feddra.runner.PRESETS): E = 5 steps
 # per stage at B = 32, the text encoder frozen in stage 2, the image encoder trained whole. The paper's
-# local work (E = 50, both encoders trained) is paper scale: its ci cell took hours and over 3.5 GB on
-# 2 CPU cores, so the comparisons could not run where ci scale must run (minutes on 2 cores)
+# local work (E = 50, both encoders trained) is paper scale: a ci cell of it took hours and over 3.5 GB
+# on 2 CPU cores, ten times the local work of these (times: docs/papers/feddra.md)
 CPU_LOCAL_WORK = (("steps", 5), ("batch_size", 32), ("text_trainable", "frozen"))
 SCALES = (("smoke", ScaleSpec(rounds=1, seeds=(0,), settings=CPU_LOCAL_WORK)),
           ("ci", ScaleSpec(rounds=4, seeds=(0, 1, 2), settings=CPU_LOCAL_WORK)))
@@ -37,9 +37,10 @@ METRICS = ("rsna_cls_1", "rsna_cls_10", "covid_cls_1", "covid_cls_10", "rsna_seg
            "r1", "r5", "wst_r1", "wst_r5")
 NOTES = ("The paper prints one number per cell; we run 3 seeds and report mean (std).",
          "ci and smoke scale run the `quick` preset's local work (4 rounds at ci, 1 at smoke; E = 5 steps per "
-         "stage at B = 32, text encoder frozen in stage 2, under Setting): a check that each method runs and "
-         "learns, and of the methods' order at that length, not a reproduction of the paper's numbers (paper "
-         "scale: 25 rounds of E = 50 steps with both encoders trained).",
+         "stage at B = 32, text encoder frozen in stage 2: each cell's --set steps=5, batch_size=32, "
+         "text_trainable=frozen): a check that each method runs and learns, and of the methods' order at that "
+         "length, not a reproduction of the paper's numbers (paper scale: 25 rounds of E = 50 steps with both "
+         "encoders trained).",
          "Offline we measure in-domain retrieval (R@1, worst client R@1) only: the RSNA / COVIDx classification "
          "and segmentation columns need those data sets.")
 
