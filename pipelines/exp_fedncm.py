@@ -12,7 +12,18 @@ extraction and each cell that cannot be read reliably is recorded as missing wit
 
 from __future__ import annotations
 
-from pipelines.spec import BackboneSet, Claim, DataRecipe, Experiment, Layout, Method, Point, ScaleSpec, published_rows
+from pipelines.spec import (
+    CACHE_FIRST,
+    BackboneSet,
+    Claim,
+    DataRecipe,
+    Experiment,
+    Layout,
+    Method,
+    Point,
+    ScaleSpec,
+    published_rows,
+)
 
 SQUEEZENET = BackboneSet(
     "SqueezeNet (ImageNet)", paper=("tv:squeezenet1_0",), standin=("resnet20-cifar10",), fallback=("digitnet-builtin",),
@@ -20,7 +31,6 @@ SQUEEZENET = BackboneSet(
 
 # fine-tuning at ci/smoke: cache-first, the last stage and the head train from the cached map before
 # it ({cut}: the backbone's last cut point but one, layer2 for resnet20-cifar10)
-CACHE_FIRST = (("trainable", "after:{cut}"),)
 SCALES = (("smoke", ScaleSpec(rounds=2, seeds=(0,), eval_every=1, settings=CACHE_FIRST + (("head_rounds", 1),))),
           ("ci", ScaleSpec(rounds=10, seeds=(0, 1, 2), eval_every=2, settings=CACHE_FIRST)))
 NOTES = (

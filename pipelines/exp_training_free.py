@@ -23,7 +23,7 @@ clients, as the FedPCL experiments). Other backbones: `--backbone efficientnet-l
 
 from __future__ import annotations
 
-from pipelines.spec import BackboneSet, Claim, DataRecipe, Experiment, Layout, Method, Point, ScaleSpec
+from pipelines.spec import CACHE_FIRST, BackboneSet, Claim, DataRecipe, Experiment, Layout, Method, Point, ScaleSpec
 
 LITE0 = BackboneSet("EfficientNet-Lite0 (ImageNet)", paper=("efficientnet-lite0",), standin=("efficientnet-lite0",),
                     note="the real EfficientNet-Lite0 ImageNet weights (224 px, 1280-d): no stand-in needed")
@@ -43,7 +43,6 @@ PARTITIONS = {
 # train cache-first on the stored maps of its last cut point but one ({cut}: blocks.6 for
 # EfficientNet-Lite0), as FedNCM's ci rows; the +LP rows tune the head alone on the cached features
 FT_ROUNDS = 10
-CACHE_FIRST = (("trainable", "after:{cut}"),)
 LP_ROUNDS = 50  # FedAvg-LP under CCVR and the LP baseline (Sec. 4 of CCVR trains FedAvg first)
 
 HEADS = (
@@ -122,6 +121,8 @@ _POINTS = tuple(Point((("partition", k),), r, LITE0,
                       methods=None if r.clients is None else tuple(m.label for m in _ALL if m.label not in CCVR_LABELS))
                 for k, r in PARTITIONS.items())
 
+FT_QUOTE = ("'using our method to initialize classifiers and then performing federated fine-tuning or linear probing "
+            "again yields better performance' (FedCOF, abstract)")
 TABLE = Experiment(
     name="training-free", title="Training-free heads on real features", paper="FedCOF", source="abstract (claims)",
     summary="FedNCM, Fed3R, FedCOF, CCVR (on FedAvg-LP) and FedPFT on Office-Caltech-10 EfficientNet-Lite0 "
@@ -140,12 +141,10 @@ TABLE = Experiment(
               where=(("partition", "feature shift, 4 domains"),)),
         Claim("FedCOF+LP above FedNCM+LP", f"FedCOF+LP ({FT_ROUNDS} rounds, cached)",
               over=(f"FedNCM+LP ({FT_ROUNDS} rounds, cached)",),
-              quote="'using our method to initialize classifiers and then performing federated fine-tuning or "
-                    "linear probing again yields better performance' (FedCOF, abstract)"),
+              quote=FT_QUOTE),
         Claim("FedCOF+FT above FedNCM+FT (cache-first)", FT_CACHED_LABEL.format("FedCOF", FT_ROUNDS),
               over=(FT_CACHED_LABEL.format("FedNCM", FT_ROUNDS),),
-              quote="'using our method to initialize classifiers and then performing federated fine-tuning or "
-                    "linear probing again yields better performance' (FedCOF, abstract)"),
+              quote=FT_QUOTE),
     ),
     notes=NOTES,
 )

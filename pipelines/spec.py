@@ -157,6 +157,9 @@ class ScaleSpec:
 
 
 SMOKE = ScaleSpec(rounds=2, seeds=(0,), test_per_class=5, eval_every=1)
+# cache-first fine-tuning: the backbone's last stage and the head train on the stored maps of its last
+# cut point but one ('{cut}', filled per backbone by pipelines.plan); everything before is read from the cache
+CACHE_FIRST: Settings = (("trainable", "after:{cut}"),)
 CI = ScaleSpec(rounds=20, seeds=(0, 1, 2), test_per_class=30, eval_every=5)
 # The paper's protocol. Tables read the last round, which is always evaluated, and evaluating
 # changes no weight (tests/test_engine_equivalence.py, every algorithm), so a table's numbers do
