@@ -341,6 +341,12 @@ class Private(AlgorithmBase):
     def linear_head(self, server_state: Any) -> dict[str, torch.Tensor] | None:
         return self.inner.linear_head(server_state)  # the server state is the inner algorithm's
 
+    def saved_runs(self) -> dict[str, str]:
+        return self.inner.saved_runs()
+
+    def trained_notes(self, server_state: Any, classes: list[str]) -> list[str]:
+        return self.inner.trained_notes(server_state, classes)
+
     # ------------------------------------------------------------------ accounting
     def releases(self, cs: PrivateClientState) -> int:
         """The most rounds in which any one client sent non-zero statistics."""

@@ -102,6 +102,7 @@ def run(names, scale, scheduler, out, cache, sources, originals, backbone_map, p
     ctx = plan.RunContext(scale=scale, sources=tuple(datasets.parse_sources(sources).items()), originals=originals,
                           device=device, threads=threads, weights_dir=weights_dir,
                           backbone_map=_pairs(backbone_map, "--backbone"))
+    plan.check_backbone_map(exps, ctx.backbone_map, weights_dir)
     outp = Path(out)
     if dry_run:
         for exp in exps:

@@ -12,11 +12,12 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import importlib.util
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import cache, lru_cache
 from typing import Any
 
-from embedcache.errors import UserError
+from embedcache.errors import UserError, did_you_mean
 from embedcache.manifest import canonical_json
 from pipelines import datasets
 from pipelines.prepare import DataRequest, Prepared
@@ -153,9 +154,29 @@ def choose_backbones(bs: BackboneSet, originals: bool, mapping: dict[str, str] |
     probs = problems(ren(bs.standin))
     if not probs:
         return chosen(bs.standin, f"stand-ins for {bs.label}")
+    asked = [f"--backbone {n}={mapping[n]}" for n in bs.standin if n in mapping]
+    if asked:  # a backbone the user named is never replaced by the fallback behind their back
+        return (), "", f"{'; '.join(probs)} (asked for by {', '.join(asked)})"
     if bs.fallback and not problems(ren(bs.fallback)):
         return chosen(bs.fallback, f"fallback ({probs[0]})")
     return (), "", "; ".join(probs)
+
+
+def check_backbone_map(exps: Sequence[Experiment], mapping: Sequence[tuple[str, str]],
+                       weights_dir: str | None = None) -> None:
+    """Each --backbone NAME=OTHER replaces a backbone the selected experiments name, with a
+    backbone the registry knows (one line otherwise, with the closest names): an unknown OTHER
+    would leave every arm to its fallback, a NAME no experiment names would change nothing."""
+    named = {n for e in exps for p in e.points for n in (*p.backbones.paper, *p.backbones.standin, *p.backbones.fallback)}
+    for name, other in mapping:
+        flag = f"--backbone {name}={other}"
+        if name not in named:
+            raise UserError(f"{flag}: no selected experiment names backbone {name!r}{did_you_mean(name, sorted(named))} "
+                            f"(they name: {', '.join(sorted(named))})")
+        if backbone_problem(other, weights_dir).endswith("not a registered backbone"):
+            known = sorted(_available_backbones(weights_dir))
+            raise UserError(f"{flag}: unknown backbone {other!r}{did_you_mean(other.split('@', 1)[0], known)} "
+                            f"(registered: {', '.join(known)}; or timm:MODEL, tv:MODEL, ckpt:PATH)")
 
 
 def data_request(point: Point, ctx: RunContext) -> tuple[DataRequest | None, str]:

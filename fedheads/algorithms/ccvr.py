@@ -39,9 +39,12 @@ head after R rounds is the FedAvg-LP head of R rounds, calibrated.
 ``head=RUN_DIR`` calibrates the head of any saved ``fedheads train`` run instead (one seed, the
 first unless ``head_seed``): its global rule must be a linear head, scores = x W + b, which is
 read off the run's own ``predict`` at x = 0 and the unit vectors and checked on random features
-(FedNCM's cosine rule, for one, is refused). The clients then train nothing: they send their
-statistics, and the server, in its first round, reads that head and calibrates it (so the
-states this run saves hold it, and predicting from them does not read the other run).
+(FedNCM's cosine rule, for one, is refused), and that run must have been trained on this run's
+classes (names, in order) and backbones (dimension, weights, preprocessing): `saved_runs` names
+it, and the drivers refuse another store's head before training (fedheads.run.identity). The
+clients then train nothing: they send their statistics, and the server, in its first round,
+reads that head and calibrates it (so the states this run saves hold it, and predicting from
+them does not read the other run).
 
 Differential privacy (fedheads.privacy's Gaussian mechanism on the secure sums) applies when a
 saved head is calibrated with ``covariance="paper"``: the clients then send nothing but s_kc, q_kc
@@ -363,6 +366,9 @@ class CCVR(AlgorithmBase):
         calibrated = self.calibrate(_head(lp_ss.params), ss, ctx.seed, ctx.round)
         bc = CCVRBroadcast(lp_bc, not bool(ss.reported.all()), msg is not None)
         return replace(ss, lp=lp_ss, calibrated=calibrated), bc
+
+    def saved_runs(self) -> dict[str, str]:
+        return {} if self.cfg.head is None else {"head": self.cfg.head}
 
     def saved_head(self, like: Params) -> Params:
         """The head of the run `head` names (read on the first call; the run's own states, saved

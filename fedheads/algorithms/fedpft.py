@@ -33,9 +33,16 @@ function of sums) and in central or distributed mode (the mixtures are no sums).
 
 Defaults are the baseline's (README "Number of mixtures 1, Covariance type spherical, tolerance
 1e-12, maximum EM iterations 1e3"; server head: AdamW lr 1e-4, batch 32, and 50 epochs as its
-caltech-fedpft.toml, where its CIFAR-100 yaml has 1). As there, a class with n_kc <= K features
-is not sent (a mixture of K components is not fitted to K points: with K = 1 it would send the
-feature itself, which FedPFT's data minimisation avoids). The baseline sends its mixtures in
+caltech-fedpft.toml, where its CIFAR-100 yaml has 1). A mixture of K components is fitted only to
+more than K points (with one point it would send the feature itself, which FedPFT's data
+minimisation avoids): the baseline skips a class with n_kc <= K (``small_classes="skip"``), so a
+client holding few features of a class sends nothing of it, and a federation of such clients
+trains its head on nothing. By default (``small_classes="fewer"``) such a class is fitted with the
+most components its points allow under the same rule, K' = n_kc - 1 (the unused slots carry weight
+0), and only a class with one feature on a client is not sent; with K = 1 both rules are the
+baseline's. Classes no client sent are named in a note after training (the head never saw a
+sample of them), and a run in which no client sent anything is refused: its head would be its
+random initialisation. The baseline sends its mixtures in
 float16; ``dtype="float16"`` does the same, float32 by default. The server's settings are named
 server_* (as the baseline's) so that a client learning rate given to `compare` stays off them.
 
@@ -64,6 +71,7 @@ from fedheads.core.heads import Params
 from fedheads.core.protocol import AlgorithmBase, Init, LocalForm, RoundCtx, SecureForm
 
 COVARIANCES = ("spherical", "diag", "full", "tied")
+SMALL_CLASSES = ("fewer", "skip")
 _DTYPES = {"float32": torch.float32, "float16": torch.float16}
 _REG_COVAR = 1e-6  # scikit-learn GaussianMixture's default reg_covar, added to every covariance
 
@@ -80,6 +88,8 @@ class FedPFTConfig:
     max_iter: int = setting(1000, "EM iterations at most", source="baseline README")
     dtype: str = setting("float32", "mixture parameters as sent: float32 | float16 (the baseline's)",
                          source="utils.learn_gmm")
+    small_classes: str = setting("fewer", "a class with 2..K features on a client: fewer (fit n - 1 components) | "
+                                 "skip (send nothing of it, the baseline's learn_gmm)", source="utils.learn_gmm")
     server_lr: float = setting(1e-4, "server AdamW learning rate of the head", source="baseline server-lr")
     server_weight_decay: float = setting(0.01, "server AdamW weight decay (torch's default)", source="baseline strategy.py")
     server_batch_size: int = setting(32, "server mini-batch of synthetic features", source="baseline server-batch-size")
@@ -88,6 +98,8 @@ class FedPFTConfig:
     def __post_init__(self) -> None:
         if self.covariance not in COVARIANCES:
             raise UserError(f"covariance {self.covariance!r}: must be one of {', '.join(COVARIANCES)}")
+        if self.small_classes not in SMALL_CLASSES:
+            raise UserError(f"small_classes {self.small_classes!r}: must be one of {', '.join(SMALL_CLASSES)}")
         if self.dtype not in _DTYPES:
             raise UserError(f"dtype {self.dtype!r}: must be one of {', '.join(_DTYPES)}")
         if min(self.components, self.max_iter, self.server_batch_size, self.server_epochs) < 1:
@@ -141,7 +153,9 @@ def gmm_seed(seed: int, client: int, c: int) -> int:
 def fit_mixtures(x: np.ndarray, y: np.ndarray, num_classes: int, cfg: FedPFTConfig, seed: int, client: int,
                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """One client's (weights [C,K], means [C,K,D], covariances [C,...], counts [C]): a
-    GaussianMixture per class with more than K features (baseline learn_gmm)."""
+    GaussianMixture per class of k components fitted to more than k features (baseline learn_gmm):
+    k = K, or for a class of 2..K features k = n - 1 under ``small_classes="fewer"`` (its other
+    K - k slots hold weight 0, so no draw picks them); a class it cannot fit is not sent (count 0)."""
     from sklearn.mixture import GaussianMixture
 
     C, K, D = num_classes, cfg.components, x.shape[1]
@@ -149,11 +163,16 @@ def fit_mixtures(x: np.ndarray, y: np.ndarray, num_classes: int, cfg: FedPFTConf
     s, n = np.zeros((C, *cov_shape(cfg.covariance, K, D))), np.zeros(C, dtype=np.int64)
     for c in range(C):
         xc = x[y == c]
-        if len(xc) <= K:
+        k = K if len(xc) > K else (len(xc) - 1 if cfg.small_classes == "fewer" else 0)
+        if k < 1:
             continue
-        g = GaussianMixture(n_components=K, covariance_type=cfg.covariance, tol=cfg.tol, max_iter=cfg.max_iter,
+        g = GaussianMixture(n_components=k, covariance_type=cfg.covariance, tol=cfg.tol, max_iter=cfg.max_iter,
                             random_state=gmm_seed(seed, client, c)).fit(xc)
-        w[c], m[c], s[c], n[c] = g.weights_, g.means_, g.covariances_, len(xc)
+        w[c, :k], m[c, :k], n[c] = g.weights_, g.means_, len(xc)
+        if cfg.covariance == "tied":
+            s[c] = g.covariances_
+        else:
+            s[c, :k] = g.covariances_
     return w, m, s, n
 
 
@@ -257,6 +276,24 @@ class FedPFT(AlgorithmBase):
                 mask: torch.Tensor) -> dict[str, torch.Tensor]:
         s = x @ ss.head["cls.weight"].to(x.dtype) + ss.head["cls.bias"].to(x.dtype)
         return {"main": s}
+
+    def trained_notes(self, ss: FedPFTServerState, classes: list[str]) -> list[str]:
+        """Refuses a head no mixture reached (its random initialisation); names the classes no
+        client sent, which the head never saw a synthetic sample of."""
+        sent = (ss.counts > 0).any(0).cpu()
+        k = 1 if self.cfg.small_classes == "fewer" else self.cfg.components
+        rule = f"at most {k} training feature{'s' if k > 1 else ''}"
+        if not bool(sent.any()):
+            raise UserError(f"fedpft: no client sent a Gaussian mixture, so the head is its random initialisation: "
+                            f"every client holds {rule} of each class it has (FedPFT fits no "
+                            "mixture to so few, which would send the features themselves; under --dp-mode local the "
+                            "noisy counts may hide them); use fedncm, fed3r or fedcof, which need no minimum")
+        missing = [classes[c] if c < len(classes) else str(c) for c in (~sent).nonzero().view(-1).tolist()]
+        if not missing:
+            return []
+        shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
+        return [f"fedpft: no client sent a mixture of class(es) {shown} (each client holds {rule} "
+                "of them), so the head never saw a sample of them"]
 
     def secure_form(self, message: object = None) -> SecureForm:
         raise UserError("secagg: fedpft sends each client's Gaussian mixtures (weights, means, covariances), "

@@ -252,6 +252,19 @@ class AlgorithmBase(Generic[CS, SS, Msg, Bc]):
         default): the algorithm's model is not a linear head on the features."""
         return None
 
+    def saved_runs(self) -> dict[str, str]:
+        """Run directories this algorithm's settings name and reads ({setting: path}: CCVR's
+        head=RUN_DIR). Before training, the drivers check that each was trained on features of the
+        same classes and backbones as this run's (fedheads.run.identity). Default: none."""
+        return {}
+
+    def trained_notes(self, server_state: SS, classes: list[str]) -> list[str]:
+        """What a user must know about a trained server state that its accuracy does not say (classes
+        a head never saw), one line each, printed as `note:` lines and kept in results.json's
+        `notes`; `classes`: the class names by label. Raises UserError (one line) when the state
+        learned nothing, so no run is reported as trained from its initialisation. Default: []."""
+        return []
+
     def paper_round_comm(self, arch: HeadArch, clients: int) -> PaperRoundComm | None:
         """Per-client, per-round upload and download by its papers' convention (for the
         papers' communication columns); None: no published convention."""

@@ -19,6 +19,7 @@ from fedheads.flower.deploy import round_line
 from fedheads.flower.dp import node_mechanism, reported_releases
 from fedheads.flower.messaging import failed_nodes, run_record, send
 from fedheads.flower.run_config import FlowerLog, FlowerRunConfig
+from fedheads.run.identity import check_saved_run
 
 log = logging.getLogger("fedheads.flower")
 
@@ -46,6 +47,9 @@ class Federation:
         self.desc = [d for _, d in order]
         self.alg, self.kwargs = build(cfg, noise_seed)
         self.dp = node_mechanism(self.alg)  # what the nodes get of the mechanism (never a noise key)
+        for key, path in self.alg.saved_runs().items():  # the nodes agree on these (fedheads.flower.server)
+            check_saved_run(f"{cfg.algorithm}: {key}={path}", path, str(self.desc[0]["classes"]),
+                            json.loads(str(self.desc[0]["backbones"])))
         self.releases = [0] * len(self.node_ids)  # under DP: each client's rounds with non-zero statistics
         if cfg.secagg:
             from fedheads.flower.secure import secure_form
@@ -131,11 +135,12 @@ def federate(grid: Any, context: Any, cfg: FlowerRunConfig, order: list[tuple[in
         log.info("%s", round_line(fed.flog.rounds[-1], cfg.rounds))
         _progress(cfg, fed.flog.rounds[-1])
     res.server_state = ss
+    notes = alg.trained_notes(ss, [str(c) for c in range(int(fed.desc[0]["num_classes"]))])  # names: a hash only here
     t_end = clock(dev)
     res.wall_seconds, res.cpu_seconds = t_end[0] - t_run[0], t_end[1] - t_run[1]
     return {"result": res, "server_state": ss, "log": fed.flog, "names": fed.names, "desc": fed.desc,
             "kwargs": fed.kwargs, "algorithm_config": getattr(alg, "cfg", None),
-            "collect_rounds": int(getattr(alg, "collect_rounds", 0)),
+            "collect_rounds": int(getattr(alg, "collect_rounds", 0)), "notes": notes,
             "privacy": None if fed.dp is None else alg.report([max(fed.releases, default=0)])}
 
 

@@ -20,7 +20,6 @@ simulation and tests only)."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import sys
@@ -29,6 +28,7 @@ from typing import Any
 
 from embedcache.errors import UserError
 from fedheads.flower import require_flower
+from fedheads.run.identity import classes_hash
 
 require_flower()
 
@@ -48,10 +48,6 @@ def node_settings(context: Context) -> dict[str, str]:
     if not cfg.get("store"):
         raise UserError("node config: 'store' is required (the node's own feature store)")
     return cfg
-
-
-def classes_hash(classes: list[str]) -> str:
-    return hashlib.sha256(json.dumps(list(classes)).encode()).hexdigest()[:16]
 
 
 def _one_client_manifest(manifest: str, client: str, store: str) -> str:

@@ -47,6 +47,8 @@ def write_run(cfg: Any, out: dict[str, Any]) -> dict[str, Any]:
                         "on_dropout": cfg.on_dropout,
                         "sent_bytes": sum(r["sent_bytes"] for r in flog.rounds),
                         "received_bytes": sum(r["received_bytes"] for r in flog.rounds)}}
+    if out.get("notes"):  # AlgorithmBase.trained_notes
+        extra["notes"] = out["notes"]
     if out.get("privacy") is not None:  # the block `fedheads train --dp-*` writes (fedheads.privacy)
         extra["privacy"] = out["privacy"]
     final = res.history[-1].accuracy or {}

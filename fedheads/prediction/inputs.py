@@ -19,7 +19,8 @@ from typing import Any
 
 from embedcache.errors import UserError
 from embedcache.manifest import Client, Manifest, Sample, load_manifest
-from fedheads.prediction.trained import Part, Trained, mismatch
+from fedheads.prediction.trained import Part, Trained
+from fedheads.run.identity import mismatch
 
 
 @dataclass(frozen=True)

@@ -30,7 +30,8 @@ from fedheads.algorithms import create_algorithm
 from fedheads.core.federation import DataSpec
 from fedheads.core.tree import tree_index
 from fedheads.prediction import prototypes as inference
-from fedheads.prediction.trained import Part, Trained, mismatch, note
+from fedheads.prediction.trained import Part, Trained, note
+from fedheads.run.identity import mismatch
 from fedheads.run.load import resolve_device
 
 GLOBAL = "(global)"  # the client column of rows classified by the global model (not a valid client name)

@@ -4,17 +4,13 @@ shard of samples to classify, and the backbone identity features must share with
 
 from __future__ import annotations
 
-import json
 import sys
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from embedcache.errors import UserError
-
-IDENTITY = ("dim", "weights_sha256", "preprocess")  # what a backbone's features must share with training's
 
 
 def note(msg: str) -> None:
@@ -51,21 +47,3 @@ class Part:
     split: str
     by: tuple[str | None, ...]
     labelled: bool = True
-
-
-def mismatch(backbone: str, recorded: Mapping[str, Any], now: Mapping[str, Any]) -> str | None:
-    """None when `now` has the identity (dim, weights sha256, preprocessing) training's features
-    had; else what differs, for a one-line error naming the backbone."""
-    norm = lambda v: json.loads(json.dumps(v))  # noqa: E731 - tuples vs the JSON lists stores give back
-    for key in IDENTITY:
-        a, b = norm(recorded.get(key)), norm(now.get(key))
-        if a == b:
-            continue
-        if key == "preprocess" and isinstance(a, dict) and isinstance(b, dict):
-            diff = [k for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
-            return (f"backbone {backbone}: preprocessing differs from the training run's "
-                    f"({', '.join(f'{k} {a.get(k)!r} -> {b.get(k)!r}' for k in diff[:3])})")
-        what = {"dim": "feature dimension", "weights_sha256": "weights (sha256)"}.get(key, key)
-        shown = (lambda v: str(v)[:12]) if key == "weights_sha256" else str
-        return f"backbone {backbone}: {what} differs from the training run's ({shown(a)} -> {shown(b)})"
-    return None

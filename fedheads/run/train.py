@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import os
 import platform
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,6 +37,7 @@ from fedheads.run.allocator import GlibcHeap
 from fedheads.run.checkpoint import load_sealed, sealed
 from fedheads.run.checks import check_finite, check_seeds, check_trained_state
 from fedheads.run.environment import machine
+from fedheads.run.identity import check_saved_run
 from fedheads.run.load import load_fed_data, resolve_device
 from fedheads.run.options import (  # noqa: F401 (parse_settings, build_algorithm: also importable from here)
     build_algorithm,
@@ -283,6 +285,9 @@ def train_data(data: Federation, backbones: Sequence[str], algorithm: str, opts:
     alg_cfg = config_dict(getattr(alg, "cfg", None))
     require_test_samples(data)
     record = _store_record(store, backbones)
+    for key, path in alg.saved_runs().items():  # a head of other classes or features is refused, not calibrated
+        check_saved_run(f"{algorithm}: --set {key}={path}", path, None if record is None else record.fingerprint["classes"],
+                        None if record is None else record.fingerprint["backbones"])
     names, n_test = list(data.client_names), list(data.n_test)
     dims = [data.dim] if record is None else list(record.dims)
     per_seed, rows = [], []
@@ -293,6 +298,8 @@ def train_data(data: Federation, backbones: Sequence[str], algorithm: str, opts:
         data_id = resume_mod.data_settings(data)
     rounds = rounds_needed(alg, opts)
     releases: list[int] = []  # per seed, under DP: the most rounds one client's statistics were released in
+    classes = list(record.fingerprint["classes"]) if record is not None else [str(c) for c in range(data.num_classes)]
+    notes: list[str] = []  # AlgorithmBase.trained_notes, once each over the seeds
     for seed in opts.seeds:
         ck, log = None, None
         if state_dir is not None and opts.tensorboard:
@@ -315,6 +322,10 @@ def train_data(data: Federation, backbones: Sequence[str], algorithm: str, opts:
                           eval_every=opts.eval_every, progress=bar, checkpoint=ck, reorder=True,
                           between_buckets=None if heap is None else heap.between_buckets)
             check_trained_state({"client": res.client_state, "server": res.server_state}, algorithm, seed)
+            for line in alg.trained_notes(res.server_state, classes):  # or refuses a state that learned nothing
+                if line not in notes:
+                    notes.append(line)
+                    print(f"note: {line}", file=sys.stderr, flush=True)
         finally:
             if log is not None:
                 log.close()
@@ -339,6 +350,8 @@ def train_data(data: Federation, backbones: Sequence[str], algorithm: str, opts:
              "fraction": opts.fraction,
              "other_rules": {k: {"mean": float(torch.tensor(v).mean()), "values": v}
                              for k, v in extra_rules.items()}}
+    if notes:
+        extra["notes"] = notes
     if opts.dp is not None:
         extra["privacy"] = alg.report(releases)
     if "global_model" in extra_rules:
