@@ -151,7 +151,7 @@ def same_states(saved: Path, state: Any) -> bool:
     those a `fedheads train` run directory saved (its state/seed<S>.pt)."""
     from fedheads.core.tree import tree_leaves
     from fedheads.run.checkpoint import load_sealed
-    from fedheads.run.train import STATE_FORMAT
+    from fedheads.run.saved import STATE_FORMAT
 
     blob = load_sealed(saved, STATE_FORMAT, "train the run again")
     ours = {"client": tree_leaves(state.client_state), "server": tree_leaves(state.server_state)}

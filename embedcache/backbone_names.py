@@ -5,8 +5,10 @@ Each backbone module of `embedcache.backbones` declares what it registers in a l
 ``DECLARES = (...)``: names (``resnet20-cifar10``) and family patterns (``timm:<model>``, whose
 prefix is the part before ``<``). They are read from the source files without importing them;
 the registry imports exactly those modules, and a contract test checks that each registers what it
-declares. A backbone a plugin registers is known once its module is imported: the registry itself
-is asked then (torch is loaded by then anyway)."""
+declares. Installed packages add theirs as entry points of the group `embedcache.backbones`,
+named after what they register (read from the packages' metadata, nothing imported). A
+backbone a `--plugin` module registers is known once it is imported: the registry itself is
+asked then (torch is loaded by then anyway)."""
 
 from __future__ import annotations
 
@@ -41,8 +43,21 @@ def builtin_modules() -> list[str]:
     return list(declarations())
 
 
+GROUP = "embedcache.backbones"  # the entry point group of installed backbone plugins
+
+
+@functools.cache
+def installed() -> tuple[str, ...]:
+    """The names installed packages declare in the entry point group `embedcache.backbones`: each
+    entry point is named after the backbone it registers (``my-net = "mypkg.backbones"``) or its
+    family's pattern (``"myfam:<model>" = ...``), so those names too are known before torch loads."""
+    from importlib.metadata import entry_points
+
+    return tuple(ep.name for ep in entry_points(group=GROUP))
+
+
 def _all() -> list[str]:
-    return [n for names in declarations().values() for n in names]
+    return [n for names in declarations().values() for n in names] + list(installed())
 
 
 def builtin_names() -> list[str]:

@@ -43,6 +43,9 @@ class UserErrorGroup(click.Group):
         except KeyboardInterrupt:
             click.echo("error: interrupted", err=True)
             sys.exit(130)
+        except BrokenPipeError:  # the reader went away (`fedheads algorithms | head`): nothing to say
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit's flush
+            sys.exit(1)
         except Exception as exc:
             if _debug():
                 raise

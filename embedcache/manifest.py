@@ -22,13 +22,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import re
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from embedcache.atomic import write_text
 from embedcache.errors import UserError
 from embedcache.parsing import loads_json, loads_yaml
 
@@ -230,16 +229,7 @@ def save_manifest(m: Manifest, path: str | Path) -> None:
     fmt = _format(path)
     m.validate(str(path))
     text = manifest_to_yaml(m) if fmt == "YAML" else manifest_to_json(m)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    try:
-        with os.fdopen(fd, "w") as fh:
-            fh.write(text)
-        os.chmod(tmp, 0o644)  # mkstemp creates 0600; a manifest is meant to be shared
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    write_text(path, text)
 
 
 def _samples(rows: Any, where: str) -> tuple[Sample, ...]:

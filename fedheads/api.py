@@ -79,7 +79,8 @@ class Result(Mapping[str, Any]):
         state, every client's ("all"), or the global model (None). Or, for a run written to a run
         directory, any of fedheads.predict's inputs: store=, images=, manifest= (same options)."""
         from embedcache.errors import UserError
-        from fedheads.prediction.predict import open_run, predict_array, trained_from
+        from fedheads.prediction.predict import predict_array
+        from fedheads.run.saved import open_run, trained_from
 
         if "algorithms" in self._fields:
             raise UserError("Result.predict: a comparison; predict with one of res.algorithms[NAME]")

@@ -660,6 +660,9 @@ def algorithms_cmd(name: str | None, show: bool, as_json: bool) -> None:
 
     if name is not None:
         check_algorithms([name])  # a typo: one line at once, with the nearest name
+    if name is None and not show:
+        _list_algorithms(as_json)
+        return
     from fedheads.algorithms import create_algorithm, list_algorithms
     from fedheads.run.options import settings_json, settings_table
 
@@ -674,11 +677,26 @@ def algorithms_cmd(name: str | None, show: bool, as_json: bool) -> None:
         else:
             click.echo("\n\n".join(settings_table(n) for n in names))
         return
+
+
+def _list_algorithms(as_json: bool) -> None:
+    """The names and descriptions, read off the sources when they state them (no torch; a
+    plugin's registrations, once imported, from the registry)."""
+    import sys
+
+    from fedheads.algorithm_names import declared
+
+    rows = [(d.name, d.description) for d in declared()]
+    if "fedheads.algorithms" in sys.modules or any(desc is None for _, desc in rows):
+        from fedheads.algorithms import list_algorithms
+
+        rows = [(i.name, i.description) for i in list_algorithms()]
+    rows.sort()
     if as_json:
-        click.echo(json.dumps([{"name": i.name, "description": i.description} for i in infos], indent=2))
+        click.echo(json.dumps([{"name": n, "description": d} for n, d in rows], indent=2))
         return
-    for i in infos:
-        click.echo(f"{i.name:16s} {i.description}")
+    for n, d in rows:
+        click.echo(f"{n:16s} {d}")
     click.echo("settings of one: fedheads algorithms NAME", err=True)
 
 

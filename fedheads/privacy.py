@@ -341,8 +341,11 @@ class Private(AlgorithmBase):
     def linear_head(self, server_state: Any) -> dict[str, torch.Tensor] | None:
         return self.inner.linear_head(server_state)  # the server state is the inner algorithm's
 
-    def saved_runs(self) -> dict[str, str]:
+    def saved_runs(self) -> dict[str, tuple[str, int | None]]:
         return self.inner.saved_runs()
+
+    def use_saved(self, key: str, run: Any) -> None:
+        self.inner.use_saved(key, run)
 
     def trained_notes(self, server_state: Any, classes: list[str]) -> list[str]:
         return self.inner.trained_notes(server_state, classes)

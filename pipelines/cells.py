@@ -113,6 +113,7 @@ def run_head(cfg: dict[str, Any], paths: dict[str, Any], heap: Any = None, out: 
     from fedheads.privacy import mechanism
     from fedheads.report import results as report
     from fedheads.run.rundir import config_dict
+    from fedheads.run.saved import attach_saved_runs
     from fedheads.run.train import TrainOptions, build_algorithm
 
     o = cfg["options"]
@@ -131,6 +132,7 @@ def run_head(cfg: dict[str, Any], paths: dict[str, Any], heap: Any = None, out: 
                 "accuracy": (head_res.get("accuracy") or {}).get("mean"), "privacy": head_res.get("privacy")}
         opts = dataclasses.replace(opts, settings=opts.settings + ((f"{cfg['algorithm']}.head", str(head_dir)),))
     alg, used, ignored = build_algorithm(cfg["algorithm"], opts, strict=False)
+    attach_saved_runs(alg)  # the saved head (trained from the same arrays: no fingerprints to compare)
     # as fedheads train: the engine may stack the clients in its fastest order (results in the store's)
     res = run(alg, data, opts.rounds, seed=cfg["seed"], fraction=opts.fraction, engine=opts.engine,
               eval_every=opts.eval_every, progress=False, reorder=True,
@@ -262,8 +264,8 @@ def run_cell(cell: dict[str, Any], cells_dir: str, heap: Any = None) -> dict[str
     chose at spawn (a sweep worker's: fedheads.run.allocator.from_environment), if any."""
     import torch
 
+    from embedcache.atomic import atomic_path
     from fedheads.run import allocator as heap_mod
-    from fedheads.run.rundir import atomic_path
 
     heap = heap if heap is not None else heap_mod.from_environment()
 

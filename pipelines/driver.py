@@ -20,8 +20,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from embedcache.atomic import atomic_path
 from embedcache.errors import UserError
-from fedheads.run.rundir import atomic_path
 from pipelines import plan, prepare, report, sweep
 from pipelines.spec import Experiment
 

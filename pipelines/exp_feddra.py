@@ -17,6 +17,8 @@ from __future__ import annotations
 
 from pipelines.spec import BackboneSet, Claim, DataRecipe, Experiment, Layout, Method, Point, ScaleSpec, published_rows
 
+PAPERS = {"FedDRA": "FedDRA: federated distributionally robust vision-language alignment (under review at TMLR)"}
+
 RUNNER = "command:fedheads feddra"  # the public command; absent from a build: one line says so
 ENCODERS = BackboneSet(
     "ViT-base + BERT-base (ConVIRT)", paper=("missing:ViT-base and BERT-base medical VLP encoders",),

@@ -25,6 +25,9 @@ from pipelines.spec import (
     published_rows,
 )
 
+PAPERS = {"FedNCM": "Legate et al., \"Guiding The Last Layer in Federated Learning with Pre-Trained Models\", "
+                    "NeurIPS 2023"}
+
 SQUEEZENET = BackboneSet(
     "SqueezeNet (ImageNet)", paper=("tv:squeezenet1_0",), standin=("resnet20-cifar10",), fallback=("digitnet-builtin",),
     note="resnet20-cifar10 (CIFAR-10, 32 px, 0.27M parameters) stands in for SqueezeNet (ImageNet, 224 px, 0.74M)")

@@ -13,6 +13,9 @@ from __future__ import annotations
 
 from pipelines.spec import BackboneSet, Claim, DataRecipe, Experiment, Layout, Method, Point, published_rows
 
+PAPERS = {"FedPCL": "Tan et al., \"Federated Learning from Pre-Trained Models: A Contrastive Learning Approach\", "
+                    "NeurIPS 2022"}
+
 PAPER_NOTES = (
     "Rounds follow the authors' scripts (FedAvg 200, Solo 100, FedPCL 100; 100 for baselines the scripts do "
     "not run); the paper itself says 'till the convergence of its loss'.",
@@ -223,3 +226,5 @@ v2 | FedPCL | 84.63(2.57)
     notes=PAPER_NOTES + ("Row 1, Digit-5 (42.87(1.47)) is the single-backbone value of Table 11; its "
                          "multi-backbone value there is 45.22(3.65).",),
 )
+
+EXPERIMENTS = (TABLE2, TABLE3, TABLE11, TABLE4)

@@ -25,6 +25,9 @@ from __future__ import annotations
 
 from pipelines.spec import CACHE_FIRST, BackboneSet, Claim, DataRecipe, Experiment, Layout, Method, Point, ScaleSpec
 
+PAPERS = {"FedCOF": "Goswami et al., \"Covariances for Free: Exploiting Mean Distributions for Training-free Federated "
+                    "Learning\", NeurIPS 2025"}
+
 LITE0 = BackboneSet("EfficientNet-Lite0 (ImageNet)", paper=("efficientnet-lite0",), standin=("efficientnet-lite0",),
                     note="the real EfficientNet-Lite0 ImageNet weights (224 px, 1280-d): no stand-in needed")
 

@@ -1,24 +1,21 @@
 """The experiment registry: every table and figure the pipelines reproduce, by name.
 
-Adding an experiment is one `Experiment` entry in one of the `exp_*` modules (or a call to
-`register` from a plugin); nothing else changes."""
+Nothing lists the experiments: every module `pipelines/exp_*.py` is imported (in file-name
+order) and its experiments registered: its `EXPERIMENTS` tuple when it has one (that order),
+else every `Experiment` it binds at module level (definition order). A module's `PAPERS`
+{short name: citation} adds the papers its experiments cite. A new experiment is one such file
+(or a call to `register` from a plugin); nothing else changes."""
 
 from __future__ import annotations
 
 import fnmatch
+import importlib
+from pathlib import Path
 
 from embedcache.errors import UserError
 from pipelines.spec import Experiment
 
-PAPERS = {
-    "FedPCL": "Tan et al., \"Federated Learning from Pre-Trained Models: A Contrastive Learning Approach\", "
-              "NeurIPS 2022",
-    "FedNCM": "Legate et al., \"Guiding The Last Layer in Federated Learning with Pre-Trained Models\", "
-              "NeurIPS 2023",
-    "FedCOF": "Goswami et al., \"Covariances for Free: Exploiting Mean Distributions for Training-free Federated "
-              "Learning\", NeurIPS 2025",
-    "FedDRA": "FedDRA: federated distributionally robust vision-language alignment (under review at TMLR)",
-}
+PAPERS: dict[str, str] = {}  # short name -> citation, from the experiment modules' PAPERS
 
 _REGISTRY: dict[str, Experiment] = {}
 _LOADED = False
@@ -36,12 +33,13 @@ def _load() -> None:
         return
     _LOADED = True
     plugins = dict(_REGISTRY)  # registered before the built-in ones were loaded: keep them, last
-    from pipelines import exp_feddra, exp_fedncm, exp_fedpcl, exp_fedpcl_more, exp_training_free
-
-    for exp in (exp_fedpcl.TABLE2, exp_fedpcl.TABLE3, exp_fedpcl.TABLE11, exp_fedpcl.TABLE4,
-                *exp_fedpcl_more.EXPERIMENTS, *exp_fedncm.EXPERIMENTS, *exp_feddra.EXPERIMENTS,
-                *exp_training_free.EXPERIMENTS):
-        register(exp)
+    for path in sorted(Path(__file__).parent.glob("exp_*.py")):
+        mod = importlib.import_module(f"{__package__}.{path.stem}")
+        PAPERS.update(getattr(mod, "PAPERS", {}))
+        listed = getattr(mod, "EXPERIMENTS", None)
+        for exp in listed if listed is not None else [v for v in vars(mod).values() if isinstance(v, Experiment)]:
+            if exp.name not in _REGISTRY:  # an experiment another module imported is that module's
+                register(exp)
     for exp in plugins.values():
         _REGISTRY.pop(exp.name)
         _REGISTRY[exp.name] = exp

@@ -19,9 +19,9 @@ from typing import Any
 
 from tqdm import tqdm
 
+from embedcache.atomic import atomic_path
 from embedcache.errors import UserError
 from fedheads.run.allocator import GlibcHeap, reusing_freed_blocks, worker_env
-from fedheads.run.rundir import atomic_path
 from pipelines.cells import RESULT_FORMAT, result_path, run_cell
 
 # Local workers keep freed large blocks for reuse inside a cell (run_cell gives them back at its

@@ -314,7 +314,7 @@ def test_head_of_a_saved_run_is_calibrated(tmp_path):
     for c in CLIENTS:
         assert float(last[(c, "fedavg")]) == pytest.approx(lp["per_client"][c]["mean"], abs=1e-3)  # csv: 4 decimals
     assert cal["trainable_params_per_client"] == 0
-    from fedheads.prediction.predict import open_run
+    from fedheads.run.saved import open_run
 
     saved = open_run(tmp_path / "lp").server_state.params
     ss = open_run(tmp_path / "cal").server_state

@@ -24,7 +24,8 @@ from fedheads.core.federation import FedData, to_layout
 from fedheads.core.order import put_back, stacking_order
 from fedheads.core.tree import tree_leaves
 from fedheads.run.load import load_fed_data
-from fedheads.run.train import TrainOptions, build_algorithm, compare_runs, load_state, train_run
+from fedheads.run.saved import load_state
+from fedheads.run.train import TrainOptions, build_algorithm, compare_runs, train_run
 
 SIZES = {"c0": (5, 6), "c1": (23, 5), "c2": (9, 0), "c3": (23, 4), "c4": (14, 6)}  # c2: no test rows
 LARGEST_FIRST = (23, 23, 14, 9, 5)

@@ -24,9 +24,9 @@ from fedheads.algorithms.fedncm import FedNCM
 from fedheads.cli import main
 from fedheads.core.engine import run
 from fedheads.core.federation import FedData
-from fedheads.prediction.predict import open_run
 from fedheads.privacy import Mechanism, Private
 from fedheads.run.load import from_arrays
+from fedheads.run.saved import open_run
 
 
 def _saved_ccvr(**kw) -> CCVR:
@@ -174,7 +174,7 @@ def test_ccvr_calibrates_a_dp_fed3r_head_that_lost_a_class_to_noise(tmp_path):
                                   "--dp-noise-seed", "4", "--out", str(tmp_path / "f3")])
     assert r.exit_code == 0, r.output
     assert open_run(str(tmp_path / "f3"), 0).server_state.present.tolist() == [True, True, False, True]
-    w, b = saved_linear_head(str(tmp_path / "f3"), 0, w_dim := 12, 4)
+    w, b = saved_linear_head(open_run(str(tmp_path / "f3"), 0), "head=f3", w_dim := 12, 4)
     assert w.shape == (w_dim, 4) and not bool(w[:, 2].any()) and float(b[2]) == 0.0
     assert bool(w[:, [0, 1, 3]].any(0).all())
     r = CliRunner().invoke(main, [*base, "--algorithm", "ccvr", "--rounds", "1", "--set", f"head={tmp_path / 'f3'}",

@@ -76,7 +76,7 @@ def test_a_failing_write_keeps_the_old_file_and_leaves_no_temporary(tmp_path):
         rd.save_state("state/seed0.pt", {"w": torch.zeros(2), "x": Unpicklable()})
 
     def half_drawn(path: Path) -> None:  # a plot that dies while saving, as plotting.save writes
-        from fedheads.run.rundir import atomic_path
+        from embedcache.atomic import atomic_path
 
         with atomic_path(path) as tmp:
             tmp.write_bytes(b"half")

@@ -84,7 +84,7 @@ def test_predict_refuses_a_state_that_is_not_a_torch_file(run, store, tmp_path, 
 
 
 def test_intact_state_loads_bit_identically_and_predicts(run, store, tmp_path):
-    from fedheads.prediction.predict import open_run
+    from fedheads.run.saved import open_run
 
     saved = torch.load(run / "state" / "seed0.pt", map_location="cpu", weights_only=True)
     assert saved[checkpoint.DIGEST] == checkpoint.state_digest(saved)

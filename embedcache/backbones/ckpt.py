@@ -14,13 +14,13 @@ import copy
 import hashlib
 import io
 import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
+from embedcache.atomic import write_bytes
 from embedcache.backbones.base import Backbone, CpuChannelsLastBackbone, TorchBackbone, load_strict, state_dict_sha256
 from embedcache.backbones.cut import _BoundTransform
 from embedcache.backbones.preprocessing import preprocessing_of
@@ -49,16 +49,7 @@ def save_backbone_checkpoint(path: str | os.PathLike, base: str, staged: nn.Modu
     torch.save({"format": FORMAT, "base": base, "state_dict": state, "note": str(note),
                 "digest": state_dict_sha256(state)}, buf)
     data = buf.getvalue()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(data)
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    write_bytes(path, data)
     return hashlib.sha256(data).hexdigest()
 
 

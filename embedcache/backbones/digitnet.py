@@ -27,7 +27,6 @@ import hashlib
 import io
 import json
 import logging
-import os
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -37,6 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from embedcache.atomic import write_bytes
 from embedcache.backbones import weights as W
 from embedcache.backbones.base import TorchBackbone, load_strict
 from embedcache.backbones.preprocessing import ImagePreprocessing, TrainAugment
@@ -214,9 +214,7 @@ def save_weights(state: dict[str, torch.Tensor], report: dict, recipe: DigitNetR
     buf = io.BytesIO()  # saved in memory: the archive's inner name is then fixed, not the file's
     torch.save({"state_dict": state, "recipe": {**asdict(recipe), "widths": list(recipe.widths)},
                 "report": report, "provenance": PROVENANCE}, buf)
-    tmp = dest.with_name(f"{dest.name}.tmp{os.getpid()}")
-    tmp.write_bytes(buf.getvalue())
-    os.replace(tmp, dest)
+    write_bytes(dest, buf.getvalue())
     return dest
 
 

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from importlib.metadata import entry_points
 from pathlib import Path
 
+from embedcache.backbone_names import GROUP as ENTRY_POINTS  # the group of installed backbone plugins
 from embedcache.backbone_names import builtin_modules, family_prefixes, unknown_backbone
 from embedcache.backbones.base import Backbone
 from embedcache.errors import UserError
@@ -34,7 +35,6 @@ FamilyFactory = Callable[[str, Path | None, str], Backbone]
 """``factory(name, weights_dir, device) -> Backbone`` for a name of the family (prefix included)."""
 Probe = Callable[[Path | None], tuple[bool, str]]
 """``probe(weights_dir) -> (available, reason)`` without building the model or downloading."""
-ENTRY_POINTS = "embedcache.backbones"  # group of the entry points that register backbones
 
 
 @dataclass(frozen=True)

@@ -247,13 +247,10 @@ def _build_cached(domain: str) -> tuple[np.ndarray, np.ndarray]:
             pass  # a damaged cache file is rebuilt below
     images, labels = _BUILDERS[domain]()
     try:
-        import tempfile
+        from embedcache.atomic import atomic_path
 
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), suffix=".npz")
-        with os.fdopen(fd, "wb") as fh:
+        with atomic_path(path) as tmp, open(tmp, "wb") as fh:
             np.savez(fh, images=images, labels=labels)
-        os.replace(tmp, path)
     except OSError:
         pass  # a read-only home still works, just without the cache
     return images, labels

@@ -28,6 +28,7 @@ from typing import Any, Literal
 import numpy as np
 import zarr
 
+from embedcache.atomic import write_text
 from embedcache.errors import StoreWarning, UserError
 from embedcache.manifest import check_client_name
 
@@ -301,9 +302,7 @@ def quiet_open(path: str | Path, mode: OpenMode = "r+", **kw) -> zarr.Group:
 
 
 def write_json_atomic(path: Path, obj: dict) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(obj, indent=2))
-    os.replace(tmp, path)
+    write_text(path, json.dumps(obj, indent=2))
 
 
 def drop_consolidated(store: str | Path, *, have_lock: bool = False) -> None:

@@ -1,10 +1,12 @@
 """Algorithm registry: one file per paper; `create_algorithm(name, **config_fields)`.
 
-Other modules register themselves with `register_algorithm(name, factory, description=...,
+A module registers its algorithms with `register_algorithm(name, factory, description=...,
 config=ConfigClass)`, where `factory(**kwargs) -> Algorithm` builds the algorithm from the
 fields of its config dataclass. The declared `config` is what `--set`, `--config`,
 `--dump-config` and `fedheads algorithms NAME` read (fedheads.run.options): the keys an algorithm
-takes are known without building it."""
+takes are known without building it. Nothing lists the modules: every file of this package that
+registers an algorithm at module level, and every module an installed package names in the entry
+point group `fedheads.algorithms`, is found by fedheads.algorithm_names and imported here."""
 
 from __future__ import annotations
 
@@ -26,10 +28,6 @@ class AlgorithmInfo:
 
 
 _REGISTRY: dict[str, AlgorithmInfo] = {}
-# modules imported lazily so that one broken/absent algorithm file does not break the others
-_MODULES = tuple(f"fedheads.algorithms.{m}" for m in (
-    "fedavg", "fedpcl", "fedproto", "fedncm", "fedrep", "pfedme", "perfedavg", "solo", "lp", "mlp", "fed3r", "fedcof",
-    "ccvr", "fedpft"))
 
 
 def register_algorithm(name: str, factory: Callable[..., AlgorithmBase], *, description: str,
@@ -51,13 +49,31 @@ def algorithm_info(name: str) -> AlgorithmInfo:
     return _REGISTRY[name]
 
 
+_LOADED: list[bool] = []
+
+
 def _load() -> None:
-    for mod in _MODULES:
+    """Import every module of this package that registers an algorithm and load every entry point
+    of the group `fedheads.algorithms` (fedheads.algorithm_names), once; an entry point that fails
+    to load is one line naming it."""
+    if _LOADED:
+        return
+    _LOADED.append(True)
+    from importlib.metadata import entry_points
+
+    from fedheads.algorithm_names import GROUP, builtin
+
+    for mod in dict.fromkeys(d.module for d in builtin()):
+        importlib.import_module(mod)
+    for ep in entry_points(group=GROUP):
         try:
-            importlib.import_module(mod)
-        except ModuleNotFoundError as e:
-            if e.name != mod:
-                raise
+            ep.load()
+        except Exception as exc:  # a third-party package's failure: one line, not our traceback
+            from embedcache.errors import UserError
+
+            msg = " ".join(str(exc).split()) or "(no message)"
+            raise UserError(f"entry point {ep.name} ({ep.value}) of {GROUP}: cannot be loaded "
+                            f"({type(exc).__name__}: {msg})") from None
 
 
 def list_algorithms() -> list[AlgorithmInfo]:

@@ -300,6 +300,7 @@ class CCVR(AlgorithmBase):
         self.calib_lr = cfg.calib_lr if cfg.calib_lr is not None else cfg.optimizer.lr
         self.calib_bs = cfg.calib_batch_size if cfg.calib_batch_size is not None else cfg.batch_size
         self._saved: tuple[torch.Tensor, torch.Tensor] | None = None  # head=RUN_DIR's (W, b), once read
+        self._run: Any = None  # that run, opened by the driver (use_saved)
 
     def init(self, spec: DataSpec, seed: int) -> Init:
         lp = self.lp.init(spec, seed)
@@ -367,16 +368,22 @@ class CCVR(AlgorithmBase):
         bc = CCVRBroadcast(lp_bc, not bool(ss.reported.all()), msg is not None)
         return replace(ss, lp=lp_ss, calibrated=calibrated), bc
 
-    def saved_runs(self) -> dict[str, str]:
-        return {} if self.cfg.head is None else {"head": self.cfg.head}
+    def saved_runs(self) -> dict[str, tuple[str, int | None]]:
+        return {} if self.cfg.head is None else {"head": (self.cfg.head, self.cfg.head_seed)}
+
+    def use_saved(self, key: str, run: Any) -> None:
+        self._run = run  # read off in the first round (saved_head), once its D and C are known
 
     def saved_head(self, like: Params) -> Params:
         """The head of the run `head` names (read on the first call; the run's own states, saved
         and predicted from, never read it again)."""
         assert self.cfg.head is not None
         if self._saved is None:
+            if self._run is None:
+                raise UserError(f"ccvr: head={self.cfg.head}: the run was not opened; train through fedheads.train or "
+                                "`fedheads train`, which open the runs an algorithm reads")
             D, C = like["cls.weight"].shape
-            self._saved = saved_linear_head(self.cfg.head, self.cfg.head_seed, D, C)
+            self._saved = saved_linear_head(self._run, f"head={self.cfg.head}", D, C)
         w, b = self._saved
         return {**like, "cls.weight": w.to(like["cls.weight"].device), "cls.bias": b.to(like["cls.bias"].device)}
 
@@ -471,15 +478,12 @@ class CCVR(AlgorithmBase):
         return 0 if self.cfg.head is not None else count_params(cs.lp.params)
 
 
-def saved_linear_head(run_dir: str, seed: int | None, dim: int, num_classes: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(W [D, C], b [C]) of a saved run's global rule, read off its `predict` at x = 0 and at the
-    unit vectors; a class the rule never predicts (-inf) gets a zero column and bias; UserError
-    (one line) when the run does not fit or its rule is not x W + b."""
-    from fedheads.prediction.predict import open_run
-
-    tr = open_run(run_dir, seed)
+def saved_linear_head(tr: Any, where: str, dim: int, num_classes: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(W [D, C], b [C]) of a saved run's global rule (`tr`: fedheads.run.saved.Trained), read off
+    its `predict` at x = 0 and at the unit vectors; a class the rule never predicts (-inf) gets a
+    zero column and bias; UserError (one line, naming `where`) when the run does not fit or its
+    rule is not x W + b."""
     rule = tr.alg.global_rule
-    where = f"head={run_dir}"
     if rule is None:
         raise UserError(f"{where}: {tr.alg.name} has no global model to calibrate (its heads are per client)")
     if tr.dim != dim or len(tr.classes) != num_classes:

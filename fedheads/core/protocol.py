@@ -252,11 +252,17 @@ class AlgorithmBase(Generic[CS, SS, Msg, Bc]):
         default): the algorithm's model is not a linear head on the features."""
         return None
 
-    def saved_runs(self) -> dict[str, str]:
-        """Run directories this algorithm's settings name and reads ({setting: path}: CCVR's
-        head=RUN_DIR). Before training, the drivers check that each was trained on features of the
-        same classes and backbones as this run's (fedheads.run.identity). Default: none."""
+    def saved_runs(self) -> dict[str, tuple[str, int | None]]:
+        """Run directories this algorithm's settings name and reads, {setting: (path, seed or None
+        for the run's first)}: CCVR's head=RUN_DIR. Before training, the drivers check that each
+        was trained on features of this run's classes and backbones, open it and hand it to
+        `use_saved` (fedheads.run.saved.attach_saved_runs). Default: none."""
         return {}
+
+    def use_saved(self, key: str, run: Any) -> None:
+        """Receive the saved run `saved_runs()[key]` names, opened by the driver (a
+        fedheads.run.saved.Trained: its algorithm, one seed's states, classes, feature size)."""
+        raise NotImplementedError(f"{self.name}: names no saved run {key!r}")
 
     def trained_notes(self, server_state: SS, classes: list[str]) -> list[str]:
         """What a user must know about a trained server state that its accuracy does not say (classes

@@ -28,6 +28,7 @@ from fedheads.finetuning.algorithm import FineTune, FTServerState
 from fedheads.finetuning.data import LiveClient, seeded
 from fedheads.finetuning.model import LiveNet
 from fedheads.finetuning.rounds import Checkpoint, LiveRound, LiveRun, run_rounds
+from fedheads.report.metrics import nanmean
 
 CKPT_FORMAT = "fedheads-finetune-ckpt/1"
 
@@ -100,7 +101,7 @@ def run_finetune(alg: FineTune, net: LiveNet, start: GlobalModel, clients: Seque
 
     def evaluate_into(ss: FTServerState, rec: FTRound) -> dict[str, str]:
         rec.accuracy = evaluate(net, ss.model, clients, device)
-        return {"acc": f"{100 * _nanmean(rec.accuracy):.1f}"}
+        return {"acc": f"{100 * nanmean(rec.accuracy):.1f}"}
 
     return run_rounds(alg.init(start), rounds, train, evaluate_into, FTRound(0, []), device=device,
                       eval_every=eval_every, checkpoint=checkpoint, resume=resume, progress=progress,
@@ -112,7 +113,3 @@ def _client_seed(seed: int, round_: int, client: int) -> int:
 
     return int(rng.hash_keys(seed, round_, client, 0xF7))
 
-
-def _nanmean(v: Sequence[float]) -> float:
-    vals = [x for x in v if x == x]
-    return sum(vals) / len(vals) if vals else math.nan

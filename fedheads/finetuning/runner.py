@@ -18,9 +18,8 @@ communication, vs computation, one curve per method).
 
 from __future__ import annotations
 
-import math
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -41,6 +40,7 @@ from fedheads.finetuning.rounds import seed_timing
 from fedheads.report import communication as comm
 from fedheads.report import plotting
 from fedheads.report import results as report
+from fedheads.report.metrics import nanmean
 from fedheads.run import rundir
 from fedheads.run.checks import check_finetune_heads, check_finite, check_seeds, check_trained_state
 from fedheads.run.environment import machine
@@ -237,7 +237,7 @@ def _seed_result(run: FTRun, hr: HeadResult, net: LiveNet, clients: list, seed: 
                  opts: FinetuneOptions) -> dict[str, Any]:
     final = next(r for r in reversed(run.rounds) if r.accuracy is not None)
     per_client = {c.name: 100.0 * a for c, a in zip(clients, final.accuracy) if a == a}
-    history = [{"round": r.round, "accuracy": 100.0 * _nanmean(r.accuracy)} for r in run.rounds if r.accuracy]
+    history = [{"round": r.round, "accuracy": 100.0 * nanmean(r.accuracy)} for r in run.rounds if r.accuracy]
     ft = run.rounds[1:]
     up_b, down_b = sum(r.up_bytes for r in ft), sum(r.down_bytes for r in ft)
     hc = hr.communication or {}
@@ -251,11 +251,6 @@ def _seed_result(run: FTRun, hr: HeadResult, net: LiveNet, clients: list, seed: 
             "trainable_params_per_client": count_values(net.trained_state(), net.parameter_keys()),
             "clients_without_test": [c.name for c in clients if c.n_test == 0],
             "n_test": {c.name: c.n_test for c in clients}}
-
-
-def _nanmean(v: Sequence[float] | None) -> float:
-    vals = [x for x in (v or []) if x == x]
-    return sum(vals) / len(vals) if vals else math.nan
 
 
 def _extra(heads: list[HeadResult], runs: list[FTRun], per_seed: list[dict], net: LiveNet, clients: list,
@@ -284,7 +279,7 @@ def _extra(heads: list[HeadResult], runs: list[FTRun], per_seed: list[dict], net
     for run in runs:
         for r in run.rounds:
             if r.accuracy:
-                by_round.setdefault(r.round, []).append(100.0 * _nanmean(r.accuracy))
+                by_round.setdefault(r.round, []).append(100.0 * nanmean(r.accuracy))
     hc = hr.communication or {}
     cum_b, cum_F = float(head_bytes), float(head_F)
     meas = float(hc.get("upload_bytes_total", 0) + hc.get("download_bytes_total", 0))
@@ -313,7 +308,7 @@ def _extra(heads: list[HeadResult], runs: list[FTRun], per_seed: list[dict], net
                           if stage1_acc else None)},
             {"stage": "finetune", "rounds": opts.rounds, "trainable": trainable.spec, "server": opts.ft.server,
              "inputs": "live images" if net.takes_images else f"cached {trainable.input_backbone('B')} from the store",
-             "round0_accuracy_per_seed": [100.0 * _nanmean(run.rounds[0].accuracy) for run in runs],
+             "round0_accuracy_per_seed": [100.0 * nanmean(run.rounds[0].accuracy) for run in runs],
              "seconds_per_round": float(np.mean([r.train_seconds for run in runs for r in run.rounds[1:]] or [0.0])),
              "eval_seconds_per_round": float(np.mean([r.eval_seconds for run in runs for r in run.rounds if r.accuracy]
                                                      or [0.0]))},

@@ -19,7 +19,7 @@ from fedheads.flower.deploy import round_line
 from fedheads.flower.dp import node_mechanism, reported_releases
 from fedheads.flower.messaging import failed_nodes, run_record, send
 from fedheads.flower.run_config import FlowerLog, FlowerRunConfig
-from fedheads.run.identity import check_saved_run
+from fedheads.run.saved import attach_saved_runs
 
 log = logging.getLogger("fedheads.flower")
 
@@ -47,9 +47,8 @@ class Federation:
         self.desc = [d for _, d in order]
         self.alg, self.kwargs = build(cfg, noise_seed)
         self.dp = node_mechanism(self.alg)  # what the nodes get of the mechanism (never a noise key)
-        for key, path in self.alg.saved_runs().items():  # the nodes agree on these (fedheads.flower.server)
-            check_saved_run(f"{cfg.algorithm}: {key}={path}", path, str(self.desc[0]["classes"]),
-                            json.loads(str(self.desc[0]["backbones"])))
+        # the nodes agree on their classes and backbones (fedheads.flower.server): a saved run read must too
+        attach_saved_runs(self.alg, str(self.desc[0]["classes"]), json.loads(str(self.desc[0]["backbones"])))
         self.releases = [0] * len(self.node_ids)  # under DP: each client's rounds with non-zero statistics
         if cfg.secagg:
             from fedheads.flower.secure import secure_form

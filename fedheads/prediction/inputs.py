@@ -19,8 +19,9 @@ from typing import Any
 
 from embedcache.errors import UserError
 from embedcache.manifest import Client, Manifest, Sample, load_manifest
-from fedheads.prediction.trained import Part, Trained
+from fedheads.prediction.trained import Part
 from fedheads.run.identity import mismatch
+from fedheads.run.saved import Trained
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ Features of new images (`--images`, `--manifest`) are extracted by fedheads.pred
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -26,66 +26,13 @@ import numpy as np
 import torch
 
 from embedcache.errors import UserError
-from fedheads.algorithms import create_algorithm
-from fedheads.core.federation import DataSpec
 from fedheads.core.tree import tree_index
 from fedheads.prediction import prototypes as inference
-from fedheads.prediction.trained import Part, Trained, note
+from fedheads.prediction.trained import Part, note
 from fedheads.run.identity import mismatch
-from fedheads.run.load import resolve_device
+from fedheads.run.saved import Trained, open_run
 
 GLOBAL = "(global)"  # the client column of rows classified by the global model (not a valid client name)
-
-
-def _read_json(path: Path) -> dict[str, Any]:
-    if not path.is_file():
-        raise UserError(f"{path}: missing (not a complete `fedheads train` run directory)")
-    from embedcache.parsing import read_json
-
-    return read_json(path)
-
-
-def trained_from(config: Mapping[str, Any], results: Mapping[str, Any], states: Any, seed: int | None,
-                 device: str) -> Trained:
-    """A Trained from config.json / results.json dicts and `states`: a saved state file's path
-    (loaded for the seed) or {seed: RunResult} (in memory)."""
-    from fedheads.run.train import load_state
-
-    seeds = list(results["seeds"])
-    seed = int(seeds[0]) if seed is None else seed
-    if seed not in seeds:
-        raise UserError(f"--seed {seed}: the run has seeds {seeds}")
-    dev = resolve_device(device)
-    alg = create_algorithm(config["algorithm"], **config.get("algorithm_kwargs", {}))
-    clients, num_classes = list(results["clients"]), int(results["num_classes"])
-    # the init's shapes depend on D, C and M only (server_sized_fields take their saved size);
-    # every value is then replaced by the saved one
-    spec = DataSpec(int(results["feature_dim"]), num_classes, len(clients), (1,) * len(clients), dev)
-    if isinstance(states, (str, Path)):
-        cs, ss = load_state(Path(states) / f"seed{seed}.pt", alg, spec, seed)
-    else:
-        alg.init(spec, seed)  # algorithms keep the spec they were initialised with
-        run = states[seed]
-        cs, ss = _to(run.client_state, dev), _to(run.server_state, dev)
-    fp = config.get("store_fingerprint")
-    classes = list(fp["classes"]) if fp else [str(i) for i in range(num_classes)]
-    return Trained(alg, cs, ss, clients, classes, list(config["backbones"]), fp,
-                   bool(config.get("options", {}).get("binarize", False)), dev, spec.dim)
-
-
-def _to(tree: Any, dev: torch.device) -> Any:
-    from fedheads.core.tree import tree_map
-
-    return tree_map(lambda t: t.to(dev), tree)
-
-
-def open_run(run_dir: str | Path, seed: int | None = None, device: str = "cpu") -> Trained:
-    """The run directory's algorithm and the seed's saved states (default: the first seed)."""
-    run_dir = Path(run_dir)
-    results = _read_json(run_dir / "results.json")
-    if "algorithms" in results:
-        raise UserError(f"{run_dir}: a comparison; predict with one of its runs ({', '.join(results['algorithms'])})")
-    return trained_from(_read_json(run_dir / "config.json"), results, run_dir / "state", seed, device)
 
 
 def check_store(tr: Trained, store: str, info: Any) -> None:

@@ -30,8 +30,8 @@ from typing import Any
 import faiss
 import numpy as np
 
+from embedcache.atomic import atomic_path
 from embedcache.errors import UserError
-from fedheads.run.rundir import atomic_path
 
 RULES = ("cosine", "ip", "sqeuclidean")
 SIMILARITY_RULES = ("cosine", "ip")  # higher score is nearer

@@ -204,3 +204,10 @@ def aggregate_history(
         if all(r in c for c in seen):
             out[-1]["clients_seen"] = sum(c[r] for c in seen) / len(seen)
     return out
+
+
+def nanmean(values: Iterable[float] | None) -> float:
+    """The mean of the values that are not NaN (a client without test samples has NaN accuracy);
+    NaN when none is."""
+    vals = [x for x in (values or []) if x == x]
+    return sum(vals) / len(vals) if vals else math.nan

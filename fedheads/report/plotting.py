@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from fedheads.run.rundir import atomic_path
+from embedcache.atomic import atomic_path
 
 # tab10 plus black and gold: 12 colours no two of which are closer than tab10's own closest
 # pair (grey/brown); methods beyond 12 repeat them (line styles then tell them apart).

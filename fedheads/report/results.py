@@ -34,10 +34,10 @@ from typing import Any
 
 import numpy as np
 
+from embedcache.atomic import atomic_path
 from embedcache.errors import UserError
 from fedheads.report import communication as comm
 from fedheads.report import metrics, plotting
-from fedheads.run.rundir import atomic_path
 
 
 def one_pass(algorithm: Any) -> bool:

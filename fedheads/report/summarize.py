@@ -17,8 +17,8 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from embedcache.atomic import atomic_path
 from embedcache.errors import UserError
-from fedheads.run.rundir import atomic_path
 
 COLUMNS = ("run", "algorithm", "backbones", "rounds", "seeds", "clients", "clients_without_test",
            "accuracy", "accuracy_mean", "accuracy_std", "worst_10", "upload_bytes_total", "wall_seconds")

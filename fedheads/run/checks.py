@@ -3,8 +3,9 @@ command line runs them before it imports torch (a typo is refused in well under 
 after the 9-28 s torch takes to load on a busy machine), and the options dataclasses run them
 again, so the Python API refuses the same values with the same line.
 
-The built-in names are listed here statically; tests/test_checks.py checks that each list equals
-what its registry holds. Names registered by a plugin (`--plugin`) are only known once it is
+The algorithm names come from fedheads.algorithm_names (read off the sources and installed
+packages' metadata, no import); the other built-in lists are static, and tests/test_checks.py checks
+each equals its registry. Names registered by a plugin (`--plugin`) are only known once it is
 imported: the registry itself is then asked (it is loaded by then anyway)."""
 
 from __future__ import annotations
@@ -17,10 +18,6 @@ from typing import Any
 
 from embedcache.errors import UserError, unknown_name
 
-# fedheads.algorithms registry (fedheads/algorithms/*.py): a fast path only. A name missing here is
-# looked up in the registry itself, so a new algorithm file needs no entry
-ALGORITHMS = ("ccvr", "fed3r", "fedavg", "fedavg-linear", "fedcof", "fedncm", "fedpcl", "fedpft", "fedproto", "fedrep",
-              "lp", "mlp", "perfedavg", "pfedme", "solo")
 # fedheads finetune --head (fedheads.finetuning.heads.HEADS): the registered algorithms whose state defines a
 # linear head (AlgorithmBase.linear_head), then K rounds of LP and the random head
 FINETUNE_HEADS = ("fedncm", "fed3r", "fedcof", "lp", "random")
@@ -29,29 +26,19 @@ FEDDRA_BASELINES = ("feddra", "fedavg", "fedavg-two-stage", "fedprox", "no-two-s
 
 
 def known_algorithms() -> list[str]:
-    """The algorithm names: the static list, or the registry's once something imported it (a
-    plugin that registers its own algorithm does)."""
+    """The algorithm names: the declared ones (fedheads.algorithm_names), or the registry's once
+    something imported it (a plugin that registers its own algorithm does)."""
     if "fedheads.algorithms" in sys.modules:
         from fedheads.algorithms import list_algorithms
 
         return [i.name for i in list_algorithms()]
-    return list(ALGORITHMS)
+    from fedheads.algorithm_names import declared
 
-
-def _has_module(name: str) -> bool:
-    """An algorithm file fedheads/algorithms/NAME.py exists (read from the directory, no import):
-    a name the table lacks is worth importing the registry for only then; a typo is refused fast."""
-    from pathlib import Path
-
-    return (Path(__file__).parent / "algorithms" / f"{name.replace('-', '_')}.py").is_file()
+    return [d.name for d in declared()]
 
 
 def check_algorithms(names: Sequence[str]) -> None:
     known = known_algorithms()
-    if any(n not in known and _has_module(n) for n in names) and "fedheads.algorithms" not in sys.modules:
-        from fedheads.algorithms import list_algorithms  # the slow path: an algorithm the table does not list
-
-        known = [i.name for i in list_algorithms()]
     for n in names:
         if n not in known:
             raise unknown_name(n, known, "algorithm")
@@ -62,7 +49,7 @@ def finetune_heads(names: Sequence[str] = ()) -> list[str]:
     is not in it) every registered algorithm whose state defines a linear head
     (AlgorithmBase.linear_head), so a new algorithm file needs no entry."""
     known = list(FINETUNE_HEADS)
-    if any(n not in known and (_has_module(n) or "fedheads.algorithms" in sys.modules) for n in names):
+    if any(n not in known and n in known_algorithms() for n in names):
         from fedheads.algorithms import create_algorithm, list_algorithms
         from fedheads.core.protocol import AlgorithmBase
 

@@ -21,12 +21,12 @@ import io
 import itertools
 import json
 import os
-import tempfile
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
+from embedcache.atomic import atomic_path
 from embedcache.errors import UserError
 
 MARKERS = ("results.json", "config.json", "state")  # any of them: the directory holds a run
@@ -209,23 +209,6 @@ def holds_lock(fn: F) -> F:
             return fn(*args, **kw)
 
     return wrapper  # type: ignore[return-value]
-
-
-@contextlib.contextmanager
-def atomic_path(path: str | Path) -> Iterator[Path]:
-    """Yield a temporary path beside ``path``; on success it replaces ``path``, on error it is
-    removed and ``path`` is left as it was."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    try:
-        yield Path(tmp)
-        os.chmod(tmp, 0o644)  # mkstemp creates 0600; results are meant to be read by others
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
 
 
 def atomic_torch_save(path: str | Path, obj: Any) -> None:

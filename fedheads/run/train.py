@@ -27,17 +27,13 @@ import torch
 
 from embedcache.errors import UserError
 from fedheads.core.engine import RunResult, clock, run, to_device
-from fedheads.core.federation import DataSpec, FedData, Federation, layout_info
-from fedheads.core.tree import tree_leaves
+from fedheads.core.federation import FedData, Federation, layout_info
 from fedheads.report import plotting
 from fedheads.report import results as report
-from fedheads.run import checkpoint as resume_mod
-from fedheads.run import rundir
+from fedheads.run import checkpoint, rundir
 from fedheads.run.allocator import GlibcHeap
-from fedheads.run.checkpoint import load_sealed, sealed
 from fedheads.run.checks import check_finite, check_seeds, check_trained_state
 from fedheads.run.environment import machine
-from fedheads.run.identity import check_saved_run
 from fedheads.run.load import load_fed_data, resolve_device
 from fedheads.run.options import (  # noqa: F401 (parse_settings, build_algorithm: also importable from here)
     build_algorithm,
@@ -49,13 +45,11 @@ from fedheads.run.options import (  # noqa: F401 (parse_settings, build_algorith
 )
 from fedheads.run.progress import RoundBar
 from fedheads.run.rundir import RunDir, config_dict
+from fedheads.run.saved import attach_saved_runs, state_blob
 from fedheads.version import __version__
 
 if TYPE_CHECKING:
     from embedcache.store.reader import StoreInfo
-
-STATE_FORMAT = "fedheads-state/1"
-
 
 @dataclass(frozen=True)
 class TrainOptions:
@@ -91,28 +85,6 @@ class TrainOptions:
     def generic(self) -> dict[str, Any]:
         g = {"local_epochs": self.local_epochs, "batch_size": self.batch_size, "lr": self.lr}
         return {k: v for k, v in g.items() if v is not None}
-
-
-def state_blob(result: RunResult) -> dict[str, Any]:
-    """What state/seed<S>.pt holds: the tensor leaves of the final states, in tree order
-    (loadable with weights_only=True), sealed with their digest (fedheads.run.checkpoint)."""
-    cs = [t.detach().cpu() for t in tree_leaves(result.client_state)]
-    ss = [t.detach().cpu() for t in tree_leaves(result.server_state)]
-    return sealed({"format": STATE_FORMAT, "client": cs, "server": ss})
-
-
-def load_state(path: Path, algorithm: Any, spec: DataSpec, seed: int) -> tuple[Any, Any]:
-    """Rebuild (client_state, server_state): the structure from `algorithm.init`, the values
-    from the saved leaves (digest and shapes checked)."""
-    if not path.is_file():
-        raise UserError(f"{path}: no saved state (was the run trained with this seed?)")
-    saved = load_sealed(path, STATE_FORMAT, "train the run again to rewrite it")
-    init = algorithm.init(spec, seed)
-    from fedheads.run.checkpoint import restore_tree, sized_like
-
-    ss = sized_like(init.server_state, saved["server"], algorithm.server_sized_fields)
-    return (restore_tree(init.client_state, saved["client"], path, "client", algorithm.name),
-            restore_tree(ss, saved["server"], path, "server", algorithm.name))
 
 
 def store_fingerprint(info: Any, backbones: Sequence[str]) -> dict[str, Any]:
@@ -221,7 +193,7 @@ def _features(store: str | Path | StoreInfo | None, data: Federation | None, bac
         return data, record, None
     if store is None:
         raise UserError(f"{what}: needs a store or the features as data")
-    recorded = None if resumed is None or opts.layout != "auto" else resume_mod.recorded_layout(resumed)
+    recorded = None if resumed is None or opts.layout != "auto" else checkpoint.recorded_layout(resumed)
     data, record = load_store(store, backbones, opts, heap, recorded)
     return data, record, _since(t_start, data.device)
 
@@ -229,6 +201,13 @@ def _features(store: str | Path | StoreInfo | None, data: Federation | None, bac
 def _training(heap: GlibcHeap | None, data: Federation) -> contextlib.AbstractContextManager[None]:
     """The block `data`'s rounds train inside under `heap` (fedheads.run.allocator.GlibcHeap.training)."""
     return contextlib.nullcontext() if heap is None else heap.training(isinstance(data, FedData))
+
+
+def _attach(alg: Any, record: StoreRecord | None) -> None:
+    """The runs `alg`'s settings read (CCVR's head=RUN_DIR), opened and handed to it: of other
+    classes or features than `record`'s, refused before training (fedheads.run.saved)."""
+    fp = None if record is None else record.fingerprint
+    attach_saved_runs(alg, None if fp is None else fp["classes"], None if fp is None else fp["backbones"])
 
 
 def require_test_samples(data: Federation) -> None:
@@ -285,9 +264,7 @@ def train_data(data: Federation, backbones: Sequence[str], algorithm: str, opts:
     alg_cfg = config_dict(getattr(alg, "cfg", None))
     require_test_samples(data)
     record = _store_record(store, backbones)
-    for key, path in alg.saved_runs().items():  # a head of other classes or features is refused, not calibrated
-        check_saved_run(f"{algorithm}: --set {key}={path}", path, None if record is None else record.fingerprint["classes"],
-                        None if record is None else record.fingerprint["backbones"])
+    _attach(alg, record)
     names, n_test = list(data.client_names), list(data.n_test)
     dims = [data.dim] if record is None else list(record.dims)
     per_seed, rows = [], []
@@ -295,7 +272,7 @@ def train_data(data: Federation, backbones: Sequence[str], algorithm: str, opts:
     extra_rules: dict[str, list[float]] = {}
     data_id = None
     if state_dir is not None:
-        data_id = resume_mod.data_settings(data)
+        data_id = checkpoint.data_settings(data)
     rounds = rounds_needed(alg, opts)
     releases: list[int] = []  # per seed, under DP: the most rounds one client's statistics were released in
     classes = list(record.fingerprint["classes"]) if record is not None else [str(c) for c in range(data.num_classes)]
@@ -314,7 +291,7 @@ def train_data(data: Federation, backbones: Sequence[str], algorithm: str, opts:
                         "device": str(data.device), "layout": layout_info(data),
                         "store": None if record is None else record.path,
                         "backbones": list(backbones), "data": data_id}
-            ck = resume_mod.HeadCheckpoint(state_dir / f"seed{seed}.ckpt.pt", settings, algorithm, resume, log,
+            ck = checkpoint.HeadCheckpoint(state_dir / f"seed{seed}.ckpt.pt", settings, algorithm, resume, log,
                                            alg.server_sized_fields)
         try:
             with _training(heap, data), RoundBar(f"{alg.name}[{opts.engine}]", opts.progress) as bar:
@@ -391,6 +368,7 @@ def train_run(store: str | Path | StoreInfo | None, backbones: Sequence[str], al
     t_start = clock(torch.device("cpu"))  # nothing queued on a device yet
     data, record, load = _features(store, data, backbones, opts, t_start, "train", heap, rd.path if resume else None)
     require_test_samples(data)
+    _attach(built[0], record)  # a saved run it reads is refused before the run directory is touched
     rd.begin(overwrite)  # results.json marks a complete run: no old file may sit beside the new ones
     trained = train_data(data, backbones, algorithm, opts, store=record, strict=strict,
                          t_start=t_start, load=load, state_dir=rd.path / "state", resume=resume, heap=heap, built=built)
@@ -502,6 +480,8 @@ def compare_runs(store: str | Path | StoreInfo | None, backbones: Sequence[str],
     data, record, load = _features(store, data, backbones, opts, t_start, "compare", heap,
                                    rd.path if resume else None)
     require_test_samples(data)
+    for b in built.values():
+        _attach(b[0], record)  # a saved run one reads is refused before the run directory is touched
     rd.begin(overwrite)  # resumed: complete again only when rewritten
     runs, combined = compare_data(data, backbones, algorithms, opts, store=record,
                                   t_start=t_start, load=load, out=rd.path, resume=resume, heap=heap, built=built)
