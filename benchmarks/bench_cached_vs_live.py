@@ -116,7 +116,7 @@ def cached_phase(manifest: Path, backbones: Sequence[str], work: Path, rounds: i
     # loading, layout and client order), without process start-up, imports or run-directory
     # writing, for the per-round time. Its final states must be the command's bit for bit.
     import fedheads
-    from fedheads.run.train import parse_settings
+    from fedheads.run.settings import parse_settings
 
     res = fedheads.train(str(store), "fedpcl", backbones=list(backbones), rounds=rounds, seeds=seed, device="cpu",
                          settings=dict(parse_settings(settings)))

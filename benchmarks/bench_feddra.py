@@ -22,7 +22,7 @@ after layer.5 (32 x 384); writes benchmarks/results/feddra.json.
            clients and worst client (percent, {mean, std} over seeds), chance and the class-only
            retriever, final lambda, wall minutes; with --probe also the few-shot linear probe on
            webcam + dslr (1 and 5 shots per class, 5 draws) of the aligned z, the trained image
-           encoder's pooled output and the pre-trained backbone's (fedheads/feddra/probe.py).
+           encoder's pooled output and the pre-trained backbone's (fedheads/alignment/probe.py).
 
 Usage: python benchmarks/bench_feddra.py [--part speed,speed-paper-sized,methods] [--repeats 7] [--seeds 0,1,2]
            [--methods feddra,fedavg,...] [--mu MU] [--rounds R] [--steps-per-stage E] [--probe] [--store STORE]
@@ -103,8 +103,8 @@ def _store(work: Path, store: str | None) -> tuple[str, dict]:
 
 
 def _opts(**kw):
-    from fedheads.feddra.algorithm import FedDRAConfig
-    from fedheads.feddra.runner import PRESETS, FedDRAOptions
+    from fedheads.alignment.algorithm import FedDRAConfig
+    from fedheads.alignment.runner import PRESETS, FedDRAOptions
 
     q = PRESETS["quick"]
     fd = FedDRAConfig(rounds=q["rounds"], steps=q["steps"], batch_size=q["batch_size"])
@@ -131,9 +131,9 @@ def _per_step(call, n: int, flops: bool = False) -> float:
 def _step_seconds(su, opts, stage: int, cached: bool, steps: int, shared: bool = True, flops: bool = False) -> float:
     """One client_update of `steps` steps on client 0, seconds (or FLOPs) per step (_per_step).
     `shared`: live stage 1 encodes a batch once for the model and the anchor (the product's path)."""
-    from fedheads.feddra.algorithm import FedDRA
-    from fedheads.feddra.pairs import step_rows
-    from fedheads.feddra.runner import _build
+    from fedheads.alignment.algorithm import FedDRA
+    from fedheads.alignment.pairs import step_rows
+    from fedheads.alignment.runner import _build
 
     alg = FedDRA(opts.fd)
     alg.share_frozen_pass = shared
@@ -150,7 +150,7 @@ def _step_seconds(su, opts, stage: int, cached: bool, steps: int, shared: bool =
 
 
 def part_speed(store: str, repeats: int, steps: int) -> dict:
-    from fedheads.feddra.runner import _setup, apply_baseline
+    from fedheads.alignment.runner import _setup, apply_baseline
 
     opts = _opts()
     su = _setup(str(MANIFEST), store, IMAGE, TEXT, opts, [apply_baseline(opts.fd, "feddra")])
@@ -192,9 +192,9 @@ def part_speed_paper_sized(repeats: int, steps: int, batch: int = 32) -> dict:
 
     from embedcache.backbones.bert import BertConfig, build_bert
     from embedcache.backbones.staged import staged_from_module
-    from fedheads.feddra.algorithm import FedDRA
-    from fedheads.feddra.model import DualEncoder
-    from fedheads.feddra.pairs import PairBatch
+    from fedheads.alignment.algorithm import FedDRA
+    from fedheads.alignment.model import DualEncoder
+    from fedheads.alignment.pairs import PairBatch
 
     torch.manual_seed(0)
     image = staged_from_module("resnet50", timm.create_model("resnet50", pretrained=False, num_classes=0),
@@ -236,8 +236,8 @@ def part_speed_paper_sized(repeats: int, steps: int, batch: int = 32) -> dict:
 def part_methods(store: str, seeds: tuple[int, ...], quick: bool, work: Path,
                  methods: tuple[str, ...] = METHODS, mu: float | None = None,
                  rounds: int | None = None, steps: int | None = None, probe: bool = False) -> dict:
-    from fedheads.feddra.probe import ProbeOptions
-    from fedheads.feddra.runner import feddra_run
+    from fedheads.alignment.probe import ProbeOptions
+    from fedheads.alignment.runner import feddra_run
 
     opts = _opts(baselines=methods, seeds=seeds, overwrite=True,
                  probe=ProbeOptions(manifest=str(PROBE)) if probe else None)

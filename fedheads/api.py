@@ -1,26 +1,36 @@
-"""The Python API of `fedheads`, one function per command (the CLI takes the same arguments):
+"""The Python API of `fedheads`, one function per command; each takes the command's options as
+keywords, checked against the same declaration the command line is generated from
+(fedheads.run.commands), with the same defaults (except `progress`: no bars unless asked):
 
-    fedheads.train(data, "fedpcl", ...)        -> Result   (`fedheads train`)
-    fedheads.compare(data, ["lp", "mlp"], ...) -> Result   (`fedheads compare`)
-    fedheads.predict(run_dir, store | images= | manifest=, ...) -> table  (`fedheads predict`)
-    fedheads.train(...).predict(features)      -> table    (the trained run's own classifier)
-    fedheads.finetune(manifest, store, backbone, out, ...) -> Result   (`fedheads finetune`)
+    fedheads.train(data, "fedpcl", rounds=..., ...)        -> Result   (`fedheads train`)
+    fedheads.compare(data, ["lp", "mlp"], ...)              -> Result   (`fedheads compare`)
+    fedheads.predict(run_dir, store | images= | manifest=)  -> table    (`fedheads predict`)
+    fedheads.train(...).predict(features)                   -> table    (the trained run's own classifier)
+    fedheads.finetune(manifest, store, backbone, out, ...)  -> Result   (`fedheads finetune`)
+    fedheads.feddra(manifest, image_encoder, text_encoder, out, ...) -> Result   (`fedheads feddra`)
+    fedheads.load(store, backbones)                         -> FedData  (a store's features in memory)
+    fedheads.settings(name)                                 -> {key: default} that settings= takes
     fedheads.list_algorithms(), fedheads.register_algorithm(name, factory, description=...)
 
 `data` is a feature store (a path, with `backbones=`) or the features themselves: a mapping
 {client: (x_train, y_train, x_test, y_test)} of numpy arrays (or a list of such tuples, or a
 `FedData`). Nothing is written unless `out=` is given; then the run directory is exactly the
-CLI's (docs/contracts.md, 6). A `Result` has the fields of results.json as attributes.
+CLI's (docs/contracts.md, 6). A `Result` has the fields of results.json as attributes. A misspelt
+keyword is one UserError with the nearest option, as a misspelt flag is.
 
-Imports stay lazy: `import fedheads` loads neither the engines nor faiss, and never timm,
-torchvision or dask (`finetune` imports the live stage when called)."""
+Imports stay lazy: `import fedheads` loads neither torch's engines nor faiss, and never timm,
+torchvision or dask (`finetune` and `feddra` import the live stage when called)."""
 
 from __future__ import annotations
 
+import inspect
 import json
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Union
+
+from fedheads.run.commands import Compare, FedDRA, Finetune, Predict, Train
+from fedheads.run.options import from_keywords, walk
 
 if TYPE_CHECKING:
     import numpy as np
@@ -37,14 +47,17 @@ class Result(Mapping[str, Any]):
 
     The fields are those of docs/contracts.md, section 6 (a comparison: `res.algorithms` maps
     each algorithm to its own Result). `run_dir` is where it was written (None: in memory);
-    `states` maps each seed to its final client and server states (in-memory training only)."""
+    `states` maps each seed to its final client and server states and `per_seed` lists each seed's
+    own result (per-client accuracy, history, communication; in-memory training only)."""
 
     def __init__(self, fields: Mapping[str, Any], run_dir: str | Path | None = None,
-                 states: Mapping[int, Any] | None = None, config: Mapping[str, Any] | None = None) -> None:
+                 states: Mapping[int, Any] | None = None, config: Mapping[str, Any] | None = None,
+                 per_seed: Sequence[Mapping[str, Any]] = ()) -> None:
         self._fields = dict(fields)
         self.run_dir = None if run_dir is None else Path(run_dir)
         self.states = dict(states or {})
         self.config = None if config is None else dict(config)  # config.json's dict (in-memory runs)
+        self.per_seed = [dict(s) for s in per_seed]
 
     def __getitem__(self, key: str) -> Any:
         value = self._fields[key]
@@ -108,7 +121,30 @@ class Result(Mapping[str, Any]):
                           default=lambda o: o._fields if isinstance(o, Result) else str(o))
 
 
-def _federation(data: Any, num_classes: int | None, device: str, binarize: bool, layout: str = "padded") -> Any:
+def _declared(cls: type, *given: str) -> Callable[[Callable], Callable]:
+    """The function's signature and docstring from the options `cls` declares: its positional
+    arguments `given`, then every option as a keyword with its default and doc (help(), IDEs and
+    docs/api.md read them)."""
+    def deco(f: Callable) -> Callable:
+        opts = [o for o in walk(cls) if o.key not in given and not (o.key == "store" and "data" in given)]
+        own = inspect.signature(f)
+        params = [p for p in own.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
+        params += [inspect.Parameter(o.key, inspect.Parameter.KEYWORD_ONLY, annotation=o.field.type,
+                                     default=False if o.key == "progress" else o.default) for o in opts]
+        f.__signature__ = inspect.Signature(params, return_annotation=own.return_annotation)  # type: ignore[attr-defined]
+        lines = [f"    {o.key}: {o.doc} (default {False if o.key == 'progress' else o.default!r})" for o in opts]
+        f.__doc__ = f"{inspect.cleandoc(f.__doc__ or '')}\n\nOptions (keywords):\n\n" + "\n".join(lines)
+        return f
+
+    return deco
+
+
+def _store_or_arrays(data: Any) -> tuple[str | None, Any]:
+    """(the store path, None) or (None, the arrays given)."""
+    return (str(data), None) if isinstance(data, (str, Path)) else (None, data)
+
+
+def _federation(data: Any, num_classes: int | None, device: str, binarize: bool, layout: str) -> Any:
     """A federation from numpy arrays per client in `layout` (a FedData given is used as it is).
     "auto" stacks arrays padded, as before layouts existed: their padding is the caller's arrays'."""
     import numpy as np
@@ -119,14 +155,11 @@ def _federation(data: Any, num_classes: int | None, device: str, binarize: bool,
 
     if isinstance(data, FedData):
         return data
-    if isinstance(data, Mapping):
-        names, clients = [str(k) for k in data], list(data.values())
-    else:
-        names, clients = None, list(data)
+    names, clients = ([str(k) for k in data], list(data.values())) if isinstance(data, Mapping) else (None, list(data))
     for i, c in enumerate(clients):
         if not isinstance(c, (tuple, list)) or len(c) != 4:
-            who = names[i] if names else f"client #{i}"
-            raise UserError(f"{who}: expected (x_train, y_train, x_test, y_test), got {type(c).__name__}")
+            raise UserError(f"{names[i] if names else f'client #{i}'}: expected (x_train, y_train, x_test, y_test), "
+                            f"got {type(c).__name__}")
     if num_classes is None:  # labels are 0..C-1
         tops = [int(np.max(y)) for c in clients for y in (c[1], c[3]) if len(y)]
         num_classes = max(tops) + 1 if tops else 0
@@ -134,172 +167,152 @@ def _federation(data: Any, num_classes: int | None, device: str, binarize: bool,
                        layout="padded" if layout == "auto" else layout)
 
 
-def _options(rounds: int, seeds: Sequence[int] | int, local_epochs: int | None, batch_size: int | None,
-             lr: float | None, fraction: float, engine: str, layout: str, device: str, eval_every: int, binarize: bool,
-             settings: Mapping[str, Any] | None, progress: bool, tensorboard: bool = False, dp: Any = None) -> Any:
-    from embedcache.errors import UserError
-    from fedheads.privacy import mechanism
-    from fedheads.run.train import TrainOptions
-
-    if rounds < 1:
-        raise UserError(f"rounds {rounds}: must be >= 1")
-    seeds = (seeds,) if isinstance(seeds, int) else tuple(int(s) for s in seeds)
-    if not seeds:
-        raise UserError("seeds: at least one is needed")
-    fields = tuple((str(k).replace("-", "_"), v) for k, v in (settings or {}).items())
-    return TrainOptions(rounds=rounds, seeds=seeds, fraction=fraction, engine=engine, layout=layout, device=device,
-                        eval_every=eval_every, binarize=binarize, local_epochs=local_epochs,
-                        batch_size=batch_size, lr=lr, settings=fields, progress=progress, tensorboard=tensorboard,
-                        dp=mechanism(dp))
-
-
-def _tensorboard(on: bool, out: Any) -> bool:
-    if on and out is None:
-        from embedcache.errors import UserError
-
-        raise UserError("tensorboard: the event files go into the run directory; give out=")
-    return on
-
-
-def _prepare(data: Data, backbones: Sequence[str] | str | None, num_classes: int | None, opts: Any,
-             load: bool) -> tuple[Any, list[str], Any]:
+def _prepare(cmd: Train | Compare, arrays: Any) -> tuple[Any, list[str], Any]:
     """(the store: its path, or its record once read here; backbones; in-memory data): a store's
-    features are read here when `load` (in memory, from one open of the store), else by the
-    runner that writes the run directory. The clients are in the store's or the arrays' order."""
+    features are read here when nothing is written (in memory, from one open of the store), else by
+    the runner that writes the run directory. The clients are in the store's or the arrays' order."""
     from embedcache.errors import UserError
     from fedheads.run import train as runner
 
-    if isinstance(backbones, str):
-        backbones = [b.strip() for b in backbones.split(",") if b.strip()]
-    if isinstance(data, (str, Path)):
-        if not backbones:
-            raise UserError(f"backbones: needed to read features from the store {data}")
-        if not load:
-            return str(data), list(backbones), None
-        fed, record = runner.load_store(str(data), list(backbones), opts)
-        return record, list(backbones), fed
-    return None, list(backbones or ["features"]), _federation(data, num_classes, opts.device, opts.binarize,
-                                                              opts.layout)
+    opts = cmd.options
+    if arrays is None:
+        if not cmd.backbones:
+            raise UserError(f"backbones: needed to read features from the store {cmd.store}")
+        if cmd.out is not None:
+            return cmd.store, list(cmd.backbones), None
+        fed, record = runner.load_store(str(cmd.store), list(cmd.backbones), opts)
+        return record, list(cmd.backbones), fed
+    fed = _federation(arrays, cmd.num_classes, opts.device, opts.binarize, opts.layout)
+    return None, list(cmd.backbones or ["features"]), fed
 
 
-def train(data: Data, algorithm: str, *, backbones: Sequence[str] | str | None = None,
-          num_classes: int | None = None, rounds: int = 50, seeds: Sequence[int] | int = (0, 1, 2),
-          local_epochs: int | None = None, batch_size: int | None = None, lr: float | None = None,
-          fraction: float = 1.0, engine: str = "vectorized", layout: str = "auto", device: str = "auto",
-          eval_every: int = 1, binarize: bool = False, settings: Mapping[str, Any] | None = None, progress: bool = False,
-          out: str | Path | None = None, overwrite: bool = False, resume: bool = False,
-          tensorboard: bool = False, dp: Any = None) -> Result:
+def _quiet(options: dict[str, Any]) -> dict[str, Any]:
+    return {"progress": False, **options}
+
+
+@_declared(Train, "data", "algorithm")
+def train(data: Data, algorithm: str, **options: Any) -> Result:
     """Train `algorithm` once per seed, as `fedheads train`.
 
-    data: a feature store path (with `backbones`, concatenated in order) or per-client numpy
-        arrays {client: (x_train, y_train, x_test, y_test)}; labels 0..C-1 (`num_classes`
-        defaults to the largest label + 1).
-    layout: how clients are stacked ("padded" | "bucketed" | "auto": bucketed when padding would cost,
-        streamed when a store's features would take more than half the memory available |
-        "streamed": the buckets read as each round needs them, so a run holds one bucket, not the features).
-    settings: algorithm config fields, e.g. {"variant": "code"} (see `fedheads algorithms NAME`);
-        local_epochs / batch_size / lr: the generic ones (None: the paper's default).
-    out: write the run directory there (refused if it holds a run, unless `overwrite`), with a
-        checkpoint after every round that `resume=True` continues from (and, with `tensorboard`,
-        per-round TensorBoard scalars: extra [tensorboard]);
-        None: nothing is written and `Result.states` holds each seed's final states.
-    dp: train under differential privacy (algorithms with a DP form: FedNCM, Fed3R, CCVR calibrating
-        a saved head; FedPFT with mode "local"): a fedheads.privacy.Mechanism or its fields, e.g. {"epsilon": 1.0, "delta": 1e-5,
-        "clip": 1.0}; results.json's `privacy` then records the mechanism and the epsilon spent."""
+    data: a feature store path (with `backbones`, concatenated in order) or per-client numpy arrays
+    {client: (x_train, y_train, x_test, y_test)}; labels 0..C-1. `settings` holds the algorithm's
+    config fields, e.g. {"variant": "code"} (`fedheads algorithms NAME`); `dp` a
+    fedheads.privacy.Mechanism or its fields ({"epsilon": 1.0, "clip": 1.0}), or give them as dp_*.
+    With `out`, the run directory is written (refused if it holds a run, unless `overwrite`; a
+    checkpoint after every round that `resume=True` continues from); without, nothing is written and
+    `Result.states` holds each seed's final states."""
     from fedheads.run import train as runner
 
-    opts = _options(rounds, seeds, local_epochs, batch_size, lr, fraction, engine, layout, device, eval_every,
-                    binarize, settings, progress, _tensorboard(tensorboard, out), dp)
-    store, bbs, fed = _prepare(data, backbones, num_classes, opts, load=out is None)
-    if out is not None:
-        return Result(runner.train_run(store, bbs, algorithm, opts, out, data=fed, overwrite=overwrite,
-                                       resume=resume), out)
-    trained = runner.train_data(fed, bbs, algorithm, opts, store=store)
-    return Result(trained.result, states=trained.states, config=trained.config)
+    store, arrays = _store_or_arrays(data)
+    cmd = from_keywords(Train, _quiet(options), "fedheads.train", store=store, algorithm=algorithm)
+    _tensorboard(cmd)
+    st, bbs, fed = _prepare(cmd, arrays)
+    if cmd.out is not None:
+        return Result(runner.train_run(st, bbs, algorithm, cmd.options, cmd.out, data=fed, overwrite=cmd.overwrite,
+                                       resume=cmd.resume, all_rounds=cmd.all_rounds), cmd.out)
+    trained = runner.train_data(fed, bbs, algorithm, cmd.options, store=st, all_rounds=cmd.all_rounds)
+    return Result(trained.result, states=trained.states, config=trained.config, per_seed=trained.per_seed)
 
 
-def compare(data: Data, algorithms: Sequence[str] | str, *, backbones: Sequence[str] | str | None = None,
-            num_classes: int | None = None, rounds: int = 50, seeds: Sequence[int] | int = (0, 1, 2),
-            local_epochs: int | None = None, batch_size: int | None = None, lr: float | None = None,
-            fraction: float = 1.0, engine: str = "vectorized", layout: str = "auto", device: str = "auto",
-            eval_every: int = 1, binarize: bool = False, settings: Mapping[str, Any] | None = None, progress: bool = False,
-            out: str | Path | None = None, overwrite: bool = False, resume: bool = False,
-            tensorboard: bool = False, dp: Any = None) -> Result:
-    """Train several algorithms on the same features, as `fedheads compare` (arguments as in
-    :func:`train`; a setting that does not apply to an algorithm is dropped for it and recorded
-    in its `ignored_options`; `{"lp.lr": 0.1}` scopes one to one algorithm). The Result has
-    `algorithms` (name -> Result), `backbones`, `options`, `timing`; `out` also writes the
-    table and plots."""
+@_declared(Compare, "data", "algorithms")
+def compare(data: Data, algorithms: Sequence[str] | str, **options: Any) -> Result:
+    """Train several algorithms on the same features, as `fedheads compare` (`data` as for
+    :func:`train`; a setting that does not apply to an algorithm is dropped for it and recorded in its
+    `ignored_options`; `{"lp.lr": 0.1}` scopes one to one algorithm). The Result has `algorithms`
+    (name -> Result), `backbones`, `options`, `timing`; `out` also writes the table and plots."""
     from fedheads.run import train as runner
 
-    names = [a.strip() for a in algorithms.split(",") if a.strip()] if isinstance(algorithms, str) else list(algorithms)
-    opts = _options(rounds, seeds, local_epochs, batch_size, lr, fraction, engine, layout, device, eval_every,
-                    binarize, settings, progress, _tensorboard(tensorboard, out), dp)
-    store, bbs, fed = _prepare(data, backbones, num_classes, opts, load=out is None)
-    if out is not None:
-        return Result(runner.compare_runs(store, bbs, names, opts, out, overwrite=overwrite, data=fed,
-                                          resume=resume), out)
-    runs, combined = runner.compare_data(fed, bbs, names, opts, store=store)
-    combined["algorithms"] = {n: Result(r.result, states=r.states, config=r.config) for n, r in runs.items()}
+    store, arrays = _store_or_arrays(data)
+    cmd = from_keywords(Compare, _quiet(options), "fedheads.compare", store=store, algorithms=algorithms)
+    _tensorboard(cmd)
+    st, bbs, fed = _prepare(cmd, arrays)
+    if cmd.out is not None:
+        return Result(runner.compare_runs(st, bbs, cmd.algorithms, cmd.options, cmd.out, overwrite=cmd.overwrite,
+                                          data=fed, resume=cmd.resume, all_rounds=cmd.all_rounds), cmd.out)
+    runs, combined = runner.compare_data(fed, bbs, cmd.algorithms, cmd.options, store=st, all_rounds=cmd.all_rounds)
+    combined["algorithms"] = {n: Result(r.result, states=r.states, config=r.config, per_seed=r.per_seed)
+                              for n, r in runs.items()}
     return Result(combined)
 
 
-def predict(run: str | Path, store: str | Path | None = None, *, images: str | None = None,
-            manifest: Any = None, split: str | None = None, client: str | None = None, seed: int | None = None,
-            top_k: int = 1, cache: str | Path | None = None, chunk_rows: int = 65536, device: str = "cpu",
-            batch_size: int | None = None, num_workers: int = 2, weights_dir: str | None = None,
-            plugins: Sequence[str] = (), progress: bool = False,
-            out: str | Path | None = None) -> dict[str, np.ndarray] | PredictionSummary:
+def _tensorboard(cmd: Train | Compare) -> None:
+    if cmd.options.tensorboard and cmd.out is None:
+        from embedcache.errors import UserError
+
+        raise UserError("tensorboard: the event files go into the run directory; give out=")
+
+
+@_declared(Predict, "run", "store")
+def predict(run: str | Path, store: str | Path | None = None, **options: Any) -> dict[str, np.ndarray] | PredictionSummary:
     """Classify samples with a trained run directory, as `fedheads predict` (docs/contracts.md, 6c).
 
     Give one of: `store` (features already extracted), `manifest` (a manifest's `split`, default
-    test, each sample by its own client's state) or `images="imagefolder:PATH"` (new images: by the run's
-    global model, or `client`'s personalised state, or every client's with client="all"). New
-    images are extracted with the run's backbones into `cache` (default RUN_DIR/predict-cache),
-    after checking the backbones' weights and preprocessing against the training features.
-    Returns the table {column: array} (client, sample_id, label, label_name, prediction,
-    prediction_name, score; top{j}_label / _name / _score when top_k > 1); with `out` (.csv /
-    .parquet) the rows are streamed there instead and a PredictionSummary (rows, accuracy per
-    client) is returned."""
+    test, each sample by its own client's state) or `images="imagefolder:PATH"` (new images: by the
+    run's global model, or `client`'s personalised state, or every client's with client="all"), which
+    are extracted with the run's backbones into `cache` after checking the backbones' weights and
+    preprocessing against the training features. Returns the table {column: array} (client,
+    sample_id, label, label_name, prediction, prediction_name, score; top{j}_label / _name / _score
+    when top_k > 1); with `out` (.csv / .parquet) the rows are streamed there instead and a
+    PredictionSummary (rows, accuracy per client) is returned."""
     from fedheads.prediction.predict import run_predict
 
-    return run_predict(run, store, images=images, manifest=manifest, split=split, client=client, seed=seed,
-                       top_k=top_k, cache=cache, device=device, batch_size=batch_size, num_workers=num_workers,
-                       weights_dir=weights_dir, plugins=plugins, progress=progress, chunk_rows=chunk_rows, out=out)
+    return run_predict(from_keywords(Predict, _quiet(options), "fedheads.predict", run=str(run),
+                                     store=None if store is None else str(store)))
 
 
-def finetune(manifest: Any, store: str | Path, backbone: str, out: str | Path, *,
-             heads: Sequence[str] | str = ("fedncm",), rounds: int = 10, settings: Mapping[str, Any] | None = None,
-             fraction: float = 1.0, seeds: Sequence[int] | int = (0,), eval_every: int = 1, device: str = "auto",
-             num_workers: int = 2, weights_dir: str | None = None, resume: bool = False, overwrite: bool = False,
-             progress: bool = False, **former: Any) -> Result:
+@_declared(Finetune, "manifest", "store", "backbone", "out")
+def finetune(manifest: Any, store: str | Path, backbone: str, out: str | Path, **options: Any) -> Result:
     """Fine-tune `backbone` federatedly from a stage-1 head computed on the store, as `fedheads
-    finetune` (FedNCM+FT with heads="fedncm", Fed3R+FT "fed3r", FedCOF+FT "fedcof", LP+FT "lp",
-    FT "random"; several heads:
-    a comparison). `manifest`: the manifest the store was extracted from (path or Manifest).
-    `settings`: the method's settings as `fedheads finetune --set` takes them, e.g.
-    {"server": "fedadam", "lr": 0.01, "trainable": "after:layer2"} (`--dump-config` lists every
-    key). The former keywords (server=, lr=, pretrained=, ...) still work for one release, each
-    with a FutureWarning naming its settings key. Always writes `out` (a checkpoint after every
-    round, so `resume=True` can continue)."""
-    import warnings
+    finetune` (FedNCM+FT with heads="fedncm", Fed3R+FT "fed3r", FedCOF+FT "fedcof", LP+FT "lp", FT
+    "random"; several heads: a comparison). `manifest`: the manifest the store was extracted from
+    (path or Manifest). `settings`: the method's settings as `--set` takes them, e.g. {"server":
+    "fedadam", "lr": 0.01, "trainable": "after:layer2"} (`--list-settings` lists every key). Always
+    writes `out` (a checkpoint after every round, so `resume=True` can continue)."""
+    from fedheads.finetuning.runner import finetune_options, finetune_run
 
-    from fedheads.finetuning.runner import SETTINGS, finetune_options, finetune_run
+    cmd = from_keywords(Finetune, _quiet(options), "fedheads.finetune", manifest=manifest, store=str(store),
+                        backbone=backbone, out=str(out))
+    return Result(finetune_run(manifest, str(store), backbone, out, finetune_options(cmd.run)), out)
 
-    keys = {f.name for part in SETTINGS for f in part.fields()}
-    unknown = sorted(set(former) - keys)
-    if unknown:
-        raise TypeError(f"finetune() got an unexpected keyword argument {unknown[0]!r}")
-    for k, v in former.items():
-        warnings.warn(f"fedheads.finetune({k}=...) is now settings={{{k!r}: {v!r}}} (kept for one release)",
-                      FutureWarning, stacklevel=2)
-    names = tuple(h.strip() for h in heads.split(",")) if isinstance(heads, str) else tuple(heads)
-    items = [*former.items(), *(settings or {}).items()]  # settings= wins over a former keyword
-    opts = finetune_options(items, heads=names, rounds=rounds, fraction=fraction,
-                            seeds=(seeds,) if isinstance(seeds, int) else tuple(seeds), eval_every=eval_every,
-                            device=device, num_workers=num_workers, weights_dir=weights_dir, resume=resume,
-                            overwrite=overwrite, progress=progress)
-    return Result(finetune_run(manifest, str(store), backbone, out, opts), out)
+
+@_declared(FedDRA, "manifest", "image_encoder", "text_encoder", "out")
+def feddra(manifest: Any, image_encoder: str, text_encoder: str, out: str | Path, **options: Any) -> Result:
+    """FedDRA and its baselines on a paired (image, text) manifest, as `fedheads feddra`: `store` (a
+    keyword) holds the encoders' token states for stage 1 (without it stage 1 encodes live);
+    `baselines` the presets (several: a comparison); `settings` FedDRA's settings as `--set` takes
+    them, e.g. {"rho": 0.1, "steps": 5}; `preset` ("paper" | "quick") the defaults of those not
+    given. Always writes `out`."""
+    from fedheads.alignment.runner import feddra_options, feddra_run
+
+    cmd = from_keywords(FedDRA, _quiet(options), "fedheads.feddra", manifest=manifest, image_encoder=image_encoder,
+                        text_encoder=text_encoder, out=str(out))
+    return Result(feddra_run(manifest, cmd.store, image_encoder, text_encoder, out, feddra_options(cmd.run)), out)
+
+
+def load(store: str | Path, backbones: Sequence[str] | str, *, device: str = "auto", binarize: bool = False,
+         layout: str = "padded") -> FedData:
+    """A store's features held in memory as a federation (clients in the store's order), to train
+    several runs on without reading the store again: `data` for :func:`train` and :func:`compare`,
+    which run it in the layout it has."""
+    from fedheads.run.load import load_fed_data
+
+    names = [b.strip() for b in backbones.split(",")] if isinstance(backbones, str) else list(backbones)
+    return load_fed_data(str(store), names, device, binarize=binarize, layout=layout)
+
+
+def settings(name: str) -> dict[str, Any]:
+    """{key: default} of what `settings=` (`--set`) takes for an algorithm, or for the method of
+    "finetune" or "feddra" (`fedheads algorithms NAME` and `--list-settings` describe them)."""
+    from fedheads.run.settings import command_settings, settings_of
+
+    if name in ("finetune", "feddra"):
+        import importlib
+
+        module = {"finetune": "fedheads.finetuning.runner", "feddra": "fedheads.alignment.runner"}[name]
+        rows = command_settings(importlib.import_module(module).SETTINGS)
+    else:
+        rows = settings_of(name)[0]
+    return {r.key: r.default for r in rows}
 
 
 def list_algorithms() -> list[Any]:

@@ -59,57 +59,16 @@ from embedcache.errors import UserError
 from fedheads.core.federation import DataSpec, FedData
 from fedheads.core.protocol import AlgorithmBase, HeadArch, Init, PaperRoundComm, RoundCtx, SecureForm
 from fedheads.core.tree import tree_cat, tree_rows
-from fedheads.privacy_accounting import calibrate, epsilon, noise_stds, pld_interval
-
-MODES = ("central", "distributed", "local")
-TRANSFORMS = ("clip", "normalize")
-ACCOUNTANTS = ("rdp", "pld")
-
-
-@dataclass(frozen=True)
-class Mechanism:
-    """A Gaussian mechanism on an algorithm's secure sums (local mode: on each client's own
-    statistics). Give `noise_multiplier` or `epsilon`."""
-
-    clip: float = 1.0  # C: each training feature's L2 norm bound
-    transform: str = "clip"  # "clip": scale to norm <= C | "normalize": scale to norm exactly C
-    noise_multiplier: float | None = None  # z: noise std / sensitivity of the joint mechanism
-    epsilon: float | None = None  # target epsilon: z is calibrated so the planned releases spend at most this
-    delta: float = 1e-5  # the delta epsilon is reported for (and calibrated to)
-    mode: str = "central"  # "central": the server adds the noise | "distributed": each client adds its share
-    # | "local": each client noises its own statistics (algorithms with a local form: FedPFT)
-    accountant: str = "rdp"  # dp-accounting's "rdp" or "pld"
-    releases: int = 1  # releases of each client's statistics the calibration plans for (one-shot heads: 1)
-    split: tuple[tuple[str, float], ...] = ()  # (field, weight) of the budget; () = equal over the fields
-    noise_seed: int | None = None  # None: a secret key from the OS; an integer: reproducible noise
-
-    def __post_init__(self) -> None:
-        if not (math.isfinite(self.clip) and self.clip > 0):
-            raise UserError(f"--dp-clip {self.clip}: must be a positive number")
-        for name, v, ok in (("--dp-transform", self.transform, TRANSFORMS), ("--dp-mode", self.mode, MODES),
-                            ("--dp-accountant", self.accountant, ACCOUNTANTS)):
-            if v not in ok:
-                raise UserError(f"{name} {v!r}: must be one of {', '.join(ok)}")
-        if (self.noise_multiplier is None) == (self.epsilon is None):
-            raise UserError("dp: give exactly one of --dp-epsilon and --dp-noise-multiplier")
-        if self.noise_multiplier is not None and not (math.isfinite(self.noise_multiplier) and self.noise_multiplier > 0):
-            raise UserError(f"--dp-noise-multiplier {self.noise_multiplier}: must be a positive number")
-        if self.epsilon is not None and not (math.isfinite(self.epsilon) and self.epsilon > 0):
-            raise UserError(f"--dp-epsilon {self.epsilon}: must be a positive number")
-        if not 0 < self.delta < 1:
-            raise UserError(f"--dp-delta {self.delta}: must be in (0, 1)")
-        if self.releases < 1:
-            raise UserError(f"dp releases {self.releases}: must be >= 1")
-        for k, w in self.split:
-            if not (math.isfinite(w) and w > 0):
-                raise UserError(f"--dp-split {k}={w}: weights must be positive numbers")
-
-    def z(self) -> float:
-        """The noise multiplier: as given, or calibrated to `epsilon` for `releases` releases."""
-        if self.noise_multiplier is not None:
-            return float(self.noise_multiplier)
-        assert self.epsilon is not None
-        return calibrate(self.epsilon, self.delta, self.releases, self.accountant)
+from fedheads.privacy_accounting import (  # noqa: F401 (Mechanism: also importable from here)
+    ACCOUNTANTS,
+    MODES,
+    TRANSFORMS,
+    Mechanism,
+    calibrate,
+    epsilon,
+    noise_stds,
+    pld_interval,
+)
 
 
 # ---------------------------------------------------------------------- clipping and noise
@@ -379,54 +338,3 @@ class Private(AlgorithmBase):
         if m.mode == "local":
             out["noise_std_per_client"] = "noise_std, on each client's own statistics (local DP)"
         return out
-
-
-def cli_values(mech: Mechanism | None) -> dict[str, Any]:
-    """The --dp-* options of `fedheads train` / `compare` that give `mech` (None: no DP), keyed
-    as in a --config file."""
-    m = mech or Mechanism(noise_multiplier=1.0)
-    on = mech is not None
-    return {"dp_epsilon": m.epsilon if on else None, "dp_noise_multiplier": m.noise_multiplier if on else None,
-            "dp_delta": m.delta, "dp_clip": m.clip, "dp_transform": m.transform, "dp_mode": m.mode,
-            "dp_accountant": m.accountant,
-            "dp_split": ",".join(f"{k}={w:g}" for k, w in m.split) if on and m.split else None,
-            "dp_noise_seed": m.noise_seed if on else None}
-
-
-def from_cli(dp_epsilon: float | None, dp_noise_multiplier: float | None, dp_delta: float, dp_clip: float,
-             dp_transform: str, dp_mode: str, dp_accountant: str, dp_split: str | None,
-             dp_noise_seed: int | None) -> Mechanism | None:
-    """The Mechanism the --dp-* options ask for; None when neither --dp-epsilon nor
-    --dp-noise-multiplier is given (the other --dp-* options alone do nothing)."""
-    if dp_epsilon is None and dp_noise_multiplier is None:
-        return None
-    split: list[tuple[str, float]] = []
-    for item in (dp_split or "").split(","):
-        if not item.strip():
-            continue
-        k, eq, v = item.partition("=")
-        try:
-            split.append((k.strip(), float(v)))
-        except ValueError:
-            eq = ""
-        if not eq:
-            raise UserError(f"--dp-split {item!r}: expected FIELD=WEIGHT, e.g. sums=0.9,counts=0.1")
-    return Mechanism(clip=dp_clip, transform=dp_transform, noise_multiplier=dp_noise_multiplier, epsilon=dp_epsilon,
-                     delta=dp_delta, mode=dp_mode, accountant=dp_accountant, split=tuple(split),
-                     noise_seed=dp_noise_seed)
-
-
-def mechanism(dp: Mechanism | Mapping[str, Any] | None) -> Mechanism | None:
-    """The API's `dp=`: a Mechanism, or its fields as a mapping ({"epsilon": 1.0, "clip": 1.0})."""
-    if dp is None or isinstance(dp, Mechanism):
-        return dp
-    if not isinstance(dp, Mapping):
-        raise UserError(f"dp: expected a fedheads.privacy.Mechanism or a mapping of its fields, got {type(dp).__name__}")
-    names = {f.name for f in dataclasses.fields(Mechanism)}
-    bad = sorted(set(dp) - names)
-    if bad:
-        raise UserError(f"dp: unknown field {bad[0]!r} (fields: {', '.join(sorted(names))})")
-    kw = dict(dp)
-    if "split" in kw and isinstance(kw["split"], Mapping):
-        kw["split"] = tuple((str(k), float(v)) for k, v in kw["split"].items())
-    return Mechanism(**kw)

@@ -1,6 +1,7 @@
-"""The accounting of fedheads.privacy's Gaussian mechanism: how the noise multiplier is divided
-between the statistics, the epsilon spent, and the multiplier that spends a target epsilon
-(Google's `dp-accounting`). The mechanism itself (clipping, the noise, the wrapper) is
+"""The accounting of fedheads.privacy's Gaussian mechanism: its parameters (`Mechanism`, the
+`--dp-*` options), how the noise multiplier is divided between the statistics, the epsilon spent,
+and the multiplier that spends a target epsilon (Google's `dp-accounting`, imported when called:
+this module needs no torch). The mechanism itself (clipping, the noise, the wrapper) is
 fedheads.privacy.
 
 Budget between the statistics (sums and counts; Grams for Fed3R): one joint Gaussian mechanism
@@ -37,9 +38,67 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from embedcache.errors import UserError
+from fedheads.core.config import setting
+
+MODES = ("central", "distributed", "local")
+TRANSFORMS = ("clip", "normalize")
+ACCOUNTANTS = ("rdp", "pld")
+
+
+@dataclass(frozen=True)
+class Mechanism:
+    """A Gaussian mechanism on an algorithm's secure sums (local mode: on each client's own
+    statistics): the `--dp-*` options. Give `noise_multiplier` or `epsilon`."""
+
+    clip: float = setting(1.0, "L2 bound C of each training feature")
+    transform: str = setting("clip", "scale each feature to norm <= C (clip) or exactly C (normalize)",
+                             choices=TRANSFORMS)
+    noise_multiplier: float | None = setting(None, "or: the Gaussian noise multiplier z itself (epsilon is then "
+                                             "reported)")
+    epsilon: float | None = setting(None, "train under differential privacy, calibrated to spend at most this epsilon "
+                                    "(algorithms with a DP form: fedncm, fed3r, ccvr calibrating a saved head; "
+                                    "fedpft with --dp-mode local)")
+    delta: float = setting(1e-5, "the delta epsilon is reported for (and calibrated to)")
+    mode: str = setting("central", "noise added once by the server (central), or split over the clients under SecAgg+ "
+                        "(distributed), or by each client on its own statistics (local: fedpft)", choices=MODES)
+    accountant: str = setting("rdp", "dp-accounting's accountant", choices=ACCOUNTANTS)
+    releases: int = setting(1, "releases of each client's statistics the calibration plans for (one-shot heads: 1)",
+                            cli=False)
+    split: tuple[tuple[str, float], ...] = setting((), "budget split over the noised sums, e.g. sums=0.9,counts=0.1 "
+                                                   "(default: equal)", metavar="FIELD=W,...")
+    noise_seed: int | None = setting(None, "reproducible noise (simulation only; default: a secret key from the OS)")
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.clip) and self.clip > 0):
+            raise UserError(f"--dp-clip {self.clip}: must be a positive number")
+        for name, v, ok in (("--dp-transform", self.transform, TRANSFORMS), ("--dp-mode", self.mode, MODES),
+                            ("--dp-accountant", self.accountant, ACCOUNTANTS)):
+            if v not in ok:
+                raise UserError(f"{name} {v!r}: must be one of {', '.join(ok)}")
+        if (self.noise_multiplier is None) == (self.epsilon is None):
+            raise UserError("dp: give exactly one of --dp-epsilon and --dp-noise-multiplier")
+        if self.noise_multiplier is not None and not (math.isfinite(self.noise_multiplier) and self.noise_multiplier > 0):
+            raise UserError(f"--dp-noise-multiplier {self.noise_multiplier}: must be a positive number")
+        if self.epsilon is not None and not (math.isfinite(self.epsilon) and self.epsilon > 0):
+            raise UserError(f"--dp-epsilon {self.epsilon}: must be a positive number")
+        if not 0 < self.delta < 1:
+            raise UserError(f"--dp-delta {self.delta}: must be in (0, 1)")
+        if self.releases < 1:
+            raise UserError(f"dp releases {self.releases}: must be >= 1")
+        for k, w in self.split:
+            if not (math.isfinite(w) and w > 0):
+                raise UserError(f"--dp-split {k}={w}: weights must be positive numbers")
+
+    def z(self) -> float:
+        """The noise multiplier: as given, or calibrated to `epsilon` for `releases` releases."""
+        if self.noise_multiplier is not None:
+            return float(self.noise_multiplier)
+        assert self.epsilon is not None
+        return calibrate(self.epsilon, self.delta, self.releases, self.accountant)
 
 
 def pld_interval(z: float, releases: int) -> float:

@@ -6,14 +6,13 @@ bad cell cannot sink a sweep. A finished cell is written atomically to
 `<cells dir>/<hash>.json` by the process that ran it (docs/contracts.md, section 9), so results
 survive a driver that is killed while workers finish.
 
-Head cells train on the feature store through fedheads' own engine (the path `fedheads train`
-takes, one seed); fine-tuning cells call `fedheads.finetuning.runner.finetune_run`; FedDRA cells run the
-public `fedheads feddra` command (when this build has it) with the options a user would type.
+Every cell trains through fedheads' public API with the options a user would give it: head
+cells `fedheads.train` (one seed, in memory, on the store's features held by `fedheads.load`),
+fine-tuning cells `fedheads.finetune`, FedDRA cells `fedheads.feddra`.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import socket
@@ -23,19 +22,19 @@ from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
+import fedheads
+
 RESULT_FORMAT = "pipelines-cell-result/1"
 _DATA: OrderedDict[tuple, Any] = OrderedDict()  # per process: the last feature sets loaded
 _DATA_SLOTS = 2
 
 
 def _fed_data(store: str, backbones: tuple[str, ...], device: str, binarize: bool, heap: Any = None) -> Any:
-    """The store's FedData, its clients in the store's order (kept for the next cells; `heap`:
-    the process's heap policy, fedheads.run.allocator)."""
-    from fedheads.run.load import load_fed_data
-
+    """The store's features in memory, its clients in the store's order (kept for the next cells;
+    `heap`: the process's heap policy, fedheads.run.allocator)."""
     key = (store, backbones, device, binarize)
     if key not in _DATA:
-        _DATA[key] = load_fed_data(store, list(backbones), device, binarize=binarize)
+        _DATA[key] = fedheads.load(store, backbones, device=device, binarize=binarize)
         if heap is not None:
             heap.after_load()
         while len(_DATA) > _DATA_SLOTS:
@@ -44,12 +43,14 @@ def _fed_data(store: str, backbones: tuple[str, ...], device: str, binarize: boo
     return _DATA[key]
 
 
-def _settings(cfg: dict[str, Any]) -> tuple[tuple[str, Any], ...]:
-    """Method settings scoped to the algorithm (must apply), the others plain (dropped where they
-    do not apply), as `fedheads compare --set` treats them."""
+def _settings(cfg: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """(the method's settings scoped to the algorithm, which must apply, and the common ones that
+    are its settings; the common keys that are not, dropped and recorded as `fedheads compare` does)."""
     alg = cfg["algorithm"]
-    scoped = tuple((f"{alg}.{k}", v) for k, v in cfg["settings"]["method"].items())
-    return scoped + tuple(cfg["settings"]["common"].items())
+    keys = fedheads.settings(alg)
+    common = cfg["settings"]["common"]
+    used = {**{k: v for k, v in common.items() if k in keys}, **{f"{alg}.{k}": v for k, v in cfg["settings"]["method"].items()}}
+    return used, [k for k in common if k not in keys]
 
 
 def _paper_units(alg: str, data: Any, rounds: int, fraction: float, cfg: Any) -> dict[str, Any] | None:
@@ -61,25 +62,12 @@ def _paper_units(alg: str, data: Any, rounds: int, fraction: float, cfg: Any) ->
         return {"comm_bytes": comm.comm_fedncm_bytes(D, C, K), "compute_F": float(comm.comp_fedncm(N)),
                 "per_round": None}
     if alg == "lp":
-        E = int(getattr(cfg, "local_epochs", 1) or 1)
+        E = int(cfg.get("local_epochs", 1) or 1)
         return {"comm_bytes": comm.comm_lp_bytes(D, C, K, rounds, fraction),
                 "compute_F": float(comm.comp_lp(rounds, E, N)),
                 "per_round": {"comm_bytes": comm.comm_lp_bytes(D, C, K, 1, fraction),
                               "compute_F": float(comm.comp_lp(1, E, N))}}
     return None
-
-
-def _saved_head(algorithm: str, data: Any, backbones: list[str], opts: Any, out: Path) -> tuple[Path, dict[str, Any]]:
-    """`algorithm` trained as `fedheads train --out OUT` trains it (one seed, the cell's options,
-    its common settings, its mechanism), for a cell that calibrates a saved head (CCVR's
-    head=RUN_DIR). Under DP the head's noise is drawn from another key than the cell's (noise_seed
-    + 1): the two releases' noises must be independent for their epsilons to compose."""
-    from fedheads.run.train import train_run
-
-    if opts.dp is not None and opts.dp.noise_seed is not None:
-        opts = dataclasses.replace(opts, dp=dataclasses.replace(opts.dp, noise_seed=opts.dp.noise_seed + 1))
-    res = train_run(None, backbones, algorithm, opts, out, strict=False, data=data, overwrite=True)
-    return out, res
 
 
 def composed_epsilon(blocks: list[dict[str, Any]]) -> float:
@@ -105,45 +93,32 @@ def composed_epsilon(blocks: list[dict[str, Any]]) -> float:
 
 
 def run_head(cfg: dict[str, Any], paths: dict[str, Any], heap: Any = None, out: Path | None = None) -> dict[str, Any]:
-    """A head cell on the store's features, as `fedheads train` trains one seed (`heap`: the
-    process's heap policy, fedheads.run.allocator; None: none). With the option `head_from`, the
-    cell first trains that algorithm's head into OUT/head as `fedheads train` would and the cell's
-    algorithm calibrates it (head=OUT/head: CCVR); under DP both releases are accounted together."""
-    from fedheads.core.engine import run
-    from fedheads.privacy import mechanism
-    from fedheads.report import results as report
-    from fedheads.run.rundir import config_dict
-    from fedheads.run.saved import attach_saved_runs
-    from fedheads.run.train import TrainOptions, build_algorithm
-
+    """A head cell on the store's features, as `fedheads train` trains one seed, every round run
+    (`all_rounds`: the per-round history cells record; `heap`: the process's heap policy,
+    fedheads.run.allocator; None: none). With the option `head_from`, the cell first trains that
+    algorithm's head into OUT/head as `fedheads train` would and the cell's algorithm calibrates
+    it (head=OUT/head: CCVR); under DP both releases are accounted together (the head's noise drawn
+    from another key, noise_seed + 1: the two noises must be independent for their epsilons to compose)."""
     o = cfg["options"]
-    dp = mechanism(dict(o["dp"])) if o.get("dp") else None  # (field, value) pairs of a privacy.Mechanism
-    opts = TrainOptions(rounds=o["rounds"], seeds=(cfg["seed"],), fraction=o["fraction"],
-                        engine=o.get("engine", "vectorized"), device=o["device"], eval_every=o["eval_every"],
-                        binarize=bool(o.get("binarize", False)), settings=_settings(cfg), progress=False, dp=dp)
+    dp = dict(o["dp"]) if o.get("dp") else None  # (field, value) pairs of a privacy.Mechanism
     data = _fed_data(paths["store"], tuple(cfg["backbones"]), o["device"], bool(o.get("binarize", False)), heap)
+    run = {"backbones": cfg["backbones"], "rounds": o["rounds"], "seeds": cfg["seed"], "fraction": o["fraction"],
+           "engine": o.get("engine", "vectorized"), "device": o["device"], "eval_every": o["eval_every"],
+           "binarize": bool(o.get("binarize", False)), "all_rounds": True}
+    settings, ignored = _settings(cfg)
     head: dict[str, Any] | None = None
     if o.get("head_from"):
         if out is None:
             raise ValueError("head_from: the cell has no directory to save the head in")
-        head_opts = dataclasses.replace(opts, settings=tuple(cfg["settings"]["common"].items()))
-        head_dir, head_res = _saved_head(o["head_from"], data, list(cfg["backbones"]), head_opts, out / "head")
-        head = {"algorithm": o["head_from"], "run_dir": str(head_dir),
+        head_dp = dp if dp is None or dp.get("noise_seed") is None else {**dp, "noise_seed": dp["noise_seed"] + 1}
+        common = {k: v for k, v in cfg["settings"]["common"].items() if k in fedheads.settings(o["head_from"])}
+        head_res = fedheads.train(data, o["head_from"], **{**run, "all_rounds": False}, settings=common, dp=head_dp,
+                                  out=out / "head", overwrite=True)
+        head = {"algorithm": o["head_from"], "run_dir": str(out / "head"),
                 "accuracy": (head_res.get("accuracy") or {}).get("mean"), "privacy": head_res.get("privacy")}
-        opts = dataclasses.replace(opts, settings=opts.settings + ((f"{cfg['algorithm']}.head", str(head_dir)),))
-    alg, used, ignored = build_algorithm(cfg["algorithm"], opts, strict=False)
-    attach_saved_runs(alg)  # the saved head (trained from the same arrays: no fingerprints to compare)
-    # as fedheads train: the engine may stack the clients in its fastest order (results in the store's)
-    res = run(alg, data, opts.rounds, seed=cfg["seed"], fraction=opts.fraction, engine=opts.engine,
-              eval_every=opts.eval_every, progress=False, reorder=True,
-              between_buckets=None if heap is None else heap.between_buckets)
-    names, domains = list(data.client_names), list(data.domains)
-    seed_res = report.seed_result_from_run(res, cfg["seed"], names, n_test=data.n_test)
-    other = {}
-    for rule, acc in res.history[-1].accuracy.items():  # type: ignore[union-attr]
-        if rule != "main":
-            other[rule] = 100.0 * float(acc[~acc.isnan()].mean())
-    privacy = alg.report([alg.releases(res.client_state)]) if dp is not None else None
+        settings[f"{cfg['algorithm']}.head"] = str(out / "head")
+    res = fedheads.train(data, cfg["algorithm"], **run, settings=settings, dp=dp)
+    privacy = res.get("privacy")
     extra: dict[str, Any] = {}
     if head is not None:
         extra["saved_head"] = head
@@ -152,50 +127,49 @@ def run_head(cfg: dict[str, Any], paths: dict[str, Any], heap: Any = None, out: 
                                            "delta": privacy["delta"], "accountant": privacy["accountant"],
                                            "releases": head["privacy"]["releases_per_example"]
                                            + privacy["releases_per_example"]}
-    return {**extra, "seed_result": seed_res, "clients": names, "domains": domains, "privacy": privacy,
-            "num_classes": data.num_classes, "feature_dims": [cfg["features"]["backbones"][b]["dim"]
-                                                              for b in cfg["backbones"]],
-            "training_rounds": opts.rounds - int(getattr(alg, "collect_rounds", 0)), "other_rules": other,
-            "algorithm_kwargs": used, "ignored_options": ignored,
-            "algorithm_config": config_dict(getattr(alg, "cfg", None)),
-            "paper_units": _paper_units(cfg["algorithm"], data, opts.rounds, opts.fraction, getattr(alg, "cfg", None))}
+    return {**extra, "seed_result": res.per_seed[0], "clients": res["clients"], "domains": res["domains"],
+            "privacy": privacy, "num_classes": res["num_classes"],
+            "feature_dims": [cfg["features"]["backbones"][b]["dim"] for b in cfg["backbones"]],
+            "training_rounds": res["training_rounds"],
+            "other_rules": {rule: v["values"][0] for rule, v in res["other_rules"].items()},
+            "algorithm_kwargs": res.config["algorithm_kwargs"], "ignored_options": ignored,
+            "algorithm_config": res.config["algorithm_config"],
+            "paper_units": _paper_units(cfg["algorithm"], data, o["rounds"], o["fraction"],
+                                        res.config["algorithm_config"] or {})}
 
 
-def _finetune_options(cfg: dict[str, Any], paths: dict[str, Any]) -> Any:
-    """FinetuneOptions of a cell: its settings are `fedheads finetune --set` keys (`ft.KEY` names
-    the same key); method settings must apply, common ones apply where they are a key."""
-    from fedheads.finetuning.runner import SETTINGS, finetune_options
-
-    keys = {f.name for part in SETTINGS for f in part.fields()}
-    o = cfg["options"]
-    run = {"fraction": o["fraction"]}
-    items: list[tuple[str, Any]] = []
+def _method_settings(cfg: dict[str, Any], command: str, run: dict[str, Any]) -> dict[str, Any]:
+    """The settings of a fine-tuning or FedDRA cell: `fedheads finetune / feddra --set` keys (`ft.KEY`
+    names the same key); method settings must apply, common ones apply where they are a key or a
+    run option (`run`, updated)."""
+    keys = fedheads.settings(command)
+    items: dict[str, Any] = {}
     for scope in ("common", "method"):  # method settings last: they win, and they must apply
         for k, v in cfg["settings"][scope].items():
             key = k[3:] if k.startswith("ft.") else k
             if key in keys:
-                items.append((key, v))
+                items[key] = v
             elif key in run:
                 run[key] = v
             elif scope == "method":
-                raise ValueError(f"setting {k!r}: not a setting of fedheads finetune (fedheads.finetuning.runner.SETTINGS)")
-    return finetune_options(items, heads=(cfg["algorithm"],), rounds=o["rounds"], seeds=(cfg["seed"],),
-                            eval_every=o["eval_every"], device=o["device"], num_workers=0,
-                            weights_dir=paths.get("weights_dir"), resume=True, progress=False, **run)
+                raise ValueError(f"setting {k!r}: not a setting of fedheads {command}")
+    return items
 
 
 def run_finetune(cfg: dict[str, Any], paths: dict[str, Any], out: Path) -> dict[str, Any]:
     """`fedheads finetune` for one stage-1 head and seed; resumes a killed cell from its checkpoint."""
-    from fedheads.finetuning.runner import finetune_run
-
-    opts = _finetune_options(cfg, paths)
-    res = finetune_run(paths["manifest"], paths["store"], cfg["backbones"][0], out, opts)
+    o = cfg["options"]
+    run = {"fraction": o["fraction"]}
+    settings = _method_settings(cfg, "finetune", run)
+    res = fedheads.finetune(paths["manifest"], paths["store"], cfg["backbones"][0], out, heads=(cfg["algorithm"],),
+                            rounds=o["rounds"], seeds=(cfg["seed"],), eval_every=o["eval_every"], device=o["device"],
+                            num_workers=0, weights_dir=paths.get("weights_dir"), resume=True, settings=settings, **run)
     return {"seed_result": _seed_result_from_results(res, cfg["seed"]), "clients": res.get("clients", []),
             "domains": res.get("domains", []), "figure1": res.get("figure1"), "paper_units": res.get("paper_units"),
             "stages": res.get("stages"), "run_dir": str(out)}
 
 
-def _seed_result_from_results(res: dict[str, Any], seed: int) -> dict[str, Any]:
+def _seed_result_from_results(res: Any, seed: int) -> dict[str, Any]:
     """A one-seed results.json (contract 6) as a per-seed entry of fedheads.report.results.summarise_runs."""
     per_client = {c: v["mean"] for c, v in res["per_client"].items() if v.get("mean") is not None}
     comm = {k: res.get("communication", {}).get(k) for k in
@@ -208,50 +182,50 @@ def _seed_result_from_results(res: dict[str, Any], seed: int) -> dict[str, Any]:
             "n_test": {c: v.get("n_test", 0) for c, v in res["per_client"].items()}}
 
 
-FEDDRA_COMMAND = "fedheads feddra"
 FEDDRA_MISSING = "fedheads feddra not available in this build"
 
 
 def feddra_available() -> bool:
-    """Whether this build's `fedheads` command line has the `feddra` command."""
-    try:
-        from fedheads.cli import main
-    except ImportError:
-        return False
-    return "feddra" in getattr(main, "commands", {})
+    """Whether this build's public API has `fedheads.feddra`."""
+    return callable(getattr(fedheads, "feddra", None))
 
 
-def feddra_args(cfg: dict[str, Any], paths: dict[str, Any], out: Path) -> list[str]:
-    """The `fedheads feddra` command line of one cell, as a user would type it: the preset is its
-    --baseline and every setting a --set (("rho", 0.1) -> --set rho=0.1)."""
+def feddra_keywords(cfg: dict[str, Any], paths: dict[str, Any], out: Path) -> dict[str, Any]:
+    """The `fedheads.feddra` keywords of one cell, as a user would give them: the preset is its
+    baseline and every setting one of `settings`."""
     o = cfg["options"]
+    return {"baselines": (cfg["algorithm"],), "rounds": o["rounds"], "seeds": (cfg["seed"],),
+            "eval_every": o["eval_every"], "device": o["device"], "num_workers": 0,
+            "weights_dir": paths.get("weights_dir") or None, "resume": out.exists(),  # a killed cell continues
+            "settings": {**cfg["settings"]["common"], **cfg["settings"]["method"]}}
+
+
+def feddra_command(cfg: dict[str, Any], paths: dict[str, Any], out: Path, kw: dict[str, Any]) -> str:
+    """The `fedheads feddra` command line the cell's call stands for (recorded with its result)."""
     image, text = cfg["backbones"][:2]
-    args = ["feddra", "--manifest", str(paths["manifest"]), "--image-encoder", image, "--text-encoder", text,
-            "--baseline", cfg["algorithm"], "--rounds", str(o["rounds"]), "--seeds", str(cfg["seed"]),
-            "--eval-every", str(o["eval_every"]), "--device", o["device"], "--num-workers", "0", "--quiet",
+    args = ["fedheads", "feddra", "--manifest", str(paths["manifest"]), "--image-encoder", image, "--text-encoder", text,
+            "--baseline", cfg["algorithm"], "--rounds", str(kw["rounds"]), "--seeds", str(cfg["seed"]),
+            "--eval-every", str(kw["eval_every"]), "--device", kw["device"], "--num-workers", "0", "--quiet",
             "--out", str(out)]
-    if paths.get("weights_dir"):
-        args += ["--weights-dir", str(paths["weights_dir"])]
-    if out.exists():
-        args.append("--resume")  # a killed cell continues from its last per-round checkpoint
-    for k, v in {**cfg["settings"]["common"], **cfg["settings"]["method"]}.items():
+    args += ["--weights-dir", str(kw["weights_dir"])] if kw["weights_dir"] else []
+    args += ["--resume"] if kw["resume"] else []
+    for k, v in kw["settings"].items():
         args += ["--set", f"{k}={v if isinstance(v, str) else json.dumps(v)}"]
-    return args
+    return " ".join(args)
 
 
 def run_feddra(cfg: dict[str, Any], paths: dict[str, Any], out: Path) -> dict[str, Any]:
-    """One preset and seed through the public `fedheads feddra` command (in this process: no second
-    torch start-up per cell); its results.json becomes the cell's result."""
+    """One preset and seed through `fedheads.feddra` (in this process: no second torch start-up per
+    cell); its results.json becomes the cell's result."""
     if not feddra_available():
         raise RuntimeError(FEDDRA_MISSING)
-    from fedheads.cli import main
-
-    args = feddra_args(cfg, paths, out)
-    main.main(args=args, prog_name="fedheads", standalone_mode=False)
-    res = json.loads((out / "results.json").read_text())
+    image, text = cfg["backbones"][:2]
+    kw = feddra_keywords(cfg, paths, out)
+    command = feddra_command(cfg, paths, out, kw)
+    res = fedheads.feddra(paths["manifest"], image, text, out, **kw)
     return {"seed_result": _seed_result_from_results(res, cfg["seed"]), "clients": res.get("clients", []),
             "domains": res.get("domains", []), "retrieval": res.get("retrieval"), "run_dir": str(out),
-            "command": " ".join(["fedheads", *args])}
+            "command": command}
 
 
 def result_path(cells_dir: str | Path, h: str) -> Path:

@@ -28,7 +28,7 @@ DATA = DataRecipe("mimic-cxr", "label-shift", clients=5, alpha=1.0, train_fracti
                   standin_domains=("amazon", "caltech10"),
                   note="MIMIC-CXR split by LDA over disease labels (alpha 1) into 5 clients; the stand-in draws "
                        "per-class Dirichlet(1) shares of amazon + caltech10 (FedDRA design notes, section 3)")
-# smoke and ci cut the local work to the `quick` preset's (fedheads.feddra.runner.PRESETS): E = 5 steps
+# smoke and ci cut the local work to the `quick` preset's (fedheads.alignment.runner.PRESETS): E = 5 steps
 # per stage at B = 32, the text encoder frozen in stage 2, the image encoder trained whole. The paper's
 # local work (E = 50, both encoders trained) is paper scale: a ci cell of it took hours and over 3.5 GB
 # on 2 CPU cores, ten times the local work of these (times: docs/papers/feddra.md)

@@ -82,7 +82,7 @@ def _module_exists(name: str) -> bool:
 
 @cache
 def _has_field(algorithm: str, name: str) -> bool:
-    from fedheads.run.options import config_class
+    from fedheads.run.settings import config_class
 
     cls = config_class(algorithm)
     return cls is not None and name in {f.name for f in dataclasses.fields(cls)}
@@ -315,7 +315,7 @@ def cells(arm: Arm, ctx: RunContext) -> list[dict[str, Any]]:
     if m.kind == "head" and m.algorithm in RESEEDED and float(options["fraction"]) >= 1.0:
         base["client_seeds"] = "global-id"
     if m.kind == "feddra":  # what the preset sets is part of the cell: a preset whose meaning changes
-        from fedheads.feddra.runner import BASELINES  # (fedavg became one-stage) is never served stale
+        from fedheads.alignment.runner import BASELINES  # (fedavg became one-stage) is never served stale
 
         base["preset"] = BASELINES.get(m.algorithm)
     out = []

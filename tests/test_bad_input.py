@@ -86,7 +86,7 @@ def test_a_run_config_with_a_key_twice_is_one_line(tmp_path):
 
 
 def test_a_set_value_with_a_key_twice_is_refused():
-    from fedheads.run.train import parse_settings
+    from fedheads.run.settings import parse_settings
 
     assert parse_settings(['w={"a": 1}', "x=word"]) == (("w", {"a": 1}), ("x", "word"))
     with pytest.raises(UserError, match="--set w: key 'a' appears twice"):

@@ -40,7 +40,7 @@ def test_per_seed_reads_the_last_round(tmp_path: Path) -> None:
 def test_methods_part_runs_the_papers_fedavg_and_the_two_stage_one_beside_it() -> None:
     """By default the methods part runs FedAvg as the paper does (one stage) and, beside it, FedAvg
     with FedDRA's two-stage schedule: the schedule's share of FedDRA's lead is measured, not assumed."""
-    from fedheads.feddra.runner import BASELINES
+    from fedheads.alignment.runner import BASELINES
 
     default = next(p.default for p in bench_feddra.main.params if p.name == "methods").split(",")
     assert {"feddra", "fedavg", "fedavg-two-stage"} <= set(default)

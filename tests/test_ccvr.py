@@ -338,7 +338,7 @@ def _rows(run_dir):
 def test_settings_show_the_docs_and_sources_declared_with_setting():
     """`fedheads algorithms ccvr|fedpft` list each key with the doc and source its
     fedheads.core.config.setting declares (the fields carry no comments)."""
-    from fedheads.run.options import settings_of
+    from fedheads.run.settings import settings_of
 
     rows = {r.key: r for r in settings_of("ccvr")[0]}
     assert rows["virtual_per_class"].doc.startswith("virtual features M_c") and "FL-bench" in rows["virtual_per_class"].source

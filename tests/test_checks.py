@@ -28,7 +28,7 @@ def test_static_names_equal_the_registries():
         "print(json.dumps([[i.name for i in list_algorithms()], registered_names(), registered_families()]))\n"))
     assert checks.known_algorithms() == got[0] or sorted(checks.known_algorithms()) == got[0]  # read without importing
     assert got[1:] == [backbone_names.builtin_names(), list(backbone_names.family_prefixes())]
-    from fedheads.feddra.runner import BASELINES
+    from fedheads.alignment.runner import BASELINES
     from fedheads.finetuning.heads import HEADS
 
     assert tuple(BASELINES) == checks.FEDDRA_BASELINES and tuple(HEADS) == checks.FINETUNE_HEADS

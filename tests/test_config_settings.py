@@ -16,7 +16,7 @@ from test_fedheads_cli import _write_store
 
 from fedheads.algorithms import _REGISTRY, create_algorithm
 from fedheads.cli import main
-from fedheads.run.options import settings_of, settings_table
+from fedheads.run.settings import settings_of, settings_table
 
 
 @pytest.fixture(scope="module")
@@ -153,7 +153,7 @@ FD = ["feddra", "--manifest", "m.json", "--image-encoder", "resnet20-cifar10", "
 @pytest.fixture
 def ran(monkeypatch):
     """The options each finetune / feddra command would run with (nothing trains)."""
-    import fedheads.feddra.runner as fd_runner
+    import fedheads.alignment.runner as fd_runner
     import fedheads.finetuning.runner as ft_runner
 
     seen: list = []
@@ -176,31 +176,29 @@ def test_finetune_takes_its_settings_with_set(ran):
     assert _notes(res) == []
 
 
-def test_finetune_former_options_are_aliases_with_one_note_each(ran):
-    res = _cli(*FT, "--server", "fedadam", "--lr", "0.01", "--trainable", "after:layer2", "--no-pretrained",
-               "--warmup-rounds", "2")
-    assert res.exit_code == 0, res.output
-    (opts,) = ran
-    assert (opts.ft.server, opts.ft.lr, opts.ft.warmup_rounds) == ("fedadam", 0.01, 2)
-    assert opts.trainable == "after:layer2" and opts.pretrained is False
-    assert _notes(res) == ["note: --server is now --set server=fedadam (--server is kept for one release)",
-                           "note: --lr is now --set lr=0.01 (--lr is kept for one release)",
-                           "note: --warmup-rounds is now --set warmup_rounds=2 (--warmup-rounds is kept for one release)",
-                           "note: --trainable is now --set trainable=after:layer2 (--trainable is kept for one release)",
-                           "note: --no-pretrained is now --set pretrained=false (--no-pretrained is kept for one release)"]
-    ran.clear()
-    res = _cli(*FT, "--lr", "0.5", "--set", "lr=0.02")  # --set wins over the alias
-    assert res.exit_code == 0 and ran[0].ft.lr == 0.02 and len(_notes(res)) == 1
+@pytest.mark.parametrize("args,needle", [
+    (FT + ["--server", "fedadam"], "--server: replaced by --set server=VALUE"),
+    (FT + ["--no-pretrained"], "--no-pretrained: replaced by --set pretrained=false"),
+    (FT + ["--warmup-rounds", "2"], "--warmup-rounds: replaced by --set warmup_rounds=VALUE"),
+    (FD + ["--steps-per-stage", "7"], "--steps-per-stage: replaced by --set steps=VALUE"),
+    (FD + ["--no-two-stage"], "--no-two-stage: replaced by --set two_stage=false"),
+    (FD + ["--rho", "0.3"], "--rho: replaced by --set rho=VALUE"),
+])
+def test_former_options_are_refused_naming_their_replacement(ran, args, needle):
+    """The options that became --set keys are gone: each is one line naming its --set key, exit 2,
+    nothing run (no alias is accepted silently)."""
+    assert_one_line(_cli(*args), 2, needle, "(the option was removed)")
+    assert ran == []
 
 
-def test_feddra_takes_its_settings_with_set_and_keeps_its_former_options(ran):
-    res = _cli(*FD, "--preset", "quick", "--set", "mu=1", "--rho", "0.3", "--steps-per-stage", "7", "--no-two-stage")
+def test_feddra_takes_its_settings_with_set_over_the_preset(ran):
+    res = _cli(*FD, "--preset", "quick", "--set", "mu=1", "--set", "rho=0.3", "--set", "steps=7",
+               "--set", "two_stage=false")
     assert res.exit_code == 0, res.output
     (opts,) = ran
     assert (opts.fd.mu, opts.fd.dro.rho, opts.fd.steps, opts.fd.two_stage) == (1.0, 0.3, 7, False)
     assert (opts.fd.rounds, opts.fd.batch_size, opts.text_trainable) == (4, 32, "frozen")  # the preset's
-    assert [n.split(" is now ")[1].split(" (")[0] for n in _notes(res)] == \
-        ["--set steps=7", "--set rho=0.3", "--set two_stage=false"]
+    assert _notes(res) == []
 
 
 @pytest.mark.parametrize("args,needle", [
@@ -215,12 +213,12 @@ def test_a_bad_setting_is_one_line_naming_it(ran, args, needle):
     assert ran == []
 
 
-@pytest.mark.parametrize("args", [FT + ["--set", "server=fedprox", "--lr", "0.05"],
+@pytest.mark.parametrize("args", [FT + ["--set", "server=fedprox", "--set", "lr=0.05"],
                                   FD + ["--preset", "quick", "--set", "rho=0.2"]])
 def test_the_dump_has_every_setting_and_reads_back_as_yaml_or_json(tmp_path, args):
-    from fedheads.feddra.runner import SETTINGS as FD_SETTINGS
+    from fedheads.alignment.runner import SETTINGS as FD_SETTINGS
     from fedheads.finetuning.runner import SETTINGS as FT_SETTINGS
-    from fedheads.run.options import command_settings
+    from fedheads.run.settings import command_settings
 
     first = _cli(*args, "--dump-config")
     assert first.exit_code == 0, first.output
@@ -234,24 +232,24 @@ def test_the_dump_has_every_setting_and_reads_back_as_yaml_or_json(tmp_path, arg
         assert again.exit_code == 0 and again.stdout == first.stdout, again.output
 
 
-def test_a_file_written_with_the_former_options_still_reads(ran, tmp_path):
+def test_a_file_written_with_the_former_options_is_one_line(ran, tmp_path):
     (tmp_path / "old.yaml").write_text("command: finetune\nmanifest: m.json\nstore: s.zarr\nbackbone: resnet20-cifar10\n"
-                                       "server: fedadam\nlr: 0.02\nno_augment: true\nout: o\n")
-    res = _cli("finetune", "--config", tmp_path / "old.yaml")
-    assert res.exit_code == 0, res.output
-    assert (ran[0].ft.server, ran[0].ft.lr, ran[0].augment) == ("fedadam", 0.02, False) and len(_notes(res)) == 3
+                                       "server: fedadam\nout: o\n")
+    assert_one_line(_cli("finetune", "--config", tmp_path / "old.yaml"), 2, "old.yaml: server: replaced by --set server=")
+    assert ran == []
 
 
-def test_api_finetune_takes_settings_and_its_former_keywords_warn(ran, tmp_path):
+def test_api_finetune_takes_settings_and_refuses_its_former_keywords(ran, tmp_path):
     import fedheads
+    from embedcache.errors import UserError
 
     fedheads.finetune("m.json", "s.zarr", "resnet20-cifar10", tmp_path / "a", settings={"server": "fedadam", "lr": 0.01})
     assert (ran[0].ft.server, ran[0].ft.lr) == ("fedadam", 0.01)
-    with pytest.warns(FutureWarning, match=r"settings=\{'trainable': 'head'\}"):
+    with pytest.raises(UserError, match=r"fedheads.finetune: trainable: replaced by settings=\{'trainable': VALUE\}"):
         fedheads.finetune("m.json", "s.zarr", "resnet20-cifar10", tmp_path / "b", trainable="head")
-    assert ran[1].trainable == "head"
-    with pytest.raises(TypeError, match="unexpected keyword argument 'servr'"):
+    with pytest.raises(UserError, match="fedheads.finetune: no option servr"):
         fedheads.finetune("m.json", "s.zarr", "resnet20-cifar10", tmp_path / "c", servr="fedadam")
+    assert len(ran) == 1
 
 
 @pytest.mark.parametrize("command,line", [("finetune", ("lr", "0.1", "client SGD learning rate", "[FedNCM App. B]")),

@@ -18,7 +18,7 @@ from fedheads.run.train import TrainOptions, train_data
 
 CORE = Path(fedheads.core.__file__).parent
 # standard-library modules judged harmless: no I/O, terminals, processes or network
-STDLIB = {"__future__", "collections.abc", "contextlib", "dataclasses", "enum", "functools", "hashlib",
+STDLIB = {"__future__", "collections.abc", "contextlib", "dataclasses", "enum", "functools", "hashlib", "importlib",
           "itertools", "math", "threading", "time", "typing"}
 
 

@@ -1,4 +1,4 @@
-"""FedDRA (fedheads.feddra.algorithm*): rho = 0, mu = 0 is FedAvg, stage 1 from cached token states
+"""FedDRA (fedheads.alignment.algorithm*): rho = 0, mu = 0 is FedAvg, stage 1 from cached token states
 equals stage 1 with live frozen encoders, sums + finalize equal the stacked server step, the
 retrieval metrics by hand, and the run's schedule and presets (the test doubles of vl_doubles).
 
@@ -17,13 +17,13 @@ import torch
 import vl_doubles
 
 from embedcache.errors import UserError
-from fedheads.feddra.algorithm import FDMessage, FedDRA, FedDRAConfig, info_nce, l_c, l_mi
-from fedheads.feddra.driver import _seed, run_feddra
-from fedheads.feddra.dro import DROConfig
-from fedheads.feddra.evaluation import retrieval
-from fedheads.feddra.model import DualEncoder, ModuleShape, is_module_key
-from fedheads.feddra.pairs import cache_from_store, eval_batches, pair_clients, step_rows
-from fedheads.feddra.runner import BASELINES, apply_baseline
+from fedheads.alignment.algorithm import FDMessage, FedDRA, FedDRAConfig, info_nce, l_c, l_mi
+from fedheads.alignment.driver import _seed, run_feddra
+from fedheads.alignment.dro import DROConfig
+from fedheads.alignment.evaluation import retrieval
+from fedheads.alignment.model import DualEncoder, ModuleShape, is_module_key
+from fedheads.alignment.pairs import cache_from_store, eval_batches, pair_clients, step_rows
+from fedheads.alignment.runner import BASELINES, apply_baseline
 from fedheads.finetuning.data import seeded
 
 CPU = torch.device("cpu")
@@ -148,7 +148,7 @@ def test_sample_weighted_aggregation_by_hand(paired):
     """Alg. 1 averages with 1/N; aggregation "samples" weights client i by its n_i training pairs."""
     alg, alg_n = FedDRA(FedDRAConfig()), FedDRA(FedDRAConfig(aggregation="samples"))
     from fedheads.algorithms.pfl_common import GlobalModel
-    from fedheads.feddra.algorithm import FDServerState
+    from fedheads.alignment.algorithm import FDServerState
 
     ss = FDServerState(GlobalModel({"psi/w": torch.zeros(2)}, {}), torch.full((2,), 0.5, dtype=torch.float64))
     deltas, n = (torch.tensor([4.0, 0.0]), torch.tensor([8.0, 2.0])), (1.0, 3.0)
@@ -181,7 +181,7 @@ def test_sample_weighted_aggregation_by_hand(paired):
 def test_weight_decay_is_not_scaled_by_the_dro_step_scale(paired, monkeypatch, optimizer):
     """s_i = N lambda_i scales the gradient step only (Sec. 4.3's update has no decay): with a zero
     gradient, E steps shrink every trained weight by (1 - lr wd)^E at any s_i."""
-    import fedheads.feddra.algorithm as fd
+    import fedheads.alignment.algorithm as fd
 
     monkeypatch.setattr(fd, "l_mi", lambda zx, zy, cfg: 0.0 * (zx.sum() + zy.sum()))  # gradient exactly 0
     m, _ = paired
@@ -421,7 +421,7 @@ def test_live_stage1_encodes_a_batch_once_for_model_and_anchor(paired, monkeypat
 def test_resume_counts_the_down_link_as_an_uninterrupted_run(paired, tmp_path):
     """Killed after round 2 of stage 1 and resumed: round 3 (the first stage 2) sends the clients
     the modules only, as in the uninterrupted run; they already hold the pre-trained encoders."""
-    from fedheads.feddra.driver import feddra_checkpoint
+    from fedheads.alignment.driver import feddra_checkpoint
 
     m, _ = paired
     cfg = FedDRAConfig(rounds=3, schedule="sequential", stage1_rounds=2, steps=1, batch_size=4,

@@ -1,4 +1,4 @@
-"""FedDRA's uncertainty-set projections (fedheads.feddra.dro) against a generic solver (scipy SLSQP)
+"""FedDRA's uncertainty-set projections (fedheads.alignment.dro) against a generic solver (scipy SLSQP)
 on random cases, plus the edge cases and the saturation values worked out in the FedDRA notes."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 from scipy.optimize import minimize
 
 from embedcache.errors import UserError
-from fedheads.feddra import dro
+from fedheads.alignment import dro
 
 CASES = 120
 

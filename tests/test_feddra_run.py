@@ -15,10 +15,10 @@ import vl_doubles
 
 from embedcache.errors import UserError
 from embedcache.manifest import save_manifest
-from fedheads.feddra.algorithm import FedDRAConfig
-from fedheads.feddra.dro import DROConfig
-from fedheads.feddra.probe import ProbeOptions
-from fedheads.feddra.runner import FedDRAOptions, feddra_run
+from fedheads.alignment.algorithm import FedDRAConfig
+from fedheads.alignment.dro import DROConfig
+from fedheads.alignment.probe import ProbeOptions
+from fedheads.alignment.runner import FedDRAOptions, feddra_run
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -73,9 +73,9 @@ def test_run_directory_and_results_contract(paired, tmp_path):
 
 _KILL_SCRIPT = """
 import vl_doubles
-from fedheads.feddra.dro import DROConfig
-from fedheads.feddra.algorithm import FedDRAConfig
-from fedheads.feddra.runner import FedDRAOptions, feddra_run
+from fedheads.alignment.dro import DROConfig
+from fedheads.alignment.algorithm import FedDRAConfig
+from fedheads.alignment.runner import FedDRAOptions, feddra_run
 opts = FedDRAOptions(fd=FedDRAConfig(rounds=4, steps=2, batch_size=4, dro=DROConfig(rho=1.0)), image_cut="stem",
                      num_workers=0, progress=False, device="cpu", resume={resume})
 feddra_run({manifest!r}, {store!r}, "tiny-staged", "tinytext", {out!r}, opts)
@@ -167,7 +167,7 @@ def test_cli_feddra(paired, tmp_path):
 def test_cli_preset_fills_only_what_the_user_did_not_give(paired, tmp_path, monkeypatch):
     from click.testing import CliRunner
 
-    import fedheads.feddra.runner as runner
+    import fedheads.alignment.runner as runner
     from fedheads.cli import main
 
     root, _, store = paired

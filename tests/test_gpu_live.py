@@ -15,9 +15,9 @@ import vl_doubles
 from tolerances import assert_mostly_close
 
 from embedcache.manifest import save_manifest
-from fedheads.feddra.algorithm import FedDRAConfig
-from fedheads.feddra.dro import DROConfig
-from fedheads.feddra.runner import FedDRAOptions, feddra_run
+from fedheads.alignment.algorithm import FedDRAConfig
+from fedheads.alignment.dro import DROConfig
+from fedheads.alignment.runner import FedDRAOptions, feddra_run
 from fedheads.finetuning.algorithm import FTConfig
 from fedheads.finetuning.runner import FinetuneOptions, finetune_run
 

@@ -1,6 +1,6 @@
-"""FedDRA's experiments call the public `fedheads feddra` command: in a build without it they
-fail with one clear line (and their report still shows the published values); with it, each cell
-is the command line a user would type, and its results.json becomes the cell's result."""
+"""FedDRA's experiments call the public `fedheads.feddra`: in a build without it they fail with one
+clear line (and their report still shows the published values); with it, each cell is the call a
+user would make (recorded as its command line), and its results.json becomes the cell's result."""
 
 from __future__ import annotations
 
@@ -8,12 +8,11 @@ import json
 from collections.abc import Callable
 from pathlib import Path
 
-import click
 import pipelines_doubles as pd
 import pytest
 from click.testing import CliRunner
 
-from fedheads.cli import main as fedheads_main
+import fedheads
 from pipelines import plan, registry
 from pipelines.cells import FEDDRA_MISSING
 from pipelines.cli import main
@@ -23,7 +22,7 @@ ENCODERS = ["--backbone", "efficientnet-lite0=pl-tiny-a", "--backbone", "minilm-
 
 @pytest.fixture
 def without_feddra(monkeypatch):
-    monkeypatch.setattr(fedheads_main, "commands", {k: v for k, v in fedheads_main.commands.items() if k != "feddra"})
+    monkeypatch.delattr(fedheads, "feddra")
 
 
 def test_without_the_command_feddra_experiments_fail_in_one_line(without_feddra, tmp_path):
@@ -38,33 +37,30 @@ def test_without_the_command_feddra_experiments_fail_in_one_line(without_feddra,
     assert "FedDRA Table 8, row '0.1 FedDRA (Ours)'" in report  # the published values, with provenance
 
 
-def _opts(argv: list[str]) -> dict[str, str | bool]:
-    """--name value pairs and --flags of a command line; each `--set KEY=VALUE` as KEY: VALUE."""
-    out: dict[str, str | bool] = {}
-    for i, a in enumerate(argv):
-        if a.startswith("--"):
-            nxt = argv[i + 1] if i + 1 < len(argv) else "--"
-            out[a] = True if nxt.startswith("--") else nxt
-            if a == "--set":
-                key, _, value = nxt.partition("=")
-                out[key] = value
-    return out
-
-
-def _fake_feddra(calls: list[list[str]], results: Callable[[dict[str, str | bool]], dict]) -> click.Command:
-    """Stands in for `fedheads feddra`: records its arguments and writes `results(options)` as the
+def _fake_feddra(calls: list[dict[str, str | bool]],
+                 results: Callable[[dict[str, str | bool]], dict]) -> Callable[..., dict]:
+    """Stands in for `fedheads.feddra`: records its arguments as the command line's options would
+    read ({--option: value}; each setting KEY: VALUE as text) and writes `results(options)` as the
     run's results.json (contract 6)."""
 
-    @click.command("feddra", context_settings={"ignore_unknown_options": True})
-    @click.argument("args", nargs=-1, type=click.UNPROCESSED)
-    def feddra(args: tuple[str, ...]) -> None:
-        calls.append(list(args))
-        opts = _opts(list(args))
-        out = Path(str(opts["--out"]))
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "results.json").write_text(json.dumps(results(opts)))
+    def feddra(manifest: str, image: str, text: str, out: Path, **kw: object) -> dict:
+        opts: dict[str, str | bool] = {"--manifest": str(manifest), "--image-encoder": image, "--text-encoder": text,
+                                       "--baseline": ",".join(kw["baselines"]), "--rounds": str(kw["rounds"]),
+                                       "--seeds": ",".join(map(str, kw["seeds"])), "--quiet": not kw.get("progress")}
+        if kw.get("resume"):
+            opts["--resume"] = True
+        opts.update({k: v if isinstance(v, str) else json.dumps(v) for k, v in kw["settings"].items()})
+        calls.append(opts)
+        Path(out).mkdir(parents=True, exist_ok=True)
+        res = results(opts)
+        (Path(out) / "results.json").write_text(json.dumps(res))
+        return res
 
     return feddra
+
+
+def _opts(call: dict[str, str | bool]) -> dict[str, str | bool]:
+    return call
 
 
 def _results(means: list[float], accuracy: float, **more: object) -> dict:
@@ -75,11 +71,11 @@ def _results(means: list[float], accuracy: float, **more: object) -> dict:
 
 
 def _run_with_stand_in(monkeypatch, tmp_path: Path, experiment: str,
-                       results: Callable[[dict[str, str | bool]], dict]) -> tuple[list[list[str]], Path]:
-    """`pipelines run EXPERIMENT` at smoke scale on a small captioned folder, `fedheads feddra`
-    stood in for by `_fake_feddra(results)`: (the command lines it got, the experiment's output folder)."""
-    calls: list[list[str]] = []
-    monkeypatch.setitem(fedheads_main.commands, "feddra", _fake_feddra(calls, results))
+                       results: Callable[[dict[str, str | bool]], dict]) -> tuple[list[dict], Path]:
+    """`pipelines run EXPERIMENT` at smoke scale on a small captioned folder, `fedheads.feddra`
+    stood in for by `_fake_feddra(results)`: (the options it got, the experiment's output folder)."""
+    calls: list[dict] = []
+    monkeypatch.setattr(fedheads, "feddra", _fake_feddra(calls, results))
     copy = pd.make_folder(tmp_path / "pairs", ("mimic",), tuple("abcde"), per_class=8)
     res = CliRunner().invoke(main, ["run", experiment, "--scale", "smoke", "--scheduler", "serial", "--quiet",
                                     "--plugin", "pipelines_doubles", "--source",
@@ -89,7 +85,7 @@ def _run_with_stand_in(monkeypatch, tmp_path: Path, experiment: str,
     return calls, tmp_path / "out" / experiment
 
 
-def test_each_cell_is_a_feddra_command_line(monkeypatch, tmp_path):
+def test_each_cell_is_a_feddra_call(monkeypatch, tmp_path):
     def by_rho(opts: dict[str, str | bool]) -> dict:
         rho = float(str(opts["rho"]))
         return _results([20.0 + 10 * rho + i for i in range(5)], 22.0 + 10 * rho, retrieval={
@@ -114,7 +110,7 @@ def test_each_cell_is_a_feddra_command_line(monkeypatch, tmp_path):
 def test_a_cell_hash_follows_what_its_preset_sets(monkeypatch):
     """A FedDRA cell's hash covers what its --baseline preset sets, so a preset that changes meaning
     (fedavg: two-stage, then the paper's one stage) never reuses the cells of the old one."""
-    from fedheads.feddra import runner as feddra_runner
+    from fedheads.alignment import runner as feddra_runner
     from pipelines.prepare import Prepared
 
     exp = registry.get("feddra-table2")
@@ -154,7 +150,7 @@ def test_ci_and_smoke_run_the_quick_presets_local_work_and_paper_scale_the_paper
     """A ci cell of the paper's local work (E = 50, both encoders trained) took hours on 2 CPU cores;
     ci and smoke run the `quick` preset's (E = 5 at B = 32, text frozen in stage 2), as --set options
     each cell's command line carries, and paper scale adds none."""
-    from fedheads.feddra.runner import PRESETS
+    from fedheads.alignment.runner import PRESETS
     from pipelines.exp_feddra import CPU_LOCAL_WORK
 
     quick = {k: v for k, v in PRESETS["quick"].items() if k != "rounds"}

@@ -255,16 +255,19 @@ def test_the_noise_is_the_same_in_both_engines_and_any_client_order(mode):
 
 
 def test_dp_options_parse_into_one_mechanism():
-    from fedheads.privacy import cli_values, from_cli
+    """The --dp-* options (fedheads.run.commands: the mechanism's fields under the prefix dp) build
+    one Mechanism when any is given, and what --dump-config writes reads back to it."""
+    from fedheads.run.commands import TrainOptions
+    from fedheads.run.options import build, file_config
 
-    kw = dict(dp_epsilon=None, dp_noise_multiplier=None, dp_delta=1e-5, dp_clip=1.0, dp_transform="clip",
-              dp_mode="central", dp_accountant="rdp", dp_split=None, dp_noise_seed=None)
-    assert from_cli(**kw) is None  # no --dp-epsilon / --dp-noise-multiplier: no DP
-    m = from_cli(**{**kw, "dp_epsilon": 2.0, "dp_split": "sums=0.9, counts=0.1", "dp_mode": "distributed"})
+    assert build(TrainOptions, {}).dp is None  # no --dp-* option: no DP
+    m = build(TrainOptions, {"dp_epsilon": 2.0, "dp_split": "sums=0.9, counts=0.1", "dp_mode": "distributed"}).dp
     assert m == Mechanism(epsilon=2.0, mode="distributed", split=(("sums", 0.9), ("counts", 0.1)))
-    assert from_cli(**cli_values(m)) == m  # what --dump-config writes reads back
+    assert build(TrainOptions, file_config(TrainOptions(dp=m))).dp == m  # what --dump-config writes reads back
     with pytest.raises(UserError, match="--dp-split 'sums': expected FIELD=WEIGHT"):
-        from_cli(**{**kw, "dp_epsilon": 2.0, "dp_split": "sums"})
+        build(TrainOptions, {"dp_epsilon": 2.0, "dp_split": "sums"})
+    with pytest.raises(UserError, match="give exactly one of --dp-epsilon and --dp-noise-multiplier"):
+        build(TrainOptions, {"dp_clip": 2.0})  # a --dp-* option alone is not silently ignored
     with pytest.raises(UserError, match="--dp-split: give a weight for every field"):
         _private(noise_multiplier=1.0, split=(("sums", 1.0),))
 

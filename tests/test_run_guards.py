@@ -67,19 +67,19 @@ def test_config_file_values_are_checked_too(store, tmp_path):
 def test_api_refuses_non_finite_settings(tmp_path):
     import fedheads
 
-    with pytest.raises(UserError, match="--lr nan: must be a finite number"):
+    with pytest.raises(UserError, match="fedheads.train: lr=nan: must be a finite number"):
         fedheads.train(_arrays(), "lp", rounds=1, seeds=0, lr=float("nan"))
     with pytest.raises(UserError, match="--set momentum=inf: must be a finite number"):
         fedheads.compare(_arrays(), ["lp", "mlp"], rounds=1, seeds=0, settings={"momentum": float("inf")})
-    with pytest.raises(UserError, match="--fraction nan"):
+    with pytest.raises(UserError, match="fraction=nan"):
         fedheads.train(_arrays(), "lp", rounds=1, seeds=0, fraction=float("nan"), out=tmp_path / "o")
     assert not (tmp_path / "o").exists()
 
 
 def test_live_options_refuse_non_finite_settings():
-    from fedheads.feddra.algorithm import FedDRAConfig
-    from fedheads.feddra.dro import DROConfig
-    from fedheads.feddra.runner import FedDRAOptions
+    from fedheads.alignment.algorithm import FedDRAConfig
+    from fedheads.alignment.dro import DROConfig
+    from fedheads.alignment.runner import FedDRAOptions
     from fedheads.finetuning.algorithm import FTConfig
     from fedheads.finetuning.runner import FinetuneOptions
 
@@ -170,7 +170,7 @@ def test_a_diverged_finetune_is_reported_failed(tmp_path_factory, tmp_path):
 
 def test_repeated_seeds_are_refused(store, tmp_path):
     import fedheads
-    from fedheads.feddra.runner import FedDRAOptions
+    from fedheads.alignment.runner import FedDRAOptions
     from fedheads.finetuning.runner import FinetuneOptions
 
     assert_one_line(_train(store, tmp_path / "r", "--algorithm", "lp", "--seeds", "0,0"), 2,

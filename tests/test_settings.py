@@ -12,7 +12,7 @@ from click.testing import CliRunner
 from embedcache.errors import UserError
 from fedheads.algorithms import algorithm_info, create_algorithm, list_algorithms
 from fedheads.cli import main
-from fedheads.run.options import settings_of, valid_keys
+from fedheads.run.settings import settings_of, valid_keys
 from tests.test_fedheads_cli import _write_store
 
 

@@ -19,8 +19,7 @@ communication, vs computation, one curve per method).
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -43,10 +42,11 @@ from fedheads.report import results as report
 from fedheads.report.metrics import nanmean
 from fedheads.run import rundir
 from fedheads.run.checks import check_finetune_heads, check_finite, check_seeds, check_trained_state
+from fedheads.run.commands import FinetuneRun
 from fedheads.run.environment import machine
 from fedheads.run.load import resolve_device
-from fedheads.run.options import Part, settings_values, split_settings
 from fedheads.run.rundir import RunDir, jsonable
+from fedheads.run.settings import Part, settings_values, split_settings
 
 METHOD_NAMES = {"fedncm": "fedncm+ft", "lp": "lp+ft", "random": "ft"}
 
@@ -57,13 +57,14 @@ def method_name(head: str) -> str:
 
 
 @dataclass(frozen=True)
-class FinetuneOptions:
-    """Everything `fedheads finetune` takes besides the manifest, store, backbone and output."""
+class FinetuneOptions(FinetuneRun):
+    """What `fedheads finetune` runs with besides the manifest, store, backbone and output: the run
+    (fedheads.run.commands.FinetuneRun) and the method. The method's fields below are the --set keys
+    (SETTINGS: with FTConfig's); the run's `settings` are applied on top of them when the options
+    are built (and then cleared: the fields hold the resolved values)."""
 
-    heads: tuple[str, ...] = setting(("fedncm",), "stage-1 methods: fedncm | lp | random (= the FT baseline)")
     head_rounds: int = setting(5, "LP rounds of stage 1 (FedNCM App. C.2, Table 6: 5 and 10)",
                                source="FedNCM App. C.2; FedNCM Table 6")
-    rounds: int = setting(10, "fine-tuning rounds R")
     ft: FTConfig = setting(doc="client/server optimisation", default_factory=FTConfig)
     trainable: str = setting("all", "all | after:BLOCK | head")
     bn: str = setting("train", "train (paper's code: FLSim .train()) | frozen (pre-trained statistics)")
@@ -72,32 +73,26 @@ class FinetuneOptions:
     augment: bool = setting(True, "live images: the backbone's training augmentation")
     ncm_bias: str = setting("zero", "FedNCM head bias: zero (paper) | random (authors' code)")
     lp_settings: tuple[tuple[str, Any], ...] = setting((), "fedheads `lp` config fields for stage 1")
-    seeds: tuple[int, ...] = setting((0,), "one seed by default: fine-tuning is the expensive stage")
-    fraction: float = setting(1.0, "client participation per round")
-    eval_every: int = setting(1, "evaluate every k rounds (0: round 0 and the last only)")
-    device: str = "auto"
-    num_workers: int = setting(2, "DataLoader workers for live images")
-    weights_dir: str | None = None
-    resume: bool = setting(False, "continue from RUN_DIR/state/seed<S>.ckpt.pt")
-    overwrite: bool = setting(False, "replace a finished run directory")
-    progress: bool = True
 
     def __post_init__(self) -> None:
+        if self.settings:
+            ft, top = split_settings("finetune", SETTINGS, self.settings)
+            for k, v in {"ft": replace(self.ft, **ft), **top, "settings": ()}.items():
+                object.__setattr__(self, k, v)
         check_seeds(self.seeds)
         check_finite(self)
 
 
 # `fedheads finetune --set KEY=VALUE`: the client/server optimisation (FTConfig) and the method's
-# stage-1 and backbone choices, flat keys (fedheads.run.options.Part)
+# stage-1 and backbone choices, flat keys (fedheads.run.settings.Part)
 SETTINGS = (Part(FTConfig), Part(FinetuneOptions, ("head_rounds", "trainable", "bn", "live_prefix", "pretrained",
                                                    "augment", "ncm_bias")))
 
 
-def finetune_options(settings: Iterable[tuple[str, Any]] = (), **run: Any) -> FinetuneOptions:
-    """FinetuneOptions from `--set` items (keys: fedheads.run.options.command_settings(SETTINGS);
-    later items win) and the run options (heads, rounds, seeds, fraction, device, ...)."""
-    ft, top = split_settings("finetune", SETTINGS, settings)
-    return FinetuneOptions(ft=FTConfig(**ft), **top, **run)
+def finetune_options(run: FinetuneRun | None = None, **kw: Any) -> FinetuneOptions:
+    """FinetuneOptions of a run (its --set items applied) and any of its fields as keywords."""
+    base = {f.name: getattr(run, f.name) for f in fields(FinetuneRun)} if run is not None else {}
+    return FinetuneOptions(**{**base, **kw})
 
 
 def finetune_settings(opts: FinetuneOptions) -> dict[str, Any]:

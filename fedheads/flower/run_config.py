@@ -4,50 +4,64 @@ network did (results.json `flower`). Plain data: importable without Flower."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import Any, ClassVar
 
 from embedcache.errors import UserError
+from fedheads.core.config import setting
+from fedheads.privacy_accounting import Mechanism
+from fedheads.run import commands
 
 DROPOUT_POLICIES = ("refuse", "continue")
 
 
+def _dp(name: str, default: Any) -> Any:
+    """A dp_* field of the run config: the --dp-* option of `fedheads train` (its doc), 0 or "" for
+    "not given" (a Flower run config holds no None)."""
+    f = next(f for f in fields(Mechanism) if f.name == name)
+    return setting(default, str(f.metadata["doc"]) + (" (0: not given)" if default == 0.0 and f.default is None else ""),
+                   choices=f.metadata.get("choices"), metavar=f.metadata.get("metavar"))
+
+
 @dataclass(frozen=True)
 class FlowerRunConfig:
-    """One federated run over Flower (Flower run config keys: the field names with '-')."""
+    """One federated run over Flower: the options of `fedheads simulate` / `serve` (Flower run
+    config keys: the field names with '-'). Flat and TOML-typed: 0 and "" mean "not given"."""
 
-    algorithm: str = "fedncm"  # a registered algorithm (`fedheads algorithms`)
-    backbones: str = ""  # comma-separated, concatenated in this order on every node
-    rounds: int = 1  # communication rounds
-    seed: int = 0  # run seed (participants, client initialisations, batches)
-    fraction: float = 1.0  # client participation per round
-    eval_every: int = 1  # evaluate every k rounds (0: only after the last)
-    settings: str = "[]"  # JSON [[key, value], ...]: --set fields of the algorithm
-    local_epochs: int = 0  # 0 = the algorithm's default
-    batch_size: int = 0  # 0 = the algorithm's default
-    lr: float = 0.0  # 0 = the algorithm's default
-    binarize: bool = False  # FedPCL authors' binarised features
-    secagg: bool = False  # SecAgg+ for the sum-shaped server steps (algorithms with a secure form)
-    secagg_shares: float = 1.0  # SecAgg+ num_shares, fraction of the round's participants
-    secagg_threshold: float = 0.67  # SecAgg+ reconstruction threshold, fraction of the shares
-    nodes: int = 1  # wait for this many nodes before starting
-    wait: float = 300.0  # seconds to wait for them
-    timeout: float = 600.0  # seconds a round's messages may take (extraction on first use included)
-    on_dropout: str = "refuse"  # "refuse" | "continue" (module docstring)
-    clients: str = ""  # comma-separated client order (global indices); "" = sorted by name
-    out: str = ""  # run directory written at the end ("" = none)
-    overwrite: bool = False  # replace a run already in `out`
+    algorithm: str = setting("fedncm", "see `fedheads algorithms`", required=True)
+    backbones: str = setting("", "comma-separated; every node concatenates them in this order", required=True,
+                             metavar="B,...")
+    rounds: int = commands.rounds(1)
+    seed: int = setting(0, "run seed (participants, client initialisations, batches)")
+    fraction: float = commands.fraction()
+    eval_every: int = commands.eval_every()
+    settings: str = setting("[]", "algorithm config field (repeatable; the run config holds them as JSON [[key, "
+                            "value], ...])", name="set", multiple=True, metavar="KEY=VALUE")
+    local_epochs: int = setting(0, "local epochs E (0: the algorithm's paper default)")
+    batch_size: int = setting(0, "local batch size (0: the paper's)")
+    lr: float = setting(0.0, "client learning rate (0: the paper's)")
+    binarize: bool = setting(False, "FedPCL authors' 0/1 binarised backbone features")
+    secagg: bool = setting(False, "SecAgg+ for the sum-shaped server steps (algorithms with a secure form)")
+    secagg_shares: float = setting(1.0, "SecAgg+ shares, fraction of the round's participants")
+    secagg_threshold: float = setting(0.67, "SecAgg+ reconstruction threshold, fraction of the shares")
+    nodes: int = setting(1, "wait for this many SuperNodes (fedheads join), then run")
+    wait: float = setting(600.0, "seconds to wait for the nodes")
+    timeout: float = setting(600.0, "seconds a round's messages may take (extraction on first use included)")
+    on_dropout: str = setting("refuse", "a node failing a round: stop the run (refuse), or complete the round from the "
+                              "others (continue, recorded)", choices=DROPOUT_POLICIES)
+    clients: str = setting("", "comma-separated client order (global indices; default: sorted by name)")
+    out: str = setting("", "run directory written at the end", required=True)
+    overwrite: bool = commands.overwrite()
     # differential privacy (fedheads.privacy; the --dp-* options of `fedheads train`): on when
     # dp_epsilon or dp_noise_multiplier is > 0. Public parameters only: a run config reaches every
     # node, so the noise key never travels in it (each party draws its own: fedheads/flower/dp.py)
-    dp_epsilon: float = 0.0  # target epsilon (0 = not given)
-    dp_noise_multiplier: float = 0.0  # the noise multiplier z itself (0 = not given)
-    dp_delta: float = 1e-5  # the delta epsilon is calibrated to and reported for
-    dp_clip: float = 1.0  # L2 bound C of each training feature
-    dp_transform: str = "clip"  # "clip" | "normalize"
-    dp_mode: str = "central"  # "central": the server adds the noise | "distributed": each node adds its share
-    # | "local": each node noises its own statistics (FedPFT; no SecAgg+)
-    dp_accountant: str = "rdp"  # "rdp" | "pld"
-    dp_split: str = ""  # FIELD=W,... budget split over the noised sums ("" = equal)
+    dp_epsilon: float = _dp("epsilon", 0.0)
+    dp_noise_multiplier: float = _dp("noise_multiplier", 0.0)
+    dp_delta: float = _dp("delta", 1e-5)
+    dp_clip: float = _dp("clip", 1.0)
+    dp_transform: str = _dp("transform", "clip")
+    dp_mode: str = _dp("mode", "central")
+    dp_accountant: str = _dp("accountant", "rdp")
+    dp_split: str = _dp("split", "")
 
     def __post_init__(self) -> None:
         if self.on_dropout not in DROPOUT_POLICIES:
@@ -82,10 +96,12 @@ class FlowerRunConfig:
         (simulation only) is never a field: it would travel to the nodes with the run config."""
         if self.dp_epsilon <= 0 and self.dp_noise_multiplier <= 0:
             return None
-        from fedheads.privacy import from_cli
+        from fedheads.run.options import coerce, options_of
 
-        return from_cli(self.dp_epsilon or None, self.dp_noise_multiplier or None, self.dp_delta, self.dp_clip,
-                        self.dp_transform, self.dp_mode, self.dp_accountant, self.dp_split or None, noise_seed)
+        split = coerce(options_of(Mechanism)["split"], self.dp_split, "--dp-split ")
+        return Mechanism(clip=self.dp_clip, transform=self.dp_transform, noise_multiplier=self.dp_noise_multiplier or None,
+                         epsilon=self.dp_epsilon or None, delta=self.dp_delta, mode=self.dp_mode,
+                         accountant=self.dp_accountant, split=split, noise_seed=noise_seed)
 
     def backbone_list(self) -> list[str]:
         return [b.strip() for b in self.backbones.split(",") if b.strip()]
@@ -97,3 +113,45 @@ class FlowerLog:
 
     rounds: list[dict[str, Any]] = field(default_factory=list)
     nodes: dict[str, int] = field(default_factory=dict)  # client -> Flower node id
+
+
+@dataclass(frozen=True)
+class Simulate:
+    """`fedheads simulate`: an algorithm over Flower's simulation runtime in this process (the results of `train`)."""
+
+    store: str | None = commands.store("feature store; one virtual node per client")
+    run: FlowerRunConfig = setting(default_factory=FlowerRunConfig, nested=FlowerRunConfig, inline=True,
+                                   skip=("nodes", "wait"))
+    dp_noise_seed: int | None = setting(None, "reproducible noise (simulation only; default: a secret key from the OS)")
+
+
+@dataclass(frozen=True)
+class Serve:
+    """`fedheads serve`: a Flower SuperLink; an algorithm over the nodes that join (`fedheads join`)."""
+
+    host: str = setting("127.0.0.1", "address the SuperLink binds (loopback for a local trial)")
+    port: int = setting(0, "SuperLink port (default: a free one, printed)")
+    ssl_certfile: str | None = setting(None, "TLS certificate (a real deployment; else --insecure is used)")
+    ssl_keyfile: str | None = setting(None, "TLS private key")
+    ssl_ca_certfile: str | None = setting(None, "TLS CA certificate (give it to the nodes as --root-certificates)")
+    run: FlowerRunConfig = setting(default_factory=FlowerRunConfig, nested=FlowerRunConfig, inline=True,
+                                   skip=("clients",))
+
+    retired: ClassVar[dict[str, str]] = {"dp_noise_seed": "simulation only (`fedheads simulate`); in a deployment the "
+                                         "server and every node draw their own secret noise key"}
+
+
+@dataclass(frozen=True)
+class Join:
+    """`fedheads join`: a Flower SuperNode for this node's own data, until the SuperLink goes away."""
+
+    superlink: str = setting("", "HOST:PORT of the SuperLink (`fedheads serve` prints it)", required=True)
+    store: str | None = commands.store("this node's own feature store")
+    client: str = setting("", "which client of the store / manifest this node is (default: the only one)")
+    manifest: str = setting("", "this node's images: extracted into --store on first use")
+    device: str = commands.device("cpu")
+    weights_dir: str = setting("", "backbone weights for the extraction")
+    port: int = setting(0, "local port of the node's ClientApp API (default: a free one)")
+    root_certificates: str | None = setting(None, "CA certificate of a TLS SuperLink (default: insecure)")
+    log: str = setting("", "where the SuperNode's output goes (default: STORE.flower.log beside the store; '-': this "
+                       "console)")

@@ -29,6 +29,7 @@ from embedcache.errors import UserError
 from fedheads.core.tree import tree_index
 from fedheads.prediction import prototypes as inference
 from fedheads.prediction.trained import Part, note
+from fedheads.run.commands import Predict
 from fedheads.run.identity import mismatch
 from fedheads.run.saved import Trained, open_run
 
@@ -154,20 +155,17 @@ def store_parts(tr: Trained, store: str, info: Any, split: str, client: str) -> 
     return [Part(c, split, (c,)) for c in wanted]
 
 
-def prepare(run: str | Path, store: str | Path | None = None, *, images: str | None = None,
-            manifest: Any = None, split: str | None = None, client: str | None = None, seed: int | None = None,
-            top_k: int = 1, cache: str | Path | None = None, device: str = "cpu", batch_size: int | None = None,
-            num_workers: int = 2, weights_dir: str | None = None, plugins: Sequence[str] = (),
-            progress: bool = False) -> tuple[Trained, Any, list[Part], int]:
+def prepare(p: Predict) -> tuple[Trained, Any, list[Part], int]:
     """Everything before the first prediction: the run, the features (the store, opened once
     where it was checked, or the path of the cache that `images` were extracted into), what to
     classify by whom, and the capped k."""
     from embedcache.store.reader import open_store
 
+    run, store, images, manifest, split, client, cache = p.run, p.store, p.images, p.manifest, p.split, p.client, p.cache
     given = [n for n, v in (("store", store), ("images", images), ("manifest", manifest)) if v is not None]
     if len(given) != 1:
         raise UserError("--store / --manifest / --images: give exactly one" + (f" (got {', '.join(given)})" if given else ""))
-    extraction = {"--cache": cache, "--batch-size": batch_size, "--weights-dir": weights_dir, "--plugin": plugins or None}
+    extraction = {"--cache": cache, "--batch-size": p.batch_size, "--weights-dir": p.weights_dir, "--plugin": p.plugins or None}
     ignored = [k for k, v in extraction.items() if v is not None] if store is not None else []
     if images is not None and split is not None:
         ignored.append("--split")
@@ -177,16 +175,16 @@ def prepare(run: str | Path, store: str | Path | None = None, *, images: str | N
     split = split or "test"
     if split not in ("train", "test"):
         raise UserError(f"--split {split}: must be train or test")
-    tr = open_run(run, seed, device)
-    k = capped_k(top_k, len(tr.classes))
+    tr = open_run(run, p.seed, p.device)
+    k = capped_k(p.top_k, len(tr.classes))
     if store is not None:
         info = open_store(str(store))
         check_store(tr, str(store), info)
         return tr, info, store_parts(tr, str(store), info, split, client or "all"), k
     from fedheads.prediction.inputs import ExtractOptions, extract_images, extract_manifest
 
-    opts = ExtractOptions(str(Path(run) / "predict-cache" if cache is None else cache), device, batch_size, num_workers,
-                          weights_dir, tuple(plugins), progress)
+    opts = ExtractOptions(str(Path(run) / "predict-cache" if cache is None else cache), p.device, p.batch_size,
+                          p.num_workers, p.weights_dir, tuple(p.plugins), p.progress)
     if images is not None:
         if client is not None and client != "all":
             tr.client_index(client)
@@ -200,15 +198,14 @@ def prepare(run: str | Path, store: str | Path | None = None, *, images: str | N
     return tr, info, parts, k
 
 
-def run_predict(run: str | Path, store: str | Path | None = None, *, out: str | Path | None = None,
-                chunk_rows: int = 65536, progress: bool = False, **kw: Any,
-                ) -> dict[str, np.ndarray] | PredictionSummary:
-    """fedheads.api.predict's work: the table in memory, or streamed to `out` with a summary."""
+def run_predict(p: Predict) -> dict[str, np.ndarray] | PredictionSummary:
+    """fedheads.api.predict's work: the table in memory, or streamed to `p.out` with a summary."""
+    out = p.out
     if out is not None and Path(out).suffix.lower() not in (".csv", ".parquet"):
         raise UserError(f"{out}: unsupported extension (use .csv or .parquet)")  # before any extraction
-    tr, feats, parts, k = prepare(run, store, progress=progress, **kw)
+    tr, feats, parts, k = prepare(p)
     summary = PredictionSummary(out=None if out is None else Path(out))
-    tables = iter_tables(tr, feats, parts, k, chunk_rows, progress, summary)
+    tables = iter_tables(tr, feats, parts, k, p.chunk_rows, p.progress, summary)
     if out is not None:
         inference.write_predictions(tables, out)
         return summary

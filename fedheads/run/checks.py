@@ -22,7 +22,7 @@ from embedcache.errors import UserError, unknown_name
 # linear head (AlgorithmBase.linear_head), then K rounds of LP and the random head
 FINETUNE_HEADS = ("fedncm", "fed3r", "fedcof", "lp", "random")
 FEDDRA_BASELINES = ("feddra", "fedavg", "fedavg-two-stage", "fedprox", "no-two-stage", "no-constraint",
-                    "no-dro")  # fedheads feddra --baseline (fedheads.feddra.runner.BASELINES)
+                    "no-dro")  # fedheads feddra --baseline (fedheads.alignment.runner.BASELINES)
 
 
 def known_algorithms() -> list[str]:

@@ -15,6 +15,7 @@ features by nearest prototype with faiss (fedheads.prediction.prototypes)."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import platform
 import sys
@@ -32,60 +33,19 @@ from fedheads.report import plotting
 from fedheads.report import results as report
 from fedheads.run import checkpoint, rundir
 from fedheads.run.allocator import GlibcHeap
-from fedheads.run.checks import check_finite, check_seeds, check_trained_state
+from fedheads.run.checks import check_trained_state
+from fedheads.run.commands import Compare, Train, TrainOptions
 from fedheads.run.environment import machine
 from fedheads.run.load import load_fed_data, resolve_device
-from fedheads.run.options import (  # noqa: F401 (parse_settings, build_algorithm: also importable from here)
-    build_algorithm,
-    dump,
-    effective_config,
-    parse_settings,
-    resolve_settings,
-    unknown_key_error,
-)
+from fedheads.run.options import dump, file_config
 from fedheads.run.progress import RoundBar
 from fedheads.run.rundir import RunDir, config_dict
 from fedheads.run.saved import attach_saved_runs, state_blob
+from fedheads.run.settings import build_algorithm, resolve_settings, resolved_settings, unknown_key_error
 from fedheads.version import __version__
 
 if TYPE_CHECKING:
     from embedcache.store.reader import StoreInfo
-
-@dataclass(frozen=True)
-class TrainOptions:
-    """What `fedheads train` / `compare` take besides the store and the algorithm."""
-
-    rounds: int = 50  # communication rounds (FedPCL trains 50-200)
-    seeds: tuple[int, ...] = (0, 1, 2)  # the papers report mean (std) over 3 seeds
-    fraction: float = 1.0  # client participation per round
-    engine: str = "vectorized"  # "vectorized" (all clients stacked) or "loop" (reference)
-    # "padded" | "bucketed" | "auto" (bucketed when padding would cost) | "streamed" (buckets read when
-    # a call needs them: memory for the states and a bucket; fedheads/core/federation.py)
-    layout: str = "auto"
-    device: str = "auto"  # auto | cpu | cuda
-    eval_every: int = 1  # evaluate every k rounds (0 = only after the last)
-    binarize: bool = False  # FedPCL authors' binarised backbone features
-    local_epochs: int | None = None  # None: the algorithm's paper default
-    batch_size: int | None = None
-    lr: float | None = None
-    settings: tuple[tuple[str, Any], ...] = ()  # config fields (--set k=v, or --set ALG.k=v for one algorithm)
-    progress: bool = True
-    tensorboard: bool = False  # per-round scalars in RUN_DIR/tensorboard/seed<S>/ (fedheads.run.tracking; needs a run dir)
-    dp: Any = None  # fedheads.privacy.Mechanism: train the algorithm under differential privacy (None: without)
-
-    generic_names = ("local_epochs", "batch_size", "lr")  # options that set the algorithm config field of that name
-
-    def __post_init__(self) -> None:
-        check_seeds(self.seeds)
-        check_finite(self)
-        if self.layout == "streamed" and self.engine != "vectorized":  # refused before a run directory is touched
-            raise UserError(f"layout streamed: the {self.engine} engine takes one client per call and would read a "
-                            "whole bucket for each; use layout bucketed (or the vectorized engine)")
-
-    def generic(self) -> dict[str, Any]:
-        g = {"local_epochs": self.local_epochs, "batch_size": self.batch_size, "lr": self.lr}
-        return {k: v for k, v in g.items() if v is not None}
-
 
 def store_fingerprint(info: Any, backbones: Sequence[str]) -> dict[str, Any]:
     """What must match between the training store and a prediction store: the class list and,
@@ -227,6 +187,7 @@ class TrainedRun:
     rows: list[list[Any]]
     states: dict[int, RunResult] = field(default_factory=dict)  # seed -> final states (cpu)
     opts: TrainOptions | None = None  # what it was trained with (config.yaml)
+    per_seed: list[dict[str, Any]] = field(default_factory=list)  # each seed's entry (report.seed_result_from_run)
 
 
 def dataset_name(info: StoreInfo) -> str:
@@ -235,12 +196,13 @@ def dataset_name(info: StoreInfo) -> str:
     return info.source or Path(info.path).name
 
 
-def rounds_needed(algorithm: Any, opts: TrainOptions) -> int:
+def rounds_needed(algorithm: Any, opts: TrainOptions, all_rounds: bool = False) -> int:
     """The rounds `algorithm` trains: `opts.rounds`, except a one-pass algorithm
     (AlgorithmBase.one_pass: FedNCM Alg. 1, Fed3R, FedCOF) with every client in every round, whose later
     rounds would only send zeros and re-evaluate the same model: one round (results.json keeps
-    `rounds` as asked, `training_rounds` says what ran). `algorithm`: a name, or the run's built one."""
-    if opts.fraction >= 1.0 and report.one_pass(algorithm):
+    `rounds` as asked, `training_rounds` says what ran), unless `all_rounds`. `algorithm`: a name, or
+    the run's built one."""
+    if opts.fraction >= 1.0 and report.one_pass(algorithm) and not all_rounds:
         return min(opts.rounds, 1)
     return opts.rounds
 
@@ -250,7 +212,7 @@ def train_data(data: Federation, backbones: Sequence[str], algorithm: str, opts:
                t_start: tuple[float, float] | None = None,
                load: tuple[float, float] | None = None, state_dir: Path | None = None,
                resume: bool = False, heap: GlibcHeap | None = None,
-               built: tuple[Any, dict[str, Any], list[str]] | None = None) -> TrainedRun:
+               built: tuple[Any, dict[str, Any], list[str]] | None = None, all_rounds: bool = False) -> TrainedRun:
     """Train `algorithm` once per seed on `data` and build the run's artefacts, every per-client
     result, saved state and row in `data`'s client order (`built`: what build_algorithm returned
     for it, else it is built here; one algorithm object runs every seed). `store`: where the features came from
@@ -273,7 +235,7 @@ def train_data(data: Federation, backbones: Sequence[str], algorithm: str, opts:
     data_id = None
     if state_dir is not None:
         data_id = checkpoint.data_settings(data)
-    rounds = rounds_needed(alg, opts)
+    rounds = rounds_needed(alg, opts, all_rounds)
     releases: list[int] = []  # per seed, under DP: the most rounds one client's statistics were released in
     classes = list(record.fingerprint["classes"]) if record is not None else [str(c) for c in range(data.num_classes)]
     notes: list[str] = []  # AlgorithmBase.trained_notes, once each over the seeds
@@ -343,13 +305,14 @@ def train_data(data: Federation, backbones: Sequence[str], algorithm: str, opts:
         config["store_fingerprint"] = record.fingerprint
     config.update({"options": config_dict(opts), "algorithm_kwargs": used if per_seed else {},
                    "algorithm_config": alg_cfg, "ignored_options": ignored, "environment": environment()})
-    return TrainedRun(result, config, rows, states, opts)
+    return TrainedRun(result, config, rows, states, opts, per_seed)
 
 
 @rundir.holds_lock
 def train_run(store: str | Path | StoreInfo | None, backbones: Sequence[str], algorithm: str, opts: TrainOptions,
               out: str | Path, strict: bool = True, data: Federation | None = None,
-              overwrite: bool = False, resume: bool = False, heap: GlibcHeap | None = None) -> dict[str, Any]:
+              overwrite: bool = False, resume: bool = False, heap: GlibcHeap | None = None,
+              all_rounds: bool = False) -> dict[str, Any]:
     """Train `algorithm` once per seed, write the run directory, return results.json's dict.
     An --out holding a run is refused unless `overwrite` (fedheads.run.rundir). `store`: a path, or
     the store the caller opened (embedcache.store.reader.open_store: not opened again); it is opened at
@@ -370,8 +333,8 @@ def train_run(store: str | Path | StoreInfo | None, backbones: Sequence[str], al
     require_test_samples(data)
     _attach(built[0], record)  # a saved run it reads is refused before the run directory is touched
     rd.begin(overwrite)  # results.json marks a complete run: no old file may sit beside the new ones
-    trained = train_data(data, backbones, algorithm, opts, store=record, strict=strict,
-                         t_start=t_start, load=load, state_dir=rd.path / "state", resume=resume, heap=heap, built=built)
+    trained = train_data(data, backbones, algorithm, opts, store=record, strict=strict, t_start=t_start, load=load,
+                         state_dir=rd.path / "state", resume=resume, heap=heap, built=built, all_rounds=all_rounds)
     write_trained(rd, trained)
     return trained.result
 
@@ -393,12 +356,29 @@ def write_config_yaml(rd: RunDir, command: str, store: str | None, backbones: Se
                       algorithms: Sequence[str], opts: TrainOptions, dropped: tuple[str, ...] = (),
                       configs: dict[str, Any] | None = None) -> None:
     """RUN_DIR/config.yaml: the effective configuration, as `--dump-config` prints it (`fedheads
-    <command> --config RUN_DIR/config.yaml` runs it again). `configs`: {algorithm: the config it
-    trained with} (then nothing is built again)."""
+    <command> --config RUN_DIR/config.yaml` runs it again). `dropped`: generic options that did not
+    apply to the algorithm (a member of a comparison: left out); `configs`: {algorithm: the config
+    it trained with} (then nothing is built again)."""
+    opts = dataclasses.replace(opts, **{k: None for k in dropped if k in opts.generic_names})
+    cmd: Train | Compare = Train(store, tuple(backbones), algorithms[0], opts, out=str(rd.path)) if command == "train" \
+        else Compare(store, tuple(backbones), tuple(algorithms), opts, out=str(rd.path))
+    rd.write_text("config.yaml", dump(command, run_config(cmd, configs)))
 
-    cfg = effective_config(command, store, list(backbones), list(algorithms), opts, rd.path, strict=False,
-                           dropped=dropped, configs=configs)
-    rd.write_text("config.yaml", dump(command, cfg))
+
+def run_config(cmd: Train | Compare, configs: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The effective configuration of `fedheads train` (one algorithm) or `compare`: every option as
+    a config file holds it, then `set`: every config field of the algorithm (compare: `NAME.field`
+    for each) as it is built, defaults included. `configs`: {algorithm: the config it was built
+    with} (else each is built once here)."""
+    names = [cmd.algorithm] if isinstance(cmd, Train) else list(cmd.algorithms)
+    fields: dict[str, Any] = {}
+    for name in names:
+        built = (configs or {}).get(name)
+        if built is None:
+            built = build_algorithm(name, cmd.options, strict=False)[0]
+        prefix = "" if isinstance(cmd, Train) else f"{name}."
+        fields.update({prefix + k: v for k, v in resolved_settings(name, built).items()})
+    return {**file_config(cmd), "set": fields}
 
 
 def write_run_files(rd: RunDir, result: dict[str, Any], config: dict[str, Any], rows: list[list[Any]]) -> None:
@@ -437,7 +417,7 @@ def compare_data(data: Federation, backbones: Sequence[str], algorithms: Sequenc
                  t_start: tuple[float, float] | None = None, load: tuple[float, float] | None = None,
                  out: Path | None = None, resume: bool = False,
                  heap: GlibcHeap | None = None,
-                 built: dict[str, tuple[Any, dict[str, Any], list[str]]] | None = None,
+                 built: dict[str, tuple[Any, dict[str, Any], list[str]]] | None = None, all_rounds: bool = False,
                  ) -> tuple[dict[str, TrainedRun], dict[str, Any]]:
     """Every algorithm trained on the same features, in memory: ({name: TrainedRun}, the
     comparison's results.json dict). Options that do not apply to an algorithm are dropped and
@@ -452,7 +432,7 @@ def compare_data(data: Federation, backbones: Sequence[str], algorithms: Sequenc
     record = _store_record(store, backbones)
     runs = {name: train_data(data, backbones, name, opts, store=record, strict=False,
                              state_dir=None if out is None else out / name / "state", resume=resume, heap=heap,
-                             built=built[name])
+                             built=built[name], all_rounds=all_rounds)
             for name in algorithms}
     combined = {"algorithms": {n: r.result for n, r in runs.items()}, "backbones": list(backbones),
                 "dataset": None if record is None else record.dataset,
@@ -465,7 +445,7 @@ def compare_data(data: Federation, backbones: Sequence[str], algorithms: Sequenc
 @rundir.holds_lock
 def compare_runs(store: str | Path | StoreInfo | None, backbones: Sequence[str], algorithms: Sequence[str],
                  opts: TrainOptions, out: str | Path, overwrite: bool = False, data: Federation | None = None,
-                 resume: bool = False, heap: GlibcHeap | None = None) -> dict[str, Any]:
+                 resume: bool = False, heap: GlibcHeap | None = None, all_rounds: bool = False) -> dict[str, Any]:
     """Train every algorithm on the same cached features (loaded once) and write the comparison.
     An --out (or an <algorithm>/ in it) holding a run is refused unless `overwrite`. `store`,
     `data` and `heap` as in train_run; `resume` continues an interrupted comparison."""
@@ -483,8 +463,8 @@ def compare_runs(store: str | Path | StoreInfo | None, backbones: Sequence[str],
     for b in built.values():
         _attach(b[0], record)  # a saved run one reads is refused before the run directory is touched
     rd.begin(overwrite)  # resumed: complete again only when rewritten
-    runs, combined = compare_data(data, backbones, algorithms, opts, store=record,
-                                  t_start=t_start, load=load, out=rd.path, resume=resume, heap=heap, built=built)
+    runs, combined = compare_data(data, backbones, algorithms, opts, store=record, t_start=t_start, load=load,
+                                  out=rd.path, resume=resume, heap=heap, built=built, all_rounds=all_rounds)
     write_comparison(rd, runs, combined, opts)
     return combined
 

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from embedcache.errors import UserError
-from fedheads.feddra.evaluation import few_shot_probe
+from fedheads.alignment.evaluation import few_shot_probe
 from fedheads.finetuning.data import ImageLoader, _Images
 
 FEATURES = ("z", "pooled", "backbone")

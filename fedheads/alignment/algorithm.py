@@ -44,10 +44,10 @@ import torch.nn.functional as F
 
 from embedcache.errors import UserError
 from fedheads.algorithms.pfl_common import GlobalModel
+from fedheads.alignment import dro
+from fedheads.alignment.model import DualEncoder, Params, is_module_key
+from fedheads.alignment.pairs import PairBatch
 from fedheads.core.config import setting
-from fedheads.feddra import dro
-from fedheads.feddra.model import DualEncoder, Params, is_module_key
-from fedheads.feddra.pairs import PairBatch
 from fedheads.finetuning.algorithm import AMP, _amp, optimizer_step
 from fedheads.run.checks import check_finite
 

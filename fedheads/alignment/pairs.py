@@ -27,8 +27,8 @@ import numpy as np
 import torch
 
 from embedcache.errors import UserError
+from fedheads.alignment import vl
 from fedheads.core import rng
-from fedheads.feddra import vl
 from fedheads.finetuning.data import ImageLoader, sample_seeds, shared_loader
 
 EVAL_BATCH = 64

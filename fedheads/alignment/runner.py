@@ -33,8 +33,8 @@ from __future__ import annotations
 import copy
 import dataclasses
 import time
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -42,22 +42,23 @@ import numpy as np
 import torch
 
 from embedcache.errors import UserError
+from fedheads.alignment import dro, vl
+from fedheads.alignment import report as feddra_report
+from fedheads.alignment.algorithm import FedDRA, FedDRAConfig
+from fedheads.alignment.driver import FDRun, feddra_checkpoint, run_feddra
+from fedheads.alignment.model import DualEncoder, ModuleShape
+from fedheads.alignment.pairs import PairClient, cache_from_store, check_paired, pair_clients
+from fedheads.alignment.probe import ProbeOptions, run_probe
 from fedheads.core.config import setting
-from fedheads.feddra import dro, vl
-from fedheads.feddra import report as feddra_report
-from fedheads.feddra.algorithm import FedDRA, FedDRAConfig
-from fedheads.feddra.driver import FDRun, feddra_checkpoint, run_feddra
-from fedheads.feddra.model import DualEncoder, ModuleShape
-from fedheads.feddra.pairs import PairClient, cache_from_store, check_paired, pair_clients
-from fedheads.feddra.probe import ProbeOptions, run_probe
 from fedheads.finetuning.heads import check_store
 from fedheads.report import results as report
 from fedheads.run import rundir
 from fedheads.run.checks import check_finite, check_seeds, check_trained_state
+from fedheads.run.commands import FedDRARun
 from fedheads.run.environment import machine
 from fedheads.run.load import resolve_device
-from fedheads.run.options import Part, settings_values, split_settings
 from fedheads.run.rundir import RunDir, jsonable
+from fedheads.run.settings import Part, settings_values, split_settings
 
 BASELINES: dict[str, dict[str, Any]] = {
     "feddra": {},
@@ -105,30 +106,34 @@ def apply_baseline(cfg: FedDRAConfig, name: str) -> FedDRAConfig:
 
 
 @dataclass(frozen=True)
-class FedDRAOptions:
-    """Everything `fedheads feddra` takes besides manifest, store, encoders and output."""
+class FedDRAOptions(FedDRARun):
+    """What `fedheads feddra` runs with besides manifest, store, encoders and output: the run
+    (fedheads.run.commands.FedDRARun) and FedDRA's settings. The fields below (with FedDRAConfig's
+    and DROConfig's) are the --set keys (SETTINGS); the preset's values, then the run's `settings`,
+    are applied on top of them when the options are built (and then cleared), and `rounds` resolved
+    (given, else the preset's, else FedDRAConfig's)."""
 
     fd: FedDRAConfig = field(default_factory=FedDRAConfig)
-    baselines: tuple[str, ...] = ("feddra",)
-    image_cut: str | None = setting(None, "token cut of the image encoder (None: DEFAULT_CUTS, else its last map)")
     image_trainable: str = setting("all", "stage 2: all (paper) | after:STAGE (CPU deviation) | frozen")
     text_trainable: str = setting("all", "stage 2: all (paper) | after:STAGE | frozen")
-    text_cut: str | None = setting(None, "text token states after this stage (None: its last layer, layer.5 for MiniLM)")
     bn: str = setting("frozen", "image BatchNorm in stage 2: frozen statistics (the paper's ViT/BERT have none) | train")
     shape: ModuleShape = field(default_factory=ModuleShape)
-    seeds: tuple[int, ...] = (0,)
-    eval_every: int = 1
     augment: bool = setting(True, "stage 2: the image encoder's training augmentation")
     stage1_inputs: str = setting("auto", "stale caches: auto | reencode | live (feddra_driver)")
-    probe: ProbeOptions | None = setting(None, "the few-shot probe on an out-of-distribution manifest")
-    device: str = "auto"
-    num_workers: int = 2
-    weights_dir: str | None = None
-    resume: bool = False
-    overwrite: bool = False
-    progress: bool = True
+    probe: ProbeOptions | None = setting(None, "the few-shot probe on an out-of-distribution manifest (from "
+                                         "probe_manifest, probe_shots and probe_draws when not given)")
 
     def __post_init__(self) -> None:
+        preset = dict(PRESETS[self.preset])
+        rounds = self.rounds if self.rounds is not None else preset.pop("rounds", self.fd.rounds)
+        preset.pop("rounds", None)
+        fd, dr, top = split_settings("feddra", SETTINGS, [*preset.items(), *self.settings])
+        cfg = replace(self.fd, dro=replace(self.fd.dro, **dr), **fd, rounds=rounds)
+        probe = self.probe
+        if probe is None and self.probe_manifest:
+            probe = ProbeOptions(manifest=self.probe_manifest, shots=self.probe_shots, draws=self.probe_draws)
+        for k, v in {"fd": cfg, **top, "rounds": cfg.rounds, "settings": (), "probe": probe}.items():
+            object.__setattr__(self, k, v)
         check_seeds(self.seeds)
         check_finite(self)
 
@@ -139,11 +144,10 @@ SETTINGS = (Part(FedDRAConfig, exclude=("rounds",)), Part(dro.DROConfig),
             Part(FedDRAOptions, ("image_trainable", "text_trainable", "bn", "augment", "stage1_inputs")))
 
 
-def feddra_options(settings: Iterable[tuple[str, Any]] = (), *, rounds: int = 25, **run: Any) -> FedDRAOptions:
-    """FedDRAOptions from `--set` items (keys: fedheads.run.options.command_settings(SETTINGS); later
-    items win), the rounds and the run options (baselines, cuts, probe, seeds, device, ...)."""
-    fd, dr, top = split_settings("feddra", SETTINGS, settings)
-    return FedDRAOptions(fd=FedDRAConfig(rounds=rounds, dro=dro.DROConfig(**dr), **fd), **top, **run)
+def feddra_options(run: FedDRARun | None = None, **kw: Any) -> FedDRAOptions:
+    """FedDRAOptions of a run (its preset and --set items applied) and any of its fields as keywords."""
+    base = {f.name: getattr(run, f.name) for f in fields(FedDRARun)} if run is not None else {}
+    return FedDRAOptions(**{**base, **kw})
 
 
 def feddra_settings(opts: FedDRAOptions) -> dict[str, Any]:
@@ -305,7 +309,7 @@ def _export(glob: DualEncoder, su: _Setup, rd: RunDir, seed: int, image_encoder:
 def _metrics_table(runs: Sequence[FDRun], seeds: Sequence[int],
                    clients: Sequence[PairClient]) -> tuple[list[str], list[list[Any]]]:
     """metrics.csv (header, rows): round x seed x client retrieval metrics (percent), lambda, v, s."""
-    from fedheads.feddra.evaluation import METRICS
+    from fedheads.alignment.evaluation import METRICS
 
     rows = []
     for seed, run in zip(seeds, runs):

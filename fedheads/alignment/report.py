@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from fedheads.feddra.evaluation import METRICS, across_clients
+from fedheads.alignment.evaluation import METRICS, across_clients
 from fedheads.finetuning.rounds import seed_timing
 from fedheads.report import plotting
 from fedheads.report import results as report

@@ -33,12 +33,12 @@ import numpy as np
 import torch
 
 from embedcache.errors import UserError
+from fedheads.alignment.algorithm import FDServerState, FedDRA
+from fedheads.alignment.evaluation import retrieval
+from fedheads.alignment.model import DualEncoder, is_module_key
+from fedheads.alignment.pairs import EVAL_BATCH, PairClient, TokenCache, dro_rows, encode_cache, eval_batches, step_rows
 from fedheads.core import rng
 from fedheads.core.tree import payload_size
-from fedheads.feddra.algorithm import FDServerState, FedDRA
-from fedheads.feddra.evaluation import retrieval
-from fedheads.feddra.model import DualEncoder, is_module_key
-from fedheads.feddra.pairs import EVAL_BATCH, PairClient, TokenCache, dro_rows, encode_cache, eval_batches, step_rows
 from fedheads.finetuning.data import seeded
 from fedheads.finetuning.rounds import Checkpoint, LiveRound, LiveRun, run_rounds
 

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from embedcache.errors import UserError
-from fedheads.feddra import vl
+from fedheads.alignment import vl
 
 Params = dict[str, torch.Tensor]
 MODULE_PREFIXES = ("psi/", "phi/")

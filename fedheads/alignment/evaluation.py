@@ -4,7 +4,7 @@ disparity, Table 10's per-client values) and the few-shot linear probe (Table 2'
 Retrieval (FedDRA App. A.1.2): "for each text in a batch of image-text pairs, we calculate
 similarities with images in the batch, then rank these similarities and retrieve the top-1 and
 top-5 images". The batch size is not stated ([R] fixed, seeded batches of 64: chance 1/64, see
-fedheads.feddra.pairs.eval_batches). Reported per client, in percent:
+fedheads.alignment.pairs.eval_batches). Reported per client, in percent:
   t2i_r1/r5   text -> image (the paper's metric; per_client in results.json is t2i_r1)
   i2t_r1/r5   image -> text
   cap_t2i_r*/cap_i2t_r*   caption level: a hit when a top-k candidate has the query's exact
