@@ -84,8 +84,8 @@ def engine_case(union: Path, alg: str, rounds: int) -> tuple[float, float]:
 
 
 def simulation_case(union: Path, alg: str, rounds: int, secagg: bool, out: Path) -> tuple[float, float]:
-    from fedheads.flower.run_config import FlowerRunConfig
     from fedheads.flower.sim import simulate_store
+    from fedheads.run.commands import FlowerRunConfig
 
     cfg = FlowerRunConfig(algorithm=alg, backbones="synth", rounds=rounds, eval_every=0, secagg=secagg, timeout=600)
     return per_round(simulate_store(cfg, str(union))["log"].rounds)

@@ -24,11 +24,11 @@ torchvision or dask (`finetune` and `feddra` import the live stage when called).
 from __future__ import annotations
 
 import inspect
-import json
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Union
 
+from fedheads.result import Result
 from fedheads.run.commands import Compare, FedDRA, Finetune, Predict, Train
 from fedheads.run.options import from_keywords, walk
 
@@ -40,85 +40,6 @@ if TYPE_CHECKING:
 
 ClientArrays = Sequence[Any]  # (x_train [N, D], y_train [N], x_test [T, D], y_test [T])
 Data = Union[str, Path, "FedData", Mapping[str, ClientArrays], Sequence[ClientArrays]]
-
-
-class Result(Mapping[str, Any]):
-    """A results.json as an object: `res.accuracy["mean"]`, `res["per_client"]`, `res.to_json()`.
-
-    The fields are those of docs/contracts.md, section 6 (a comparison: `res.algorithms` maps
-    each algorithm to its own Result). `run_dir` is where it was written (None: in memory);
-    `states` maps each seed to its final client and server states and `per_seed` lists each seed's
-    own result (per-client accuracy, history, communication; in-memory training only)."""
-
-    def __init__(self, fields: Mapping[str, Any], run_dir: str | Path | None = None,
-                 states: Mapping[int, Any] | None = None, config: Mapping[str, Any] | None = None,
-                 per_seed: Sequence[Mapping[str, Any]] = ()) -> None:
-        self._fields = dict(fields)
-        self.run_dir = None if run_dir is None else Path(run_dir)
-        self.states = dict(states or {})
-        self.config = None if config is None else dict(config)  # config.json's dict (in-memory runs)
-        self.per_seed = [dict(s) for s in per_seed]
-
-    def __getitem__(self, key: str) -> Any:
-        value = self._fields[key]
-        if key == "algorithms" and isinstance(value, Mapping):
-            return {k: v if isinstance(v, Result) else Result(v) for k, v in value.items()}
-        return value
-
-    def __getattr__(self, name: str) -> Any:
-        if name.startswith("_"):
-            raise AttributeError(name)
-        try:
-            return self[name]
-        except KeyError:
-            raise AttributeError(f"Result has no field {name!r} (fields: {', '.join(self._fields)})") from None
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._fields)
-
-    def __len__(self) -> int:
-        return len(self._fields)
-
-    def __repr__(self) -> str:
-        what = self._fields.get("algorithm") or ",".join(self._fields.get("algorithms", {}))
-        cell = self._fields.get("accuracy_cell")
-        return f"Result({what}{': ' + cell if cell else ''}{', ' + str(self.run_dir) if self.run_dir else ''})"
-
-    def predict(self, features: Any = None, *, client: str | None = None, seed: int | None = None,
-                top_k: int = 1, device: str = "cpu", **kw: Any) -> dict[str, np.ndarray] | PredictionSummary:
-        """Classify with this trained run, as `fedheads predict`: `features` [N, D] (the run's
-        backbones concatenated) through the final states of `seed` (default the first) -> the table
-        (prediction = class index, prediction_name, score, ...; sample_id = row number); by `client`'s
-        state, every client's ("all"), or the global model (None). Or, for a run written to a run
-        directory, any of fedheads.predict's inputs: store=, images=, manifest= (same options)."""
-        from embedcache.errors import UserError
-        from fedheads.prediction.predict import predict_array
-        from fedheads.run.saved import open_run, trained_from
-
-        if "algorithms" in self._fields:
-            raise UserError("Result.predict: a comparison; predict with one of res.algorithms[NAME]")
-        if features is None:
-            if self.run_dir is None:
-                raise UserError("Result.predict: store=/images=/manifest= need a run directory (train with out=)")
-            return predict(self.run_dir, client=client, seed=seed, top_k=top_k, device=device, **kw)
-        if kw:
-            raise UserError(f"Result.predict: features given; {', '.join(kw)} do not apply")
-        if self.states and self.config is not None:
-            tr = trained_from(self.config, self._fields, self.states, seed, device)
-        elif self.run_dir is not None:
-            tr = open_run(self.run_dir, seed, device)
-        else:
-            raise UserError("Result.predict: this result holds no trained states")
-        return predict_array(tr, features, client=client, top_k=top_k)
-
-    def to_dict(self) -> dict[str, Any]:
-        """results.json's dict (a copy)."""
-        return json.loads(self.to_json())
-
-    def to_json(self) -> str:
-        """results.json's text."""
-        return json.dumps(self._fields, indent=2, sort_keys=True,
-                          default=lambda o: o._fields if isinstance(o, Result) else str(o))
 
 
 def _declared(cls: type, *given: str) -> Callable[[Callable], Callable]:
@@ -144,29 +65,6 @@ def _store_or_arrays(data: Any) -> tuple[str | None, Any]:
     return (str(data), None) if isinstance(data, (str, Path)) else (None, data)
 
 
-def _federation(data: Any, num_classes: int | None, device: str, binarize: bool, layout: str) -> Any:
-    """A federation from numpy arrays per client in `layout` (a FedData given is used as it is).
-    "auto" stacks arrays padded, as before layouts existed: their padding is the caller's arrays'."""
-    import numpy as np
-
-    from embedcache.errors import UserError
-    from fedheads.core.federation import FedData
-    from fedheads.run.load import from_arrays
-
-    if isinstance(data, FedData):
-        return data
-    names, clients = ([str(k) for k in data], list(data.values())) if isinstance(data, Mapping) else (None, list(data))
-    for i, c in enumerate(clients):
-        if not isinstance(c, (tuple, list)) or len(c) != 4:
-            raise UserError(f"{names[i] if names else f'client #{i}'}: expected (x_train, y_train, x_test, y_test), "
-                            f"got {type(c).__name__}")
-    if num_classes is None:  # labels are 0..C-1
-        tops = [int(np.max(y)) for c in clients for y in (c[1], c[3]) if len(y)]
-        num_classes = max(tops) + 1 if tops else 0
-    return from_arrays([tuple(c) for c in clients], num_classes, names, device=device, binarize=binarize,
-                       layout="padded" if layout == "auto" else layout)
-
-
 def _prepare(cmd: Train | Compare, arrays: Any) -> tuple[Any, list[str], Any]:
     """(the store: its path, or its record once read here; backbones; in-memory data): a store's
     features are read here when nothing is written (in memory, from one open of the store), else by
@@ -182,7 +80,9 @@ def _prepare(cmd: Train | Compare, arrays: Any) -> tuple[Any, list[str], Any]:
             return cmd.store, list(cmd.backbones), None
         fed, record = runner.load_store(str(cmd.store), list(cmd.backbones), opts)
         return record, list(cmd.backbones), fed
-    fed = _federation(arrays, cmd.num_classes, opts.device, opts.binarize, opts.layout)
+    from fedheads.run.load import federation_of
+
+    fed = federation_of(arrays, cmd.num_classes, opts.device, opts.binarize, opts.layout)
     return None, list(cmd.backbones or ["features"]), fed
 
 

@@ -53,6 +53,14 @@ def _settings(cfg: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
     return used, [k for k in common if k not in keys]
 
 
+def _takes(fn: Any, options: dict[str, Any]) -> dict[str, Any]:
+    """The cell's options that the API function `fn` takes (by their names: rounds, device, ...)."""
+    import inspect
+
+    takes = inspect.signature(fn).parameters
+    return {k: v for k, v in options.items() if k in takes}
+
+
 def _paper_units(alg: str, data: Any, rounds: int, fraction: float, cfg: Any) -> dict[str, Any] | None:
     """FedNCM App. A: Eq. 3 / 6 (LP) and FedNCM's single round, for a linear head on D features."""
     from fedheads.report import communication as comm
@@ -102,9 +110,7 @@ def run_head(cfg: dict[str, Any], paths: dict[str, Any], heap: Any = None, out: 
     o = cfg["options"]
     dp = dict(o["dp"]) if o.get("dp") else None  # (field, value) pairs of a privacy.Mechanism
     data = _fed_data(paths["store"], tuple(cfg["backbones"]), o["device"], bool(o.get("binarize", False)), heap)
-    run = {"backbones": cfg["backbones"], "rounds": o["rounds"], "seeds": cfg["seed"], "fraction": o["fraction"],
-           "engine": o.get("engine", "vectorized"), "device": o["device"], "eval_every": o["eval_every"],
-           "binarize": bool(o.get("binarize", False)), "all_rounds": True}
+    run = {"backbones": cfg["backbones"], "seeds": cfg["seed"], **_takes(fedheads.train, o), "all_rounds": True}
     settings, ignored = _settings(cfg)
     head: dict[str, Any] | None = None
     if o.get("head_from"):
@@ -161,9 +167,9 @@ def run_finetune(cfg: dict[str, Any], paths: dict[str, Any], out: Path) -> dict[
     o = cfg["options"]
     run = {"fraction": o["fraction"]}
     settings = _method_settings(cfg, "finetune", run)
-    res = fedheads.finetune(paths["manifest"], paths["store"], cfg["backbones"][0], out, heads=(cfg["algorithm"],),
-                            rounds=o["rounds"], seeds=(cfg["seed"],), eval_every=o["eval_every"], device=o["device"],
-                            num_workers=0, weights_dir=paths.get("weights_dir"), resume=True, settings=settings, **run)
+    res = fedheads.finetune(paths["manifest"], paths["store"], cfg["backbones"][0], out,
+                            **{**_takes(fedheads.finetune, o), **run}, heads=(cfg["algorithm"],), seeds=(cfg["seed"],),
+                            num_workers=0, weights_dir=paths.get("weights_dir"), resume=True, settings=settings)
     return {"seed_result": _seed_result_from_results(res, cfg["seed"]), "clients": res.get("clients", []),
             "domains": res.get("domains", []), "figure1": res.get("figure1"), "paper_units": res.get("paper_units"),
             "stages": res.get("stages"), "run_dir": str(out)}
@@ -193,9 +199,8 @@ def feddra_available() -> bool:
 def feddra_keywords(cfg: dict[str, Any], paths: dict[str, Any], out: Path) -> dict[str, Any]:
     """The `fedheads.feddra` keywords of one cell, as a user would give them: the preset is its
     baseline and every setting one of `settings`."""
-    o = cfg["options"]
-    return {"baselines": (cfg["algorithm"],), "rounds": o["rounds"], "seeds": (cfg["seed"],),
-            "eval_every": o["eval_every"], "device": o["device"], "num_workers": 0,
+    return {**_takes(fedheads.feddra, cfg["options"]), "baselines": (cfg["algorithm"],), "seeds": (cfg["seed"],),
+            "num_workers": 0,
             "weights_dir": paths.get("weights_dir") or None, "resume": out.exists(),  # a killed cell continues
             "settings": {**cfg["settings"]["common"], **cfg["settings"]["method"]}}
 
@@ -204,9 +209,8 @@ def feddra_command(cfg: dict[str, Any], paths: dict[str, Any], out: Path, kw: di
     """The `fedheads feddra` command line the cell's call stands for (recorded with its result)."""
     image, text = cfg["backbones"][:2]
     args = ["fedheads", "feddra", "--manifest", str(paths["manifest"]), "--image-encoder", image, "--text-encoder", text,
-            "--baseline", cfg["algorithm"], "--rounds", str(kw["rounds"]), "--seeds", str(cfg["seed"]),
-            "--eval-every", str(kw["eval_every"]), "--device", kw["device"], "--num-workers", "0", "--quiet",
-            "--out", str(out)]
+            "--baseline", cfg["algorithm"], "--seeds", str(cfg["seed"]), "--num-workers", "0", "--quiet", "--out", str(out)]
+    args += [x for k, v in _takes(fedheads.feddra, cfg["options"]).items() for x in (f"--{k.replace('_', '-')}", str(v))]
     args += ["--weights-dir", str(kw["weights_dir"])] if kw["weights_dir"] else []
     args += ["--resume"] if kw["resume"] else []
     for k, v in kw["settings"].items():

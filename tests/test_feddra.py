@@ -27,6 +27,7 @@ from fedheads.alignment.runner import BASELINES, apply_baseline
 from fedheads.finetuning.data import seeded
 
 CPU = torch.device("cpu")
+LAST = lambda r, n: r == n  # noqa: E731 - evaluate after the last round only (--eval-every 0)
 SHAPE = ModuleShape(width=16, heads=2, mlp_ratio=2, out_dim=8)
 
 
@@ -427,7 +428,7 @@ def test_resume_counts_the_down_link_as_an_uninterrupted_run(paired, tmp_path):
     cfg = FedDRAConfig(rounds=3, schedule="sequential", stage1_rounds=2, steps=1, batch_size=4,
                        dro=DROConfig(rho=1.0), optimizer="sgd", lr=0.5)
     clients, make = _world(m)
-    ref = _run(cfg, clients, make, stage1_inputs="live", eval_every=0)
+    ref = _run(cfg, clients, make, stage1_inputs="live", evaluates=LAST)
     ck = feddra_checkpoint(tmp_path / "c.pt", {"test": 1})
 
     class Killed(Exception):
@@ -437,8 +438,8 @@ def test_resume_counts_the_down_link_as_an_uninterrupted_run(paired, tmp_path):
         if rec.round == 2:
             raise Killed
     with pytest.raises(Killed):
-        _run(cfg, clients, make, stage1_inputs="live", eval_every=0, checkpoint=ck, on_round=kill)
-    got = _run(cfg, clients, make, stage1_inputs="live", eval_every=0, checkpoint=ck, resume=True)
+        _run(cfg, clients, make, stage1_inputs="live", evaluates=LAST, checkpoint=ck, on_round=kill)
+    got = _run(cfg, clients, make, stage1_inputs="live", evaluates=LAST, checkpoint=ck, resume=True)
     assert got.resumed_from == 2
     assert [r.comm for r in got.rounds] == [r.comm for r in ref.rounds]
     assert ref.rounds[3].comm["stage2"]["down_values"] < ref.rounds[1].comm["stage1"]["down_values"]

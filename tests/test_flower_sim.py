@@ -23,9 +23,9 @@ from flower_helpers import write_store  # noqa: E402
 from embedcache.errors import UserError  # noqa: E402
 from fedheads.core.engine import run  # noqa: E402
 from fedheads.core.tree import tree_leaves  # noqa: E402
-from fedheads.flower.run_config import FlowerRunConfig  # noqa: E402
 from fedheads.flower.secure import error_bound, exponent  # noqa: E402
 from fedheads.flower.sim import simulate_store  # noqa: E402
+from fedheads.run.commands import FlowerRunConfig  # noqa: E402
 from fedheads.run.load import load_fed_data  # noqa: E402
 from fedheads.run.train import TrainOptions, build_algorithm  # noqa: E402
 
@@ -137,10 +137,10 @@ def test_on_dropout_continue_completes_the_round_from_the_others_and_says_so(sto
     assert res["flower"]["rounds"][0]["dropped"] == ["c1"] and res["flower"]["rounds"][0]["participants"] == ["c0", "c2"]
 
 
-def test_a_node_gone_under_continue_is_filed_as_dropped_and_the_headline_counts_the_mean(store, tmp_path, capsys):
+def test_a_node_gone_under_continue_is_filed_as_dropped_and_the_headline_counts_the_mean(store, tmp_path):
     """Not a client without test samples: it has them, it left. The mean is over the other two,
     and the one-line summary says so."""
-    from fedheads.cli import _flower_summary
+    from fedheads.flower.commands import summary as one_line
 
     cfg = FlowerRunConfig(algorithm="fedncm", backbones="synth", rounds=1, timeout=60, on_dropout="continue",
                           out=str(tmp_path / "run"))
@@ -153,8 +153,7 @@ def test_a_node_gone_under_continue_is_filed_as_dropped_and_the_headline_counts_
     assert res["flower"]["rounds"][0]["eval_dropped"] == ["c1"]
     summary = (tmp_path / "run" / "summary.md").read_text()
     assert "n/a (dropped)" in summary and "no test samples" not in summary
-    _flower_summary(res, str(tmp_path / "run"))
-    line = capsys.readouterr().out.strip()
+    line = one_line(res, str(tmp_path / "run"))
     assert "over 2 of 3 nodes (c1 dropped)" in line, line
 
 

@@ -18,7 +18,7 @@ FLOORS = {
     "report": 3,
     "run": 4,
     "prediction": 5, "finetuning": 5, "flower": 5,
-    "alignment": 6, "api": 6,
+    "alignment": 6, "api": 6, "result": 6,
     "cli": 7, "__init__": 7,
 }
 

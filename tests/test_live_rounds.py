@@ -12,6 +12,7 @@ import torch
 
 from embedcache.errors import UserError
 from fedheads.algorithms.pfl_common import GlobalModel
+from fedheads.core.schedule import evaluated
 from fedheads.finetuning.rounds import Checkpoint, LiveRound, run_rounds, seed_timing
 
 CPU = torch.device("cpu")
@@ -56,7 +57,8 @@ class Toy:
 
 
 def _run(toy: Toy, rounds: int, eval_every: int = 1, **kw):
-    return run_rounds(_start(), rounds, toy.train, toy.evaluate, ToyRound(0), device=CPU, eval_every=eval_every,
+    return run_rounds(_start(), rounds, toy.train, toy.evaluate, ToyRound(0), device=CPU,
+                      evaluates=lambda r, n: evaluated(r, n, eval_every),
                       progress=False, on_round=toy.on_round, **kw)
 
 
@@ -121,7 +123,8 @@ def test_resume_continues_after_the_checkpoint_and_ends_equal(tmp_path, killed_a
         if rec.round == killed_after:
             raise Stop
     with pytest.raises(Stop):
-        run_rounds(_start(), 5, train, first.evaluate, ToyRound(0), device=CPU, eval_every=2, progress=False,
+        run_rounds(_start(), 5, train, first.evaluate, ToyRound(0), device=CPU, evaluates=lambda r, n: evaluated(r, n, 2),
+                   progress=False,
                    checkpoint=ck, on_round=stop)
     toy = Toy()
     got = _run(toy, 5, eval_every=2, checkpoint=ck, resume=True)
@@ -152,8 +155,11 @@ def test_a_finished_checkpoint_runs_no_round(tmp_path):
 
 
 def test_bad_settings_are_one_line():
-    with pytest.raises(UserError, match="--eval-every -1: must be >= 0"):
-        _run(Toy(), 3, eval_every=-1)
+    from fedheads.run.commands import FinetuneRun, TrainOptions
+
+    for cls in (TrainOptions, FinetuneRun):  # the schedule is checked where it is declared
+        with pytest.raises(UserError, match="--eval-every -1: must be >= 0"):
+            cls(eval_every=-1).check_schedule()
     with pytest.raises(UserError, match="--rounds -2: must be >= 0"):
         _run(Toy(), -2)
 

@@ -4,6 +4,7 @@ user would make (recorded as its command line), and its results.json becomes the
 
 from __future__ import annotations
 
+import inspect
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -56,6 +57,7 @@ def _fake_feddra(calls: list[dict[str, str | bool]],
         (Path(out) / "results.json").write_text(json.dumps(res))
         return res
 
+    feddra.__signature__ = inspect.signature(fedheads.api.feddra)  # type: ignore[attr-defined]  # the keywords it takes
     return feddra
 
 

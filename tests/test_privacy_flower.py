@@ -25,10 +25,10 @@ from fedheads.cli import main  # noqa: E402
 from fedheads.core.engine import run  # noqa: E402
 from fedheads.core.tree import tree_leaves  # noqa: E402
 from fedheads.flower import dp as flower_dp  # noqa: E402
-from fedheads.flower.run_config import FlowerRunConfig  # noqa: E402
 from fedheads.flower.secure import error_bound, exponent  # noqa: E402
 from fedheads.flower.sim import simulate_store  # noqa: E402
 from fedheads.privacy import Mechanism, Private, bounded  # noqa: E402
+from fedheads.run.commands import FlowerRunConfig  # noqa: E402
 from fedheads.run.load import load_fed_data  # noqa: E402
 
 

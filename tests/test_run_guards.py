@@ -61,7 +61,7 @@ def test_config_file_values_are_checked_too(store, tmp_path):
     cfg = tmp_path / "run.yaml"
     cfg.write_text("lr: .nan\n")
     res = _train(store, tmp_path / "r", "--algorithm", "lp", "--config", str(cfg))
-    assert_one_line(res, 2, "--lr nan: must be a finite number")
+    assert_one_line(res, 2, "run.yaml: lr=nan: must be a finite number")  # the file and its key named
 
 
 def test_api_refuses_non_finite_settings(tmp_path):

@@ -5,8 +5,8 @@ evaluated model).
 Round r (feddra.py for the maths): for each stage of the round (FedDRAConfig.plan), every client
 loads the broadcast into the workspace, trains, and its message is added to the server's sums
 right away; then the server finalises the stage. After the round's last stage the server updates
-lambda from the clients' v_i. The rounds, their timing, the evaluation (retrieval per client,
-every `eval_every` rounds), the per-round checkpoint (global model, lambda, history) and resume
+lambda from the clients' v_i. The rounds, their timing, the evaluation (retrieval per client, in
+the rounds the run's schedule names), the per-round checkpoint (global model, lambda, history) and resume
 are the live round loop's (fedheads.finetuning.rounds). Every random choice is a pure function of
 (seed, round, client, stage, ...), so a run killed at any point and resumed ends with the same
 weights and lambda.
@@ -160,8 +160,8 @@ def _held_encoders(plan: list[tuple[int, ...]], done: int, trains_encoders: bool
 
 def run_feddra(alg: FedDRA, net: DualEncoder, glob: DualEncoder, clients: Sequence[PairClient], *, seed: int,
                device: torch.device, checkpoint: Checkpoint | None = None, resume: bool = False,
-               eval_every: int = 1, augment: bool = True, stage1_inputs: str = "auto", progress: bool = True,
-               on_round: Callable[[FDRound], None] | None = None) -> FDRun:
+               evaluates: Callable[[int, int], bool] = lambda r, n: True, augment: bool = True,
+               stage1_inputs: str = "auto", progress: bool = True, on_round: Callable[[FDRound], None] | None = None) -> FDRun:
     """Train FedDRA for `alg.cfg.rounds` rounds; see the module docstring."""
     cfg = alg.cfg
     plan = cfg.plan()
@@ -250,7 +250,7 @@ def run_feddra(alg: FedDRA, net: DualEncoder, glob: DualEncoder, clients: Sequen
         return {"r1": f"{100 * np.nanmean([x['t2i_r1'] for x in rec.retrieval]):.1f}"}
 
     return run_rounds(ss, cfg.rounds, train, evaluate_into, FDRound(0, lam=ss.lam.tolist()), device=device,
-                      eval_every=eval_every, checkpoint=checkpoint, resume=resume, progress=progress,
+                      evaluates=evaluates, checkpoint=checkpoint, resume=resume, progress=progress,
                       desc="feddra", on_round=on_round)
 
 

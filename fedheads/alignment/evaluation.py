@@ -115,7 +115,7 @@ def few_shot_probe(x_train: np.ndarray, y_train: np.ndarray, x_test: np.ndarray,
             data = from_arrays([(xtr[rows], np.asarray(y_train)[rows], xte, np.asarray(y_test))],
                                        num_classes, client_names=["probe"], device="cpu")
             alg = create_algorithm("lp", **dict(lp_settings or {}))
-            res = run(alg, data, rounds, seed=seed + d, progress=False, eval_every=0)
+            res = run(alg, data, rounds, seed=seed + d, progress=False)
             accs.append(100.0 * float(res.final_accuracy("main")[0]))
         out[str(k)] = {"mean": float(np.mean(accs)), "std": float(np.std(accs, ddof=1)) if len(accs) > 1 else 0.0,
                        "values": accs}

@@ -136,6 +136,7 @@ class FedDRAOptions(FedDRARun):
             object.__setattr__(self, k, v)
         check_seeds(self.seeds)
         check_finite(self)
+        self.check_schedule()
 
 
 # `fedheads feddra --set KEY=VALUE`: FedDRA's objective, schedule and optimisation (FedDRAConfig,
@@ -271,7 +272,7 @@ def _one_method(name: str, cfg: FedDRAConfig, su: _Setup, store: str | None, ima
         glob = copy.deepcopy(net)
         ck = feddra_checkpoint(rd.file(f"state/seed{seed}.ckpt.pt"), {**run_cfg, "seed": seed})
         run = run_feddra(alg, net, glob, su.clients, seed=seed, device=su.device, checkpoint=ck, resume=opts.resume,
-                         eval_every=opts.eval_every, augment=opts.augment, stage1_inputs=opts.stage1_inputs,
+                         evaluates=opts.evaluates, augment=opts.augment, stage1_inputs=opts.stage1_inputs,
                          progress=opts.progress)
         check_trained_state({"model": run.state.model}, name, seed)
         runs.append(run)

@@ -33,6 +33,7 @@ from fedheads.core.federation import FedData, Federation
 from fedheads.core.ops import masked_accuracy
 from fedheads.core.order import cat_put_back, put_back, stacking_order
 from fedheads.core.protocol import Algorithm, AlgorithmBase, Init, RoundCtx
+from fedheads.core.schedule import evaluated as due
 from fedheads.core.tree import (
     RaggedRows,
     payload_size,
@@ -558,9 +559,8 @@ def _run(algorithm: Algorithm, data: Federation, rounds: int, seed: int, fractio
         messages.release_held_by(sstate, bc)  # a stack the new states view is theirs, not reused
         del msg  # spent: not held through the evaluation and the next round's client updates
         t1 = clock(data.device)
-        last = r == rounds - 1
         acc = None
-        if last or (eval_every and (r + 1) % eval_every == 0):
+        if due(r + 1, rounds, eval_every):
             evaluated = eval_client_state(algorithm, cstate, sstate, data, engine)
             acc = evaluate(algorithm, evaluated, sstate, data, engine, adapt=False, between_buckets=between_buckets)
         t2 = clock(data.device) if acc is not None else t1

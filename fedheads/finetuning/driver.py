@@ -69,9 +69,10 @@ def finetune_checkpoint(path: Path, config: dict[str, Any]) -> Checkpoint:
 
 
 def run_finetune(alg: FineTune, net: LiveNet, start: GlobalModel, clients: Sequence[LiveClient], *,
-                 rounds: int, seed: int, fraction: float = 1.0, eval_every: int = 1,
-                 device: torch.device, checkpoint: Checkpoint | None = None, resume: bool = False,
-                 progress: bool = True, on_round: Callable[[FTRound], None] | None = None) -> FTRun:
+                 rounds: int, seed: int, fraction: float = 1.0,
+                 evaluates: Callable[[int, int], bool] = lambda r, n: True, device: torch.device,
+                 checkpoint: Checkpoint | None = None, resume: bool = False, progress: bool = True,
+                 on_round: Callable[[FTRound], None] | None = None) -> FTRun:
     """Fine-tune for `rounds` rounds from `start`; see the module docstring."""
     M = len(clients)
 
@@ -104,7 +105,7 @@ def run_finetune(alg: FineTune, net: LiveNet, start: GlobalModel, clients: Seque
         return {"acc": f"{100 * nanmean(rec.accuracy):.1f}"}
 
     return run_rounds(alg.init(start), rounds, train, evaluate_into, FTRound(0, []), device=device,
-                      eval_every=eval_every, checkpoint=checkpoint, resume=resume, progress=progress,
+                      evaluates=evaluates, checkpoint=checkpoint, resume=resume, progress=progress,
                       desc="finetune", on_round=on_round)
 
 

@@ -1,10 +1,10 @@
 """The live execution model's one round loop, its round records and its per-round checkpoint.
 
-Fine-tuning (finetuning/driver.py) and FedDRA (feddra/driver.py) differ only in what a round
+Fine-tuning (finetuning/driver.py) and FedDRA (alignment/driver.py) differ only in what a round
 trains and how the global model is evaluated; `run_rounds` owns everything else: resume from the
 checkpoint or evaluate round 0 (the starting model) and save it, then for r = first..R train
-(the driver's body, timed on the wall and CPU clocks), evaluate every `eval_every` rounds and on
-the last, append the record, save the checkpoint atomically and call `on_round`.
+(the driver's body, timed on the wall and CPU clocks), evaluate the rounds the run's schedule names
+(fedheads.core.schedule), append the record, save the checkpoint atomically and call `on_round`.
 
 Every random choice of the drivers is a pure function of (seed, round, client, ...), so a run
 killed at any point and resumed ends with the same state as an uninterrupted one. The checkpoint
@@ -98,18 +98,18 @@ class Checkpoint:
 
 
 def run_rounds(state: S, rounds: int, train: Callable[[int, S], tuple[S, R]], evaluate: Callable[[S, R], dict[str, str]],
-               round0: R, *, device: torch.device, eval_every: int = 1, checkpoint: Checkpoint | None = None,
+               round0: R, *, device: torch.device, evaluates: Callable[[int, int], bool] = lambda r, n: True,
+               checkpoint: Checkpoint | None = None,
                resume: bool = False, progress: bool = True, desc: str = "rounds",
                on_round: Callable[[R], None] | None = None) -> LiveRun:
     """Run rounds 1..`rounds` from `state` (or from the checkpoint, with `resume`); see the module
     docstring. `train(r, state)` runs round r and returns the new state and the round's record;
     `evaluate(state, rec)` evaluates the global model of `state` into `rec` and returns the
     progress bar's postfix; `round0` is the record of the starting model, evaluated and saved
-    when the run does not resume."""
+    when the run does not resume; `evaluates(r, rounds)`: whether round r is evaluated (the run
+    options' schedule, fedheads.run.commands.Schedule; default: every round)."""
     if rounds < 0:
         raise UserError(f"--rounds {rounds}: must be >= 0")
-    if eval_every < 0:
-        raise UserError(f"--eval-every {eval_every}: must be >= 0 (0 = only round 0 and the last)")
     out = LiveRun()
     if resume and checkpoint is not None and checkpoint.path.is_file():
         state, out.rounds = checkpoint.load(state)
@@ -130,7 +130,7 @@ def run_rounds(state: S, rounds: int, train: Callable[[int, S], tuple[S, R]], ev
         state, rec = train(r, state)
         t2 = clock(device)
         rec.train_seconds, rec.train_cpu_seconds = t2[0] - t[0], t2[1] - t[1]
-        if r == rounds or (eval_every and r % eval_every == 0):
+        if evaluates(r, rounds):
             postfix = evaluate(state, rec)
             t3 = clock(device)
             rec.eval_seconds, rec.eval_cpu_seconds = t3[0] - t2[0], t3[1] - t2[1]

@@ -81,6 +81,7 @@ class FinetuneOptions(FinetuneRun):
                 object.__setattr__(self, k, v)
         check_seeds(self.seeds)
         check_finite(self)
+        self.check_schedule()
 
 
 # `fedheads finetune --set KEY=VALUE`: the client/server optimisation (FTConfig) and the method's
@@ -181,7 +182,7 @@ def _one_method(head: str, m: Any, store: str, bb: Any, backbone: str, trainable
         alg = FineTune(opts.ft)
         ck = finetune_checkpoint(rd.file(f"state/seed{seed}.ckpt.pt"), {**run_cfg, "seed": seed})
         run = run_finetune(alg, net, split_state(net), clients, rounds=opts.rounds, seed=seed,
-                           fraction=opts.fraction, eval_every=opts.eval_every, device=device, checkpoint=ck,
+                           fraction=opts.fraction, evaluates=opts.evaluates, device=device, checkpoint=ck,
                            resume=opts.resume, progress=opts.progress)
         check_trained_state({"model": run.state.model}, name, seed)
         if trainable.mode != "head":  # head-only: the backbone did not change

@@ -18,7 +18,8 @@ from fedheads.flower import codec
 from fedheads.flower.deploy import round_line
 from fedheads.flower.dp import node_mechanism, reported_releases
 from fedheads.flower.messaging import failed_nodes, run_record, send
-from fedheads.flower.run_config import FlowerLog, FlowerRunConfig
+from fedheads.flower.run_config import FlowerLog
+from fedheads.run.commands import FlowerRunConfig
 from fedheads.run.saved import attach_saved_runs
 
 log = logging.getLogger("fedheads.flower")
@@ -120,7 +121,7 @@ def federate(grid: Any, context: Any, cfg: FlowerRunConfig, order: list[tuple[in
         down_v, down_b = payload_size(bc, per_client=False)
         P = len(alive)
         acc, t2, eval_dropped = None, t1, []
-        if r == cfg.rounds - 1 or (cfg.eval_every and (r + 1) % cfg.eval_every == 0):
+        if cfg.evaluates(r + 1, cfg.rounds):
             acc, eval_dropped = _evaluate(fed, ss, r, part)
             t2 = clock(dev)
         res.history.append(RoundRecord(r, tuple(alive), CommRecord(up_v * P, up_b * P, down_v * P, down_b * P), acc,

@@ -3,8 +3,9 @@
 Per round: the seeded participants (`select_participants`, as the engines) each get the
 broadcast and run `client_update` on their own node (M=1); the server stacks the replies in
 participant order and calls the algorithm's own `server_aggregate` (under SecAgg+ the secure
-totals go through `secure.SecureForm.aggregate`, which calls it too). Every `eval_every` rounds
-and after the last, every node evaluates its test split with the current server state.
+totals go through `secure.SecureForm.aggregate`, which calls it too). In the rounds the run's
+schedule names (--eval-every: fedheads.core.schedule), every node evaluates its test split with
+the current server state.
 
 A node that fails a round (dies, errors, misses the timeout) is reported by name. `on_dropout`:
 "refuse" (default) stops the run with one line naming the node and the round and writes no
@@ -34,7 +35,8 @@ from flwr.serverapp import Grid, ServerApp  # noqa: E402
 
 from fedheads.flower.grid import AuditGrid  # noqa: E402
 from fedheads.flower.messaging import failed_nodes, run_record, send  # noqa: E402
-from fedheads.flower.run_config import DROPOUT_POLICIES, FlowerLog, FlowerRunConfig  # noqa: E402,F401 (re-exported)
+from fedheads.flower.run_config import FlowerLog  # noqa: E402,F401 (re-exported)
+from fedheads.run.commands import DROPOUT_POLICIES, FlowerRunConfig  # noqa: E402,F401 (re-exported)
 
 log = logging.getLogger("fedheads.flower")
 app = ServerApp()

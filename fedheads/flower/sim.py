@@ -191,7 +191,7 @@ def simulate_store(cfg: Any, store: str, clients: list[str] | None = None, clien
     seed = {} if noise_seed is None else {"dp-noise-seed": int(noise_seed)}
     nodes = [{"store": str(store), "client": c, **seed} for c in names]
     cfg_run = cfg.to_run_config() | {"nodes": len(nodes), "clients": cfg.clients or ",".join(names)}
-    from fedheads.flower.run_config import FlowerRunConfig
+    from fedheads.run.commands import FlowerRunConfig
 
     return simulate(lambda grid, ctx: run_federation(grid, ctx, FlowerRunConfig.from_run_config(ctx.run_config),
                                                      noise_seed),

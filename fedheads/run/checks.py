@@ -171,3 +171,21 @@ def check_finite(obj: Any, set_fields: Sequence[str] = ("settings", "lp_settings
         raise UserError(f"--set {'.'.join(path[1:])}={value}: must be a finite number")
     leaf = next((p for p in reversed(path) if not p.isdigit()), "value")
     raise UserError(f"--{leaf.replace('_', '-')} {value}: must be a finite number")
+
+
+def store_with(store: str | None, backbones: Sequence[str]) -> Any:
+    """The store opened to check that it has `backbones` (a run reads it, not opened again; zarr
+    and numpy, no torch); None where it does not exist (the run says so; --dump-config needs none)."""
+    from pathlib import Path
+
+    if store is None or not Path(store).exists():
+        return None
+    from embedcache.errors import did_you_mean
+    from embedcache.store.reader import open_store
+
+    info = open_store(store)
+    for b in backbones:
+        if b not in info.backbones:
+            raise UserError(f"backbone {b!r}: not in store {info.path}{did_you_mean(b, info.backbones)} "
+                            f"(has: {', '.join(info.backbones)})")
+    return info

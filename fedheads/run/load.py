@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -387,3 +387,22 @@ def _load_with_views(store: StoreInfo, bbs: list[str], device: str | torch.devic
         arrs.append((tr.features, tr.labels, te.features, te.labels))
     return from_arrays(arrs, num_classes, list(train), [train[n].domain for n in train], device, binarize,
                                train_views=[train[n].views for n in train], layout=layout)
+
+
+def federation_of(data: Any, num_classes: int | None, device: str, binarize: bool, layout: str) -> Any:
+    """A federation from numpy arrays per client in `layout` (a FedData given is used as it is).
+    "auto" stacks arrays padded, as before layouts existed: their padding is the caller's arrays'."""
+    from fedheads.core.federation import FedData
+
+    if isinstance(data, FedData):
+        return data
+    names, clients = ([str(k) for k in data], list(data.values())) if isinstance(data, Mapping) else (None, list(data))
+    for i, c in enumerate(clients):
+        if not isinstance(c, (tuple, list)) or len(c) != 4:
+            raise UserError(f"{names[i] if names else f'client #{i}'}: expected (x_train, y_train, x_test, y_test), "
+                            f"got {type(c).__name__}")
+    if num_classes is None:  # labels are 0..C-1
+        tops = [int(np.max(y)) for c in clients for y in (c[1], c[3]) if len(y)]
+        num_classes = max(tops) + 1 if tops else 0
+    return from_arrays([tuple(c) for c in clients], num_classes, names, device=device, binarize=binarize,
+                       layout="padded" if layout == "auto" else layout)

@@ -1,25 +1,15 @@
-"""Every command's options, declared once.
+"""Every command's options, declared once (fedheads.run.commands: one frozen dataclass per command,
+each field declared with fedheads.core.config.setting). From it, and from nothing else, come the
+command's click options and their --help (`command_options`), `--config FILE` / `--dump-config`
+(`read_config`, `file_config`: keys are the long option names), the Python API's keyword checks
+(`from_keywords`), every value checked by one function (`coerce`) with one-line refusals, and
+the generated documentation (docs/cli.md, docs/api.md). A field holding an options object
+(`nested=`) contributes its fields: as the command's own (`inline`) or under a prefix (`--dp-*`:
+the privacy mechanism, built when any of them is given).
 
-A command's options are one frozen dataclass whose every field is declared with
-fedheads.core.config.setting: default, one-line doc, paper source, and what a flag needs (choices,
-short form, another name). From it, and from nothing else, come:
-- the command's click options (`command_options`), their --help text from the docs;
-- `--config FILE` and `--dump-config` (`read_config`, `file_config`): the keys are the long option
-  names, unknown keys refused by name, wrong types refused with the type expected;
-- the Python API's keyword checks (`from_keywords`), a misspelt keyword refused with the same
-  one-line suggestion as a misspelt flag;
-- the generated documentation of both (docs/cli.md, docs/api.md).
-A field whose value is itself an options object (`nested=`) contributes its fields: as the
-command's own (`inline`: train's TrainOptions) or under a prefix (`--dp-*`: the privacy mechanism,
-built when any of them is given). The declarations themselves are fedheads.run.commands.
-
-Merge order: built-in defaults < the config file < command-line flags (incl. --set). The file is
-read by click itself: its values become the command's `default_map`, so a flag typed on the command
-line wins as it would over any default. Its keys are the command's long option names (`-` or `_`),
-plus `set:` (the method's settings, merged key by key with --set) and `command:` (the command it
-was written for). A `.json` file is read as strict JSON, anything else as YAML.
-
-Standard library and click only: `fedheads --help` and the refusal of a bad option need no torch."""
+Merge order: built-in defaults < the config file < command-line flags (incl. --set): the file's
+values become click's `default_map`, and its `set:` is merged key by key with --set. No torch:
+`fedheads --help` and the refusal of a bad option do not wait for it."""
 
 from __future__ import annotations
 
@@ -36,6 +26,7 @@ from typing import Any
 import click
 
 from embedcache.errors import UserError
+from fedheads.run.settings import parse_settings, plain
 
 
 # ------------------------------------------------------------------ reading the declarations
@@ -117,21 +108,14 @@ def _text(o: Opt, v: Any) -> Any:
     return v
 
 
-class DeclaredOption(click.Option):
-    """A generated option; `operational` ones (how to run, not what) stay out of config files."""
-
-    def __init__(self, *args: Any, operational: bool = False, **kw: Any) -> None:
-        super().__init__(*args, **kw)
-        self.operational = operational
-
-
 class DeclaredCommand(click.Command):
     """A command of generated options: a misspelt or retired option is one line naming the option
     and its nearest (or its replacement), as the API refuses a misspelt keyword."""
 
-    def __init__(self, *args: Any, retired: Callable[[], dict[str, str]] | None = None, **kw: Any) -> None:
+    def __init__(self, *args: Any, declared: type, retired: Callable[[], dict[str, str]] | None = None,
+                 **kw: Any) -> None:
         super().__init__(*args, **kw)
-        self.retired_of = retired
+        self.declared, self.retired_of = declared, retired
 
     @property
     def retired(self) -> dict[str, str]:
@@ -152,8 +136,7 @@ def command_options(cls: type, skip: Iterable[str] = ()) -> Callable[[Callable],
     """Decorator: the click options of `cls` (fields declared with `cli=False` and `skip` left out)."""
     def deco(f: Callable) -> Callable:
         for o in reversed([o for o in walk(cls) if o.meta.get("cli", True) and o.key not in set(skip)]):
-            kw: dict[str, Any] = {"help": o.doc, "required": bool(o.meta.get("required")), "cls": DeclaredOption,
-                                  "operational": bool(o.meta.get("operational"))}
+            kw: dict[str, Any] = {"help": o.doc, "required": bool(o.meta.get("required"))}
             if o.kind == "bool" and o.meta.get("negate"):  # --quiet: progress False
                 decls, kw = [o.flag, o.key], {**kw, "is_flag": True, "flag_value": False, "default": True,
                                               "help": f"no {o.doc}"}
@@ -177,18 +160,9 @@ def command_options(cls: type, skip: Iterable[str] = ()) -> Callable[[Callable],
 
 
 # ------------------------------------------------------------------ values: flags, files and keywords
-def _finite(o: Opt, v: float, where: str) -> float:
-    if not math.isfinite(v):
-        raise UserError(f"{where}{o.key}={v}: must be a finite number" if where else f"{o.flag} {v}: must be a finite "
-                        "number")
-    return v
-
-
 def coerce(o: Opt, v: Any, where: str = "") -> Any:
     """`v` (from click, a config file or a keyword) as the field holds it, or one line naming the
     option and what it takes."""
-    from fedheads.run.settings import parse_settings
-
     shown = f"{where}{o.key}={v!r}" if where else f"{o.flag} {v!r}"  # the API's keyword, or the flag
     if v is None or (o.kind == "bool" and isinstance(v, bool)):
         return v
@@ -221,7 +195,9 @@ def coerce(o: Opt, v: Any, where: str = "") -> Any:
     if o.kind == "int" and isinstance(v, int) and not isinstance(v, bool):
         return v
     if o.kind == "float" and isinstance(v, (int, float)) and not isinstance(v, bool):
-        return _finite(o, float(v), where)
+        if not math.isfinite(v):
+            raise UserError((f"{where}{o.key}={v}" if where else f"{o.flag} {v}") + ": must be a finite number")
+        return float(v)
     if o.kind == "str" and isinstance(v, (str, os.PathLike)):
         v = os.fspath(v)
         if o.meta.get("choices") and v not in o.meta["choices"]:
@@ -309,8 +285,6 @@ def _prefixed(cls: type) -> dict[str, type]:
 
 def from_context(cls: type, ctx: click.Context, **fixed: Any) -> Any:
     """`cls` from a click command's parameters (and the --config file's `set:` merged into --set)."""
-    from fedheads.run.settings import parse_settings
-
     values = {k: v for k, v in ctx.params.items() if k in options_of(cls)}
     for o in walk(cls):
         if o.kind == "set" and o.key in values:
@@ -319,56 +293,35 @@ def from_context(cls: type, ctx: click.Context, **fixed: Any) -> Any:
 
 
 # ------------------------------------------------------------------ config files
-OPERATIONAL = ("config", "dump_config", "list_settings")  # how to run, not what: never in a file (and the fields
-# declared `operational`)
-SETTINGS_PARAM = "settings"  # --set, the file's `set:`
 META = "fedheads.config_settings"  # ctx.meta key: the file's `set:` entries
 HEADER = ("# fedheads {command}: the effective configuration (fedheads {command} --config FILE runs it again).\n"
           "# Merge order: built-in defaults < this file < command-line flags.\n")
-RETIRED = "fedheads.retired"  # ctx.meta key of a command's retired options: {former key: what replaced it}
-
-
-def key_of(param: click.Parameter) -> str:
-    """The file key of an option: its long name without dashes, `_` for `-` (--head -> head)."""
-    longs = [o for o in param.opts if o.startswith("--")]
-    return (longs[0][2:] if longs else str(param.name)).replace("-", "_")
-
-
-def _operational(p: click.Parameter) -> bool:
-    return p.name in OPERATIONAL or bool(getattr(p, "operational", False))
-
-
-def _file_params(command: click.Command) -> dict[str, click.Parameter]:
-    return {key_of(p): p for p in command.params if isinstance(p, click.Option) and not _operational(p)}
 
 
 def read_config(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
-    """--config's callback (eager: it runs before the other options are read)."""
+    """--config's callback (eager: it runs before the other options are read): each key checked as
+    its flag's value is (`coerce`), or one line naming it; the values become click's defaults."""
     if value is None:
         return None
-    doc = _load_file(value)
-    cmd = ctx.command
-    params = _file_params(cmd)
+    doc, cmd = _load_file(value), ctx.command
+    opts = {o.file_key: o for o in walk(cmd.declared) if o.meta.get("cli", True) and not o.meta.get("operational")}  # type: ignore[attr-defined]
     dm: dict[str, Any] = {}
     for raw, v in doc.items():
         key = str(raw).replace("-", "_")
         if key == "command":
             if v != cmd.name:
                 raise UserError(f"{value}: written for `fedheads {v}`, not `fedheads {cmd.name}`")
-        elif key == "set" and any(p.name == SETTINGS_PARAM for p in params.values()):
+        elif key == "set" and "set" in opts:
             if not isinstance(v, dict):
                 raise UserError(f"{value}: set: expected a mapping of the method's settings, got {v!r}")
             ctx.meta[META] = [(str(k).replace("-", "_"), x) for k, x in v.items()]
-        elif key in params and params[key].name != SETTINGS_PARAM:
-            dm[str(params[key].name)] = _file_value(params[key], key, v, value)
+        elif key in opts and key != "set":
+            dm[opts[key].key] = None if v is None else _text(opts[key], coerce(opts[key], v, f"{value}: "))
+        elif key in getattr(cmd, "retired", {}):
+            raise UserError(f"{value}: {key}: {cmd.retired[key]}")  # type: ignore[attr-defined]
         else:
-            retired = getattr(cmd, "retired", {}).get(key)
-            if retired:
-                raise UserError(f"{value}: {key}: {retired}")
-            valid = sorted(k for k, p in params.items() if p.name != SETTINGS_PARAM)
-            valid += ["set"] if any(p.name == SETTINGS_PARAM for p in params.values()) else []
             raise UserError(f"{value}: unknown key {raw!r} for `fedheads {cmd.name}` (valid keys: command, "
-                            f"{', '.join(valid)})")
+                            f"{', '.join(sorted(opts))})")
     ctx.default_map = {**(ctx.default_map or {}), **dm}
     return value
 
@@ -396,38 +349,6 @@ def _load_file(value: str) -> dict[str, Any]:
     return doc
 
 
-def _file_value(param: click.Parameter, key: str, value: Any, path: str) -> Any:
-    """The file's value as the command line would pass it, or one line naming the key."""
-    t = param.type
-    lists = isinstance(t, click.types.StringParamType) and param.metavar and param.metavar.endswith(",...")
-    if value is None:
-        return None
-    if lists and isinstance(value, (list, tuple, int, str)) and not isinstance(value, bool):
-        items = value if isinstance(value, (list, tuple)) else [value]
-        if all(isinstance(v, (str, int)) and not isinstance(v, bool) for v in items):
-            return ",".join(str(v) for v in items)
-        ok = False
-    elif isinstance(t, click.Choice):
-        ok = value in t.choices
-    elif isinstance(t, click.types.BoolParamType):
-        ok = isinstance(value, bool)
-    elif isinstance(t, click.types.IntParamType):
-        ok = isinstance(value, int) and not isinstance(value, bool)
-    elif isinstance(t, click.types.FloatParamType):
-        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-        value = float(value) if ok else value
-    else:
-        ok = isinstance(value, str)
-    if not ok:
-        what = ("one of " + " | ".join(map(str, t.choices)) if isinstance(t, click.Choice) else
-                "a list (or comma-separated text)" if lists else
-                "true or false" if isinstance(t, click.types.BoolParamType) else
-                "an integer" if isinstance(t, click.types.IntParamType) else
-                "a number" if isinstance(t, click.types.FloatParamType) else "text")
-        raise UserError(f"{path}: {key}: expected {what}, got {value!r}")
-    return value
-
-
 def config_options(f: Callable) -> Callable:
     """Add --config and --dump-config to a command (the command receives `dump_config`)."""
     f = click.option("--dump-config", is_flag=True,
@@ -452,24 +373,13 @@ def merged_settings(ctx: click.Context, cli: tuple[tuple[str, Any], ...]) -> tup
     return tuple(kept) + tuple(cli)
 
 
-def plain(v: Any) -> Any:
-    """A value as YAML / JSON writes it (tuples as lists, options objects as mappings)."""
-    if dataclasses.is_dataclass(v) and not isinstance(v, type):
-        return {f.name: plain(getattr(v, f.name)) for f in dataclasses.fields(v)}
-    if isinstance(v, dict):
-        return {k: plain(x) for k, x in v.items()}
-    if isinstance(v, (list, tuple)):
-        return [plain(x) for x in v]
-    return v
-
-
-def file_config(obj: Any, skip: Iterable[str] = ()) -> dict[str, Any]:
+def file_config(obj: Any) -> dict[str, Any]:
     """An options object as its config file holds it: every option that is not operational (a
     nested mechanism that is None: its options at their defaults, as `--dump-config` has always
-    written them), comma lists as lists, keyed like the file; `skip`: keys the command writes itself."""
+    written them), comma lists as lists, keyed like the file (the command adds `set:` itself)."""
     out: dict[str, Any] = {}
     for o in walk(type(obj)):
-        if o.meta.get("operational") or not o.meta.get("cli", True) or o.key in set(skip) or o.kind == "set":
+        if o.meta.get("operational") or not o.meta.get("cli", True) or o.kind == "set":
             continue
         value: Any = obj
         for name in o.path:

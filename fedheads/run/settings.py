@@ -188,13 +188,14 @@ def settings_json(name: str) -> dict[str, Any]:
                           else dataclasses.asdict(r.default), "doc": r.doc, "source": r.source} for r in rows]}
 
 
-def _plain(v: Any) -> Any:
+def plain(v: Any) -> Any:
+    """A value as YAML / JSON writes it (tuples as lists, dataclasses as mappings)."""
     if dataclasses.is_dataclass(v) and not isinstance(v, type):
-        return {f.name: _plain(getattr(v, f.name)) for f in dataclasses.fields(v)}
+        return {f.name: plain(getattr(v, f.name)) for f in dataclasses.fields(v)}
     if isinstance(v, dict):
-        return {k: _plain(x) for k, x in v.items()}
+        return {k: plain(x) for k, x in v.items()}
     if isinstance(v, (list, tuple)):
-        return [_plain(x) for x in v]
+        return [plain(x) for x in v]
     return v
 
 
@@ -207,7 +208,7 @@ def resolved_settings(name: str, config: Any) -> dict[str, Any]:
 
     if hasattr(config, "cfg") and not dataclasses.is_dataclass(config):
         config = config.cfg
-    cfg = _plain(config) or {}
+    cfg = plain(config) or {}
     out: dict[str, Any] = {}
     for s in settings_of(name)[0]:
         out[s.key] = cfg[s.key] if s.key in cfg else cfg[OPT_FIELD][_OPT_KEYS[s.key]]
@@ -307,7 +308,7 @@ def settings_values(parts: tuple[Part, ...], configs: Iterable[Any]) -> dict[str
     out: dict[str, Any] = {}
     for part, cfg in zip(parts, configs):
         for f in part.fields():
-            out[f.name] = _plain(getattr(cfg, f.name))
+            out[f.name] = plain(getattr(cfg, f.name))
     return dict(sorted(out.items()))
 
 
@@ -393,3 +394,31 @@ def build_algorithm(name: str, opts: Any, strict: bool = True) -> tuple[Any, dic
 
         alg = Private(alg, opts.dp)
     return alg, used, ignored
+
+
+def describe(name: str | None, show: bool = False, as_json: bool = False) -> str:
+    """What `fedheads algorithms [NAME] [--show] [--json]` prints: the names and descriptions (read
+    off the sources when they state them: no torch), or every setting of NAME (of all with `show`)."""
+    import sys
+
+    from fedheads.algorithm_names import declared
+    from fedheads.run.checks import check_algorithms
+
+    if name is not None:
+        check_algorithms([name])  # a typo: one line at once, with the nearest name
+    if name is None and not show:
+        rows = [(d.name, d.description) for d in declared()]
+        if "fedheads.algorithms" in sys.modules or any(desc is None for _, desc in rows):  # a plugin's: registered
+            from fedheads.algorithms import list_algorithms
+
+            rows = [(i.name, i.description) for i in list_algorithms()]
+        if as_json:
+            return json.dumps([{"name": n, "description": d} for n, d in sorted(rows)], indent=2)
+        return "\n".join(f"{n:16s} {d}" for n, d in sorted(rows))
+    from fedheads.algorithms import list_algorithms
+
+    names = [name] if name is not None else [i.name for i in list_algorithms()]
+    if as_json:
+        out = [settings_json(n) for n in names]
+        return json.dumps(out[0] if name is not None else out, indent=2, default=str)
+    return "\n\n".join(settings_table(n) for n in names)
