@@ -20,7 +20,8 @@ from fedheads.run.load import from_arrays
 
 # ---------------------------------------------------------------- the authors' code (oracle)
 # ZHUANGHP/Analytic-federated-learning afl.py: local_update, aggregation, clean_regularization,
-# transcribed with the device moves (.cuda(...)) dropped and np.mat spelled np.asarray (numpy 2 has no np.mat; the inverse is the same)
+# transcribed with the device moves (.cuda(...)) dropped and np.mat spelled np.asarray (numpy 2 has no
+# np.mat; the inverse is the same)
 class _Args:
     def __init__(self, feat_size, num_classes, rg, num_clients):
         self.feat_size, self.num_classes, self.rg, self.num_clients, self.gpu = feat_size, num_classes, rg, num_clients, 0
@@ -53,7 +54,8 @@ def aggregation(W, R, C, args):
     Ct = C[0] + C[1]
     Rt = torch.inverse(Ct)
     for i in range(1, len(W) - 1):
-        Wt = (torch.eye(R[0].shape[0]).double() - Rt @ C[i + 1] + Rt @ C[i + 1] @ torch.inverse(Ct + C[i + 1]) @ C[i + 1]) @ Wt + \
+        Wt = (torch.eye(R[0].shape[0]).double() - Rt @ C[i + 1]
+              + Rt @ C[i + 1] @ torch.inverse(Ct + C[i + 1]) @ C[i + 1]) @ Wt + \
              (torch.eye(R[0].shape[0]).double() - R[i + 1] @ Ct + R[i + 1] @ Ct @ torch.inverse(Ct + C[i + 1]) @ Ct) @ W[i + 1]
         Ct = Ct + C[i + 1]
         Rt = torch.inverse(Ct)
