@@ -145,10 +145,11 @@ class AFL(AlgorithmBase):
 
     def init(self, spec: DataSpec, seed: int) -> Init:
         M, D, C, dev = spec.num_clients, spec.dim, spec.num_classes, spec.device
-        f64 = dict(dtype=torch.float64, device=dev)
-        cs = AFLClientState(torch.zeros(M, dtype=torch.bool, device=dev), torch.zeros(M, D, C, **f64))
-        ss = AFLServerState(torch.zeros(D, D, **f64), torch.zeros(D, C, **f64),
-                            torch.zeros((), dtype=torch.int64, device=dev), torch.zeros(D, C, **f64),
+        def f64(*shape: int) -> torch.Tensor:
+            return torch.zeros(shape, dtype=torch.float64, device=dev)
+
+        cs = AFLClientState(torch.zeros(M, dtype=torch.bool, device=dev), f64(M, D, C))
+        ss = AFLServerState(f64(D, D), f64(D, C), torch.zeros((), dtype=torch.int64, device=dev), f64(D, C),
                             torch.zeros(C, dtype=torch.bool, device=dev), torch.zeros((), dtype=torch.bool, device=dev))
         return Init(cs, ss, AFLBroadcast())
 
