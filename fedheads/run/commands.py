@@ -214,7 +214,8 @@ class FinetuneRun(Schedule):
     augmentation) are --set keys: fedheads.finetuning.runner.SETTINGS."""
 
     heads: tuple[str, ...] = setting(("fedncm",), "stage 1, comma-separated for a comparison: fedncm (FedNCM+FT) | "
-                                     "fed3r (Fed3R+FT) | fedcof (FedCOF+FT) | lp (LP+FT) | random (FT)", name="head",
+                                     "fed3r (Fed3R+FT) | fedcof (FedCOF+FT) | lp (LP+FT) | random (FT) | any algorithm "
+                                     "whose state is a linear head (fedheads algorithms)", name="head",
                                      metavar="H,...")
     rounds: int = rounds(10, "fine-tuning rounds")
     fraction: float = fraction()
