@@ -48,7 +48,7 @@ positive semidefinite cone before the shrinkage (post-processing), so every solv
 
 Messages. Without SecAgg+ each client sends only the classes it holds: per class its A, Q, label
 and count (2D + 2 values) and S (D²) where sent, plus B (D²); the bytes counted are those
-(`GHOFLMessage.comm_size`). Under SecAgg+ every field is a sum and is masked dense (C(2D + 1) +
+(class_items.ClassItems). Under SecAgg+ every field is a sum and is masked dense (C(2D + 1) +
 D² + C D² values); DP noises every field (sensitivities of one example with ||x|| <= clip: A by
 clip, Q by ||x ⊙ x|| <= clip², n by 1, B and S by ||xxᵀ||_F = clip²), so the whole message, and all
 five heads, are covered. The papers' convention (`paper_round_comm`) counts the dense message.
@@ -65,7 +65,8 @@ import torch
 
 from embedcache.errors import UserError
 from fedheads.algorithms.ccvr import fit_linear, shuffled
-from fedheads.algorithms.fed3r import client_gram, linear_head
+from fedheads.algorithms.class_items import ClassItems, ClassTotals, class_items, pooled_totals
+from fedheads.algorithms.fed3r import linear_head
 from fedheads.algorithms.pfl_common import config_from_kwargs
 from fedheads.core import rng
 from fedheads.core.config import setting
@@ -173,95 +174,6 @@ class GHOFLServerState:
 @dataclass(frozen=True)
 class GHOFLBroadcast:
     """Nothing: one round, the clients need nothing from the server."""
-
-
-@dataclass(frozen=True)
-class GHOFLMessage:
-    """One row per client for B; the classes each client holds as runs of (client, class) items
-    (client i's run: items [start_i, start_i + pairs[i]), ascending classes), so that what is
-    counted is what is sent. Two messages concatenated leaf by leaf are the message of their
-    clients in order (core.tree.RaggedRows)."""
-
-    pairs: torch.Tensor  # [M] int64 classes each client sends (0 once it has sent)
-    gram: torch.Tensor  # [M, D, D] float64 B_k
-    fresh: torch.Tensor  # [M] int64 1: the client sends its statistics now
-    sums: torch.Tensor  # [Q, D] float64 A_kc
-    sumsq: torch.Tensor  # [Q, D] float64 Q_kc
-    classes: torch.Tensor  # [Q] int64 c
-    counts: torch.Tensor  # [Q] int64 n_kc
-    class_sq: torch.Tensor  # [Q or 0, D, D] float64 S_kc (0 rows where not sent)
-
-    def client_rows(self, idx: torch.Tensor) -> GHOFLMessage:
-        """The runs of clients `idx`, in that order."""
-        idx = idx.to(self.pairs.device)
-        start = torch.cumsum(self.pairs, 0) - self.pairs
-        n = self.pairs[idx]
-        first = torch.cumsum(n, 0) - n
-        item = torch.repeat_interleave(start[idx] - first, n) + torch.arange(int(n.sum()), device=n.device)
-        sq = self.class_sq[item.to(self.class_sq.device)] if self.class_sq.shape[0] else self.class_sq
-        it = item.to(self.sums.device)
-        return GHOFLMessage(n, self.gram[idx.to(self.gram.device)], self.fresh[idx], self.sums[it], self.sumsq[it],
-                            self.classes[item], self.counts[item], sq)
-
-    def comm_size(self) -> tuple[int, int]:
-        """(values, bytes) one client sends, averaged over the clients and rounded: B once, and per
-        class it holds A, Q, its label, its count (and S)."""
-        return _comm(int(self.pairs.shape[0]), int(self.fresh.sum()), int(self.pairs.sum()), self.gram.shape[-1],
-                     bool(self.class_sq.shape[0]))
-
-
-@dataclass(frozen=True)
-class GHOFLSums:
-    """Many clients' messages added (the vectorised engine's summed path, `summed_update`): one
-    row of class-level totals, with what the comm count needs."""
-
-    sums: torch.Tensor  # [1, C, D]
-    sumsq: torch.Tensor  # [1, C, D]
-    counts: torch.Tensor  # [1, C]
-    gram: torch.Tensor  # [1, D, D]
-    class_sq: torch.Tensor  # [1, C', D, D]
-    clients: torch.Tensor  # [1] int64 clients that sent now
-    pairs: torch.Tensor  # [1] int64 (client, class) items they sent
-    rows: torch.Tensor  # [1] int64 participants summed
-
-    def comm_size(self) -> tuple[int, int]:
-        return _comm(int(self.rows.sum()), int(self.clients.sum()), int(self.pairs.sum()), self.gram.shape[-1],
-                     bool(self.class_sq.shape[1]))
-
-
-def _comm(rows: int, clients: int, pairs: int, D: int, full: bool) -> tuple[int, int]:
-    values = clients * D * D + pairs * (2 * D + 2 + (D * D if full else 0))
-    floats = clients * D * D + pairs * (2 * D + (D * D if full else 0))
-    m = max(rows, 1)
-    return round(values / m), round((floats * 8 + pairs * 16) / m)
-
-
-def pair_moments(x: torch.Tensor, y: torch.Tensor, mask: torch.Tensor, num_classes: int, full: bool,
-                 block_elems: int = 1 << 22) -> tuple[torch.Tensor, ...]:
-    """(pairs [M], A [Q, D], Q [Q, D], classes [Q], counts [Q], S [Q or 0, D, D]) of the (client,
-    class) items that rows of x [M, N, D] with labels y and mask true make, in (client, class)
-    order, float64 (aggregate_client_stats_x without the classes a client lacks). Rows are added
-    in order, one block at a time (the float64 copies and outer products stay small)."""
-    M, N, D = x.shape
-    C = num_classes
-    key = torch.where(mask, torch.arange(M, device=x.device).view(M, 1) * C + y, torch.full_like(y, -1)).reshape(-1)
-    rows = (key >= 0).nonzero().view(-1)
-    keys, slot = torch.unique(key[rows], sorted=True, return_inverse=True)
-    Q = len(keys)
-    flat = x.reshape(M * N, D)
-    sums = torch.zeros(Q, D, dtype=torch.float64, device=x.device)
-    sumsq = torch.zeros_like(sums)
-    sq = torch.zeros(Q if full else 0, D, D, dtype=torch.float64, device=x.device)
-    step = max(1, block_elems // (D * D)) if full else max(1, block_elems // D)
-    for a in range(0, len(rows), step):
-        xb, s = flat[rows[a:a + step]].to(torch.float64), slot[a:a + step]
-        sums.index_add_(0, s, xb)
-        sumsq.index_add_(0, s, xb * xb)
-        if full:
-            sq.index_add_(0, s, xb.unsqueeze(2) * xb.unsqueeze(1))
-    counts = torch.bincount(slot, minlength=Q)
-    client = torch.div(keys, C, rounding_mode="floor")
-    return torch.bincount(client, minlength=M), sums, sumsq, keys - client * C, counts, sq
 
 
 # ---------------------------------------------------------------------- the server's closed forms
@@ -483,6 +395,7 @@ class GHOFL(AlgorithmBase):
     def __init__(self, cfg: GHOFLConfig = GHOFLConfig()) -> None:
         self.cfg = cfg
         self.full = cfg.sends_class_covariances
+        self.moments = ("sums", "sumsq", "class_sq") if self.full else ("sums", "sumsq")
         self.num_classes: int | None = None  # set by init: the secure form makes a client's classes dense
 
     def init(self, spec: DataSpec, seed: int) -> Init:
@@ -500,45 +413,28 @@ class GHOFL(AlgorithmBase):
         return Init(GHOFLClientState(torch.zeros(M, dtype=torch.bool, device=dev)), ss, GHOFLBroadcast())
 
     def client_update(self, cs: GHOFLClientState, bc: GHOFLBroadcast, data: FedData,
-                      ctx: RoundCtx) -> tuple[GHOFLClientState, GHOFLMessage]:
+                      ctx: RoundCtx) -> tuple[GHOFLClientState, ClassItems]:
         """aggregate_client_stats_x, once per client: its classes' A, Q, n (and S), and B."""
         fresh = ~cs.sent.to(data.m_train.device)
-        rows = data.m_train & fresh.view(-1, 1)
-        pairs, sums, sumsq, cls, counts, sq = pair_moments(data.x_train, data.y_train, rows, data.num_classes, self.full)
-        gram = client_gram(data.x_train, rows)
-        return GHOFLClientState(torch.ones_like(cs.sent)), GHOFLMessage(pairs, gram, fresh.to(torch.int64), sums, sumsq,
-                                                                         cls, counts, sq)
-
-    def summed_update(self, cs: GHOFLClientState, bc: GHOFLBroadcast, data: FedData,
-                      ctx: RoundCtx) -> tuple[GHOFLClientState, GHOFLSums]:
-        """The sums over the clients in `data` as one row, from their rows pooled (no per-client
-        B or S is made)."""
-        M, N, D = data.x_train.shape
-        C = data.num_classes
-        fresh = ~cs.sent.to(data.m_train.device)
-        rows = data.m_train & fresh.view(-1, 1)
-        items = torch.unique((torch.arange(M, device=rows.device).view(M, 1) * C + data.y_train)[rows]).numel()
-        _, s, q, cls, n, sq = pair_moments(data.x_train.reshape(1, M * N, D), data.y_train.reshape(1, M * N),
-                                           rows.reshape(1, M * N), C, self.full)
-        dense = _dense(C, D, s, q, cls, n, sq, self.full)
-        gram = client_gram(data.x_train.reshape(1, M * N, D), rows.reshape(1, M * N))
-        dev = gram.device
-
-        def one(v: int) -> torch.Tensor:
-            return torch.tensor([v], dtype=torch.int64, device=dev)
-
-        msg = GHOFLSums(dense[0][None], dense[1][None], dense[2][None], gram, dense[3][None], one(int(fresh.sum())),
-                        one(items), one(M))
+        msg = class_items(data.x_train, data.y_train, data.m_train & fresh.view(-1, 1), data.num_classes, self.moments,
+                          fresh)
         return GHOFLClientState(torch.ones_like(cs.sent)), msg
 
-    def server_aggregate(self, ss: GHOFLServerState, msg: GHOFLMessage | GHOFLSums,
+    def summed_update(self, cs: GHOFLClientState, bc: GHOFLBroadcast, data: FedData,
+                      ctx: RoundCtx) -> tuple[GHOFLClientState, ClassTotals]:
+        """The sums over the clients in `data` as one row, from their rows pooled (no per-client
+        B or S is made)."""
+        fresh = ~cs.sent.to(data.m_train.device)
+        tot = pooled_totals(data.x_train, data.y_train, data.m_train & fresh.view(-1, 1), data.num_classes,
+                            self.moments, fresh)
+        return GHOFLClientState(torch.ones_like(cs.sent)), tot
+
+    def server_aggregate(self, ss: GHOFLServerState, msg: ClassItems | ClassTotals,
                          ctx: RoundCtx) -> tuple[GHOFLServerState, GHOFLBroadcast]:
-        C, D = ss.sums.shape
-        if isinstance(msg, GHOFLSums):
-            return self._absorb(ss, msg.sums[0], msg.sumsq[0], msg.counts[0], msg.gram[0], msg.class_sq[0],
-                                int(msg.clients.sum()), ctx)
-        s, q, n, sq = _dense(C, D, msg.sums, msg.sumsq, msg.classes, msg.counts, msg.class_sq, self.full)
-        return self._absorb(ss, s, q, n, msg.gram.sum(0), sq, int(msg.fresh.sum()), ctx)
+        t = msg if isinstance(msg, ClassTotals) else msg.totals(ss.sums.shape[0])
+        sq = t.items["class_sq"][0] if self.full else ss.class_sq
+        return self._absorb(ss, t.items["sums"][0], t.items["sumsq"][0], t.counts[0], t.whole["gram"][0], sq,
+                            int(t.clients.sum()), ctx)
 
     def _absorb(self, ss: GHOFLServerState, sums: torch.Tensor, sumsq: torch.Tensor, counts: torch.Tensor,
                 gram: torch.Tensor, class_sq: torch.Tensor, clients: int,
@@ -636,16 +532,12 @@ class GHOFL(AlgorithmBase):
         """Under SecAgg+ the server sees the dense totals A, Q, N, B (and S) and the number of
         clients that sent: every field is a sum over examples."""
 
-        def sums(m: GHOFLMessage) -> dict[str, torch.Tensor]:
+        def sums(m: ClassItems) -> dict[str, torch.Tensor]:
             if self.num_classes is None:
                 raise UserError("ghofl: secure_form's sums need the number of classes, which init sets")
-            C, D = self.num_classes, m.gram.shape[-1]
-            s, q, n, sq = _dense(C, D, m.sums, m.sumsq, m.classes, m.counts, m.class_sq, self.full)
-            out = {"sums": s, "sumsq": q, "counts": n.double(), "gram": m.gram[0].double(),
-                   "clients": m.fresh[:1].double()}
-            if self.full:
-                out["class_sq"] = sq
-            return out
+            t = m.totals(self.num_classes)
+            return {**{k: v[0] for k, v in t.items.items()}, "counts": t.counts[0].double(), "gram": t.whole["gram"][0],
+                    "clients": t.clients.double()}
 
         def agg(ss: GHOFLServerState, clear: object, tot: dict[str, torch.Tensor], ctx: RoundCtx) -> tuple:
             sq = _sym(tot["class_sq"]) if self.full else ss.class_sq[:0]
@@ -670,20 +562,6 @@ class GHOFL(AlgorithmBase):
 
     def trainable_params(self, cs: GHOFLClientState) -> int:
         return 0  # the clients train nothing (the trained heads are the server's, on synthetic features)
-
-
-def _dense(C: int, D: int, sums: torch.Tensor, sumsq: torch.Tensor, classes: torch.Tensor, counts: torch.Tensor,
-           class_sq: torch.Tensor, full: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per-class totals [C, D], [C, D], [C] and [C or 0, D, D] of (client, class) items."""
-    dev = sums.device
-    cls = classes.to(dev)
-    s = torch.zeros(C, D, dtype=torch.float64, device=dev).index_add_(0, cls, sums.to(torch.float64))
-    q = torch.zeros(C, D, dtype=torch.float64, device=dev).index_add_(0, cls, sumsq.to(torch.float64))
-    n = torch.zeros(C, dtype=torch.int64, device=dev).index_add_(0, cls, counts.to(dev, torch.int64))
-    sq = torch.zeros(C if full else 0, D, D, dtype=torch.float64, device=dev)
-    if full and class_sq.shape[0]:
-        sq.index_add_(0, cls, class_sq.to(dev, torch.float64))
-    return s, q, n, sq
 
 
 def _factory(**kw: object) -> GHOFL:
