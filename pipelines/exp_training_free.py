@@ -1,6 +1,6 @@
-"""Training-free heads on real frozen features: FedNCM, Fed3R, FedCOF, CCVR and FedPFT, each
-also as the start of 10 rounds of further training, and FedNCM, Fed3R, CCVR and FedPFT under differential
-privacy.
+"""Training-free heads on real frozen features: FedNCM, Fed3R, FedCOF, CCVR, FedPFT and the newer
+closed forms AFL, GH-OFL (its five heads) and FedCGS, each linear one also as the start of 10 rounds
+of further training, and FedNCM, Fed3R, CCVR and FedPFT under differential privacy.
 
 The claims come from FedCOF (Goswami et al., "Covariances for Free: Exploiting Mean Distributions
 for Training-free Federated Learning", NeurIPS 2025, abstract): FedCOF improves on
@@ -9,6 +9,10 @@ than methods sending second-order statistics (Fed3R), and initialising from it b
 fine-tuning or linear probing helps. Fed3R (Fanì et al., "Accelerating Heterogeneous Federated
 Learning with Closed-form Classifiers", ICML 2024) reports Fed3R above FedNCM; CCVR (Luo et al.,
 "No Fear of Heterogeneity", NeurIPS 2021) reports calibration above the FedAvg head it calibrates.
+AFL (He et al., CVPR 2025) computes in one round the pooled least squares, whatever the partition;
+GH-OFL (Turazza et al., ICLR 2026) refines its closed-form Gaussian heads with heads trained on
+Fisher-space synthetic features; FedCGS (Guan et al., AAAI 2025) claims a one-shot head that deals
+with non-IID data better than the one-shot methods before it (FedPFT among them).
 
 None of those papers evaluates Office-Caltech-10 or EfficientNet-Lite features (FedCOF: CIFAR-100,
 ImageNet-R, CUB-200, Stanford Cars, iNaturalist-Users-120K with SqueezeNet, MobileNetV2 and
@@ -26,7 +30,12 @@ from __future__ import annotations
 from pipelines.spec import CACHE_FIRST, BackboneSet, Claim, DataRecipe, Experiment, Layout, Method, Point, ScaleSpec
 
 PAPERS = {"FedCOF": "Goswami et al., \"Covariances for Free: Exploiting Mean Distributions for Training-free Federated "
-                    "Learning\", NeurIPS 2025"}
+                    "Learning\", NeurIPS 2025",
+          "AFL": "He et al., \"AFL: A Single-Round Analytic Approach for Federated Learning with Pre-trained Models\", "
+                 "CVPR 2025",
+          "GH-OFL": "Turazza, Picone & Mamei, \"The Gaussian-Head OFL Family: One-Shot Federated Learning from Client "
+                    "Global Statistics\", ICLR 2026",
+          "FedCGS": "Guan, Zhou & Gu, \"Capture Global Feature Statistics for One-Shot Federated Learning\", AAAI 2025"}
 
 LITE0 = BackboneSet("EfficientNet-Lite0 (ImageNet)", paper=("efficientnet-lite0",), standin=("efficientnet-lite0",),
                     note="the real EfficientNet-Lite0 ImageNet weights (224 px, 1280-d): no stand-in needed")
@@ -58,8 +67,20 @@ HEADS = (
            note="FedAvg-LP of the same rounds, calibrated on virtual features (CCVR Sec. 4)"),
     Method("FedPFT", "fedpft", paper_rounds=1,
            note="one spherical Gaussian per class and client, server trains on synthetic features"),
+    Method("AFL", "afl", paper_rounds=1,
+           note="clients' regularised least squares, absolute aggregation and regularisation cleaning (gamma 1, "
+                "run.sh): the pooled least squares; a singular system is solved with the pseudo-inverse (said)"),
 )
-_LP_FROM = (("FedNCM", "fedncm"), ("Fed3R", "fed3r"), ("FedCOF", "fedcof"))
+GHOFL_HEADS = (("NB-diag", "nb"), ("LDA", "lda"), ("QDA", "qda"), ("FisherMix", "fishermix"),
+               ("Proto-Hyper", "protohyper"))
+GHOFL = tuple(Method(f"GH-OFL {lab}", "ghofl", settings=(("head", head),), paper_rounds=1,
+                     note=f"GH-OFL's {lab} head (GH_OFL_server.py; the configs' shrinkage, Fisher and synthesis "
+                          "settings)") for lab, head in GHOFL_HEADS)
+FEDCGS = (Method("FedCGS", "fedcgs", paper_rounds=1,
+                 note="Gaussian head with the global feature covariance (main_fedcgs.py, gamma 0; a singular "
+                      "covariance solved with the pseudo-inverse, said)"),)
+_LP_FROM = (("FedNCM", "fedncm"), ("Fed3R", "fed3r"), ("FedCOF", "fedcof"), ("AFL", "afl"), ("GH-OFL LDA", "ghofl"),
+            ("FedCGS", "fedcgs"))
 LP_FROM_HEAD = tuple(
     Method(f"{lab}+LP ({FT_ROUNDS} rounds, cached)", "lp", settings=(("init", alg),), paper_rounds=FT_ROUNDS + 1,
            scales=("smoke", "ci"),
@@ -78,7 +99,7 @@ FT_FROM_HEAD = tuple(
     Method(f"{lab}+FT ({FT_ROUNDS} rounds)", alg, kind="finetune", paper_rounds=FT_ROUNDS, scales=("paper",),
            note=f"fedheads finetune --head {alg}: the whole backbone and the head fine-tuned from {lab}'s head "
                 "(round 0 equals the head)")
-    for lab, alg in (("FedNCM", "fedncm"), ("Fed3R", "fed3r"), ("FedCOF", "fedcof"))) + tuple(
+    for lab, alg in _LP_FROM) + tuple(
     Method(f"{lab}+FT ({FT_ROUNDS} rounds)", alg, kind="finetune", paper_rounds=FT_ROUNDS, scales=("paper",),
            requires=(f"missing:fedheads finetune --head {alg} (its head is not a one-pass linear head)",))
     for lab, alg in (("CCVR", "ccvr"), ("FedPFT", "fedpft")))
@@ -89,7 +110,7 @@ FT_CACHED = tuple(
            note=f"fedheads finetune --head {alg} --set trainable=after:<cut>: round 0 is {lab}'s head, then "
                 f"{FT_ROUNDS} FedAvg rounds of the backbone's last stage and the head on the cached maps before it "
                 "(the full-backbone +FT row is paper scale)")
-    for lab, alg in (("FedNCM", "fedncm"), ("Fed3R", "fed3r"), ("FedCOF", "fedcof")))
+    for lab, alg in _LP_FROM)
 
 SCALES = (("smoke", ScaleSpec(rounds=2, seeds=(0,), test_per_class=5, eval_every=0)),  # plumbing only
           ("ci", ScaleSpec(rounds=None, seeds=(0, 1, 2), eval_every=0)),
@@ -105,31 +126,32 @@ NOTES = (
     "and the head from it on the stored maps before that stage (`fedheads finetune --head H --set "
     f"trainable=after:<cut>`: blocks.6 of EfficientNet-Lite0, its 1x1 conv_head and BN); '+FT ({FT_ROUNDS} rounds)' "
     "rows (paper scale) fine-tune the whole backbone on live images. `fedheads finetune --head` serves the one-pass "
-    "linear heads (FedNCM, Fed3R, FedCOF) only.",
+    "linear heads (FedNCM, Fed3R, FedCOF, AFL, GH-OFL's LDA, FedCGS); GH-OFL's rows start from its default LDA head.",
     "eval_every 0: only the last round is evaluated (the table reads it).",
     "The seeds vary training (LP's initialisation and batches, CCVR's and FedPFT's draws), not the partition (one "
     "fixed split per point, docs/contracts.md section 9): FedNCM, Fed3R and FedCOF are deterministic functions of "
     "the split, hence their std of 0.",
-    "CCVR runs under feature shift only: its clients send full per-class second moments, which the engine stacks "
-    "as [clients, C, D, D] float64, 13 GB at 100 clients x 10 classes x 1280-d features.",
+    "CCVR under label skew at 100 clients: its clients' full per-class second moments ([clients, C, D, D] float64, "
+    "13 GB stacked) are added by the engine's summed path instead (the n-weighted FedAvg deltas and the class "
+    "statistics summed group by group, ccvr.py summed_update), about 131 MB.",
+    "GH-OFL: one cell per head (nb, lda, qda, fishermix, protohyper); each cell also reports the closed-form heads "
+    "beside its own (results.json other_rules), and its clients send per-class second moments only where the head "
+    "needs them (qda and the trained heads). FedCGS's personal rule (each client's own class prior) is its cells' "
+    "'personal' rule.",
     "Other backbones (e.g. efficientnet-lite1 or efficientnet-lite2, registered with their ImageNet weights, or your "
     "own): `--backbone efficientnet-lite0=NAME`; docs/papers/training_free.md has the table on Lite1 and Lite2.",
 )
 
-# CCVR's clients send full per-class second moments, [clients, C, D, D] float64 stacked by the engine:
-# 13 GB at 100 clients x 10 classes x 1280-d, so it runs under feature shift (4 clients) only
-CCVR_LABELS = ("CCVR (FedAvg-LP)", f"CCVR (FedAvg-LP, {LP_ROUNDS}+{FT_ROUNDS} rounds)", "CCVR+FT (10 rounds)")
-_ALL = HEADS + LP_FROM_HEAD + FT_CACHED + FT_FROM_HEAD
-_POINTS = tuple(Point((("partition", k),), r, LITE0,
-                      methods=None if r.clients is None else tuple(m.label for m in _ALL if m.label not in CCVR_LABELS))
-                for k, r in PARTITIONS.items())
+_ALL = HEADS + GHOFL + FEDCGS + LP_FROM_HEAD + FT_CACHED + FT_FROM_HEAD
+_POINTS = tuple(Point((("partition", k),), r, LITE0) for k, r in PARTITIONS.items())
 
 FT_QUOTE = ("'using our method to initialize classifiers and then performing federated fine-tuning or linear probing "
             "again yields better performance' (FedCOF, abstract)")
 TABLE = Experiment(
     name="training-free", title="Training-free heads on real features", paper="FedCOF", source="abstract (claims)",
-    summary="FedNCM, Fed3R, FedCOF, CCVR (on FedAvg-LP) and FedPFT on Office-Caltech-10 EfficientNet-Lite0 "
-            "features under label skew and feature shift, each also followed by 10 rounds of training.",
+    summary="FedNCM, Fed3R, FedCOF, CCVR (on FedAvg-LP), FedPFT, AFL, GH-OFL's five heads and FedCGS on "
+            "Office-Caltech-10 EfficientNet-Lite0 features under label skew and feature shift, each linear head also "
+            "followed by 10 rounds of training.",
     methods=_ALL, points=_POINTS,
     axes=(("partition", tuple(PARTITIONS)),), rounds=1, scales=SCALES,
     layout=Layout(rows=("partition", "method"), metrics=("acc", "acc_pooled"), figure="fairness"),
@@ -140,8 +162,16 @@ TABLE = Experiment(
         Claim("FedCOF at least as good as Fed3R", "FedCOF", over=("Fed3R",),
               quote="'competitive or superior to methods sharing second-order statistics' (FedCOF, abstract)"),
         Claim("Fed3R above FedNCM", "Fed3R", over=("FedNCM",)),
-        Claim("CCVR above the FedAvg-LP head it calibrates", "CCVR (FedAvg-LP)", over=("FedAvg-LP",),
-              where=(("partition", "feature shift, 4 domains"),)),
+        Claim("CCVR above the FedAvg-LP head it calibrates", "CCVR (FedAvg-LP)", over=("FedAvg-LP",)),
+        Claim("AFL in one round at least as good as FedAvg-LP's 50", "AFL", over=("FedAvg-LP",)),
+        Claim("GH-OFL's Fisher-space heads above its closed-form LDA", "GH-OFL Proto-Hyper",
+              over=("GH-OFL LDA",),
+              quote="'The server reconstructs Gaussian decision heads analytically and optionally refines them in a "
+                    "Fisher subspace' (GH-OFL README)"),
+        Claim("GH-OFL's LDA above its naive Bayes", "GH-OFL LDA", over=("GH-OFL NB-diag",)),
+        Claim("FedCGS above FedPFT (one-shot, non-IID)", "FedCGS", over=("FedPFT",),
+              quote="'existing one-shot FL methods ... cannot deal with non-IID ... data stably and effectively' "
+                    "(FedCGS, abstract)"),
         Claim("FedCOF+LP above FedNCM+LP", f"FedCOF+LP ({FT_ROUNDS} rounds, cached)",
               over=(f"FedNCM+LP ({FT_ROUNDS} rounds, cached)",),
               quote=FT_QUOTE),

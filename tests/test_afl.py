@@ -220,3 +220,17 @@ def test_bad_settings_are_one_line():
         AFLConfig(solve="exact")
     with pytest.raises(UserError, match="gamma -1"):
         AFLConfig(gamma=-1.0)
+
+
+@pytest.mark.parametrize("fraction", [1.0, 0.5])
+def test_the_summed_path_is_the_per_client_one(fraction):
+    """message_budget=1: Σ C_k and Σ X_kᵀY_k from the pooled rows, without the local solves: the
+    head of the per-client messages to float rounding, the bytes counted as they are."""
+    clients, C = federation(seed=8, M=6, C=6, D=5)
+    rounds = 1 if fraction == 1.0 else 12
+    data = from_arrays(clients, C)
+    a = run(create_algorithm("afl"), data, rounds, seed=0, fraction=fraction, progress=False)
+    b = run(create_algorithm("afl"), data, rounds, seed=0, fraction=fraction, progress=False, message_budget=1)
+    assert [h.comm for h in a.history] == [h.comm for h in b.history]
+    torch.testing.assert_close(b.server_state.weight, a.server_state.weight, rtol=1e-7, atol=1e-9)
+    assert int(b.server_state.clients) == int(a.server_state.clients) == 6

@@ -345,3 +345,24 @@ def test_settings_show_the_docs_and_sources_declared_with_setting():
     assert "FedAvg rounds" in rows["lr"].doc and rows["lr"].source == "FedNCM App. B (lp)"  # the nested optimiser's
     pft = {r.key: r for r in settings_of("fedpft")[0]}
     assert pft["covariance"].doc.startswith("mixture covariance type") and pft["covariance"].source == "baseline cov-type"
+
+
+@pytest.mark.parametrize("saved", [False, True])
+def test_the_summed_path_is_the_stacked_one(saved):
+    """message_budget=1: the vectorised engine adds the clients' n-weighted deltas and pools their rows
+    for the class statistics (no per-client [C, D, D] moments); the run is the stacked one to float
+    rounding, its bytes counted per client as the stacked messages'."""
+    def make():
+        alg = CCVR(CCVRConfig(batch_size=4, virtual_per_class=20, head="saved-run" if saved else None))
+        if saved:
+            g = torch.Generator().manual_seed(0)
+            alg._saved = (torch.randn(6, 3, generator=g), torch.randn(3, generator=g))
+        return alg
+
+    for fraction in (1.0, 0.5):
+        a = run(make(), tiny_fed(), rounds=3, seed=3, fraction=fraction, progress=False)
+        b = run(make(), tiny_fed(), rounds=3, seed=3, fraction=fraction, progress=False, message_budget=1)
+        assert [h.comm for h in a.history] == [h.comm for h in b.history]
+        for ta, tb in zip(tree_leaves(a.server_state), tree_leaves(b.server_state)):
+            torch.testing.assert_close(ta, tb, atol=5e-5, rtol=1e-3)
+        assert bool(b.server_state.reported.all()) == bool(a.server_state.reported.all())

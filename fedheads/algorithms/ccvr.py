@@ -175,6 +175,28 @@ class CCVRMessage:
 
 
 @dataclass(frozen=True)
+class CCVRSums:
+    """Many clients' messages added (the vectorised engine's summed path, `summed_update`): the
+    n-weighted sums of their FedAvg deltas with the weights' sum, and the sums of their class
+    statistics (C' = 0 classes in a round that does not collect)."""
+
+    wdelta: dict[str, torch.Tensor]  # {name: [1, ...]} sum_k n_k (w_k - w) (empty: a saved head, nothing trains)
+    weight: torch.Tensor  # [1] sum_k n_k (0 without deltas)
+    sums: torch.Tensor  # [1, C', D] float64
+    sq: torch.Tensor  # [1, C', D, D] float64
+    counts: torch.Tensor  # [1, C'] int64
+
+    def comm_size(self) -> tuple[int, int]:
+        """(values, bytes) ONE client sends, as in the per-client messages: its float32 delta and
+        weight, and while collecting its statistics and its fresh flag (every client sends the same
+        shapes, so no count of clients is needed)."""
+        delta = sum(v[0].numel() for v in self.wdelta.values()) + (1 if self.wdelta else 0)
+        stats = self.sums[0].numel() + self.sq[0].numel() + self.counts[0].numel()
+        fresh = 1 if self.counts.shape[1] else 0
+        return delta + stats + fresh, 4 * delta + 8 * stats + fresh
+
+
+@dataclass(frozen=True)
 class CCVRFresh:
     """What travels in the clear under SecAgg+ in a collecting round."""
 
@@ -292,6 +314,7 @@ class CCVR(AlgorithmBase):
     config = CCVRConfig
     global_rule = "main"  # the calibrated head is the server's
     server_client_fields = ("reported",)
+    sums_messages = True  # the server reads only sums: of the n-weighted deltas and of the class statistics
     clamp_noisy_counts = False  # presence is decided on the running total of the noisy counts
 
     def __init__(self, cfg: CCVRConfig = CCVRConfig()) -> None:
@@ -336,10 +359,48 @@ class CCVR(AlgorithmBase):
         msg = CCVRMessage(delta, sums, sq, counts, fresh)
         return CCVRClientState(lp_cs, torch.ones_like(cs.sent)), msg
 
-    def server_aggregate(self, ss: CCVRServerState, msg: CCVRMessage | DeltaMessage | Empty,
+    def summed_update(self, cs: CCVRClientState, bc: CCVRBroadcast, data: FedData,
+                      ctx: RoundCtx) -> tuple[CCVRClientState, CCVRSums | Empty]:
+        """The clients' FedAvg deltas, n-weighted and added, and their class statistics summed from
+        their rows pooled: no per-client [C, D, D] second moments are made (CCVR under label skew
+        at 100 clients would stack 13 GB of them)."""
+        wdelta: dict[str, torch.Tensor] = {}
+        weight = torch.zeros(1, dtype=torch.float64, device=data.device)
+        lp_cs = cs.lp
+        if self.cfg.head is None:
+            lp_cs, d = self.lp.client_update(cs.lp, bc.lp, data, ctx)
+            assert isinstance(d, DeltaMessage)
+            w = d.weight.to(torch.float64)
+            wdelta = {k: torch.tensordot(w.to(v.device), v.double(), dims=1).unsqueeze(0) for k, v in d.delta.items()}
+            weight = w.sum().view(1)
+        C, D = data.num_classes, data.dim
+        if not bc.collect:
+            if not wdelta:
+                return CCVRClientState(lp_cs, cs.sent), Empty()
+            z = torch.zeros(1, 0, D, dtype=torch.float64, device=data.device)
+            return CCVRClientState(lp_cs, cs.sent), CCVRSums(wdelta, weight, z, z.unsqueeze(-1).expand(1, 0, D, D),
+                                                             torch.zeros(1, 0, dtype=torch.int64, device=data.device))
+        if self.cfg.covariance == "fl-bench":
+            raise UserError("ccvr covariance='fl-bench' sends per-client rescaled moments, which do not add from pooled "
+                            "rows; run it with fewer clients (the engine then holds the per-client messages)")
+        M, N = data.y_train.shape
+        rows = data.m_train & ~cs.sent.to(data.m_train.device).view(-1, 1)
+        sums, sq, counts = class_statistics(data.x_train.reshape(1, M * N, D), data.y_train.reshape(1, M * N),
+                                            rows.reshape(1, M * N), C)
+        return CCVRClientState(lp_cs, torch.ones_like(cs.sent)), CCVRSums(wdelta, weight, sums, sq, counts)
+
+    def server_aggregate(self, ss: CCVRServerState, msg: CCVRMessage | CCVRSums | DeltaMessage | Empty,
                          ctx: RoundCtx) -> tuple[CCVRServerState, CCVRBroadcast]:
         if isinstance(msg, Empty):  # a saved head, every statistic in: nothing changes
             return self._idle(ss)
+        if isinstance(msg, CCVRSums):  # the summed path: every participant has now reported
+            if msg.counts.shape[1]:
+                ss = self._collect(ss, msg.sums[0], msg.sq[0], msg.counts[0], None, ctx)
+            d = None
+            if msg.wdelta:
+                w = msg.weight
+                d = DeltaMessage({k: (v / w.to(v.device)).float() for k, v in msg.wdelta.items()}, {}, w.float())
+            return self._step(ss, d, ctx)
         if isinstance(msg, CCVRMessage):  # sums of client contributions ...
             ss = self._collect(ss, msg.sums.sum(0), msg.sq.sum(0), msg.counts.sum(0), msg.fresh, ctx)
             return self._step(ss, msg.lp, ctx)
@@ -349,9 +410,10 @@ class CCVR(AlgorithmBase):
         return ss, CCVRBroadcast(HeadBroadcast(ss.lp.params, False), False, False)
 
     def _collect(self, ss: CCVRServerState, sums: torch.Tensor, sq: torch.Tensor, counts: torch.Tensor,
-                 fresh: torch.Tensor, ctx: RoundCtx) -> CCVRServerState:
-        reported = ss.reported.clone()
-        reported[ctx.participants.to(reported.device)] |= fresh.to(reported.device)
+                 fresh: torch.Tensor | None, ctx: RoundCtx) -> CCVRServerState:
+        reported = ss.reported.clone()  # fresh None: every participant (a participant not yet reported always sends)
+        part = ctx.participants.to(reported.device)
+        reported[part] |= True if fresh is None else fresh.to(reported.device)
         sums, sq, counts = ss.sums + sums.to(ss.sums.dtype), ss.sq + sq.to(ss.sq.dtype), ss.counts + counts.to(ss.counts.dtype)
         mu, cov, usable = class_gaussians(sums, sq, counts)  # the finalize, once per new statistics
         return replace(ss, sums=sums, sq=sq, counts=counts, reported=reported, mu=mu, factor=gaussian_factor(cov),
