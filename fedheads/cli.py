@@ -17,6 +17,7 @@ import click
 
 from embedcache.cli_base import UserErrorGroup
 from embedcache.errors import UserError
+from fedheads.privacy_accounting import privacy_lines
 from fedheads.run.checks import store_with
 from fedheads.run.commands import Compare, FedDRA, Finetune, Join, Predict, Serve, Simulate, Train
 from fedheads.run.options import (
@@ -81,6 +82,8 @@ def train(ctx: click.Context, dump_config: bool, **_: Any) -> None:
     res = train_run(cmd.store if info is None else info, list(cmd.backbones), cmd.algorithm, cmd.options, cmd.out,
                     overwrite=cmd.overwrite, resume=cmd.resume, heap=GlibcHeap())
     click.echo(f"{cmd.algorithm}: accuracy {res['accuracy_cell']} over seeds {res['seeds']} -> {cmd.out}/results.json")
+    for line in privacy_lines(res.get("privacy")):
+        click.echo(line, err=True)
 
 
 @_command(Compare, help=f"Train several algorithms on the same features; write a paper-style table and plots.{_MERGE}")

@@ -61,6 +61,7 @@ from fedheads.core.protocol import AlgorithmBase, HeadArch, Init, PaperRoundComm
 from fedheads.core.tree import tree_cat, tree_rows
 from fedheads.privacy_accounting import (  # noqa: F401 (Mechanism: also importable from here)
     ACCOUNTANTS,
+    MAX_EPSILON,
     MODES,
     TRANSFORMS,
     Mechanism,
@@ -331,6 +332,10 @@ class Private(AlgorithmBase):
         }
         if self.post_processing:
             out["post_processing"] = self.post_processing
+        worst = max(eps, out["epsilon_all_seeds"])
+        if not (math.isfinite(worst) and worst <= MAX_EPSILON):  # strict JSON writes an infinite epsilon as null
+            out["guarantee"] = (f"none: noise multiplier {self.z:g} spends epsilon {worst:g} (above {MAX_EPSILON:g}), "
+                                "a release that protects nothing")
         if m.accountant == "pld":
             out["pld_value_discretization_interval"] = pld_interval(self.z, max(r, 1))
         if m.mode == "distributed":

@@ -35,9 +35,11 @@ epsilon of publishing every seed's head.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
-from collections.abc import Mapping, Sequence
+import warnings
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,6 +49,9 @@ from fedheads.core.config import setting
 MODES = ("central", "distributed", "local")
 TRANSFORMS = ("clip", "normalize")
 ACCOUNTANTS = ("rdp", "pld")
+MIN_NOISE = 0.02  # a Gaussian mechanism below this noise multiplier spends epsilon above about 1,000
+MAX_EPSILON = 1e3  # a budget above it protects nothing: refused as --dp-epsilon, said of a --dp-noise-multiplier
+MAX_CLIP = 1e100  # its square (a second moment's sensitivity) stays a finite float64
 
 
 @dataclass(frozen=True)
@@ -75,6 +80,9 @@ class Mechanism:
     def __post_init__(self) -> None:
         if not (math.isfinite(self.clip) and self.clip > 0):
             raise UserError(f"--dp-clip {self.clip}: must be a positive number")
+        if self.clip > MAX_CLIP:
+            raise UserError(f"--dp-clip {self.clip:g}: above {MAX_CLIP:g}, where the sensitivity of a second moment "
+                            "(the clip squared) is no longer a finite number; scale the features instead")
         for name, v, ok in (("--dp-transform", self.transform, TRANSFORMS), ("--dp-mode", self.mode, MODES),
                             ("--dp-accountant", self.accountant, ACCOUNTANTS)):
             if v not in ok:
@@ -85,6 +93,9 @@ class Mechanism:
             raise UserError(f"--dp-noise-multiplier {self.noise_multiplier}: must be a positive number")
         if self.epsilon is not None and not (math.isfinite(self.epsilon) and self.epsilon > 0):
             raise UserError(f"--dp-epsilon {self.epsilon}: must be a positive number")
+        if self.epsilon is not None and self.epsilon > MAX_EPSILON:
+            raise UserError(f"--dp-epsilon {self.epsilon:g}: above {MAX_EPSILON:g}, a budget that protects nothing "
+                            "(train without DP, or give --dp-noise-multiplier)")
         if not 0 < self.delta < 1:
             raise UserError(f"--dp-delta {self.delta}: must be in (0, 1)")
         if self.releases < 1:
@@ -128,9 +139,21 @@ def epsilon(z: float, delta: float, releases: int = 1, accountant: str = "rdp") 
     """Epsilon spent at `delta` by `releases` Gaussian releases of noise multiplier z."""
     if releases == 0:
         return 0.0
-    acc = _accountant(accountant, z, releases)
-    acc.compose(dp_event(z, releases))
-    return float(acc.get_epsilon(delta))
+    with quiet_numerics():
+        acc = _accountant(accountant, z, releases)
+        acc.compose(dp_event(z, releases))
+        return float(acc.get_epsilon(delta))
+
+
+@contextlib.contextmanager
+def quiet_numerics() -> Iterator[None]:
+    """dp-accounting's numpy warnings (overflow, log of 0 at the ends of its searches) kept off the
+    console: its answers are checked, and a bad one refused in one line, here."""
+    import numpy as np
+
+    with warnings.catch_warnings(), np.errstate(all="ignore"):
+        warnings.simplefilter("ignore", RuntimeWarning)
+        yield
 
 
 @functools.lru_cache(maxsize=64)
@@ -144,8 +167,11 @@ def calibrate(target: float, delta: float, releases: int = 1, accountant: str = 
     both accountants' answer (each bounds epsilon from above), so the search starts there."""
     import dp_accounting
 
-    z0 = dp_accounting.get_sigma_gaussian(target, delta) * math.sqrt(releases)
-    if z0 < 0.02:
+    with quiet_numerics():
+        z0 = dp_accounting.get_sigma_gaussian(target, delta) * math.sqrt(releases)
+    if not math.isfinite(z0):
+        raise UserError(f"--dp-epsilon {target}: no noise multiplier found for it at --dp-delta {delta}")
+    if z0 < MIN_NOISE:
         raise UserError(f"--dp-epsilon {target}: so large that a noise multiplier below 0.02 would do "
                         "(train without DP, or give --dp-noise-multiplier)")
     if z0 > 1e4:
@@ -153,9 +179,10 @@ def calibrate(target: float, delta: float, releases: int = 1, accountant: str = 
     lo, hi = z0 * (1 - 1e-3), z0 * 1.1
     while epsilon(hi, delta, releases, accountant) > target:
         lo, hi = hi, hi * 2
-    z = dp_accounting.calibrate_dp_mechanism(
-        lambda: _accountant(accountant, lo, releases), lambda s: dp_event(s, releases), target, delta,
-        dp_accounting.ExplicitBracketInterval(lo, hi), tol=1e-5 * z0)
+    with quiet_numerics():
+        z = dp_accounting.calibrate_dp_mechanism(
+            lambda: _accountant(accountant, lo, releases), lambda s: dp_event(s, releases), target, delta,
+            dp_accounting.ExplicitBracketInterval(lo, hi), tol=1e-5 * z0)
     while epsilon(z, delta, releases, accountant) > target:  # the bracket's end on the private side
         z *= 1 + 1e-6
     return float(z)
@@ -171,6 +198,28 @@ def noise_stds(sensitivity: Mapping[str, float], z: float, split: Sequence[tuple
         raise UserError(f"--dp-split {unknown[0]}: not a noised field (fields: {', '.join(moved)})")
     if weights and set(weights) != set(moved):
         raise UserError(f"--dp-split: give a weight for every field ({', '.join(moved)})")
+    top = max(weights.values()) if weights else 1.0
+    weights = {k: v / top for k, v in weights.items()}  # scaled to <= 1 first: 1e308-sized weights still add up
     total = sum(weights.values()) if weights else float(len(moved))
     w = {k: (weights[k] / total if weights else 1.0 / total) for k in moved}
+    if any(not v > 0 for v in w.values()):
+        raise UserError("--dp-split: weights so far apart that a field's share is 0 (keep their ratio under 1e300)")
     return {k: (z * float(d) / math.sqrt(w[k]) if d > 0 else 0.0) for k, d in sensitivity.items()}
+
+
+def privacy_lines(block: Mapping[str, Any] | None) -> list[str]:
+    """What a run's `privacy` block (results.json) guarantees, for the console: the epsilon each
+    seed's head spent and the seeds' heads together (they are releases of the same data), and
+    where it protects nothing, that."""
+    if not block:
+        return []
+    eps, both, delta = block.get("epsilon"), block.get("epsilon_all_seeds"), block.get("delta")
+    shown = [f"privacy: ({_num(eps)}, {delta:g})-DP per seed's head ({block.get('accountant')}, noise multiplier "
+             f"{block.get('noise_multiplier'):.4g}); all seeds' heads together: ({_num(both)}, {delta:g})-DP"]
+    if block.get("guarantee"):
+        shown.append(f"privacy: {block['guarantee']}")
+    return shown
+
+
+def _num(x: Any) -> str:
+    return "inf" if x is None or not math.isfinite(float(x)) else f"{float(x):.3g}"

@@ -320,3 +320,48 @@ def test_private_handles_every_optional_hook_of_the_protocol():
     hooks = {k for k, v in vars(AlgorithmBase).items() if callable(v) and not k.startswith("_")}
     left = {k for k in hooks if getattr(Private, k) is getattr(AlgorithmBase, k)}
     assert left == {"summed_update", "dp_sensitivity", "dp_finalize", "local_form"}
+
+
+@pytest.mark.parametrize("bad,needle", [
+    (["--dp-epsilon", "1e300"], "above 1000"),
+    (["--dp-epsilon", "1e20"], "above 1000"),
+    (["--dp-epsilon", "1", "--dp-clip", "1e300"], "--dp-clip 1e+300"),
+    (["--dp-epsilon", "1", "--dp-split", "gram=1e300,sums=1e-300,counts=1"], "--dp-split"),
+])
+def test_dp_extremes_are_one_line_without_library_warnings(store, tmp_path, bad, needle):
+    res = CliRunner().invoke(main, ["train", "--store", str(store), "--backbones", "synth", "--algorithm", "fed3r",
+                                    "--seeds", "0", "--quiet", "--out", str(tmp_path / "q"), *bad])
+    assert_one_line(res, 2, needle)
+    assert "Warning" not in res.output and not (tmp_path / "q" / "results.json").exists()
+
+
+def test_a_release_that_protects_nothing_says_so_in_strict_json(store, tmp_path):
+    """--dp-noise-multiplier 1e-300: epsilon is infinite; the console and results.json say the run
+    guarantees nothing, and results.json stays strict JSON (null, not Infinity)."""
+    out = tmp_path / "run"
+    res = CliRunner().invoke(main, ["train", "--store", str(store), "--backbones", "synth", "--algorithm", "fed3r",
+                                    "--seeds", "0", "--quiet", "--dp-noise-multiplier", "1e-300", "--out", str(out)])
+    assert res.exit_code == 0, res.output
+    assert "protects nothing" in res.output and "Warning" not in res.output
+
+    def refuse(c):
+        raise ValueError(f"not strict JSON: {c}")
+
+    p = json.loads((out / "results.json").read_text(), parse_constant=refuse)["privacy"]
+    assert p["epsilon"] is None and "protects nothing" in p["guarantee"]
+
+
+def test_the_console_says_the_epsilon_spent_per_seed_and_in_all(store, tmp_path):
+    res = CliRunner().invoke(main, ["train", "--store", str(store), "--backbones", "synth", "--algorithm", "fed3r",
+                                    "--seeds", "0,1", "--quiet", "--dp-epsilon", "1", "--out", str(tmp_path / "r")])
+    assert res.exit_code == 0, res.output
+    line = next(ln for ln in res.output.splitlines() if ln.startswith("privacy:"))
+    p = json.loads((tmp_path / "r" / "results.json").read_text())["privacy"]
+    assert f"({p['epsilon']:.3g}, 1e-05)-DP per seed" in line and f"({p['epsilon_all_seeds']:.3g}, 1e-05)-DP" in line
+
+
+def test_split_weights_of_any_size_are_scaled_first():
+    sens = {"a": 1.0, "b": 2.0}
+    small = noise_stds(sens, 1.0, (("a", 1.0), ("b", 3.0)))
+    torch.testing.assert_close(torch.tensor(list(noise_stds(sens, 1.0, (("a", 1e300), ("b", 3e300))).values())),
+                               torch.tensor(list(small.values())))

@@ -25,7 +25,6 @@ footnote naming it, and as an empty, labelled slot in the per-client plot; the a
 
 from __future__ import annotations
 
-import json
 import os
 import re
 from collections.abc import Mapping, Sequence
@@ -37,7 +36,7 @@ import numpy as np
 from embedcache.atomic import atomic_path
 from embedcache.errors import UserError
 from fedheads.report import communication as comm
-from fedheads.report import metrics, plotting
+from fedheads.report import metrics, plotting, strict_json
 
 
 def one_pass(algorithm: Any) -> bool:
@@ -238,8 +237,8 @@ def summarise_runs(per_seed: Sequence[Mapping[str, Any]], *, algorithm: str,
 
 
 def write_results_json(result: Mapping[str, Any], path: str | Path) -> Path:
-    """results.json, atomically, sorted keys."""
-    return _atomic_write(Path(path), lambda fh: json.dump(result, fh, indent=2, sort_keys=True))
+    """results.json, atomically, sorted keys, strict JSON (non-finite numbers as null)."""
+    return _atomic_write(Path(path), lambda fh: fh.write(strict_json.dumps(result)))
 
 
 NO_TEST = "n/a (0 test)"

@@ -28,6 +28,7 @@ from typing import Any, TypeVar
 
 from embedcache.atomic import atomic_path
 from embedcache.errors import UserError
+from fedheads.report import strict_json
 
 MARKERS = ("results.json", "config.json", "state")  # any of them: the directory holds a run
 RUN_FILES = ("results.json", "config.json", "config.yaml", "metrics.csv", "summary.md", "report.md",
@@ -336,11 +337,11 @@ class RunDir:
         return path
 
     def finish(self, result: dict[str, Any]) -> dict[str, Any]:
-        """results.json (indented, sorted keys, as fedheads.report.results.write_results_json),
+        """results.json (indented, sorted keys, strict, as fedheads.report.results.write_results_json),
         written last: from now on the directory is complete and nothing more is written. Returns
         `result`."""
         self._writable("results.json")
         with atomic_path(self.path / "results.json") as tmp:
-            tmp.write_bytes(json.dumps(result, indent=2, sort_keys=True).encode())
+            tmp.write_bytes(strict_json.dumps(result).encode())  # strict JSON: an infinite epsilon is null
         self.finished = True
         return result
