@@ -97,7 +97,7 @@ def test_partial_participation_reaches_the_one_round_head():
     one = run(create_algorithm("fedpft", **FAST), data, rounds=1, seed=2, progress=False)
     part = run(create_algorithm("fedpft", **FAST), data, rounds=8, seed=2, fraction=0.5, progress=False)
     assert sorted({i for h in part.history for i in h.participants}) == [0, 1, 2, 3]
-    assert part.history[-1].comm.up_values > 0  # later messages travel, empty
+    assert part.history[-1].comm.up_values == 0  # a client that has sent its mixtures sends nothing more
     for k in one.server_state.head:
         torch.testing.assert_close(one.server_state.head[k], part.server_state.head[k], rtol=1e-5, atol=1e-6)
 
@@ -132,3 +132,20 @@ def test_cli_train_then_predict_equals_the_evaluation(tmp_path):
     acc = train_then_predict(tmp_path, "--algorithm", "fedpft", "--rounds", "1", "--seeds", "1", "--set", "server_lr=0.01",
                              "--set", "server_epochs=5")
     assert min(acc.values()) > 40.0  # chance is 25
+
+
+@pytest.mark.parametrize("covariance,components", [("spherical", 1), ("diag", 2), ("full", 1), ("tied", 2)])
+def test_bytes_sent_are_the_mixtures_sent(covariance, components):
+    """Per class a client sends (label, count and its fitted components: weight, mean, covariance;
+    "tied" one covariance per class) and its id once; the dense message's empty slots are not sent."""
+    data = tiny_fed(M=4, D=4, C=3, seed=1)
+    res = run(FedPFT(FedPFTConfig(covariance=covariance, components=components, server_epochs=1)), data, 1, seed=0,
+              progress=False)
+    ss, D = res.server_state, 4
+    fitted = int(((ss.weights > 0) & (ss.counts > 0).unsqueeze(-1)).sum())
+    classes, senders = int((ss.counts > 0).sum()), int((ss.counts > 0).any(1).sum())
+    per_comp = 1 + D + {"spherical": 1, "diag": D, "full": D * D, "tied": 0}[covariance]
+    floats = fitted * per_comp + (classes * D * D if covariance == "tied" else 0)
+    want = 4 * floats + 8 * (2 * classes + senders)  # float32 parameters, int64 labels, counts and ids
+    assert 0 < classes < 4 * 3 or fitted < 4 * 3 * components  # some slot is empty: the dense count would differ
+    assert abs(res.history[0].comm.up_bytes - want) <= 4  # per-client average rounded, times 4 clients

@@ -138,6 +138,26 @@ class FedPFTMessage:
     covariances: torch.Tensor  # [M, C, K] | [M, C, K, D] | [M, C, K, D, D] | [M, C, D, D] by type
     counts: torch.Tensor  # [M, C] int64 n_kc of the classes sent (0: not sent)
     client: torch.Tensor  # [M] int64 the sender's global id (keys its synthetic features)
+    covariance: str = "spherical"  # the covariance type (COVARIANCES): what one component sends
+
+    def comm_size(self) -> tuple[int, int]:
+        """(values, bytes) one client sends, averaged over the clients and rounded: what a sender's
+        mixtures hold (utils.learn_gmm), per class it sends its label, count and the components
+        fitted (weight, mean, covariance; "tied": one covariance per class), and its id; the slots of
+        classes not sent and of components not fitted (weight 0) are not sent."""
+        M, C, K = self.weights.shape
+        D = self.means.shape[-1]
+        fitted = (self.weights > 0) & (self.counts > 0).unsqueeze(-1)  # [M, C, K] components sent
+        comps, classes = int(fitted.sum()), int((self.counts > 0).sum())
+        senders = int((self.counts > 0).any(1).sum())
+        per_comp = 1 + D + {"spherical": 1, "diag": D, "full": D * D, "tied": 0}[self.covariance]
+        per_class = D * D if self.covariance == "tied" else 0
+        floats = comps * per_comp + classes * per_class
+        ints = 2 * classes + senders  # label and count per class, the client id
+        size = self.weights.element_size()
+        m = max(M, 1)
+        return round((floats + ints) / m), round((floats * size + 8 * ints) / m)
+
 
 
 def cov_shape(kind: str, K: int, D: int) -> tuple[int, ...]:
@@ -239,7 +259,8 @@ class FedPFT(AlgorithmBase):
             wi, mi, si, ni = fit_mixtures(x, y, C, cfg, ctx.seed, int(data.client_index[i]))
             for dst, src in ((w, wi), (m, mi), (s, si), (n, ni)):
                 dst[i] = torch.from_numpy(src).to(device=dev, dtype=dst.dtype)
-        return FedPFTClientState(torch.ones_like(cs.sent)), FedPFTMessage(w, m, s, n, data.client_index.clone())
+        return FedPFTClientState(torch.ones_like(cs.sent)), FedPFTMessage(w, m, s, n, data.client_index.clone(),
+                                                                          cfg.covariance)
 
     def server_aggregate(self, ss: FedPFTServerState, msg: FedPFTMessage,
                          ctx: RoundCtx) -> tuple[FedPFTServerState, FedPFTBroadcast]:
@@ -355,7 +376,7 @@ class FedPFT(AlgorithmBase):
         keep = send.to(torch.float64)
         par = par * keep.view(M, C, *([1] * (par.dim() - 2)))
         return FedPFTMessage((keep.unsqueeze(-1)).to(self.dtype), (mu * keep.unsqueeze(-1)).unsqueeze(2).to(self.dtype),
-                             par.to(self.dtype), (n * keep).to(torch.int64), client.clone())
+                             par.to(self.dtype), (n * keep).to(torch.int64), client.clone(), kind)
 
 
 def _factory(**kw: object) -> FedPFT:

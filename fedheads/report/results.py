@@ -209,6 +209,11 @@ def summarise_runs(per_seed: Sequence[Mapping[str, Any]], *, algorithm: str,
     comm_out["paper_upload_bytes"] = None if paper_bytes is None else paper_bytes[0]
     comm_out["paper_download_bytes"] = None if paper_bytes is None else paper_bytes[1]
     comm_out["paper_total_bytes"] = None if paper_bytes is None else sum(paper_bytes)
+    if comm_out["download_bytes_total"] == 0:  # a bare 0 would read as a free head
+        comm_out["download_note"] = ("0 B measured: the clients receive nothing while training (the head stays on the "
+                                     "server, where the evaluation reads it); a deployment sends it to each client "
+                                     "once to use it" + ("" if paper_bytes is None else
+                                                         " (paper_download_bytes: the papers' count)"))
 
     trainable = [s["trainable_params_per_client"] for s in per_seed
                  if s.get("trainable_params_per_client") is not None]
@@ -376,7 +381,8 @@ def run_markdown(result: Mapping[str, Any]) -> str:
     lines += [note, ""] if note else []
     lines += ["## Communication", "",
              _table(["Quantity", "Value"], [[k, "-" if v is None else f"{v:,.0f}"]
-                                            for k, v in c.items()]), ""]
+                                            for k, v in c.items() if not isinstance(v, str)]), ""]
+    lines += [f"Download: {c['download_note']}.", ""] if c.get("download_note") else []
     lines += [comparison_markdown([result], note_no_test=False).split("\n\n", 1)[1]]
     return "\n".join(lines)
 
