@@ -30,7 +30,8 @@ def test_claims_and_rows_name_methods_the_experiment_declares():
                 exp.method(label)  # UserError if a claim names no method
     exp = registry.get("training-free")
     labels = {m.label: m for m in exp.methods}
-    for head in ("FedNCM", "Fed3R", "FedCOF", "CCVR (FedAvg-LP)", "FedPFT"):
+    for head in ("FedNCM", "Fed3R", "FedCOF", "CCVR (FedAvg-LP)", "FedPFT", "AFL", "GH-OFL LDA", "GH-OFL QDA",
+                 "GH-OFL Proto-Hyper", "FedCGS"):
         assert head in labels
     # the full fine-tuning rows run at paper scale; ci/smoke fine-tune the last stage cache-first, labelled so
     ft = [m for m in exp.methods if m.kind == "finetune"]
@@ -43,9 +44,9 @@ def test_claims_and_rows_name_methods_the_experiment_declares():
 
     for rows in (full, cached):
         check_finetune_heads([m.algorithm for m in rows if not m.requires])  # `fedheads finetune --head` takes them
-        assert {m.algorithm for m in rows if not m.requires} == {"fedncm", "fed3r", "fedcof"}
+        assert {m.algorithm for m in rows if not m.requires} == {"fedncm", "fed3r", "fedcof", "afl", "ghofl", "fedcgs"}
     lp = [m for m in exp.methods if "+LP (10 rounds, cached)" in m.label]
-    assert {dict(m.settings).get("init") for m in lp} == {"fedncm", "fed3r", "fedcof", "fedpft"}
+    assert {dict(m.settings).get("init") for m in lp} == {"fedncm", "fed3r", "fedcof", "afl", "ghofl", "fedcgs", "fedpft"}
     assert all(m.paper_rounds == 11 for m in lp)  # round 0 is the head, then 10 rounds of tuning
 
 

@@ -165,6 +165,7 @@ class AFL(AlgorithmBase):
     config = AFLConfig
     global_rule = "main"
     one_pass = True
+    seed_free = True  # a deterministic function of the statistics
     sums_messages = True  # the server reads only sum_k C_k and sum_k C_k W_k
     clamp_noisy_counts = False  # K is summed exactly (no example moves it): never clamped
 

@@ -170,6 +170,7 @@ class Fed3R(AlgorithmBase):
     config = Fed3RConfig
     global_rule = "main"
     one_pass = True  # each client sends its statistics once
+    seed_free = True  # a deterministic function of the statistics
     sums_messages = True  # the server reads only the summed Grams, class sums and counts
     clamp_noisy_counts = False  # presence is decided on the running total of the noisy counts
 

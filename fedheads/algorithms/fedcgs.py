@@ -132,6 +132,7 @@ class FedCGS(AlgorithmBase):
     config = FedCGSConfig
     global_rule = "main"
     one_pass = True
+    seed_free = True  # a deterministic function of the statistics
     sums_messages = True  # the server reads only the sums over clients
     clamp_noisy_counts = False  # presence is decided on the running total of the noisy counts
 

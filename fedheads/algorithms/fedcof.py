@@ -192,6 +192,7 @@ class FedCOF(AlgorithmBase):
     server_sized_fields = ("bank_means", "bank_client", "bank_class", "bank_count")  # one row per pair received
     server_client_fields = None  # the bank's rows name client positions: the engine keeps the data's order
     one_pass = True  # each client sends its statistics once
+    seed_free = True  # a deterministic function of the statistics
 
     def __init__(self, cfg: FedCOFConfig = FedCOFConfig()) -> None:
         if cfg.dtype not in DTYPES:

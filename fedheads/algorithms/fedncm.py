@@ -205,6 +205,7 @@ class FedNCM(AlgorithmBase):
                             f"it does not combine with rule={cfg.rule!r}")
         self.cfg = cfg
         self.dtype = _DTYPES[cfg.dtype]
+        self.seed_free = self.bias != "authors-code"  # the authors' bias is drawn from the seed
 
     def init(self, spec: DataSpec, seed: int) -> Init:
         C, D, dev = spec.num_classes, spec.dim, spec.device

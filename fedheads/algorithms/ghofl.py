@@ -395,6 +395,7 @@ class GHOFL(AlgorithmBase):
     def __init__(self, cfg: GHOFLConfig = GHOFLConfig()) -> None:
         self.cfg = cfg
         self.full = cfg.sends_class_covariances
+        self.seed_free = cfg.head not in TRAINED  # the trained heads draw synthetic features from the seed
         self.moments = ("sums", "sumsq", "class_sq") if self.full else ("sums", "sumsq")
         self.num_classes: int | None = None  # set by init: the secure form makes a client's classes dense
 

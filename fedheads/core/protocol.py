@@ -147,6 +147,10 @@ class AlgorithmBase(Generic[CS, SS, Msg, Bc]):
     one_pass: ClassVar[bool] = False
     """Every client sends its statistics once and later rounds only add zeros (FedNCM Alg. 1,
     Fed3R, FedCOF): with every client in every round, `train` and `compare` run one round."""
+    seed_free: bool = False
+    """The run does not depend on its seed when every client takes part in every round and no DP
+    noise is drawn (FedNCM, Fed3R, FedCOF: deterministic functions of the data): `train` then runs
+    one seed for all it is asked for and says so. An instance may set it from its settings."""
     sums_messages: ClassVar[bool] = False
     """The server step reads the participants' messages only through their sum over the client
     axis (FedNCM Alg. 1 line 5, Fed3R's summed Grams): when holding every participant's message

@@ -366,9 +366,12 @@ def comparison_markdown(results: Sequence[Mapping[str, Any]], title: str = "",
 def run_markdown(result: Mapping[str, Any]) -> str:
     """Markdown summary of one run (all seeds)."""
     c, n, seeds = result.get("communication", {}), _n_seeds(result), seeds_phrase([result])
-    lines = [f"# {result['algorithm']} on {' + '.join(result['backbones'])}: {result['rounds']} rounds"
+    ran = result.get("training_rounds")
+    rounds = (f"one pass ({result['rounds']} rounds asked: later ones would only send zeros)"
+              if result.get("one_pass") and ran == 1 and result["rounds"] != 1 else f"{result['rounds']} rounds")
+    lines = [f"# {result['algorithm']} on {' + '.join(result['backbones'])}: {rounds}"
              + (f", {seeds}" if seeds else ""), "",
-             f"- rounds: {result['rounds']}; seeds: {result['seeds']}",
+             f"- rounds: {rounds}; seeds: {result['seeds']}",
              f"- accuracy (mean over clients, {'one seed' if n == 1 else 'mean(std) over seeds'}): "
              f"**{_cell(result['accuracy'], n)}**",
              f"- trainable parameters per client: {_int(result.get('trainable_params_per_client'))}"

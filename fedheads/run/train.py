@@ -239,7 +239,13 @@ def train_data(data: Federation, backbones: Sequence[str], algorithm: str, opts:
     releases: list[int] = []  # per seed, under DP: the most rounds one client's statistics were released in
     classes = list(record.fingerprint["classes"]) if record is not None else [str(c) for c in range(data.num_classes)]
     notes: list[str] = []  # AlgorithmBase.trained_notes, once each over the seeds
-    for seed in opts.seeds:
+    seeds = list(opts.seeds)
+    if len(seeds) > 1 and alg.seed_free and opts.fraction >= 1.0 and opts.dp is None:
+        notes.append(f"{alg.name} does not depend on the seed with every client in every round: ran once "
+                     f"(seed {seeds[0]}) for the {len(seeds)} seeds asked")
+        print(f"note: {notes[-1]}", file=sys.stderr, flush=True)
+        seeds = seeds[:1]
+    for seed in seeds:
         ck, log = None, None
         if state_dir is not None and opts.tensorboard:
             from fedheads.run.tracking import RoundLogger
