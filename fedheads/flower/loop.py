@@ -32,7 +32,7 @@ def build(cfg: FlowerRunConfig, noise_seed: int | None = None) -> tuple[Any, dic
 
     opts = TrainOptions(settings=tuple((k, v) for k, v in json.loads(cfg.settings)),
                         local_epochs=cfg.local_epochs or None, batch_size=cfg.batch_size or None,
-                        lr=cfg.lr or None, progress=False, dp=cfg.mechanism(noise_seed))
+                        lr=cfg.lr or None, progress=False, dp=cfg.mechanism(noise_seed), seeds=(cfg.seed,))
     alg, kwargs, _ = build_algorithm(cfg.algorithm, opts, strict=True)
     return alg, kwargs
 

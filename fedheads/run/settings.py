@@ -390,9 +390,14 @@ def build_algorithm(name: str, opts: Any, strict: bool = True) -> tuple[Any, dic
         given = ", ".join(f"{k}={v!r}" for k, v in used.items())
         raise UserError(f"--set for {name}: not valid values ({given}): {e}") from None
     if opts.dp is not None:  # refuses an algorithm without a DP form in one line
+        import dataclasses
+
         from fedheads.privacy import Private
 
-        alg = Private(alg, opts.dp)
+        mech, seeds = opts.dp, len(getattr(opts, "seeds", ()) or (0,))
+        if mech.epsilon is not None and seeds > 1:  # the seeds' heads release the same data: the budget covers all
+            mech = dataclasses.replace(mech, releases=mech.releases * seeds)
+        alg = Private(alg, mech)
     return alg, used, ignored
 
 
