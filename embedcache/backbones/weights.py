@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import hashlib
 import os
+import pickle
+import re
 import socket
 import threading
 import urllib.parse
@@ -189,5 +191,11 @@ def load_torch(path: Path, *, who: str) -> object:
 
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as exc:  # torch's text runs over several lines: its one fact kept
+        found = re.search(r"Unsupported global: GLOBAL ([\w.]+)", str(exc))
+        what = f"it pickles {found.group(1)}" if found else "it holds pickled objects, not only tensors"
+        raise UserError(f"{path}: refused as a {who} checkpoint: {what}, which a weights-only load does not run "
+                        "(save its state_dict, or convert it to .safetensors)") from None
     except Exception as exc:
-        raise UserError(f"{path}: cannot be read as a {who} checkpoint ({type(exc).__name__}: {exc})") from None
+        text = " ".join(str(exc).split())  # one line
+        raise UserError(f"{path}: cannot be read as a {who} checkpoint ({type(exc).__name__}: {text[:200]})") from None
