@@ -31,12 +31,11 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from tqdm import tqdm
-
 from embedcache.chunks import ChunkJob, decode_sample, default_factory, embed_chunk, embed_text_chunk, is_text
 from embedcache.devices import resolve_device
 from embedcache.errors import UserError
 from embedcache.plugins import import_plugins
+from embedcache.progress import bar as progress_bar
 from embedcache.store import writer as st
 from embedcache.store.layout import other_shards, store_writes
 from embedcache.store.reader import is_imported
@@ -164,7 +163,7 @@ class _Writer(threading.Thread):
             raise self.error
 
 
-def run_local(jobs: Sequence[ChunkJob], backbone: Any, cfg: ExtractConfig, bar: tqdm) -> None:
+def run_local(jobs: Sequence[ChunkJob], backbone: Any, cfg: ExtractConfig, bar: Any) -> None:
     """Single process: decode in threads, embed here, write in a writer thread."""
     if not jobs:
         return
@@ -197,7 +196,7 @@ def run_local(jobs: Sequence[ChunkJob], backbone: Any, cfg: ExtractConfig, bar: 
         writer.close()
 
 
-def _run_local_text(jobs: Sequence[ChunkJob], backbone: Any, bar: tqdm) -> None:
+def _run_local_text(jobs: Sequence[ChunkJob], backbone: Any, bar: Any) -> None:
     """Text: nothing to decode; tokenize and embed here, write in the writer thread."""
     writer = _Writer()
     writer.start()
@@ -342,7 +341,7 @@ def _extract_all(manifest: Any, cfg: ExtractConfig, src: Any, backbone_factory: 
             for msg in text_notes(bb, [t for j in jobs for t in j.texts]):
                 report.note(msg)
         rows = sum(j.n_rows for j in jobs)
-        with tqdm(total=rows, desc=name, unit="text" if text else "img", disable=not cfg.progress or rows == 0) as bar:
+        with progress_bar(total=rows, desc=name, unit="text" if text else "img", disable=not cfg.progress or rows == 0) as bar:
             if cfg.scheduler and jobs:
                 from embedcache.distributed import run_dask
 

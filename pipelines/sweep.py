@@ -17,10 +17,9 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from tqdm import tqdm
-
 from embedcache.atomic import atomic_path
 from embedcache.errors import UserError
+from embedcache.progress import bar as tqdm
 from fedheads.run.allocator import GlibcHeap, reusing_freed_blocks, worker_env
 from pipelines.cells import RESULT_FORMAT, result_path, run_cell
 

@@ -32,3 +32,37 @@ def test_an_unreadable_file_is_one_line(tmp_path):
     with pytest.raises(UserError) as e:
         W.load_torch(path, who="tv:resnet18")
     assert "\n" not in str(e.value) and str(path) in str(e.value)
+
+
+def test_progress_in_a_log_is_plain_lines_not_carriage_returns(monkeypatch):
+    import io
+
+    from embedcache import progress
+
+    out = io.StringIO()
+    clock = iter(float(t) for t in range(0, 10_000, 3))  # 3 s per call of the clock
+    monkeypatch.setattr(progress.time, "monotonic", lambda: next(clock))
+    with progress.bar(total=100, desc="extract", unit="img", file=out) as b:
+        for _ in range(100):
+            b.update(1)
+        b.set_postfix(acc="0.9")
+    text = out.getvalue()
+    lines = text.splitlines()
+    assert "\r" not in text and lines[0].startswith("extract: 0/100 img") and lines[-1].startswith("extract: 100/100 img")
+    assert 3 < len(lines) < 60 and lines[-1].endswith("acc=0.9")  # one line per 10 s, not one per update
+    assert list(progress.bar(range(3), file=io.StringIO())) == [0, 1, 2]
+
+
+def test_progress_on_a_terminal_is_tqdm():
+    import io
+
+    from tqdm.auto import tqdm
+
+    from embedcache import progress
+
+    class Tty(io.StringIO):
+        def isatty(self):
+            return True
+
+    with progress.bar(total=3, file=Tty()) as b:
+        assert isinstance(b, tqdm)

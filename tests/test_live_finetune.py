@@ -93,14 +93,16 @@ def test_fed3r_and_fedcof_ft_round0_equals_the_head_on_the_store(setup, tmp_path
 
 
 def test_finetune_heads_are_the_registered_linear_heads():
-    """--head lists every registered algorithm that defines a linear head, plus LP and random."""
+    """--head takes every registered algorithm that defines a linear head (the table's and any
+    discovered one: AFL, GH-OFL, FedCGS need no entry), plus LP and random."""
     from fedheads.algorithms import create_algorithm, list_algorithms
     from fedheads.core.protocol import AlgorithmBase
-    from fedheads.run.checks import FINETUNE_HEADS
+    from fedheads.run.checks import FINETUNE_HEADS, finetune_heads
 
     linear = {i.name for i in list_algorithms()
               if type(create_algorithm(i.name)).linear_head is not AlgorithmBase.linear_head}
-    assert linear == set(FINETUNE_HEADS) - {"lp", "random"}
+    assert set(FINETUNE_HEADS) - {"lp", "random"} <= linear
+    assert set(finetune_heads(sorted(linear))) == linear | {"lp", "random"}
 
 
 def test_cache_first_equals_live_frozen_prefix(setup, tmp_path):

@@ -149,7 +149,7 @@ def _shift(x: torch.Tensor, s: int, gen: torch.Generator) -> torch.Tensor:
 
 def train_digitnet(recipe: DigitNetRecipe = DEFAULT_RECIPE) -> tuple[dict[str, torch.Tensor], dict]:
     """Train deterministically; returns (trunk state_dict, report with accuracies and time)."""
-    from tqdm.auto import tqdm
+    from embedcache.progress import bar as tqdm
 
     t0 = time.perf_counter()
     xs, ys = pretraining_data(recipe.n_train, recipe.seed, recipe.background_seed, recipe.photo_fraction)

@@ -139,7 +139,7 @@ def caption_all(caption: Callable[[str], str], locators: Sequence[str], *,
                 workers: int | None = None, desc: str = "captions") -> list[str | UserError]:
     """caption(locator) for every locator, in order, in threads (decoding releases the GIL); a
     sample that cannot be captioned gives its UserError instead (the caller decides)."""
-    from tqdm.auto import tqdm
+    from embedcache.progress import bar as tqdm
 
     def one(loc: str) -> str | UserError:
         try:

@@ -20,9 +20,9 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
-from tqdm.auto import tqdm
 
 from embedcache.errors import UserError
+from embedcache.progress import bar as tqdm
 from fedheads.algorithms.pfl_common import GlobalModel
 from fedheads.core.engine import clock
 from fedheads.core.tree import tree_leaves, tree_map

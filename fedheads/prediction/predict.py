@@ -125,8 +125,7 @@ def iter_tables(tr: Trained, store: Any, parts: Sequence[Part], k: int = 1, chun
     """Prediction tables (fedheads.prediction.prototypes.prediction_rows), one per chunk of each part and
     classifier; every check is done before this is called (the first table is written at once).
     `store`: the opened store (embedcache.store.reader.open_store), or its path."""
-    from tqdm import tqdm
-
+    from embedcache.progress import bar as tqdm
     from embedcache.store.reader import StoreInfo, iter_split_chunks, open_store
 
     info = store if isinstance(store, StoreInfo) else open_store(store, quiet=True)

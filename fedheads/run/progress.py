@@ -1,12 +1,12 @@
 """The training progress bar: a `Progress` hook of the engine (fedheads.core.engine.run) drawn
-with tqdm, so the engine itself reports rounds without depending on a terminal library."""
+with tqdm on a terminal and as plain lines in a log (embedcache.progress), so the engine itself
+reports rounds without depending on a terminal library."""
 
 from __future__ import annotations
 
 from typing import IO, Any
 
-from tqdm.auto import tqdm
-
+from embedcache.progress import bar as tqdm
 from fedheads.core.engine import RoundRecord
 
 
@@ -21,7 +21,7 @@ class RoundBar:
 
     def __call__(self, done: int, total: int, record: RoundRecord | None) -> None:
         if self.bar is None:
-            self.bar = tqdm(desc=self.desc, total=total, initial=done - (record is not None),
+            self.bar = tqdm(desc=self.desc, total=total, initial=done - (record is not None), unit="round",
                             disable=not self.enabled, leave=False, file=self.file)
         if record is not None:
             if record.accuracy is not None:
