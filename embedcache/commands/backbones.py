@@ -27,7 +27,7 @@ def backbones(weights_dir: str | None, as_json: bool) -> None:
     table = [("name", "dim", "modality", "source", "available", "cut points (B@CUT, --cut)", "reason")]
     for r in rows:
         table.append((r.name, "" if r.feature_dim is None else str(r.feature_dim), r.modality, r.source,
-                      "yes" if r.available else "no", _cuts(r), r.reason))
+                      "yes" if r.available else "no", _cuts(r), _short(r.reason)))
     widths = [max(len(row[i]) for row in table) for i in range(6)]
     click.echo(f"weights dir: {resolve_weights_dir(weights_dir)}")
     for row in table:
@@ -40,4 +40,21 @@ def _cuts(row) -> str:
         return "depends on the model"
     if not row.trainable:
         return "not trainable"
-    return ",".join(row.cut_points)
+    cuts = list(row.cut_points)
+    if len(",".join(cuts)) <= 40:
+        return ",".join(cuts)
+    return f"{cuts[0]},{cuts[1]},...,{cuts[-1]} ({len(cuts)}; --json lists all)"
+
+
+def _short(text: str) -> str:
+    """A reason with its paths shortened (the full ones are in --json): site-packages, the home
+    directory and the working directory abbreviated."""
+    import os
+    import re
+    import sys
+
+    text = re.sub(r"\S*/(site|dist)-packages/", "<site-packages>/", text)
+    for root, mark in ((os.getcwd(), "."), (os.path.expanduser("~"), "~"), (sys.prefix, "<venv>")):
+        if root and root != "/":
+            text = text.replace(root + os.sep, mark + os.sep)
+    return text
