@@ -71,7 +71,7 @@ def train(ctx: click.Context, dump_config: bool, **_: Any) -> None:
 
     cmd = from_context(Train, ctx)
     check_algorithms([cmd.algorithm])
-    info = store_with(cmd.store, cmd.backbones)
+    info = store_with(cmd.store, cmd.backbones, required=not dump_config)
     from fedheads.run.allocator import GlibcHeap
     from fedheads.run.train import run_config, train_run
 
@@ -92,7 +92,7 @@ def compare(ctx: click.Context, dump_config: bool, **_: Any) -> None:
 
     cmd = from_context(Compare, ctx)
     check_algorithms(cmd.algorithms)
-    info = store_with(cmd.store, cmd.backbones)
+    info = store_with(cmd.store, cmd.backbones, required=not dump_config)
     from fedheads.report import results as report
     from fedheads.run.allocator import GlibcHeap
     from fedheads.run.train import check_compare_settings, compare_runs, run_config

@@ -66,3 +66,16 @@ def test_progress_on_a_terminal_is_tqdm():
 
     with progress.bar(total=3, file=Tty()) as b:
         assert isinstance(b, tqdm)
+
+
+def test_a_missing_store_is_refused_before_torch_loads(tmp_path):
+    import subprocess
+    import sys
+
+    code = ("import sys\nfrom fedheads.cli import main\n"
+            "try:\n    main(['train', '--store', sys.argv[1], '--backbones', 'x', '--algorithm', 'fed3r', '--out', sys.argv[2]])\n"
+            "except SystemExit as e:\n    print('exit', e.code, 'torch' in sys.modules)\n")
+    r = subprocess.run([sys.executable, "-c", code, str(tmp_path / "nowhere"), str(tmp_path / "out")],
+                       capture_output=True, text=True, timeout=120)
+    assert r.stdout.strip() == "exit 2 False", (r.stdout, r.stderr)
+    assert r.stderr.count("\n") == 1 and "no feature store here" in r.stderr

@@ -173,11 +173,15 @@ def check_finite(obj: Any, set_fields: Sequence[str] = ("settings", "lp_settings
     raise UserError(f"--{leaf.replace('_', '-')} {value}: must be a finite number")
 
 
-def store_with(store: str | None, backbones: Sequence[str]) -> Any:
+def store_with(store: str | None, backbones: Sequence[str], required: bool = True) -> Any:
     """The store opened to check that it has `backbones` (a run reads it, not opened again; zarr
-    and numpy, no torch); None where it does not exist (the run says so; --dump-config needs none)."""
+    and numpy, no torch); a store that does not exist is refused here, before torch loads, unless
+    not `required` (--dump-config needs none: None)."""
     from pathlib import Path
 
+    if store is not None and not Path(store).exists() and required:
+        raise UserError(f"{store}: no feature store here (the directory does not exist; make one with "
+                        "`embedcache extract` or `embedcache import`)")
     if store is None or not Path(store).exists():
         return None
     from embedcache.errors import did_you_mean
