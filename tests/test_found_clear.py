@@ -79,3 +79,16 @@ def test_a_missing_store_is_refused_before_torch_loads(tmp_path):
                        capture_output=True, text=True, timeout=120)
     assert r.stdout.strip() == "exit 2 False", (r.stdout, r.stderr)
     assert r.stderr.count("\n") == 1 and "no feature store here" in r.stderr
+
+
+def test_the_main_job_says_why_fine_tuning_ends_below_its_head():
+    from pipelines.quickstart import ft_story
+
+    def res(ncm, start, ft):
+        return {"algorithms": {"fedncm+ft": {"accuracy": {"mean": ncm}, "figure1": [{"accuracy": start}]},
+                               "random+ft": {"accuracy": {"mean": ft}, "figure1": [{"accuracy": 10.0}]}}}
+
+    claim, why = ft_story(res(50.82, 57.98, 30.0), 5)
+    assert "holds here" in claim and "7.16 points below its round-0 head" in why
+    (claim,) = ft_story(res(60.0, 57.98, 61.0), 5)  # above its head: nothing to explain; the claim fails
+    assert "does not hold here" in claim
