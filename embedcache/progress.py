@@ -19,9 +19,10 @@ INTERVAL = 10.0  # seconds between plain lines
 def bar(iterable: Iterable[Any] | None = None, *, file: IO[str] | None = None, interval: float = INTERVAL,
         **kw: Any) -> Any:
     """A tqdm bar (a terminal) or PlainLines (anything else); `kw` as tqdm's (desc, total, unit,
-    initial, disable, leave, ...)."""
+    initial, disable, leave, ...): disable=None keeps tqdm's meaning, drawn on a terminal only."""
     stream = file if file is not None else sys.stderr
-    if kw.get("disable") or _is_terminal(stream):
+    terminal = _is_terminal(stream)
+    if kw.get("disable") or terminal or ("disable" in kw and kw["disable"] is None):  # None: tqdm's "a terminal only"
         from tqdm.auto import tqdm
 
         return tqdm(iterable, file=file, **kw)
@@ -44,14 +45,14 @@ class PlainLines:
         self.iterable, self.stream, self.interval = iterable, stream, interval
         self.desc, self.unit, self.n = desc, unit, initial
         self.total = total if total is not None else (len(iterable) if hasattr(iterable, "__len__") else None)  # type: ignore[arg-type]
-        self.postfix: dict[str, Any] = {}
+        self.postfix = ""  # as tqdm's: "key=value, key=value"
         self.t0 = self.last = time.monotonic()
         self.closed = False
         self._line()
 
     def _line(self) -> None:
         of = f"/{self.total}" if self.total is not None else ""
-        extra = "".join(f" {k}={v}" for k, v in self.postfix.items())
+        extra = f" {self.postfix}" if self.postfix else ""
         head = f"{self.desc}: " if self.desc else ""
         self.stream.write(f"{head}{self.n}{of} {self.unit} ({time.monotonic() - self.t0:.0f} s){extra}\n")
         self.stream.flush()
@@ -63,10 +64,10 @@ class PlainLines:
             self._line()
 
     def set_postfix(self, ordered_dict: dict[str, Any] | None = None, refresh: bool = True, **kw: Any) -> None:
-        self.postfix = {**(ordered_dict or {}), **kw}
+        self.postfix = ", ".join(f"{k}={v}" for k, v in {**(ordered_dict or {}), **kw}.items())
 
     def set_postfix_str(self, s: str = "", refresh: bool = True) -> None:
-        self.postfix = {"": s} if s else {}
+        self.postfix = s
 
     def set_description(self, desc: str | None = None, refresh: bool = True) -> None:
         self.desc = desc or ""

@@ -23,6 +23,7 @@ def test_an_unexpected_exception_is_one_line_unless_debugging(tmp_path, monkeypa
     def boom(*a, **k):
         raise ValueError("zarr said\nsomething odd")
     monkeypatch.setattr(f"{module}.{name}", boom)
+    monkeypatch.setattr("fedheads.cli.store_with", lambda *a, **k: None)  # no store is read before the target
     args = [str(tmp_path / "s") if a == "S" else str(tmp_path / "o") if a == "O" else a for a in cmd]
     monkeypatch.delenv("FEDFROZEN_DEBUG", raising=False)
     res = CliRunner().invoke(cli, args)
