@@ -73,7 +73,8 @@ def test_a_missing_store_is_refused_before_torch_loads(tmp_path):
     import sys
 
     code = ("import sys\nfrom fedheads.cli import main\n"
-            "try:\n    main(['train', '--store', sys.argv[1], '--backbones', 'x', '--algorithm', 'fed3r', '--out', sys.argv[2]])\n"
+            "try:\n    main(['train', '--store', sys.argv[1], '--backbones', 'x',\n"
+            "          '--algorithm', 'fed3r', '--out', sys.argv[2]])\n"
             "except SystemExit as e:\n    print('exit', e.code, 'torch' in sys.modules)\n")
     r = subprocess.run([sys.executable, "-c", code, str(tmp_path / "nowhere"), str(tmp_path / "out")],
                        capture_output=True, text=True, timeout=120)
