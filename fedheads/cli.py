@@ -229,7 +229,9 @@ def join(ctx: click.Context, **_: Any) -> None:
 @click.option("--json", "as_json", is_flag=True)
 def algorithms_cmd(name: str | None, show: bool, as_json: bool) -> None:
     """List the registered algorithms; with NAME (or --show), every setting --set takes:
-    type, default, one-line doc and the paper passage the default comes from."""
+    type, default, one-line doc and the paper passage the default comes from. The settings text
+    needs torch the first time; it is then kept in $FEDHEADS_CACHE (default ~/.cache/fedheads),
+    keyed by the sha256 of the package's sources."""
     from fedheads.run.settings import describe
 
     click.echo(describe(name, show, as_json))

@@ -17,6 +17,19 @@ def shared_dir() -> Path | None:
     return cand if cand.is_dir() else None
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _private_settings_cache(tmp_path_factory):
+    """`fedheads algorithms NAME` keeps its text under $FEDHEADS_CACHE: the suite's in a temporary
+    directory of its own (children inherit it), never the user's home."""
+    old = os.environ.get("FEDHEADS_CACHE")
+    os.environ["FEDHEADS_CACHE"] = str(tmp_path_factory.mktemp("fedheads-cache"))
+    yield
+    if old is None:
+        os.environ.pop("FEDHEADS_CACHE", None)
+    else:
+        os.environ["FEDHEADS_CACHE"] = old
+
+
 @pytest.fixture(scope="session")
 def shared() -> Path:
     d = shared_dir()

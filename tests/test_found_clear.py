@@ -93,3 +93,42 @@ def test_the_main_job_says_why_fine_tuning_ends_below_its_head():
     assert "holds here" in claim and "7.16 points below its round-0 head" in why
     (claim,) = ft_story(res(60.0, 57.98, 61.0), 5)  # above its head: nothing to explain; the claim fails
     assert "does not hold here" in claim
+
+
+def test_describing_an_algorithm_waits_for_torch_once_per_version_of_the_sources(tmp_path):
+    """`fedheads algorithms NAME` needs every algorithm module (torch) the first time; after that
+    the text comes from a cache keyed by the sources' sha256, with torch never imported, and it
+    is the same text."""
+    import subprocess
+    import sys
+
+    code = ("import sys\nfrom fedheads.run.settings import describe\n"
+            "print(describe(sys.argv[1], False, sys.argv[2] == 'json'))\nprint('torch' in sys.modules)\n")
+    env = {**__import__("os").environ, "FEDHEADS_CACHE": str(tmp_path / "cache")}
+    for name, form in (("fed3r", "text"), ("fedavg", "json")):
+        first = subprocess.run([sys.executable, "-c", code, name, form], env=env, capture_output=True, text=True,
+                               timeout=300)
+        again = subprocess.run([sys.executable, "-c", code, name, form], env=env, capture_output=True, text=True,
+                               timeout=300)
+        assert first.returncode == 0 and again.returncode == 0, (first.stderr, again.stderr)
+        text, imported = first.stdout.rsplit("\n", 2)[0], first.stdout.split("\n")[-2]
+        assert imported == "True" and again.stdout == text + "\nFalse\n"
+        assert ("lam" in text) if name == "fed3r" else ('"settings"' in text)
+    assert len(list((tmp_path / "cache" / "settings").glob("*.json"))) == 1
+
+
+def test_the_settings_cache_is_keyed_by_the_sources(tmp_path, monkeypatch):
+    from fedheads.run import settings
+
+    monkeypatch.setenv("FEDHEADS_CACHE", str(tmp_path))
+    calls = []
+    monkeypatch.setattr(settings, "_source_key", lambda: "a" * 64)
+    assert settings._remembered(("x",), lambda: calls.append(1) or "one") == "one"
+    assert settings._remembered(("x",), lambda: calls.append(1) or "two") == "one" and calls == [1]
+    monkeypatch.setattr(settings, "_source_key", lambda: "b" * 64)  # an edited source: computed again
+    assert settings._remembered(("x",), lambda: calls.append(1) or "two") == "two" and calls == [1, 1]
+    monkeypatch.setattr(settings, "_source_key", lambda: None)  # an installed plugin: never cached
+    assert settings._remembered(("x",), lambda: "three") == "three"
+    (tmp_path / "settings" / f"{'b' * 32}.json").write_text("{not json")  # a damaged file: recomputed
+    monkeypatch.setattr(settings, "_source_key", lambda: "b" * 64)
+    assert settings._remembered(("x",), lambda: "four") == "four"

@@ -20,6 +20,7 @@ import inspect
 import json
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from embedcache.errors import UserError
@@ -420,6 +421,10 @@ def describe(name: str | None, show: bool = False, as_json: bool = False) -> str
         if as_json:
             return json.dumps([{"name": n, "description": d} for n, d in sorted(rows)], indent=2)
         return "\n".join(f"{n:16s} {d}" for n, d in sorted(rows))
+    return _remembered((name, show, as_json), lambda: _settings_text(name, as_json))
+
+
+def _settings_text(name: str | None, as_json: bool) -> str:
     from fedheads.algorithms import list_algorithms
 
     names = [name] if name is not None else [i.name for i in list_algorithms()]
@@ -427,3 +432,59 @@ def describe(name: str | None, show: bool = False, as_json: bool = False) -> str
         out = [settings_json(n) for n in names]
         return json.dumps(out[0] if name is not None else out, indent=2, default=str)
     return "\n\n".join(settings_table(n) for n in names)
+
+
+def _source_key() -> str | None:
+    """sha256 of every source file of the fedheads package and the embedcache modules it reads,
+    in path order: what the settings text is a function of. None where it is not knowable without
+    importing: an algorithm installed by another package, or plugins already registered."""
+    import hashlib
+    import sys
+
+    from fedheads.algorithm_names import installed
+
+    if installed() or "fedheads.algorithms" in sys.modules:
+        return None
+    h = hashlib.sha256()
+    for pkg in ("fedheads", "embedcache"):
+        root = Path(__file__).resolve().parents[2] / pkg
+        for f in sorted(root.rglob("*.py")):
+            h.update(f.relative_to(root.parent).as_posix().encode() + b"\0" + f.read_bytes() + b"\0")
+    return h.hexdigest()
+
+
+def settings_cache_dir() -> Path:
+    """``$FEDHEADS_CACHE`` or ``~/.cache/fedheads``."""
+    import os
+
+    env = os.environ.get("FEDHEADS_CACHE")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "fedheads"
+
+
+def _remembered(request: tuple, compute: Callable[[], str]) -> str:
+    """The settings text of `request`, computed once per version of the sources: it needs every
+    algorithm's module, hence torch (about 2 s), while the text depends only on the source files.
+    It is kept under settings_cache_dir(), keyed by the sha256 of those files, so it is never stale;
+    an unwritable cache only costs the import next time."""
+    from embedcache.atomic import write_text
+
+    key = _source_key()
+    if key is None:
+        return compute()
+    path = settings_cache_dir() / "settings" / f"{key[:32]}.json"
+    slot = json.dumps(request)
+    try:
+        known = json.loads(path.read_text(encoding="utf-8"))
+        if isinstance(known, dict) and isinstance(known.get(slot), str):
+            return known[slot]
+    except (OSError, ValueError):
+        known = {}
+    text = compute()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_text(path, json.dumps({**(known if isinstance(known, dict) else {}), slot: text}))
+        for old in sorted(path.parent.glob("*.json"), key=lambda p: p.stat().st_mtime)[:-8]:
+            old.unlink()  # the texts of older sources: the newest eight kept (checkouts side by side)
+    except OSError:
+        pass
+    return text
