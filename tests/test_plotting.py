@@ -118,3 +118,26 @@ def test_train_and_compare_record_the_dataset_for_titles(tmp_path):
     # a store started by an import names its first file: a title says what the features are of
     assert combined["dataset"] == "import:st.zarr-c0-train.npz"
     assert combined["algorithms"]["lp"]["dataset"] == combined["dataset"]
+
+
+def test_fine_tuning_figure_reads_its_bytes_in_a_unit_whose_tick_labels_never_overlap(tmp_path, monkeypatch):
+    """A few MB of communication on a GB axis gave tick labels 0.0000 0.0025 0.0050 ... running
+    into each other: the unit follows the largest value and the ticks are at most a handful."""
+    from fedheads.finetuning import plots
+    from fedheads.report import plotting
+
+    curve = [{"round": r, "accuracy": 50.0 + r, "std": 0.5, "measured_comm_bytes": 1.3e6 * r,
+              "paper_compute_F": 10.0 * r} for r in range(6)]
+    kept = {}
+    monkeypatch.setattr(plotting, "save", lambda fig, path: kept.setdefault("fig", fig))
+    plots.figure1([{"algorithm": "fedncm+ft", "figure1": curve}], tmp_path / "f.png")
+    fig = kept["fig"]
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    middle = fig.axes[1]
+    assert "(MB, measured)" in middle.get_xlabel()
+    boxes = [t.get_window_extent(renderer) for t in middle.get_xticklabels() if t.get_text()]
+    assert 2 <= len(boxes) <= 7
+    assert all(a.x1 <= b.x0 for a, b in zip(boxes, boxes[1:])), [t.get_text() for t in middle.get_xticklabels()]
+    assert plots._byte_unit([{"figure1": [{"measured_comm_bytes": 2.5e9}]}]) == ("GB", 1e9)
+    assert plots._byte_unit([{"figure1": [{"measured_comm_bytes": 0.0}]}]) == ("B", 1.0)

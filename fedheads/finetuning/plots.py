@@ -13,29 +13,42 @@ from fedheads.report import plotting
 from fedheads.report import results as report
 
 _PANELS = (("round", "fine-tuning round (0 = after stage 1)", 1.0),
-           ("measured_comm_bytes", "communication sent, up + down (GB, measured)", 1e-9),
+           ("measured_comm_bytes", "communication sent, up + down ({unit}, measured)", 1.0),
            ("paper_compute_F", "client computation (units of F, FedNCM App. A)", 1.0))
+
+
+def _byte_unit(results: Sequence[Mapping[str, Any]]) -> tuple[str, float]:
+    """The unit the communication axis reads best in: its largest value at 1 to 1000 units."""
+    top = max((float(p.get("measured_comm_bytes", 0.0)) for r in results for p in r.get("figure1") or []), default=0.0)
+    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if top >= size:
+            return unit, size
+    return "B", 1.0
 
 
 def figure1(results: Sequence[Mapping[str, Any]], path: str | Path, title: str = "") -> Path:
     """Three panels from each result's `figure1` curve (mean +-1 std over seeds)."""
     plt = plotting.pyplot()
     fig, axes = plt.subplots(1, 3, figsize=(15, 4), sharey=True)
+    unit, size = _byte_unit(results)
+    panels = [(k, label.format(unit=unit), scale / size if k == "measured_comm_bytes" else scale)
+              for k, label, scale in _PANELS]
     for i, r in enumerate(results):
         curve = r.get("figure1") or []
         if not curve:
             continue
         y = np.array([p["accuracy"] for p in curve])
         s = np.array([p.get("std", 0.0) for p in curve])
-        for ax, (key, _, scale) in zip(axes, _PANELS):
+        for ax, (key, _, scale) in zip(axes, panels):
             x = np.array([p[key] for p in curve], dtype=float) * scale
             ax.plot(x, y, marker="o" if len(x) < 12 else None, label=r["algorithm"], **plotting.style(i))
             ax.fill_between(x, y - s, y + s, color=plotting.color(i), alpha=0.2)
-    for ax, (_, label, _) in zip(axes, _PANELS):
-        ax.set_xlabel(label)
-        ax.grid(alpha=0.3)
     from matplotlib.ticker import MaxNLocator
 
+    for ax, (_, label, _) in zip(axes, panels):
+        ax.set_xlabel(label)
+        ax.grid(alpha=0.3)
+        ax.xaxis.set_major_locator(MaxNLocator(nbins=6))  # tick labels that never run into each other
     axes[0].xaxis.set_major_locator(MaxNLocator(integer=True))  # rounds are whole numbers
     axes[2].set_xscale("symlog", linthresh=1.0)
     axes[0].set_ylabel("test accuracy (%), mean over clients")
