@@ -345,9 +345,8 @@ def plot(result: dict, path: Path) -> None:
     ax.set_ylabel("wall seconds per run (median)")
     ax.set_title(f"{'--quick, not a figure: ' if result['quick'] else ''}{result['threads']} threads, "
                  f"{result['repeats']} repeats", fontsize=9)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)  # never over a bar
+    fig.savefig(path, dpi=120, bbox_inches="tight")
     plt.close(fig)
 
 
@@ -392,7 +391,14 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--quick", action="store_true", help=f"{QUICK['clients']} clients, {QUICK['per_round']} per round, "
                     f"{QUICK['rounds']} rounds, 1 repeat (checks every path, not a figure)")
     ap.add_argument("--out", default=str(HERE / "results" / "peers.json"))
+    ap.add_argument("--replot", metavar="JSON", default="", help="redraw JSON's .md and .png beside it from its figures; "
+                    "nothing runs")
     a = ap.parse_args(argv)
+    if a.replot:
+        kept = json.loads(Path(a.replot).read_text())
+        Path(a.replot).with_suffix(".md").write_text(markdown(kept))
+        plot(kept, Path(a.replot).with_suffix(".png"))
+        return kept
     rounds_override = parse_rounds(a.rounds, list(PROTOCOLS))
     env = child_env(*(Path(s).resolve() for s in a.site or [p for p in [os.environ.get("BENCH_PEERS_SITE")] if p]))
     repeats = 1 if a.quick else a.repeats

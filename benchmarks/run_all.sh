@@ -37,6 +37,7 @@ bench_predict              |                                                   |
 bench_extract              | --per-domain 0                                    | --per-domain 3 --out @OUT/extract.json
 bench_store_read           |                                                   | --quick
 bench_fingerprint          |                                                   | --quick
+bench_startup              | --repeats 5                                       | --quick
 bench_backbone_speed       |                                                   | --quick --out @OUT/backbone_speed.json
 bench_finetune             |                                                   | --quick --out @OUT/finetune.json
 bench_text_encoder         |                                                   | --quick --out @OUT/text_encoder.json
@@ -49,7 +50,7 @@ bench_feddra               |                                                   |
 bench_scale                | --clients 1000 --layouts bucketed --repeats 3     | --quick --out @OUT/scale.json
 bench_scale_breakdown      |                                                   | -
 bench_privacy_utility      |                                                   | --small --out @OUT/privacy_utility.json
-bench_scale_inat           | --repeats 3 --algorithms fedncm,fed3r,fedcof --mem-limit-gb 12 --timeout 400 --profile fedncm | --quick --out @OUT/scale_inat.json
+bench_scale_inat           | --repeats 3 --algorithms fedncm,fed3r,fedcof,fedcof:dtype=float32,fedncm:layout=streamed,fed3r:layout=streamed,fedcof:layout=streamed,fedcof:dtype=float32,layout=streamed,afl,ghofl,fedcgs,ghofl:head=qda --mem-limit-gb 12 --timeout 400 --profile fedcof:layout=streamed | --quick --out @OUT/scale_inat.json
 bench_pipelines:ci         | --scale ci --scheduler local:2 --out-dir runs/bench-pipelines | --experiments fedpcl-table2 --scale smoke --scheduler serial --out @OUT/pipelines.json
 bench_pipelines:ci_compare | --experiments fedpcl-table14,fedpcl-table2,fedpcl-table3 --scale ci --scheduler local:2 --compare serial --out benchmarks/results/pipelines_ci_compare.json | -
 bench_pipelines:paper      | --scale paper --out-dir runs/bench-pipelines --warm-only --out benchmarks/results/pipelines_paper.json | -
