@@ -38,6 +38,7 @@ bench_extract              | --per-domain 0                                    |
 bench_store_read           |                                                   | --quick
 bench_fingerprint          |                                                   | --quick
 bench_startup              | --repeats 5                                       | --quick
+bench_import               | --clients 1000,10000                              | --quick
 bench_backbone_speed       |                                                   | --quick --out @OUT/backbone_speed.json
 bench_finetune             |                                                   | --quick --out @OUT/finetune.json
 bench_text_encoder         |                                                   | --quick --out @OUT/text_encoder.json

@@ -197,3 +197,31 @@ def test_a_many_client_import_into_a_new_store_that_fails_leaves_no_store(tmp_pa
     with pytest.raises(KeyboardInterrupt):
         import_many(tmp_path / "fresh", src, backbone="ext")
     assert not (tmp_path / "fresh").exists()
+
+
+def test_an_import_of_many_clients_lists_the_store_once_not_once_per_shard(tmp_path, monkeypatch):
+    """Per shard, the names check listed every client of the store and the root's client list was
+    rewritten: a cost that grows with the federation, per shard (quadratic in all). An import of
+    many clients lists the clients a fixed number of times and writes the root's list once."""
+    import numpy as np
+
+    from embedcache.store import layout, writer
+    from embedcache.store.importer import import_many
+
+    src = tmp_path / "src"
+    src.mkdir()
+    for c in range(40):
+        for split, n in (("train", 4), ("test", 2)):
+            np.savez(src / f"c{c:03d}_{split}.npz", features=np.ones((n, 8), np.float32) * c, labels=np.arange(n) % 3)
+    store = tmp_path / "s.zarr"
+    import_many(store, tmp_path / "src" / "c000_train.npz", backbone="f8", client="first", split="train")
+    listings, root_writes = [], []
+    real_listing, real_add = layout.disk_clients, writer.add_clients
+    monkeypatch.setattr(layout, "disk_clients", lambda s: listings.append(1) or real_listing(s))
+    monkeypatch.setattr(writer, "add_clients", lambda s, c: root_writes.append(list(c)) or real_add(s, c))
+    specs = import_many(store, src, backbone="f8")
+    assert len(specs) == 80 and len(listings) <= 3 and len(root_writes) == 1
+    from embedcache.store.writer import store_root
+
+    clients = store_root(store)["clients"]
+    assert clients == ["first", *(f"c{c:03d}" for c in range(40))]

@@ -22,7 +22,7 @@ from embedcache.errors import UserError
 from embedcache.manifest import canonical_json, check_client_name, check_domain
 from embedcache.store import writer as st
 from embedcache.store.import_sources import ImportItem, ImportSource, read_source
-from embedcache.store.layout import BACKUP_PREFIX, case_collision, collides, dir_lock, other_shards, root_metadata, store_writes
+from embedcache.store.layout import BACKUP_PREFIX, collides, dir_lock, folded, other_shards, root_metadata, store_writes
 from embedcache.store.reader import is_imported
 
 
@@ -59,10 +59,13 @@ class _Undo:
     on the shard's path (their bytes, or their absence) and the shard it replaces (moved into a
     directory zarr does not see, since it holds no zarr.json)."""
 
-    def __init__(self, store: Path, bk: str, client: str, split: str, new_key: str) -> None:
+    def __init__(self, store: Path, bk: str, client: str, split: str, new_key: str, recorded: set[Path]) -> None:
+        """`recorded`: the directories an earlier undo of the same import holds already (the store's
+        root and backbone groups, whose metadata the first shard records; undone last, it wins)."""
         self.store, self.split = store, split
         self.store_existed = store.exists()
-        self.dirs = [store / bk / client / split, store / bk / client, store / bk, store]
+        self.dirs = [d for d in (store / bk / client / split, store / bk / client, store / bk, store) if d not in recorded]
+        recorded.update(self.dirs)
         self.meta = {d: (d / "zarr.json").read_bytes() if (d / "zarr.json").is_file() else None for d in self.dirs}
         self.existed = {d: d.exists() for d in self.dirs}
         self.backup: Path | None = None
@@ -80,10 +83,10 @@ class _Undo:
             shutil.rmtree(self.backup, ignore_errors=True)
 
     def undo(self) -> None:
-        if not self.store_existed:
+        if self.store in self.meta and not self.store_existed:  # the import's first shard made the store
             shutil.rmtree(self.store, ignore_errors=True)
             return
-        if self.meta[self.store] is None:  # an empty directory this import made a store of
+        if self.store in self.meta and self.meta[self.store] is None:  # an empty directory made a store of
             for p in self.store.iterdir():
                 shutil.rmtree(p) if p.is_dir() else p.unlink()
             return
@@ -100,19 +103,23 @@ class _Undo:
             shutil.rmtree(self.backup, ignore_errors=True)
 
 
-def _precheck(store: Path, spec: st.ShardSpec, root: dict | None) -> None:
-    """Everything the write would refuse, checked before the store is touched."""
+def _precheck(store: Path, specs: list[st.ShardSpec], root: dict | None) -> None:
+    """Everything the write would refuse, checked before the store is touched, for the whole
+    import at once (names listed once, not once per shard)."""
     if root is None:
         if store.exists() and (not store.is_dir() or any(p.name != "zarr.json" for p in store.iterdir())):
             raise UserError(f"{store}: directory is not empty and is not an embedcache store")
         return
-    listed = root.get("clients")
-    other = case_collision(spec.client, listed or [])
-    if other is not None:
-        raise collides("client", spec.client, other)
-    st.check_client_names(store, [spec.client])
-    st.check_backbone_name(store, spec.backbone)
-    st.check_feature_dim(store, spec)
+    listed = folded(root.get("clients") or [])
+    for spec in specs:
+        other = next((o for o in listed.get(spec.client.casefold(), ()) if o != spec.client), None)
+        if other is not None:
+            raise collides("client", spec.client, other)
+    st.check_client_names(store, list(dict.fromkeys(s.client for s in specs)))
+    for backbone in dict.fromkeys(s.backbone for s in specs):
+        st.check_backbone_name(store, backbone)
+    for spec in specs:
+        st.check_feature_dim(store, spec)
 
 
 def _extracted_beside(store: Path, specs: list[st.ShardSpec]) -> None:
@@ -166,7 +173,7 @@ def _check_batch(specs: list[st.ShardSpec], origins: list[str]) -> None:
     """What two shards of one call could get wrong between them."""
     seen: dict[tuple[str, str, str], str] = {}
     dims: dict[str, tuple[int, str]] = {}
-    clients: list[str] = []
+    clients: dict[str, str] = {}  # folded -> the first name
     for spec, origin in zip(specs, origins):
         key = (st.backbone_key(spec.backbone).casefold(), spec.client.casefold(), spec.split)
         if key in seen:
@@ -175,10 +182,9 @@ def _check_batch(specs: list[st.ShardSpec], origins: list[str]) -> None:
         d, first = dims.setdefault(spec.backbone, (spec.feature_dim, origin))
         if d != spec.feature_dim:
             raise UserError(f"{origin}: feature dim {spec.feature_dim} differs from dim {d} of {first}")
-        other = case_collision(spec.client, [c for c in clients if c != spec.client])
-        if other is not None:
+        other = clients.setdefault(spec.client.casefold(), spec.client)
+        if other != spec.client:
             raise collides("client", spec.client, other)
-        clients.append(spec.client)
 
 
 def import_many(store: str | Path, source: str | Path, *, backbone: str | None = None, client: str | None = None,
@@ -234,8 +240,7 @@ def import_many(store: str | Path, source: str | Path, *, backbone: str | None =
     _check_batch(specs, [i.origin for i in src.items])
     if root is not None:
         _extracted_beside(store, specs)
-    for spec in specs:
-        _precheck(store, spec, root)
+    _precheck(store, specs, root)
     new_clients = list(dict.fromkeys(s.client for s in specs))
     undos: list[_Undo] = []
     with store_writes(store):  # disk full, read-only: one line naming the path, after the undo
@@ -248,15 +253,17 @@ def import_many(store: str | Path, source: str | Path, *, backbone: str | None =
 def _write_all(store: Path, specs: list[st.ShardSpec], src: ImportSource, arrays: list, cls: list[str],
                manifest_hash: str, root: dict | None, new_clients: list[str], undos: list[_Undo]) -> None:
     """Write every checked shard; on any failure undo what was written and re-raise."""
+    recorded: set[Path] = set()
     try:
         for n, (spec, item, (feats, _, _)) in enumerate(zip(specs, src.items, arrays)):
-            undos.append(_Undo(store, st.backbone_key(spec.backbone), spec.client, spec.split, spec.key))
+            undos.append(_Undo(store, st.backbone_key(spec.backbone), spec.client, spec.split, spec.key, recorded))
             if n == 0:
                 st.init_store(store, cls, manifest_hash, clients=new_clients if root is None else None,
                               source=f"import:{src.name}" if root is None else None)
-            st.add_client(store, spec.client)
+                st.add_clients(store, new_clients)  # one write of the root's client list
+                _precheck(store, specs, st.store_root(store))  # names against the store as it now is
             views = None if item.views is None else item.views.astype(np.float32)
-            st.write_shard(store, spec, feats, views, item.mask)
+            st.write_shard(store, spec, feats, views, item.mask, names_checked=True)
         st.consolidate(store)
     except BaseException:
         for undo in reversed(undos):

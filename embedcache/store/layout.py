@@ -114,6 +114,15 @@ def subgroups(d: str | os.PathLike[str]) -> list[str]:
         return []
 
 
+def has_subgroup(d: str | os.PathLike[str]) -> bool:
+    """Whether `d` has a child node (stops at the first: a backbone of 10,000 clients costs one entry)."""
+    try:
+        with os.scandir(os.fspath(d)) as entries:
+            return any(e.is_dir() and os.path.isfile(os.path.join(e.path, "zarr.json")) for e in entries)
+    except OSError:
+        return False
+
+
 def disk_shard_paths(path: str | Path) -> set[str]:
     """`<backbone key>/<client>/<split>` of every shard group on disk (a directory listing, no zarr)."""
     p = Path(path)
@@ -373,6 +382,14 @@ def consolidated_mismatch(store: str | Path) -> str | None:
     return None
 
 
+def folded(names: Iterable[str]) -> dict[str, list[str]]:
+    """{casefolded name: the names that fold to it}: case collisions of many names in one pass."""
+    out: dict[str, list[str]] = {}
+    for n in names:
+        out.setdefault(n.casefold(), []).append(n)
+    return out
+
+
 def case_collision(name: str, existing: Iterable[str]) -> str | None:
     """An existing name that differs from `name` only in letter case, if any."""
     folded = name.casefold()
@@ -396,15 +413,14 @@ def check_client_names(store: str | Path, clients: Sequence[str]) -> None:
     (stale or not: it would share its directory)."""
     for c in clients:  # every name before anything is written (a bad one used to fail mid-way)
         check_client_name(c)
-    seen: list[str] = []
+    seen: dict[str, str] = {}  # folded -> name: one pass, however many clients
     for c in clients:
-        other = case_collision(c, seen)
-        if other is not None:
+        other = seen.setdefault(c.casefold(), c)
+        if other != c:
             raise collides("client", c, other, where="")
-        seen.append(c)
-    on_disk = disk_clients(store) if (Path(store) / "zarr.json").exists() else set()
+    on_disk = folded(disk_clients(store)) if (Path(store) / "zarr.json").exists() else {}
     for c in clients:
-        other = case_collision(c, on_disk)
+        other = next((o for o in on_disk.get(c.casefold(), ()) if o != c), None)
         if other is not None:
             raise collides("client", c, other, hint=f"; `embedcache rm {store} --backbone B --client {other}` "
                                                     "removes the existing one")
@@ -433,7 +449,7 @@ def check_backbone_name(store: str | Path, backbone: str) -> None:
     if other is not None:
         raise UserError(f"backbone {backbone}: its group {bk} collides with existing group {other} "
                         "(names must differ in more than letter case)")
-    if bk in groups and subgroups(p / bk):
+    if bk in groups and has_subgroup(p / bk):
         try:
             held = json.loads((p / bk / "zarr.json").read_text()).get("attributes", {}).get("backbone", backbone)
         except (OSError, ValueError, AttributeError):

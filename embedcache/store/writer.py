@@ -55,6 +55,7 @@ from embedcache.store.layout import (  # noqa: F401 (step 4 of a shard's life, c
     collides,
     consolidate,
     dir_lock,
+    folded,
     has_consolidated,
     holds_shards,
     read,
@@ -183,15 +184,26 @@ def init_store(store: str | Path, classes: Sequence[str], manifest_hash: str,
 
 def add_client(store: str | Path, client: str) -> None:
     """Make an imported client part of a store that keeps a client list (no-op otherwise)."""
+    add_clients(store, [client])
+
+
+def add_clients(store: str | Path, clients: Sequence[str]) -> None:
+    """Make imported clients part of a store that keeps a client list (no-op otherwise), in one
+    write of the root's metadata however many they are."""
     with dir_lock(store):
         root = _quiet_open(store, "r+", use_consolidated=False)
         listed = attr(root, "clients")
-        if listed is not None and client not in listed:
-            other = case_collision(client, listed)
+        if listed is None:
+            return
+        known, have = folded(listed), set(listed)
+        new = [c for c in dict.fromkeys(clients) if c not in have]
+        for c in new:
+            other = next((o for o in known.get(c.casefold(), ()) if o != c), None)
             if other is not None:
-                raise collides("client", client, other)
+                raise collides("client", c, other)
+        if new:
             _drop_consolidated(store, have_lock=True)
-            root.attrs["clients"] = [*listed, client]
+            root.attrs["clients"] = [*listed, *new]
 
 
 def store_root(store: str | Path) -> dict | None:
@@ -255,9 +267,11 @@ def check_feature_dim(store: str | Path, spec: ShardSpec) -> None:
                         f"shards already in the store (e.g. {others[0]}); use another name or store")
 
 
-def prepare_shard(store: str | Path, spec: ShardSpec) -> bool:
+def prepare_shard(store: str | Path, spec: ShardSpec, *, names_checked: bool = False) -> bool:
     """Create the shard for `spec` unless a matching one exists. Returns True when the shard
-    is already complete (a cache hit: nothing to compute, no image to touch)."""
+    is already complete (a cache hit: nothing to compute, no image to touch). `names_checked`:
+    the caller checked the backbone and client names of its whole batch (check_backbone_name,
+    check_client_names) just before, which per shard would list every client again."""
     if spec.dtype not in DTYPES:
         raise UserError(f"dtype {spec.dtype}: must be one of {', '.join(DTYPES)}")
     if spec.split not in SPLITS:
@@ -267,8 +281,9 @@ def prepare_shard(store: str | Path, spec: ShardSpec) -> bool:
                         f"(token_shape {list(spec.token_shape)}, dim {spec.feature_dim}, views {spec.views})")
     store = Path(store)
     bk = backbone_key(spec.backbone)
-    check_backbone_name(store, spec.backbone)
-    check_client_names(store, [spec.client])
+    if not names_checked:
+        check_backbone_name(store, spec.backbone)
+        check_client_names(store, [spec.client])
     client_dir = store / bk / spec.client
     with dir_lock(client_dir):
         root = _quiet_open(store, "r+", use_consolidated=False)
@@ -442,9 +457,9 @@ def finalize_shard(store: str | Path, spec: ShardSpec) -> None:
 
 
 def write_shard(store: str | Path, spec: ShardSpec, features: np.ndarray, views: np.ndarray | None = None,
-                mask: np.ndarray | None = None) -> None:
+                mask: np.ndarray | None = None, *, names_checked: bool = False) -> None:
     """Write a whole shard from in-memory arrays (used by `import`), chunk by chunk."""
-    if prepare_shard(store, spec):
+    if prepare_shard(store, spec, names_checked=names_checked):
         return  # the same features are already there, complete
     shard = open_shard(store, spec.backbone, spec.client, spec.split)
     for chunk in range(spec.n_chunks):
