@@ -415,9 +415,9 @@ def check_client_names(store: str | Path, clients: Sequence[str]) -> None:
         check_client_name(c)
     seen: dict[str, str] = {}  # folded -> name: one pass, however many clients
     for c in clients:
-        other = seen.setdefault(c.casefold(), c)
-        if other != c:
-            raise collides("client", c, other, where="")
+        first = seen.setdefault(c.casefold(), c)
+        if first != c:
+            raise collides("client", c, first, where="")
     on_disk = folded(disk_clients(store)) if (Path(store) / "zarr.json").exists() else {}
     for c in clients:
         other = next((o for o in on_disk.get(c.casefold(), ()) if o != c), None)
