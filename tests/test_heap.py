@@ -44,7 +44,10 @@ with heap.reusing_freed_blocks():
     with heap.reusing_freed_blocks():  # a nested block (a cell's training in a serial sweep)
         pass
     out.append(mapped_for_a_large_block())  # the outer block's policy holds
-out.append(mapped_for_a_large_block())
+# After the block: larger than the free chunks the two blocks above leave in the heap (128 MB if they
+# coalesce), which glibc hands out before it maps anything; with something allocated after them
+# (torch's threads, on a loaded machine) they stay there, and a 64 MB probe was served from them.
+out.append(mapped_for_a_large_block(256 << 20))
 print(json.dumps(out))
 """
 
@@ -62,7 +65,7 @@ def test_large_blocks_come_from_the_heap_inside_the_block_and_are_mapped_again_a
     before, inside, after_nested, after = json.loads(p.stdout.strip().splitlines()[-1])
     assert before >= 64 << 20
     assert inside == 0 and after_nested == 0
-    assert after >= 64 << 20
+    assert after >= 256 << 20
 
 
 @glibc
