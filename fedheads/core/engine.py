@@ -150,10 +150,7 @@ def select_participants(num_clients: int, fraction: float, seed: int, round_: in
     return torch.sort(torch.argsort(keys, stable=True)[:k]).values
 
 
-# per `predict` call of the vectorised engine: a float64 copy of the padded test features and one
-# float64 score per class for each of their rows (the scores dominate where classes outnumber the
-# feature dimensions: 1,203 classes of 1280-d features)
-EVAL_GROUP_BYTES = 64 << 20
+EVAL_GROUP_BYTES = 32 << 20  # padded test features per `predict` call of the vectorised engine
 
 
 BetweenBuckets = Callable[[], None]  # called after each size bucket's work (run's `between_buckets`)
@@ -190,10 +187,9 @@ def evaluate(algorithm: Algorithm, client_state: Any, server_state: Any, data: F
     """Per-client test accuracy [M] (cpu float64) for every rule `predict` returns, of the
     state `eval_client_state` gives (`adapt=False`: `client_state` is already that state).
 
-    The vectorised engine predicts for groups of clients whose padded test features and scores,
-    in float64, stay under EVAL_GROUP_BYTES (all at once for small federations): predict's
-    temporaries (float64 copies, normalised features, scores) then stay bounded at 1,000s of
-    clients and classes; bucketed data is
+    The vectorised engine predicts for groups of clients whose padded test features stay under
+    EVAL_GROUP_BYTES (all at once for small federations): predict's temporaries (float64 copies,
+    normalised features, scores) then stay bounded at 1,000s of clients; bucketed data is
     evaluated bucket by bucket, each in such groups (`between_buckets` called after each). The
     loop: one at a time.
     Groups are views of the data and of the client state (a copy of a bucket's rows of the
@@ -215,7 +211,7 @@ def evaluate(algorithm: Algorithm, client_state: Any, server_state: Any, data: F
 
 def _evaluate_padded(algorithm: Algorithm, client_state: Any, server_state: Any, data: FedData,
                      engine: str) -> dict[str, torch.Tensor]:
-    per_client = data.x_test.shape[1] * (data.dim + data.num_classes) * 8
+    per_client = data.x_test.shape[1] * data.dim * data.x_test.element_size()
     group = 1 if engine != "vectorized" else max(1, EVAL_GROUP_BYTES // max(per_client, 1))
     if group >= data.num_clients:
         scores = algorithm.predict(client_state, server_state, data.x_test, data.m_test)
