@@ -8,6 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from fed_tiny import few_rows, pooled
 from test_fed3r import federation
 
 from embedcache.errors import UserError
@@ -90,12 +91,6 @@ def _run(clients, C, engine="vectorized", rounds=1, fraction=1.0, **cfg):
     return run(create_algorithm("afl", **cfg), data, rounds, seed=0, engine=engine, fraction=fraction, progress=False)
 
 
-def _pooled(clients):
-    x = np.concatenate([c[0] for c in clients]).astype(np.float64)
-    y = np.concatenate([c[1] for c in clients])
-    return x, y
-
-
 # ---------------------------------------------------------------- tests
 @pytest.mark.parametrize("clean", [True, False])
 def test_equals_the_authors_code(clean):
@@ -110,7 +105,7 @@ def test_equals_the_authors_code(clean):
 
 def test_the_result_does_not_depend_on_the_partition_and_is_the_pooled_least_squares():
     clients, C = federation(seed=1, M=6, C=6, D=5)
-    x, y = _pooled(clients)
+    x, y = pooled(clients)
     onehot = np.eye(C)[y]
     ls = np.linalg.lstsq(x, onehot, rcond=None)[0]
     rng = np.random.default_rng(0)
@@ -132,16 +127,9 @@ def test_the_result_does_not_depend_on_the_partition_and_is_the_pooled_least_squ
 def test_fewer_rows_than_dimensions_is_solved_stably_and_said(caplog):
     """12 rows of 20-d features: the cleaned system is singular. The stable solve is the minimum-norm
     least squares (a note says so); the literal one inverts it as the authors' code does."""
-    rng = np.random.default_rng(4)
-    D, C = 20, 3
-    centres = rng.normal(size=(C, D)) * 3
-    clients = []
-    for _ in range(3):
-        y = rng.integers(0, C, 4)
-        yt = rng.integers(0, C, 30)
-        clients.append(((centres[y] + rng.normal(size=(4, D))).astype(np.float32), y,
-                        (centres[yt] + rng.normal(size=(30, D))).astype(np.float32), yt))
-    x, y = _pooled(clients)
+    C = 3
+    clients = few_rows(20, C, rows=4)
+    x, y = pooled(clients)
     stable = _run(clients, C)
     assert bool(stable.server_state.pinv)
     np.testing.assert_allclose(stable.server_state.weight.numpy(), np.linalg.pinv(x.T @ x) @ x.T @ np.eye(C)[y],

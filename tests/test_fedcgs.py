@@ -8,13 +8,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from fed_tiny import check_secure_form, few_rows, pooled
 from test_ghofl import gaussians_federation
 
 from embedcache.errors import UserError
 from fedheads.algorithms import create_algorithm
 from fedheads.algorithms.fedcgs import global_gaussian
 from fedheads.core import run
-from fedheads.core.protocol import HeadArch, RoundCtx
+from fedheads.core.protocol import HeadArch
 from fedheads.core.tree import tree_leaves
 from fedheads.run.load import from_arrays
 
@@ -79,10 +80,6 @@ def _predict(res, x, **cfg):
                                                       torch.ones(xs.shape[:2], dtype=torch.bool))
 
 
-def _pooled(clients):
-    return np.concatenate([c[0] for c in clients]).astype(np.float64), np.concatenate([c[1] for c in clients])
-
-
 # ---------------------------------------------------------------- tests
 @pytest.mark.filterwarnings("ignore:.*(x.T|copy construct).*:UserWarning")  # the transcription's torch idioms
 def test_equals_the_authors_code():
@@ -102,7 +99,7 @@ def test_equals_the_authors_code():
 
 def test_the_covariance_is_the_pooled_datas_whatever_the_partition():
     clients, C = gaussians_federation(seed=2, D=7)
-    x, y = _pooled(clients)
+    x, y = pooled(clients)
     cov = np.cov(x.T, ddof=1)
     means = np.stack([x[y == c].mean(0) for c in range(C)])
     want = np.linalg.solve(cov, means.T)
@@ -116,16 +113,9 @@ def test_the_covariance_is_the_pooled_datas_whatever_the_partition():
 def test_a_singular_covariance_is_solved_stably_and_said():
     """30 rows of 40-d features: S has rank 29. The stable solve is the minimum-norm one (a note
     says so); the literal one inverts S as the authors' code does."""
-    rng = np.random.default_rng(4)
-    D, C = 40, 3
-    centres = rng.normal(size=(C, D)) * 3
-    clients = []
-    for _ in range(3):
-        y = rng.integers(0, C, 10)
-        yt = rng.integers(0, C, 30)
-        clients.append(((centres[y] + rng.normal(size=(10, D))).astype(np.float32), y,
-                        (centres[yt] + rng.normal(size=(30, D))).astype(np.float32), yt))
-    x, y = _pooled(clients)
+    C = 3
+    clients = few_rows(40, C, rows=10)
+    x, y = pooled(clients)
     stable = _run(clients, C)
     assert bool(stable.server_state.pinv)
     means = np.stack([x[y == c].mean(0) for c in range(C)])
@@ -193,17 +183,7 @@ def test_the_secure_form_gives_the_plain_head_and_dp_stays_defined():
 
     clients, C = gaussians_federation(seed=9, M=4)
     data = from_arrays(clients, C)
-    alg = create_algorithm("fedcgs")
-    init = alg.init(data.spec(), seed=0)
-    ctx = RoundCtx(0, 0, torch.arange(4), 4)
-    _, msg = alg.client_update(init.client_state, init.broadcast, data, ctx)
-    plain, _ = alg.server_aggregate(init.server_state, msg, ctx)
-    form = alg.secure_form(msg)
-    rows = [form.sums(msg.client_rows(torch.tensor([i]))) for i in range(4)]
-    assert set(rows[0]) == set(alg.dp_sensitivity(1.0))
-    secure, _ = form.aggregate(init.server_state, None, {k: sum(r[k] for r in rows) for k in rows[0]}, ctx)
-    for ta, tb in zip(tree_leaves(secure), tree_leaves(plain)):
-        torch.testing.assert_close(ta, tb, rtol=1e-9, atol=1e-10)
+    plain = check_secure_form(create_algorithm("fedcgs"), data)
     tiny = run(Private(create_algorithm("fedcgs"), Mechanism(noise_multiplier=1e-9, clip=100.0, noise_seed=1)), data,
                1, seed=0, progress=False)
     torch.testing.assert_close(tiny.server_state.weight, plain.weight, rtol=1e-4, atol=1e-6)

@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from fed_tiny import check_secure_form
 
 from embedcache.errors import UserError
 from fedheads.algorithms import create_algorithm
@@ -20,7 +21,6 @@ from fedheads.algorithms import ghofl as G
 from fedheads.algorithms.ccvr import shuffled
 from fedheads.core import run
 from fedheads.core.federation import LayoutConfig, to_layout
-from fedheads.core.protocol import RoundCtx
 from fedheads.core.tree import tree_leaves
 from fedheads.run.load import from_arrays
 
@@ -615,19 +615,7 @@ def test_bytes_sent_are_the_classes_each_client_holds():
 
 def test_the_secure_form_gives_the_plain_heads():
     clients, C = gaussians_federation(seed=9, M=4)
-    data = from_arrays(clients, C)
-    alg = create_algorithm("ghofl", head="qda")
-    init = alg.init(data.spec(), seed=0)
-    ctx = RoundCtx(0, 0, torch.arange(4), 4)
-    _, msg = alg.client_update(init.client_state, init.broadcast, data, ctx)
-    plain, _ = alg.server_aggregate(init.server_state, msg, ctx)
-    form = alg.secure_form(msg)
-    rows = [form.sums(msg.client_rows(torch.tensor([i]))) for i in range(4)]
-    assert set(rows[0]) == set(alg.dp_sensitivity(1.0))
-    tot = {k: sum(r[k] for r in rows) for k in rows[0]}
-    secure, _ = form.aggregate(init.server_state, None, tot, ctx)
-    for ta, tb in zip(tree_leaves(secure), tree_leaves(plain)):
-        torch.testing.assert_close(ta, tb, rtol=1e-9, atol=1e-10)
+    check_secure_form(create_algorithm("ghofl", head="qda"), from_arrays(clients, C))
 
 
 def test_under_dp_the_heads_are_defined_and_close_under_vanishing_noise():
