@@ -106,11 +106,9 @@ class _Undo:
 def _precheck(store: Path, specs: list[st.ShardSpec], root: dict | None) -> None:
     """Everything the write would refuse, checked before the store is touched, for the whole
     import at once (names listed once, not once per shard)."""
-    if root is None:
-        if store.exists() and (not store.is_dir() or any(p.name != "zarr.json" for p in store.iterdir())):
-            raise UserError(f"{store}: directory is not empty and is not an embedcache store")
-        return
-    listed = folded(root.get("clients") or [])
+    if root is None and store.exists() and (not store.is_dir() or any(p.name != "zarr.json" for p in store.iterdir())):
+        raise UserError(f"{store}: directory is not empty and is not an embedcache store")
+    listed = folded((root or {}).get("clients") or [])
     for spec in specs:
         other = next((o for o in listed.get(spec.client.casefold(), ()) if o != spec.client), None)
         if other is not None:
@@ -261,7 +259,6 @@ def _write_all(store: Path, specs: list[st.ShardSpec], src: ImportSource, arrays
                 st.init_store(store, cls, manifest_hash, clients=new_clients if root is None else None,
                               source=f"import:{src.name}" if root is None else None)
                 st.add_clients(store, new_clients)  # one write of the root's client list
-                _precheck(store, specs, st.store_root(store))  # names against the store as it now is
             views = None if item.views is None else item.views.astype(np.float32)
             st.write_shard(store, spec, feats, views, item.mask, names_checked=True)
         st.consolidate(store)

@@ -182,11 +182,6 @@ def init_store(store: str | Path, classes: Sequence[str], manifest_hash: str,
             root.attrs["source"] = source
 
 
-def add_client(store: str | Path, client: str) -> None:
-    """Make an imported client part of a store that keeps a client list (no-op otherwise)."""
-    add_clients(store, [client])
-
-
 def add_clients(store: str | Path, clients: Sequence[str]) -> None:
     """Make imported clients part of a store that keeps a client list (no-op otherwise), in one
     write of the root's metadata however many they are."""
