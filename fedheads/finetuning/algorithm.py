@@ -151,13 +151,37 @@ class FineTune:
         self.server_opt = make_server_optimizer(cfg.server, cfg.server_lr, flavour=cfg.adam_flavour,
                                                 momentum=cfg.server_momentum)
 
+    personalised = False  # every client is evaluated with the global model
+
     def init(self, start: GlobalModel) -> FTServerState:
         """Server state from the starting model (pre-trained stages + the stage-1 head)."""
         return FTServerState(start, self.server_opt.init(start.params))
 
+    # What the driver asks of a fine-tuning algorithm besides the client and server steps; the
+    # adapter algorithms (fedheads.finetuning.adapters) override them.
+    def client_start(self, ss: Any, client: int) -> GlobalModel:
+        """The model client `client` starts its round from (and is evaluated with): the broadcast."""
+        return ss.model
+
+    eval_model = client_start
+
+    def client_keep(self, ss: Any, client: int, net: LiveNet) -> Any:
+        """State a client keeps after training (none for FT)."""
+        return ss
+
+    def down_size(self, ss: Any) -> tuple[int, int]:
+        """(values, bytes) broadcast to one client per round."""
+        from fedheads.core.tree import payload_size
+
+        return payload_size(ss.model, per_client=False)
+
+    @staticmethod
+    def load(net: LiveNet, model: GlobalModel) -> None:
+        net.load_trained_state({**model.params, **model.buffers})
+
     # ---------------------------------------------------------------- client
     def client_update(self, bc: GlobalModel, batches: Iterable[tuple[torch.Tensor, torch.Tensor]],
-                      n_train: int, ctx: RoundCtx, net: LiveNet) -> DeltaMessage:
+                      n_train: int, ctx: RoundCtx, net: LiveNet, client: int = -1) -> DeltaMessage:
         """E local epochs of client SGD from the broadcast `bc` on `batches` (the client's local
         steps of this round); returns theta_k - theta with weight n_k (client axis of 1).
         `net` is the one workspace network: its trainable state is overwritten."""
@@ -182,7 +206,7 @@ class FineTune:
                             torch.tensor([float(n_train)], dtype=torch.float64, device=dev))
 
     # ---------------------------------------------------------------- server
-    def sums_init(self, ss: FTServerState) -> DeltaSums:
+    def sums_init(self, ss: FTServerState, ctx: RoundCtx | None = None) -> DeltaSums:
         m = ss.model
         return DeltaSums({k: torch.zeros_like(v) for k, v in m.params.items()},
                          {k: torch.zeros_like(v) for k, v in m.buffers.items()},

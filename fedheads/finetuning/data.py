@@ -115,7 +115,10 @@ class ImageLoader:
         self.sampler = _Batches()
         self.loader = torch.utils.data.DataLoader(
             ds, batch_sampler=self.sampler, num_workers=num_workers, pin_memory=pin_memory,
-            persistent_workers=num_workers > 0, worker_init_fn=_one_thread if num_workers > 0 else None)
+            persistent_workers=num_workers > 0, worker_init_fn=_one_thread if num_workers > 0 else None,
+            # its own generator: starting an epoch draws a base seed, which from torch's global stream
+            # would shift the model's dropout draws, so live and cache-first runs would differ
+            generator=torch.Generator())
 
     def read(self, batches: list[list[tuple[int, int]]], device: torch.device) -> Iterator[torch.Tensor]:
         self.sampler.batches = batches

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -44,18 +44,25 @@ class FTRound(LiveRound):
     down_bytes: int = 0
     samples: int = 0  # training samples of the participants (N_s of FedNCM App. A, Eq. 5)
     accuracy: list[float] | None = None  # per client (NaN: no test sample), None if not evaluated
+    stats: dict[str, float] = field(default_factory=dict)  # the algorithm's round statistics (FedIT's aggregation gap)
 
 
 FTRun = LiveRun  # fine-tuning's run: rounds are FTRounds, state an FTServerState
 
 
 @torch.no_grad()
-def evaluate(net: LiveNet, model: GlobalModel, clients: Sequence[LiveClient], device: torch.device) -> list[float]:
-    """Accuracy of the global model on each client's test split (NaN for an empty split)."""
-    net.load_trained_state({**model.params, **model.buffers})
+def evaluate(net: LiveNet, model: GlobalModel | Callable[[int], GlobalModel], clients: Sequence[LiveClient],
+             device: torch.device, load: Callable[[LiveNet, GlobalModel], None] = FineTune.load) -> list[float]:
+    """Accuracy on each client's test split (NaN for an empty split) of the global model, or of
+    each client's own model `model(client index)` (personalised algorithms)."""
+    if not callable(model):
+        load(net, model)
     net.eval()
     out = []
     for c in clients:
+        if callable(model):
+            load(net, model(c.index))
+            net.eval()
         hit, n = 0, 0
         for x, y in c.test_batches(device):
             hit += int((net(x).argmax(-1) == y).sum())
@@ -80,17 +87,18 @@ def run_finetune(alg: FineTune, net: LiveNet, start: GlobalModel, clients: Seque
         part = select_participants(M, fraction, seed, r - 1)
         ctx = RoundCtx(round=r - 1, seed=seed, participants=part, num_clients=M)
         rec = FTRound(r, part.tolist())
-        bc = ss.model
-        down_v, down_b = payload_size(bc, per_client=False)
-        sums = alg.sums_init(ss)
+        down_v, down_b = alg.down_size(ss)
+        sums = alg.sums_init(ss, ctx)
         for i in rec.participants:
             cl = clients[i]
+            bc = alg.client_start(ss, cl.index)
             steps = -(-cl.n_train // alg.cfg.batch_size) * alg.cfg.local_epochs
             batches = tqdm(cl.train_batches(seed, r - 1, alg.cfg.batch_size, alg.cfg.local_epochs, device),
                            total=steps, desc=f"  {cl.name}", unit="batch", leave=False,
                            disable=None if progress else True)  # None: only on a terminal
             with seeded(_client_seed(seed, r - 1, cl.index)):  # dropout etc.: a function of (seed, round, client)
-                msg = alg.client_update(bc, batches, cl.n_train, ctx, net)
+                msg = alg.client_update(bc, batches, cl.n_train, ctx, net, client=cl.index)
+            ss = alg.client_keep(ss, cl.index, net)
             up_v, up_b = payload_size(msg, per_client=True)
             rec.up_values, rec.up_bytes = rec.up_values + up_v, rec.up_bytes + up_b
             rec.down_values, rec.down_bytes = rec.down_values + down_v, rec.down_bytes + down_b
@@ -98,10 +106,12 @@ def run_finetune(alg: FineTune, net: LiveNet, start: GlobalModel, clients: Seque
             sums = alg.sums_add(sums, msg)
             del msg
         ss, _ = alg.server_finalize(ss, sums, ctx)
+        rec.stats = {k: float(v) for k, v in getattr(ss, "stats", {}).items()}
         return ss, rec
 
     def evaluate_into(ss: FTServerState, rec: FTRound) -> dict[str, str]:
-        rec.accuracy = evaluate(net, ss.model, clients, device)
+        model = (lambda i: alg.eval_model(ss, i)) if alg.personalised else ss.model
+        rec.accuracy = evaluate(net, model, clients, device, alg.load)
         return {"acc": f"{100 * nanmean(rec.accuracy):.1f}"}
 
     return run_rounds(alg.init(start), rounds, train, evaluate_into, FTRound(0, []), device=device,
