@@ -22,9 +22,10 @@ HEADERS = {
     "comm_GB": "Total Comm. (GB)", "rsna_cls_1": "RSNA cls 1%", "rsna_cls_10": "RSNA cls 10%",
     "covid_cls_1": "Covid cls 1%", "covid_cls_10": "Covid cls 10%", "rsna_seg_1": "RSNA seg 1%",
     "rsna_seg_10": "RSNA seg 10%", "r1": "Rec.@1", "r5": "Rec.@5", "wst_r1": "Wst.@1", "wst_r5": "Wst.@5",
-    "disparity": "Disparity", "acc_pooled": "Acc (pooled test)",
+    "disparity": "Disparity", "acc_pooled": "Acc (pooled test)", "up_values": "Values sent up / client / round",
+    "round_s": "Seconds / round",
 }
-COUNTS = ("comm_params", "train_params", "fixed_params")  # printed as integers, no spread
+COUNTS = ("comm_params", "train_params", "fixed_params", "up_values")  # printed as integers, no spread
 SCIENTIFIC = ("compute_F", "comm_GB")
 
 
@@ -100,6 +101,11 @@ def values(agg: dict[str, Any] | None, records: Sequence[dict[str, Any]], metric
             key = "mean" if m == "r5" else "worst"
             v = _over_seeds([((r.get("retrieval") or {}).get("t2i_r5", {}).get(key) or {}).get("mean")
                              for r in done])
+        elif m == "up_values":  # measured: the values one client's message holds (fine-tuning stage)
+            n = (agg.get("communication") or {}).get("upload_params_per_client_per_round")
+            v = None if n is None else (float(n), 0.0)
+        elif m == "round_s":  # fine-tuning cells: wall seconds of a training round (client updates + aggregation)
+            v = _over_seeds([((r.get("stages") or [{}])[-1] or {}).get("seconds_per_round") for r in done])
         elif m == "acc_pooled":  # every client's test samples as one test set (a global test set for a global head)
             v = _over_seeds([_pooled(r["seed_result"]) for r in done])
         elif m in ("wst_r1", "disparity"):
