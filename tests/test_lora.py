@@ -338,3 +338,19 @@ def test_dp_noise_variance_over_many_draws():
     alg.privatise(rounds=10)
     draws = torch.cat([alg.noise_multiplier * 0.2 * gaussian((1000,), (0, r, 0, 0xD9A), "cpu") for r in range(50)])
     assert float(draws.var()) == pytest.approx((alg.noise_multiplier * 0.2) ** 2, rel=0.03)
+
+
+def test_cli_adapter_errors_are_one_line(setup, tmp_path):
+    import subprocess
+    import sys
+
+    import kill_helpers
+
+    root, _ = setup
+    base = [sys.executable, "-m", "fedheads.cli", "finetune", "--manifest", str(root / "manifest.json"), "--store",
+            str(root / "s.zarr"), "--backbone", "efficientnet-lite0", "--out", str(tmp_path / "x")]
+    for extra, needle in ((["--set", "adapter=dora"], "adapter 'dora'"), (["--set", "rank=0"], "rank 0"),
+                          (["--set", "ranks=4,x"], "ranks '4,x'")):
+        p = subprocess.run(base + extra, capture_output=True, text=True, env=kill_helpers.subprocess_env(), timeout=300)
+        assert p.returncode == 2 and p.stderr.strip().count("\n") == 0 and needle in p.stderr, p.stderr
+    assert not (tmp_path / "x").exists()
