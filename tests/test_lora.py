@@ -387,3 +387,36 @@ def test_kill_minus_9_then_resume_is_identical(setup, tmp_path):
     done = kill_helpers.run_script(script(tmp_path / "killed", True, 0.0), timeout=300)
     assert "DONE" in done.stdout, done.stderr[-2000:]
     assert live_doubles.digest(_final(tmp_path / "ref")) == live_doubles.digest(_final(tmp_path / "killed"))
+
+
+@pytest.mark.parametrize("adapter,lr", [("lora", 0.5), ("none", 0.2), ("flora", 0.5)])
+def test_predict_serves_a_finetuned_run_as_it_evaluated(setup, tmp_path, adapter, lr):
+    """`fedheads predict` on a fine-tuning run: the exported backbone (adapters merged) and the final
+    head classify each client's test split as the run's own last evaluation did (the adapted,
+    unmerged network on cached maps)."""
+    import numpy as np
+
+    import fedheads
+
+    root, m = setup
+    kw = {} if adapter != "none" else {"lora": AdapterConfig()}
+    res = finetune_run(root / "manifest.json", str(root / "s.zarr"), "tiny-staged", tmp_path / "r",
+                       _opts(adapter, rounds=4, ft=FTConfig(lr=lr, batch_size=4), **kw))
+    table = fedheads.predict(tmp_path / "r", manifest=root / "manifest.json", split="test", cache=str(tmp_path / "c"))
+    if adapter != "flora":  # (FLoRA's head says one class on these 27 images at every lr tried)
+        assert len(set(table["prediction"].tolist())) > 1  # a head that says one class everywhere proves little
+    for client in m.clients:
+        ids = {s.id for s in client.test}
+        rows = np.array([i in ids for i in table["sample_id"]])
+        assert rows.sum() == len(ids)
+        acc = 100.0 * float(np.mean(table["prediction"][rows] == table["label"][rows]))
+        assert acc == pytest.approx(res["per_client"][client.name]["mean"], abs=1e-6), client.name
+
+
+def test_predict_refuses_a_personalised_run(setup, tmp_path):
+    import fedheads
+
+    root, _ = setup
+    finetune_run(root / "manifest.json", str(root / "s.zarr"), "tiny-staged", tmp_path / "r", _opts("fedsa-lora", rounds=1))
+    with pytest.raises(UserError, match="keeps a model per client"):
+        fedheads.predict(tmp_path / "r", manifest=root / "manifest.json", split="test")

@@ -233,6 +233,7 @@ def _one_method(head: str, m: Any, store: str, bb: Any, backbone: str, trainable
     result["timing"].update(wall_seconds=time.perf_counter() - t_all, cpu_seconds=time.process_time() - c_all,
                             machine=machine(device))
     result["dataset"] = m.source  # plot titles (contract 6)
+    result["classes"] = list(m.classes)  # `fedheads predict` names its predictions with them
     config = {"manifest_hash": m.content_hash, "store": str(store), "backbone": backbone,
               "options": jsonable(opts), "run": run_cfg}
     rd.write_json("config.json", config)
