@@ -24,6 +24,7 @@ Usage: python benchmarks/bench_peft.py [--rounds 4] [--live-rounds 3] [--work DI
 from __future__ import annotations
 
 import json
+import os
 import resource
 import shutil
 import subprocess
@@ -91,7 +92,7 @@ def main(rounds: int, live_rounds: int, work: str | None, quick: bool, out_path:
         ex = _extract(m, store, [BACKBONE, f"{BACKBONE}@{CUT}"])
         if quick:
             rounds = live_rounds = 2
-        res: dict = {"backbone": BACKBONE, "cut": CUT, "extract_seconds": ex,
+        res: dict = {"load_average_at_start": os.getloadavg(), "backbone": BACKBONE, "cut": CUT, "extract_seconds": ex,
                      "cached_bytes": {n: _du(store / n) for n in (BACKBONE, f"{BACKBONE}@{CUT}")},
                      "flops": _train_flops(BACKBONE, [CUT]), "configs": {}}
         for name in CONFIGS:
@@ -115,6 +116,7 @@ def main(rounds: int, live_rounds: int, work: str | None, quick: bool, out_path:
             "flop_ceiling_lora": (whole - suffix + 2 * suffix) / (2 * suffix),
         }
         res["machine"] = machine("cpu")
+        res["load_average_at_end"] = os.getloadavg()
         res["rounds"], res["live_rounds"], res["quick"] = rounds, live_rounds, quick
         write_json(res, out_path)
         click.echo(json.dumps(res["cache_first_speedup"], indent=1))
