@@ -67,6 +67,9 @@ def curves(per_method: dict[str, list[dict[str, float]]], path: Path, title: str
     for ax in axes[1:]:
         if ax.lines:
             ax.set_xscale("log")
+            from matplotlib.ticker import NullFormatter
+
+            ax.xaxis.set_minor_formatter(NullFormatter())  # decades only: minor labels overlap on short ranges
     legend_outside(axes[2], source=axes[0])
     fig.suptitle(title, fontsize=10)
     return _save(fig, path)
