@@ -41,6 +41,7 @@ bench_startup              | --repeats 5                                       |
 bench_import               | --clients 1000,10000                              | --quick
 bench_backbone_speed       |                                                   | --quick --out @OUT/backbone_speed.json
 bench_finetune             |                                                   | --quick --out @OUT/finetune.json
+bench_peft                 | --work ~/bench-peft-work                          | --quick --out @OUT/peft.json
 bench_text_encoder         |                                                   | --quick --out @OUT/text_encoder.json
 bench_heap_policy          |                                                   | -
 bench_predict_images       |                                                   | --quick --out @OUT/predict_images.json

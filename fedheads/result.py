@@ -63,8 +63,8 @@ class Result(Mapping[str, Any]):
         state, every client's ("all"), or the global model (None). Or, for a run written to a run
         directory, any of fedheads.predict's inputs: store=, images=, manifest= (same options)."""
         from embedcache.errors import UserError
-        from fedheads.prediction.predict import predict_array
-        from fedheads.run.saved import open_run, trained_from
+        from fedheads.prediction.predict import open_trained, predict_array
+        from fedheads.run.saved import trained_from
 
         if "algorithms" in self._fields:
             raise UserError("Result.predict: a comparison; predict with one of res.algorithms[NAME]")
@@ -82,7 +82,7 @@ class Result(Mapping[str, Any]):
         if self.states and self.config is not None:
             tr = trained_from(self.config, self._fields, self.states, seed, device)
         elif self.run_dir is not None:
-            tr = open_run(self.run_dir, seed, device)
+            tr = open_trained(self.run_dir, seed, device)
         else:
             raise UserError("Result.predict: this result holds no trained states")
         return predict_array(tr, features, client=client, top_k=top_k)

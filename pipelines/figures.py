@@ -60,7 +60,8 @@ def curves(per_method: dict[str, list[dict[str, float]]], path: Path, title: str
             axes[1].plot(comm, acc, marker=marker, label=name, **style(i))
         if np.isfinite(comp).any():
             axes[2].plot(comp, acc, marker=marker, label=name, **style(i))
-    for ax, xl in zip(axes, ("round", "communication (GB; App. A Eq. 3-4, adapters: as sent)", "computation (F, App. A Eq. 5-6)")):
+    labels = ("round", "communication (GB; App. A Eq. 3-4, adapters: as sent)", "computation (F, App. A Eq. 5-6)")
+    for ax, xl in zip(axes, labels):
         ax.set_xlabel(xl)
         ax.set_ylabel("test accuracy (%)")
         ax.grid(alpha=0.3)

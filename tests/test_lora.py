@@ -420,3 +420,37 @@ def test_predict_refuses_a_personalised_run(setup, tmp_path):
     finetune_run(root / "manifest.json", str(root / "s.zarr"), "tiny-staged", tmp_path / "r", _opts("fedsa-lora", rounds=1))
     with pytest.raises(UserError, match="keeps a model per client"):
         fedheads.predict(tmp_path / "r", manifest=root / "manifest.json", split="test")
+
+
+# ---------------------------------------------------------------------------- default targets per family
+def test_default_targets_of_each_family():
+    """EfficientNet-Lite: the pointwise convolutions and conv_head after the cut; a timm ViT: qkv and
+    proj of its blocks; MiniLM (when installed): the attention's query, key, value and output."""
+    import timm
+
+    from embedcache.backbones import create_backbone
+    from fedheads.finetuning.lora import default_targets, find_targets
+
+    lite = create_backbone("efficientnet-lite0", device="cpu").trainable()
+    names = [n for n, _, _ in find_targets(lite, ("blocks.6", "features"), default_targets("efficientnet-lite0").patterns)]
+    assert names == ["blocks.6/0.conv_pw", "blocks.6/0.conv_pwl", "features/0"]
+
+    class Staged:  # the two stages find_targets reads, over a randomly initialised timm ViT
+        def __init__(self) -> None:
+            self.vit = timm.create_model("vit_tiny_patch16_224", pretrained=False)
+
+        def stage(self, name: str) -> nn.Module:
+            return self.vit.blocks[int(name.split(".")[1])]
+
+    fam = default_targets("timm:vit_tiny_patch16_224")
+    assert [n for n, _, _ in find_targets(Staged(), ("blocks.11",), fam.patterns)] == ["blocks.11/attn.qkv",
+                                                                                       "blocks.11/attn.proj"]
+    from embedcache.backbones.registry import list_backbones
+
+    row = {r.name: r for r in list_backbones()}.get("minilm-l6-v2")
+    if row is None or not row.available:
+        return  # the [vl] extra is not installed here: the other families are checked
+    text = create_backbone("minilm-l6-v2", device="cpu").trainable()
+    got = [n for n, _, _ in find_targets(text, ("layer.5",), default_targets("minilm-l6-v2").patterns)]
+    assert got == ["layer.5/attention.self.query", "layer.5/attention.self.key", "layer.5/attention.self.value",
+                   "layer.5/attention.output.dense"]

@@ -17,7 +17,7 @@ from embedcache.errors import UserError
 
 
 def is_finetune_run(results: dict[str, Any]) -> bool:
-    return "stages" in results and "figure1" in results
+    return "stages" in results and "figure1" in results  # contract 7's results.json (fedheads.run.saved refuses it)
 
 
 def trained_from_finetune(run_dir: Path, config: dict[str, Any], results: dict[str, Any], seed: int | None,

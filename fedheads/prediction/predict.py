@@ -174,7 +174,7 @@ def prepare(p: Predict) -> tuple[Trained, Any, list[Part], int]:
     split = split or "test"
     if split not in ("train", "test"):
         raise UserError(f"--split {split}: must be train or test")
-    tr = open_run(run, p.seed, p.device)
+    tr = open_trained(run, p.seed, p.device)
     k = capped_k(p.top_k, len(tr.classes))
     if store is not None:
         info = open_store(str(store))
@@ -195,6 +195,18 @@ def prepare(p: Predict) -> tuple[Trained, Any, list[Part], int]:
     info = open_store(opts.cache, quiet=True)
     check_store(tr, opts.cache, info)
     return tr, info, parts, k
+
+
+def open_trained(run: str | Path, seed: int | None, device: str) -> Trained:
+    """A `fedheads train` run's saved states, or a `fedheads finetune` run served as its exported
+    backbone and final linear head (fedheads.finetuning.served)."""
+    from fedheads.finetuning.served import is_finetune_run, trained_from_finetune
+    from fedheads.run.saved import read_json
+
+    results = read_json(Path(run) / "results.json")
+    if is_finetune_run(results):
+        return trained_from_finetune(Path(run), read_json(Path(run) / "config.json"), results, seed, device)
+    return open_run(run, seed, device)
 
 
 def run_predict(p: Predict) -> dict[str, np.ndarray] | PredictionSummary:

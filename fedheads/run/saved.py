@@ -103,10 +103,9 @@ def open_run(run_dir: str | Path, seed: int | None = None, device: str = "cpu") 
     results = read_json(run_dir / "results.json")
     if "algorithms" in results:
         raise UserError(f"{run_dir}: a comparison; predict with one of its runs ({', '.join(results['algorithms'])})")
-    from fedheads.finetuning.served import is_finetune_run, trained_from_finetune
-
-    if is_finetune_run(results):  # its exported backbone and final linear head
-        return trained_from_finetune(run_dir, read_json(run_dir / "config.json"), results, seed, device)
+    if "stages" in results and "figure1" in results:
+        raise UserError(f"{run_dir}: a `fedheads finetune` run; `fedheads predict` serves it (its exported backbone "
+                        "and final head), an algorithm's saved-run setting does not")
     return trained_from(read_json(run_dir / "config.json"), results, run_dir / "state", seed, device)
 
 
