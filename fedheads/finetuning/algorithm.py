@@ -185,22 +185,11 @@ class FineTune:
         """E local epochs of client SGD from the broadcast `bc` on `batches` (the client's local
         steps of this round); returns theta_k - theta with weight n_k (client axis of 1).
         `net` is the one workspace network: its trainable state is overwritten."""
-        cfg = self.cfg
+        dev = next(iter(bc.params.values())).device
         net.load_trained_state({**bc.params, **bc.buffers})
         net.train_mode()
-        params = net.trained_params()
-        opt = torch.optim.SGD(params, lr=cfg.client_lr(ctx.round), momentum=cfg.momentum, weight_decay=cfg.weight_decay)
-        mu = cfg.prox_mu if cfg.server == "fedprox" else 0.0
-        anchor = [p.detach().clone() for p in params] if mu else []
-        autocast, scaler = _amp(cfg.amp, next(iter(bc.params.values())).device)
-        for x, y in batches:
-            with autocast():
-                loss = F.cross_entropy(net(x), y)
-            if mu:  # FedProx, Li et al. 2020 Eq. 2
-                loss = loss + 0.5 * mu * sum(((p - a) ** 2).sum() for p, a in zip(params, anchor))
-            optimizer_step(opt, scaler, loss)
+        local_sgd(self.cfg, net, net.trained_params(), batches, ctx.round, dev)
         now = net.trained_state()
-        dev = next(iter(bc.params.values())).device
         return DeltaMessage({k: (now[k] - v).unsqueeze(0) for k, v in bc.params.items()},
                             {k: (now[k] - v).unsqueeze(0) for k, v in bc.buffers.items()},
                             torch.tensor([float(n_train)], dtype=torch.float64, device=dev))
@@ -239,6 +228,22 @@ class FineTune:
     def server_aggregate(self, ss: FTServerState, msg: DeltaMessage, ctx: RoundCtx) -> tuple[FTServerState, GlobalModel]:
         """The head engines' form: all participants' stacked messages at once."""
         return self.server_finalize(ss, self.sums_add(self.sums_init(ss), msg), ctx)
+
+
+def local_sgd(cfg: FTConfig, net: LiveNet, params: list[torch.nn.Parameter],
+              batches: Iterable[tuple[torch.Tensor, torch.Tensor]], round_: int, device: torch.device) -> None:
+    """The client's local steps on `params` (in place): SGD on the cross-entropy of `net`, plus
+    FedProx's mu/2 ||theta_k - theta||^2 (Li et al. 2020, Eq. 2) under server="fedprox"."""
+    opt = torch.optim.SGD(params, lr=cfg.client_lr(round_), momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+    mu = cfg.prox_mu if cfg.server == "fedprox" else 0.0
+    anchor = [p.detach().clone() for p in params] if mu else []
+    autocast, scaler = _amp(cfg.amp, device)
+    for x, y in batches:
+        with autocast():
+            loss = F.cross_entropy(net(x), y)
+        if mu:
+            loss = loss + 0.5 * mu * sum(((p - a) ** 2).sum() for p, a in zip(params, anchor))
+        optimizer_step(opt, scaler, loss)
 
 
 def _amp(mode: str, device: torch.device):

@@ -27,7 +27,6 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from embedcache.errors import UserError
 from fedheads.algorithms.pfl_common import DeltaMessage, GlobalModel
@@ -35,7 +34,7 @@ from fedheads.core import rng
 from fedheads.core.config import setting
 from fedheads.core.protocol import RoundCtx
 from fedheads.core.tree import payload_size
-from fedheads.finetuning.algorithm import FineTune, FTConfig, _amp, optimizer_step
+from fedheads.finetuning.algorithm import FineTune, FTConfig, local_sgd
 from fedheads.finetuning.lora import LoRALayer, attach_adapters
 from fedheads.finetuning.model import LiveNet, Params
 from fedheads.run.checks import check_finite
@@ -295,7 +294,6 @@ class AdapterFT(FineTune):
                       n_train: int, ctx: RoundCtx, net: LiveNet, client: int = -1) -> DeltaMessage:
         """E local epochs of client SGD on the trained factors and the head from `bc`; the message
         holds the change of the shared params only, weight n_k (client axis of 1)."""
-        cfg = self.cfg
         self.prepare(net, bc, ctx, client)
         net.train_mode()
         params = self.trained_params(net)
@@ -303,17 +301,7 @@ class AdapterFT(FineTune):
             layer.lora_A.requires_grad_("A" in self.trains)
             layer.lora_B.requires_grad_("B" in self.trains)
         net.head.requires_grad_(True)
-        opt = torch.optim.SGD(params, lr=cfg.client_lr(ctx.round), momentum=cfg.momentum, weight_decay=cfg.weight_decay)
-        mu = cfg.prox_mu if cfg.server == "fedprox" else 0.0
-        anchor = [p.detach().clone() for p in params] if mu else []
-        dev = net.head.weight.device
-        autocast, scaler = _amp(cfg.amp, dev)
-        for x, y in batches:
-            with autocast():
-                loss = F.cross_entropy(net(x), y)
-            if mu:  # FedProx, Li et al. 2020 Eq. 2
-                loss = loss + 0.5 * mu * sum(((p - a) ** 2).sum() for p, a in zip(params, anchor))
-            optimizer_step(opt, scaler, loss)
+        local_sgd(self.cfg, net, params, batches, ctx.round, net.head.weight.device)
         return self.message(bc, net, n_train)
 
     def message(self, bc: GlobalModel, net: LiveNet, n_train: int) -> DeltaMessage:
