@@ -24,7 +24,8 @@ whole. Paper scale adapts the whole backbone live (`trainable=all`, declared for
 
 from __future__ import annotations
 
-from pipelines.spec import BackboneSet, Claim, DataRecipe, Experiment, Layout, Method, Point, ScaleSpec
+from pipelines import exp_training_free
+from pipelines.spec import Claim, Experiment, Layout, Method, Point, ScaleSpec
 
 PAPERS = {"FFA-LoRA": "Sun, Li, Li & Ding, \"Improving LoRA in Privacy-preserving Federated Learning\", ICLR 2024",
           "FedSA-LoRA": "Guo et al., \"Selective Aggregation for Low-Rank Adaptation in Federated Learning\", ICLR 2025",
@@ -32,17 +33,8 @@ PAPERS = {"FFA-LoRA": "Sun, Li, Li & Ding, \"Improving LoRA in Privacy-preservin
                    "Adaptations\", NeurIPS 2024",
           "FedIT": "Zhang et al., \"Towards Building the Federated GPT: Federated Instruction Tuning\", ICASSP 2024"}
 
-LITE0 = BackboneSet("EfficientNet-Lite0 (ImageNet)", paper=("efficientnet-lite0",), standin=("efficientnet-lite0",),
-                    note="the real EfficientNet-Lite0 ImageNet weights (224 px, 1280-d): no stand-in needed")
-PARTITIONS = {
-    "Dirichlet 0.1, 100 clients": DataRecipe(
-        "office10", "label-shift", clients=100, alpha=0.1, train_fraction=0.8,
-        note="FedNCM Sec. 4: Dirichlet(0.1) over 100 clients, the four domains pooled; 80 % of each client's "
-             "samples for training, the rest its test set"),
-    "feature shift, 4 domains": DataRecipe(
-        "office10", "feature-shift", train_fraction=0.8,
-        note="one client per domain (Amazon, Caltech, DSLR, WebCam), 80 % of each domain for training"),
-}
+# the training-free experiment's backbone and partitions (the same manifests and stores)
+LITE0, PARTITIONS = exp_training_free.LITE0, exp_training_free.PARTITIONS
 CUT = "blocks.5"  # ci: blocks.6 and the features stage train (or carry the adapters) on the cached maps after it
 ROUNDS = 10
 EPSILON = 8.0  # client-level (epsilon, 1e-5)-DP over the run's rounds
