@@ -97,3 +97,34 @@ def make_staged_store(root):
     extract(m, ExtractConfig(backbones=("tiny-staged", "tiny-staged@stem"), store=str(root / "s.zarr"),
                              batch_size=64, progress=False, device="cpu"))
     return m
+
+
+_KILL_SCRIPT = """
+import live_doubles
+from fedheads.finetuning.adapters.base import AdapterConfig
+from fedheads.finetuning.algorithm import FTConfig
+from fedheads.finetuning.runner import FinetuneOptions, finetune_run
+opts = FinetuneOptions({options}, num_workers=0, progress=False, device="cpu", resume={resume})
+finetune_run({manifest!r}, {store!r}, "tiny-staged", {out!r}, opts)
+print("DONE", flush=True)
+"""
+
+
+def kill_after_round_2_then_resume(root, tmp_path, options: str):
+    """A 4-round `finetune_run` on make_staged_store(root) with FinetuneOptions(`options`, ...):
+    once uninterrupted (tmp_path/"ref"), once killed with -9 after round 2's checkpoint and resumed
+    (tmp_path/"killed"); returns the two run directories."""
+    import kill_helpers
+
+    def script(out, resume: bool, delay: float) -> str:
+        # killed in the sleep after round 2's checkpoint, before round 3
+        return kill_helpers.stop_after("fedheads.finetuning.rounds:Checkpoint", "a[1][-1].round", 2, delay) + \
+            _KILL_SCRIPT.format(options=options, manifest=str(root / "manifest.json"), store=str(root / "s.zarr"),
+                                out=str(out), resume=resume)
+
+    assert "DONE" in kill_helpers.run_script(script(tmp_path / "ref", False, 0.0), timeout=300).stdout
+    kill_helpers.kill_at(script(tmp_path / "killed", False, 30.0), "ROUND 2")
+    assert not (tmp_path / "killed" / "results.json").exists()
+    done = kill_helpers.run_script(script(tmp_path / "killed", True, 0.0), timeout=300)
+    assert "DONE" in done.stdout, done.stderr[-2000:]
+    return tmp_path / "ref", tmp_path / "killed"

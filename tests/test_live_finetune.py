@@ -209,32 +209,11 @@ def test_resume_continues_to_the_same_weights(setup, tmp_path):
     assert r1["timing"]["per_seed"][0]["resumed_from_round"] == 1
 
 
-_KILL_SCRIPT = """
-import live_doubles
-from fedheads.finetuning.algorithm import FTConfig
-from fedheads.finetuning.runner import FinetuneOptions, finetune_run
-opts = FinetuneOptions(rounds=4, ft=FTConfig(lr=0.05, batch_size=4), num_workers=0, progress=False,
-                       device="cpu", resume={resume})
-finetune_run({manifest!r}, {store!r}, "tiny-staged", {out!r}, opts)
-print("DONE", flush=True)
-"""
-
-
 def test_kill_minus_9_then_resume_is_identical(setup, tmp_path):
     root, _ = setup
-
-    def script(out: Path, resume: bool, delay: float) -> str:
-        # killed in the sleep after round 2's checkpoint, before round 3
-        return kill_helpers.stop_after("fedheads.finetuning.rounds:Checkpoint", "a[1][-1].round", 2, delay) + \
-            _KILL_SCRIPT.format(manifest=str(root / "manifest.json"), store=str(root / "s.zarr"), out=str(out),
-                                resume=resume)
-
-    assert "DONE" in kill_helpers.run_script(script(tmp_path / "ref", False, 0.0), timeout=300).stdout
-    kill_helpers.kill_at(script(tmp_path / "killed", False, 30.0), "ROUND 2")
-    assert not (tmp_path / "killed" / "results.json").exists()
-    done = kill_helpers.run_script(script(tmp_path / "killed", True, 0.0), timeout=300)
-    assert "DONE" in done.stdout, done.stderr[-2000:]
-    assert live_doubles.digest(_final_state(tmp_path / "ref")) == live_doubles.digest(_final_state(tmp_path / "killed"))
+    ref, killed = live_doubles.kill_after_round_2_then_resume(
+        root, tmp_path, "rounds=4, ft=FTConfig(lr=0.05, batch_size=4)")
+    assert live_doubles.digest(_final_state(ref)) == live_doubles.digest(_final_state(killed))
 
 
 def test_bad_input_is_one_line(setup, tmp_path):

@@ -356,37 +356,13 @@ def test_cli_adapter_errors_are_one_line(setup, tmp_path):
     assert not (tmp_path / "x").exists()
 
 
-_KILL_SCRIPT = """
-import live_doubles
-from fedheads.finetuning.adapters.base import AdapterConfig
-from fedheads.finetuning.algorithm import FTConfig
-from fedheads.finetuning.runner import FinetuneOptions, finetune_run
-opts = FinetuneOptions(rounds=4, ft=FTConfig(lr=0.1, batch_size=4), num_workers=0, progress=False, device="cpu",
-                       trainable="after:stem", adapter="fedsa-lora", augment=False,
-                       lora=AdapterConfig(rank=2, target_modules="block/0"), resume={resume})
-finetune_run({manifest!r}, {store!r}, "tiny-staged", {out!r}, opts)
-print("DONE", flush=True)
-"""
-
-
 def test_kill_minus_9_then_resume_is_identical(setup, tmp_path):
     """FedSA-LoRA: the clients' own B and heads are in the checkpoint too."""
-    import kill_helpers
-
     root, _ = setup
-
-    def script(out: Path, resume: bool, delay: float) -> str:
-        # killed in the sleep after round 2's checkpoint, before round 3
-        return kill_helpers.stop_after("fedheads.finetuning.rounds:Checkpoint", "a[1][-1].round", 2, delay) + \
-            _KILL_SCRIPT.format(manifest=str(root / "manifest.json"), store=str(root / "s.zarr"), out=str(out),
-                                resume=resume)
-
-    assert "DONE" in kill_helpers.run_script(script(tmp_path / "ref", False, 0.0), timeout=300).stdout
-    kill_helpers.kill_at(script(tmp_path / "killed", False, 30.0), "ROUND 2")
-    assert not (tmp_path / "killed" / "results.json").exists()
-    done = kill_helpers.run_script(script(tmp_path / "killed", True, 0.0), timeout=300)
-    assert "DONE" in done.stdout, done.stderr[-2000:]
-    assert live_doubles.digest(_final(tmp_path / "ref")) == live_doubles.digest(_final(tmp_path / "killed"))
+    ref, killed = live_doubles.kill_after_round_2_then_resume(
+        root, tmp_path, 'rounds=4, ft=FTConfig(lr=0.1, batch_size=4), trainable="after:stem", adapter="fedsa-lora", '
+        'augment=False, lora=AdapterConfig(rank=2, target_modules="block/0")')
+    assert live_doubles.digest(_final(ref)) == live_doubles.digest(_final(killed))
 
 
 @pytest.mark.parametrize("adapter,lr", [("lora", 0.5), ("none", 0.2), ("flora", 0.5)])
